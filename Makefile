@@ -1,0 +1,25 @@
+# The two commands that matter: `make run` and `make test`. See README.md.
+CARGO ?= cargo
+EXAMPLE_LIMITS ?= examples/envoy/limits
+
+.PHONY: run test lint deps build bench
+
+## Build and start ratelimitd on the embedded memory backend with the example limits.
+run:
+	$(CARGO) run --release -- --config $(EXAMPLE_LIMITS) --log-level info
+
+## The whole suite: installs what the tests need, then lint and every test.
+test: deps lint
+	RATELIMITD_REQUIRE_FIXTURES=$${RATELIMITD_REQUIRE_FIXTURES-} $(CARGO) test --all-targets
+
+## fmt --check and clippy with warnings as errors.
+lint:
+	$(CARGO) fmt --check
+	$(CARGO) clippy --all-targets -- -D warnings
+
+## Tools the tests use (redis-server arrives with the Redis backend's tests).
+deps:
+	@./scripts/deps.sh
+
+build:
+	$(CARGO) build --release

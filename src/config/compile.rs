@@ -1,0 +1,338 @@
+//! From YAML text to a validated [`Domain`]: every rule envoyproxy/ratelimit enforces, plus
+//! checks for our extensions. Each error names the file, line and field.
+
+use std::collections::HashMap;
+use std::collections::hash_map::Entry;
+use std::path::Path;
+use std::sync::Arc;
+
+use serde_saphyr::{Location, Spanned};
+
+use super::schema::{RawDescriptor, RawFile, RawLimit};
+use super::{ConfigError, Domain, KeyNodes, Level, LimitRule, Node, Policy, Unit, Wildcard};
+use crate::limiter::Algorithm;
+
+/// Largest `unit_multiplier`: keeps every window (up to 10 000 years) within u64 microseconds.
+pub const MAX_UNIT_MULTIPLIER: u64 = 10_000;
+
+/// Parses and validates one config file.
+pub fn compile_file(file: &Path, text: &str) -> Result<Domain, ConfigError> {
+    let raw: RawFile =
+        serde_saphyr::from_str(text).map_err(|e| ConfigError::from_yaml(file, &e))?;
+    let c = Compiler { file };
+    let (domain, line) = match raw.domain {
+        Some(d) if !d.value.is_empty() => (d.value, d.referenced.line()),
+        other => {
+            return Err(c.err(
+                other.as_ref().map(|d| &d.referenced),
+                "domain",
+                "config file cannot have an empty domain",
+            ));
+        }
+    };
+    let root = c.level(raw.descriptors.unwrap_or_default(), "descriptors", "")?;
+    Ok(Domain {
+        name: Arc::new(domain),
+        root,
+        file: file.to_owned(),
+        line,
+    })
+}
+
+struct Compiler<'a> {
+    file: &'a Path,
+}
+
+fn loc(l: &Location) -> Option<(u64, u64)> {
+    (l.line() > 0).then(|| (l.line(), l.column()))
+}
+
+impl Compiler<'_> {
+    fn err(&self, at: Option<&Location>, field: &str, message: impl Into<String>) -> ConfigError {
+        ConfigError::at(self.file, at.and_then(loc), field, message)
+    }
+
+    fn level(
+        &self,
+        descriptors: Vec<Spanned<RawDescriptor>>,
+        field: &str,
+        parent_path: &str,
+    ) -> Result<Level, ConfigError> {
+        let mut level = Level::default();
+        // (key, value) → line of first definition, to name both places on a duplicate.
+        let mut seen: HashMap<(String, Option<String>), u64> = HashMap::new();
+        for (i, raw) in descriptors.into_iter().enumerate() {
+            let field = format!("{field}[{i}]");
+            let at = raw.referenced;
+            let node = self.node(raw.value, &field, at, parent_path)?;
+            match seen.entry((node.key.clone(), node.value.clone())) {
+                Entry::Occupied(first) => {
+                    let shown = match &node.value {
+                        Some(v) => format!("key '{}' value '{v}'", node.key),
+                        None => format!("key '{}'", node.key),
+                    };
+                    return Err(self.err(
+                        Some(&at),
+                        &field,
+                        format!(
+                            "duplicate descriptor {shown} (first defined at line {})",
+                            first.get()
+                        ),
+                    ));
+                }
+                Entry::Vacant(slot) => {
+                    slot.insert(at.line());
+                }
+            }
+            let nodes: &mut KeyNodes = level.keys.entry(node.key.clone()).or_default();
+            match node.value.clone() {
+                None => nodes.any = Some(Box::new(node)),
+                Some(v) if node.is_wildcard() => nodes.wildcards.push((Wildcard::new(&v), node)),
+                Some(v) => {
+                    nodes.exact.insert(v, node);
+                }
+            }
+        }
+        Ok(level)
+    }
+
+    fn node(
+        &self,
+        raw: RawDescriptor,
+        field: &str,
+        at: Location,
+        parent_path: &str,
+    ) -> Result<Node, ConfigError> {
+        let key = match raw.key {
+            Some(k) if !k.value.is_empty() => k.value,
+            other => {
+                let at = other.as_ref().map_or(at, |k| k.referenced);
+                return Err(self.err(
+                    Some(&at),
+                    &format!("{field}.key"),
+                    "descriptor has an empty key",
+                ));
+            }
+        };
+        let value = raw.value.map(|v| v.value);
+        let segment = match &value {
+            Some(v) => format!("{key}_{v}"),
+            None => key.clone(),
+        };
+        let path = if parent_path.is_empty() {
+            segment
+        } else {
+            format!("{parent_path}.{segment}")
+        };
+
+        let share_threshold = raw.share_threshold.unwrap_or(false);
+        if share_threshold && !value.as_deref().is_some_and(|v| v.contains('*')) {
+            return Err(self.err(
+                Some(&at),
+                &format!("{field}.share_threshold"),
+                "share_threshold needs a wildcard value (one containing '*')",
+            ));
+        }
+        if let Some(m) = &raw.metadata
+            && !m.is_object()
+        {
+            return Err(self.err(
+                Some(&at),
+                &format!("{field}.metadata"),
+                "metadata must be a mapping",
+            ));
+        }
+
+        let policy = match (raw.rate_limit, raw.rate_limits) {
+            (Some(_), Some(list)) => {
+                return Err(self.err(
+                    Some(&list.referenced),
+                    &format!("{field}.rate_limits"),
+                    "use either rate_limit or rate_limits, not both",
+                ));
+            }
+            (Some(one), None) => Some(self.policy(
+                one.value,
+                one.referenced,
+                &format!("{field}.rate_limit"),
+                false,
+            )?),
+            (None, Some(list)) => {
+                let list_field = format!("{field}.rate_limits");
+                if list.value.is_empty() {
+                    return Err(self.err(
+                        Some(&list.referenced),
+                        &list_field,
+                        "rate_limits is empty",
+                    ));
+                }
+                let mut limits = Vec::with_capacity(list.value.len());
+                for (j, item) in list.value.into_iter().enumerate() {
+                    match self.policy(
+                        item.value,
+                        item.referenced,
+                        &format!("{list_field}[{j}]"),
+                        true,
+                    )? {
+                        Policy::Limits(mut l) => limits.append(&mut l),
+                        Policy::Unlimited => unreachable!("refused inside rate_limits"),
+                    }
+                }
+                Some(Policy::Limits(limits))
+            }
+            (None, None) => None,
+        };
+
+        let children = self.level(
+            raw.descriptors.unwrap_or_default(),
+            &format!("{field}.descriptors"),
+            &path,
+        )?;
+        Ok(Node {
+            key,
+            value,
+            policy,
+            shadow_mode: raw.shadow_mode.unwrap_or(false),
+            detailed_metric: raw.detailed_metric.unwrap_or(false),
+            share_threshold,
+            value_to_metric: raw.value_to_metric.unwrap_or(false),
+            quota_mode: raw.quota_mode.unwrap_or(false),
+            metadata: raw.metadata,
+            children,
+            path: Arc::new(path),
+            line: at.line(),
+        })
+    }
+
+    fn policy(
+        &self,
+        raw: RawLimit,
+        at: Location,
+        field: &str,
+        in_list: bool,
+    ) -> Result<Policy, ConfigError> {
+        let sub = |name: &str| format!("{field}.{name}");
+        if let Some(unlimited) = &raw.unlimited
+            && unlimited.value
+        {
+            if in_list {
+                return Err(self.err(
+                    Some(&unlimited.referenced),
+                    &sub("unlimited"),
+                    "unlimited is not allowed inside rate_limits; use rate_limit: {unlimited: true}",
+                ));
+            }
+            if let Some(unit) = &raw.unit {
+                return Err(self.err(
+                    Some(&unit.referenced),
+                    &sub("unit"),
+                    "should not specify a rate limit unit when unlimited",
+                ));
+            }
+            let extension = [
+                ("algorithm", raw.algorithm.as_ref().map(|s| s.referenced)),
+                ("burst", raw.burst.as_ref().map(|s| s.referenced)),
+                (
+                    "unit_multiplier",
+                    raw.unit_multiplier.as_ref().map(|s| s.referenced),
+                ),
+            ];
+            if let Some((name, Some(at))) = extension.into_iter().find(|(_, at)| at.is_some()) {
+                return Err(self.err(Some(&at), &sub(name), "has no meaning when unlimited"));
+            }
+            return Ok(Policy::Unlimited);
+        }
+
+        let unit = match &raw.unit {
+            None => return Err(self.err(Some(&at), &sub("unit"), "a rate limit needs a unit (second, minute, hour, day, week, month or year)")),
+            Some(u) => Unit::parse(&u.value).ok_or_else(|| {
+                self.err(
+                    Some(&u.referenced),
+                    &sub("unit"),
+                    format!("invalid rate limit unit '{}' (expected second, minute, hour, day, week, month or year)", u.value),
+                )
+            })?,
+        };
+        // A missing requests_per_unit is 0 (blocks everything), as in envoyproxy/ratelimit.
+        let requests_per_unit = raw.requests_per_unit.as_ref().map_or(0, |r| r.value);
+        if requests_per_unit > u32::MAX as u64 {
+            let at = raw.requests_per_unit.as_ref().map(|r| r.referenced);
+            return Err(self.err(
+                at.as_ref(),
+                &sub("requests_per_unit"),
+                format!("{requests_per_unit} is larger than {}", u32::MAX),
+            ));
+        }
+        let algorithm = match &raw.algorithm {
+            None => Algorithm::default(),
+            Some(a) => Algorithm::parse(&a.value).ok_or_else(|| {
+                self.err(
+                    Some(&a.referenced),
+                    &sub("algorithm"),
+                    format!("unknown algorithm '{}' (expected fixed_window, sliding_window, sliding_log or token_bucket)", a.value),
+                )
+            })?,
+        };
+        let burst = match &raw.burst {
+            None => requests_per_unit,
+            Some(b) if algorithm != Algorithm::TokenBucket => {
+                return Err(self.err(
+                    Some(&b.referenced),
+                    &sub("burst"),
+                    "burst applies only to algorithm: token_bucket",
+                ));
+            }
+            Some(b) if b.value == 0 || b.value > u32::MAX as u64 => {
+                return Err(self.err(
+                    Some(&b.referenced),
+                    &sub("burst"),
+                    format!("burst must be between 1 and {}", u32::MAX),
+                ));
+            }
+            Some(b) => b.value,
+        };
+        let unit_multiplier = match &raw.unit_multiplier {
+            None => 1,
+            Some(m) if m.value == 0 || m.value > MAX_UNIT_MULTIPLIER => {
+                return Err(self.err(
+                    Some(&m.referenced),
+                    &sub("unit_multiplier"),
+                    format!("unit_multiplier must be between 1 and {MAX_UNIT_MULTIPLIER}"),
+                ));
+            }
+            Some(m) => m.value,
+        };
+        let name = raw.name.map(|n| Arc::<str>::from(n.value));
+        let mut replaces = Vec::new();
+        for (k, r) in raw.replaces.unwrap_or_default().into_iter().enumerate() {
+            let field = format!("{field}.replaces[{k}].name");
+            let replaced = match r.value.name {
+                Some(n) if !n.value.is_empty() => n.value,
+                _ => {
+                    return Err(self.err(
+                        Some(&r.referenced),
+                        &field,
+                        "replaces needs a non-empty name",
+                    ));
+                }
+            };
+            if name.as_deref() == Some(replaced.as_str()) {
+                return Err(self.err(
+                    Some(&r.referenced),
+                    &field,
+                    format!("limit '{replaced}' replaces itself"),
+                ));
+            }
+            replaces.push(Arc::from(replaced));
+        }
+        Ok(Policy::Limits(vec![LimitRule {
+            name,
+            replaces,
+            unit,
+            unit_multiplier,
+            requests_per_unit,
+            algorithm,
+            burst,
+        }]))
+    }
+}

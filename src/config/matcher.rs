@@ -1,0 +1,111 @@
+//! Descriptor matching: walks a domain's tree one entry at a time and, when the last entry
+//! lands on a node with a policy, returns that node with the counter key and metric label.
+//!
+//! Per level: exact value first, then wildcard values in file order, then the value-less key.
+//! More or fewer entries than the tree's depth at that point means no limit.
+
+use std::borrow::Cow;
+use std::sync::Arc;
+
+use super::{Domain, Node};
+
+/// A descriptor that landed on a node with a policy.
+#[derive(Debug)]
+pub struct Matched<'s> {
+    /// The node (its `policy` is set).
+    pub node: &'s Node,
+    /// Injective encoding of the domain and each entry's key and counted value; the caller
+    /// appends the limit's identity. A wildcard with `share_threshold` counts under its pattern,
+    /// every other node under the request's value.
+    pub key: Vec<u8>,
+    /// The metric `rule` label: the config path, with request values only where the config asks
+    /// for them (`detailed_metric`, `value_to_metric`), so clients cannot explode cardinality.
+    pub rule: Arc<String>,
+}
+
+fn push_component(buf: &mut Vec<u8>, bytes: &[u8]) {
+    buf.extend_from_slice(&(bytes.len() as u32).to_be_bytes());
+    buf.extend_from_slice(bytes);
+}
+
+/// The counter key of `entries` as given, for descriptors that carry their own limit.
+/// Length-prefixed, so no choice of bytes in keys or values can collide with another key.
+pub fn entry_key<'a>(
+    domain: &str,
+    entries: impl IntoIterator<Item = (&'a str, &'a str)>,
+) -> Vec<u8> {
+    let mut key = Vec::with_capacity(64);
+    push_component(&mut key, domain.as_bytes());
+    for (k, v) in entries {
+        push_component(&mut key, k.as_bytes());
+        push_component(&mut key, v.as_bytes());
+    }
+    key
+}
+
+impl Domain {
+    /// Resolves a descriptor's entries to the node whose policy applies, if any.
+    pub fn resolve<'s>(&'s self, entries: &[(&str, &str)]) -> Option<Matched<'s>> {
+        let mut level = &self.root;
+        let mut path: Vec<&'s Node> = Vec::with_capacity(entries.len());
+        for &(key, value) in entries {
+            let nodes = level.keys.get(key)?;
+            let node = nodes
+                .exact
+                .get(value)
+                .or_else(|| {
+                    nodes
+                        .wildcards
+                        .iter()
+                        .find(|(pattern, _)| pattern.matches(value))
+                        .map(|(_, node)| node)
+                })
+                .or(nodes.any.as_deref())?;
+            path.push(node);
+            level = &node.children;
+        }
+        let leaf = *path.last()?;
+        leaf.policy.as_ref()?;
+
+        let key = entry_key(
+            &self.name,
+            path.iter().zip(entries).map(|(node, &(k, v))| {
+                let counted = match &node.value {
+                    Some(pattern) if node.share_threshold => pattern.as_str(),
+                    _ => v,
+                };
+                (k, counted)
+            }),
+        );
+
+        let with_values = leaf.detailed_metric || path.iter().any(|n| n.value_to_metric);
+        let rule = if !with_values {
+            leaf.path.clone()
+        } else {
+            let mut label = String::new();
+            for (node, &(k, v)) in path.iter().zip(entries) {
+                if !label.is_empty() {
+                    label.push('.');
+                }
+                let shown: Option<Cow<'_, str>> = if node.share_threshold {
+                    node.value.as_deref().map(Cow::Borrowed)
+                } else if leaf.detailed_metric || node.value_to_metric {
+                    Some(Cow::Borrowed(v))
+                } else {
+                    node.value.as_deref().map(Cow::Borrowed)
+                };
+                label.push_str(k);
+                if let Some(shown) = shown {
+                    label.push('_');
+                    label.push_str(&shown);
+                }
+            }
+            Arc::new(label)
+        };
+        Some(Matched {
+            node: leaf,
+            key,
+            rule,
+        })
+    }
+}

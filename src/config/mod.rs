@@ -1,0 +1,339 @@
+//! Rate-limit configuration: envoyproxy/ratelimit's YAML files, parsed once into an immutable
+//! [`Snapshot`] of per-domain rule trees, and matched against request descriptors.
+//!
+//! A snapshot is built all-or-nothing: one bad file fails the whole load, and the previous
+//! snapshot (if any) stays in force. Nothing here knows about gRPC.
+
+mod compile;
+mod error;
+mod load;
+mod matcher;
+mod schema;
+pub mod watch;
+
+#[cfg(test)]
+mod tests;
+
+use std::collections::HashMap;
+use std::fmt::{self, Write as _};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use crate::limiter::{Algorithm, Limit};
+
+pub use compile::compile_file;
+pub use error::ConfigError;
+pub use load::{LoadedConfig, load_paths};
+pub use matcher::{Matched, entry_key};
+
+/// A time unit of a limit. Month is 30 days and year 365 days, as in envoyproxy/ratelimit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Unit {
+    Second,
+    Minute,
+    Hour,
+    Day,
+    Week,
+    Month,
+    Year,
+}
+
+impl Unit {
+    /// Every unit, shortest first.
+    pub const ALL: [Unit; 7] = [
+        Unit::Second,
+        Unit::Minute,
+        Unit::Hour,
+        Unit::Day,
+        Unit::Week,
+        Unit::Month,
+        Unit::Year,
+    ];
+
+    /// Length in seconds.
+    pub fn seconds(self) -> u64 {
+        match self {
+            Unit::Second => 1,
+            Unit::Minute => 60,
+            Unit::Hour => 3_600,
+            Unit::Day => 86_400,
+            Unit::Week => 7 * 86_400,
+            Unit::Month => 30 * 86_400,
+            Unit::Year => 365 * 86_400,
+        }
+    }
+
+    /// The upper-case name used by the protocol and by `/rlconfig`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Unit::Second => "SECOND",
+            Unit::Minute => "MINUTE",
+            Unit::Hour => "HOUR",
+            Unit::Day => "DAY",
+            Unit::Week => "WEEK",
+            Unit::Month => "MONTH",
+            Unit::Year => "YEAR",
+        }
+    }
+
+    /// Parses a unit name, case-insensitively.
+    pub fn parse(name: &str) -> Option<Unit> {
+        Unit::ALL
+            .into_iter()
+            .find(|u| u.as_str().eq_ignore_ascii_case(name))
+    }
+}
+
+impl fmt::Display for Unit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// One limit of a rule, validated.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LimitRule {
+    /// `rate_limit.name`, used by `replaces` and reported in `current_limit.name`.
+    pub name: Option<Arc<str>>,
+    /// Names of the limits this one switches off when both apply to a request.
+    pub replaces: Vec<Arc<str>>,
+    /// The unit as written (reported to Envoy).
+    pub unit: Unit,
+    /// Window = unit × multiplier.
+    pub unit_multiplier: u64,
+    /// Hits per window; 0 blocks everything. Fits in u32 (the protocol's width).
+    pub requests_per_unit: u64,
+    /// How hits are counted.
+    pub algorithm: Algorithm,
+    /// Token-bucket capacity (equals `requests_per_unit` unless configured).
+    pub burst: u64,
+}
+
+impl LimitRule {
+    /// The limit as the backend applies it.
+    pub fn limit(&self) -> Limit {
+        Limit {
+            algorithm: self.algorithm,
+            requests_per_unit: self.requests_per_unit,
+            window_us: self.window_seconds() * 1_000_000,
+            burst: self.burst,
+        }
+    }
+
+    /// Window length in seconds.
+    pub fn window_seconds(&self) -> u64 {
+        self.unit.seconds() * self.unit_multiplier
+    }
+}
+
+/// What a descriptor node does when a request's last entry lands on it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Policy {
+    /// `unlimited: true`: matched, never limited, not counted.
+    Unlimited,
+    /// One or more limits, all applied (`rate_limit` or the `rate_limits` extension).
+    Limits(Vec<LimitRule>),
+}
+
+/// A node of a domain's descriptor tree.
+#[derive(Debug)]
+pub struct Node {
+    /// The descriptor key.
+    pub key: String,
+    /// The configured value: exact, a wildcard pattern, or none (any value).
+    pub value: Option<String>,
+    /// The limit applied when a descriptor ends here.
+    pub policy: Option<Policy>,
+    /// Counted and reported, never rejects.
+    pub shadow_mode: bool,
+    /// Metric labels carry the request's values (every entry's).
+    pub detailed_metric: bool,
+    /// Every value matching this wildcard shares one counter.
+    pub share_threshold: bool,
+    /// The metric label carries this entry's request value.
+    pub value_to_metric: bool,
+    /// Soft limit: fails the request only when all of its quota descriptors are over.
+    pub quota_mode: bool,
+    /// Arbitrary user data (accepted; later returned as dynamic metadata).
+    pub metadata: Option<serde_json::Value>,
+    /// Nested descriptors.
+    pub children: Level,
+    /// The rule's config path for metrics and `/rlconfig`, e.g. `key1_value1.subkey1`.
+    pub path: Arc<String>,
+    /// Line of the node in its file.
+    pub line: u64,
+}
+
+impl Node {
+    fn is_wildcard(&self) -> bool {
+        self.value.as_deref().is_some_and(|v| v.contains('*'))
+    }
+}
+
+/// The nodes of one tree level, indexed for matching.
+#[derive(Debug, Default)]
+pub struct Level {
+    keys: HashMap<String, KeyNodes>,
+}
+
+/// All nodes of one level that share a key, in matching order.
+#[derive(Debug, Default)]
+struct KeyNodes {
+    exact: HashMap<String, Node>,
+    /// Wildcard patterns in file order.
+    wildcards: Vec<(Wildcard, Node)>,
+    any: Option<Box<Node>>,
+}
+
+/// A value pattern where `*` matches any run of characters (including none).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Wildcard {
+    parts: Vec<String>,
+}
+
+impl Wildcard {
+    /// Compiles a pattern containing at least one `*`.
+    pub fn new(pattern: &str) -> Wildcard {
+        Wildcard {
+            parts: pattern.split('*').map(str::to_owned).collect(),
+        }
+    }
+
+    /// Whether `value` matches the whole pattern.
+    pub fn matches(&self, value: &str) -> bool {
+        let (first, rest) = self.parts.split_first().expect("split yields one part");
+        let Some(mut tail) = value.strip_prefix(first.as_str()) else {
+            return false;
+        };
+        let (last, middle) = rest.split_last().expect("a wildcard has two parts");
+        for part in middle {
+            match tail.find(part.as_str()) {
+                Some(at) => tail = &tail[at + part.len()..],
+                None => return false,
+            }
+        }
+        tail.len() >= last.len() && tail.ends_with(last.as_str())
+    }
+}
+
+/// The compiled rules of one domain (one file).
+#[derive(Debug)]
+pub struct Domain {
+    /// The domain name.
+    pub name: Arc<String>,
+    /// Top-level descriptors.
+    pub root: Level,
+    /// Where it was loaded from.
+    pub file: PathBuf,
+    /// Line of the `domain` field.
+    pub line: u64,
+}
+
+/// An immutable, validated set of domains. Requests in flight keep the snapshot they started
+/// with while a reload swaps in the next one.
+#[derive(Debug, Default)]
+pub struct Snapshot {
+    domains: HashMap<String, Domain>,
+}
+
+impl Snapshot {
+    /// A snapshot of `domains`; the caller has checked they are distinct.
+    pub fn new(domains: Vec<Domain>) -> Snapshot {
+        Snapshot {
+            domains: domains
+                .into_iter()
+                .map(|d| (d.name.as_str().to_owned(), d))
+                .collect(),
+        }
+    }
+
+    /// The rules of `domain`, if configured.
+    pub fn domain(&self, domain: &str) -> Option<&Domain> {
+        self.domains.get(domain)
+    }
+
+    /// Number of domains.
+    pub fn len(&self) -> usize {
+        self.domains.len()
+    }
+
+    /// True when no domain is configured.
+    pub fn is_empty(&self) -> bool {
+        self.domains.is_empty()
+    }
+
+    /// Number of limits (an unlimited rule counts as one).
+    pub fn rule_count(&self) -> usize {
+        let mut n = 0;
+        for domain in self.domains.values() {
+            domain.root.visit(&mut |node| {
+                n += match &node.policy {
+                    Some(Policy::Limits(l)) => l.len(),
+                    Some(Policy::Unlimited) => 1,
+                    None => 0,
+                }
+            });
+        }
+        n
+    }
+
+    /// A text dump of every rule: `<domain>.<path>: unit=… requests_per_unit=…, …`, sorted.
+    pub fn dump(&self) -> String {
+        let mut lines = Vec::new();
+        for domain in self.domains.values() {
+            domain.root.visit(&mut |node| {
+                let full = format!("{}.{}", domain.name, node.path);
+                match &node.policy {
+                    Some(Policy::Unlimited) => lines.push(format!(
+                        "{full}: unlimited, shadow_mode: {}",
+                        node.shadow_mode
+                    )),
+                    Some(Policy::Limits(limits)) => {
+                        for l in limits {
+                            let mut line = format!(
+                                "{full}: unit={} requests_per_unit={}",
+                                l.unit, l.requests_per_unit
+                            );
+                            if l.unit_multiplier != 1 {
+                                let _ = write!(line, " unit_multiplier={}", l.unit_multiplier);
+                            }
+                            let _ = write!(line, ", algorithm={}", l.algorithm);
+                            if l.algorithm == Algorithm::TokenBucket {
+                                let _ = write!(line, " burst={}", l.burst);
+                            }
+                            if let Some(name) = &l.name {
+                                let _ = write!(line, ", name={name}");
+                            }
+                            let _ = write!(line, ", shadow_mode: {}", node.shadow_mode);
+                            if node.quota_mode {
+                                line.push_str(", quota_mode: true");
+                            }
+                            lines.push(line);
+                        }
+                    }
+                    None => {}
+                }
+            });
+        }
+        lines.sort();
+        let mut out = lines.join("\n");
+        out.push('\n');
+        out
+    }
+}
+
+impl Level {
+    fn visit<'a>(&'a self, f: &mut impl FnMut(&'a Node)) {
+        for nodes in self.keys.values() {
+            let all = nodes
+                .exact
+                .values()
+                .chain(nodes.wildcards.iter().map(|(_, n)| n))
+                .chain(nodes.any.as_deref());
+            for node in all {
+                f(node);
+                node.children.visit(f);
+            }
+        }
+    }
+}

@@ -1,0 +1,514 @@
+//! Parsing, validation and matching, against envoyproxy/ratelimit's own files where they exist.
+
+use std::path::{Path, PathBuf};
+
+use super::*;
+
+/// envoyproxy/ratelimit's fixture files (outside the project; see the brief).
+fn fixtures() -> Option<PathBuf> {
+    let dir = std::env::var_os("RATELIMITD_FIXTURES")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/fixtures/envoyproxy-ratelimit")
+        });
+    if dir.is_dir() {
+        return Some(dir);
+    }
+    assert!(
+        std::env::var_os("RATELIMITD_REQUIRE_FIXTURES").is_none(),
+        "fixtures required but missing at {}",
+        dir.display()
+    );
+    eprintln!("skipping: no fixtures at {}", dir.display());
+    None
+}
+
+fn fixture(rel: &str) -> Option<Domain> {
+    let path = fixtures()?.join(rel);
+    let text = std::fs::read_to_string(&path).unwrap();
+    Some(compile_file(&path, &text).unwrap_or_else(|e| panic!("{e}")))
+}
+
+fn yaml(text: &str) -> Result<Domain, ConfigError> {
+    compile_file(Path::new("t.yaml"), text)
+}
+
+/// (rule label, first limit's rpu, unit) for a descriptor, or None when no limit applies.
+fn limit_of(domain: &Domain, entries: &[(&str, &str)]) -> Option<(String, u64, Unit)> {
+    let m = domain.resolve(entries)?;
+    match m.node.policy.as_ref()? {
+        Policy::Unlimited => Some((m.rule.to_string(), u64::MAX, Unit::Second)),
+        Policy::Limits(l) => Some((m.rule.to_string(), l[0].requests_per_unit, l[0].unit)),
+    }
+}
+
+fn rpu(domain: &Domain, entries: &[(&str, &str)]) -> Option<u64> {
+    limit_of(domain, entries).map(|l| l.1)
+}
+
+#[test]
+fn every_good_fixture_loads() {
+    let Some(dir) = fixtures() else { return };
+    let mut n = 0;
+    for entry in std::fs::read_dir(dir.join("good")).unwrap() {
+        let path = entry.unwrap().path();
+        let text = std::fs::read_to_string(&path).unwrap();
+        compile_file(&path, &text).unwrap_or_else(|e| panic!("{e}"));
+        n += 1;
+    }
+    assert!(n >= 9, "only {n} good fixtures");
+}
+
+#[test]
+fn basic_config_behaves_as_its_comments_say() {
+    let Some(d) = fixture("good/basic_config.yaml") else {
+        return;
+    };
+    // 2nd level key only with default rate limit, and the specific override.
+    assert_eq!(rpu(&d, &[("key1", "value1"), ("subkey1", "any")]), Some(5));
+    assert_eq!(
+        rpu(&d, &[("key1", "value1"), ("subkey1", "subvalue1")]),
+        Some(10)
+    );
+    // A node without a limit, fewer or more entries than the tree, unknown keys: no limit.
+    assert_eq!(rpu(&d, &[("key1", "value1")]), None);
+    assert_eq!(rpu(&d, &[("key1", "other"), ("subkey1", "x")]), None);
+    assert_eq!(
+        rpu(&d, &[("key1", "value1"), ("subkey1", "x"), ("deeper", "x")]),
+        None
+    );
+    assert_eq!(rpu(&d, &[("nope", "x")]), None);
+    // Top-level default, a specific override, and a whitelisted value.
+    assert_eq!(rpu(&d, &[("key2", "anything")]), Some(20));
+    assert_eq!(rpu(&d, &[("key2", "value2")]), Some(30));
+    assert_eq!(rpu(&d, &[("key2", "value3")]), None);
+    assert_eq!(
+        limit_of(&d, &[("key3", "x")]).map(|l| l.2),
+        Some(Unit::Hour)
+    );
+    let m = d.resolve(&[("key4", "x")]).unwrap();
+    let Some(Policy::Limits(l)) = &m.node.policy else {
+        panic!()
+    };
+    assert_eq!(l[0].name.as_deref(), Some("key4_rate_limit"));
+    assert_eq!(rpu(&d, &[("key5", "value5")]), Some(15));
+    assert_eq!(
+        rpu(&d, &[("key5", "value5"), ("subkey5", "subvalue5")]),
+        Some(25)
+    );
+    assert_eq!(rpu(&d, &[("key6", "x")]), Some(u64::MAX), "unlimited");
+    // Metric labels: config path, values only with detailed_metric.
+    assert_eq!(limit_of(&d, &[("key2", "secret")]).unwrap().0, "key2");
+    assert_eq!(limit_of(&d, &[("key7", "v7")]).unwrap().0, "key7_v7");
+    assert_eq!(
+        limit_of(&d, &[("key1", "value1"), ("subkey1", "zzz")])
+            .unwrap()
+            .0,
+        "key1_value1.subkey1"
+    );
+}
+
+#[test]
+fn value_less_keys_count_each_value_apart() {
+    let Some(d) = fixture("good/basic_config.yaml") else {
+        return;
+    };
+    let a = d.resolve(&[("key2", "a")]).unwrap().key;
+    let b = d.resolve(&[("key2", "b")]).unwrap().key;
+    assert_ne!(a, b);
+}
+
+#[test]
+fn wildcards_match_in_file_order_after_exact_values() {
+    let Some(d) = fixture("good/wildcard.yaml") else {
+        return;
+    };
+    assert_eq!(rpu(&d, &[("wild", "foo")]), Some(20));
+    assert_eq!(rpu(&d, &[("wild", "foo-bar")]), Some(20));
+    assert_eq!(rpu(&d, &[("wild", "bar")]), None);
+    assert_eq!(rpu(&d, &[("noWild", "foo")]), Some(20));
+    assert_eq!(rpu(&d, &[("noWild", "foo1")]), None);
+    assert_eq!(rpu(&d, &[("noVal", "whatever")]), Some(20));
+    assert_eq!(rpu(&d, &[("midWild", "barxyzb")]), Some(20));
+    assert_eq!(rpu(&d, &[("midWild", "barxyzc")]), None);
+    assert_eq!(rpu(&d, &[("multiWild", "foo1bar2baz")]), Some(10));
+    assert_eq!(rpu(&d, &[("multiWild", "foo1baz")]), None);
+    assert_eq!(
+        rpu(&d, &[("nestedWild", "val1"), ("wild", "goo-1")]),
+        Some(20)
+    );
+    // Without share_threshold, each value matching a wildcard has its own counter.
+    let a = d.resolve(&[("wild", "foo1")]).unwrap().key;
+    let b = d.resolve(&[("wild", "foo2")]).unwrap().key;
+    assert_ne!(a, b);
+}
+
+#[test]
+fn share_threshold_counts_every_matching_value_together() {
+    let Some(d) = fixture("good/share_threshold.yaml") else {
+        return;
+    };
+    let key = |e: &[(&str, &str)]| d.resolve(e).unwrap().key;
+    assert_eq!(key(&[("files", "files/a")]), key(&[("files", "files/b")]));
+    assert_eq!(
+        key(&[("nested", "parent"), ("files", "nested/a")]),
+        key(&[("nested", "parent"), ("files", "nested/b")])
+    );
+    assert_eq!(
+        key(&[("files", "top/1"), ("files", "nested/1")]),
+        key(&[("files", "top/2"), ("files", "nested/2")])
+    );
+    assert_eq!(
+        rpu(&d, &[("files", "top/1"), ("files", "nested/1")]),
+        Some(300)
+    );
+    // share_threshold: false on the middle level keeps values apart there.
+    assert_ne!(
+        key(&[("path", "path/1"), ("file", "file/a"), ("type", "t")]),
+        key(&[("path", "path/2"), ("file", "file/b"), ("type", "t")])
+    );
+    assert_eq!(
+        key(&[("path", "path/1"), ("file", "file/a"), ("type", "t")]),
+        key(&[("path", "path/2"), ("file", "file/a"), ("type", "t")])
+    );
+    // An explicit value wins over a wildcard.
+    assert_eq!(rpu(&d, &[("file", "test1")]), Some(50));
+    assert_eq!(rpu(&d, &[("file", "test2")]), Some(100));
+    assert_eq!(rpu(&d, &[("midpath", "/api/x/v1")]), Some(100));
+    assert_eq!(rpu(&d, &[("multiroute", "svc-a-ep-b-rpc")]), Some(50));
+    assert_eq!(
+        rpu(&d, &[("tenant", "t1prod"), ("resource", "res1v2")]),
+        Some(60)
+    );
+    // Labels: share_threshold keeps the pattern even where values are asked for.
+    assert_eq!(
+        limit_of(&d, &[("route", "api/v1"), ("method", "GET")])
+            .unwrap()
+            .0,
+        "route_api/*.method"
+    );
+    assert_eq!(
+        limit_of(&d, &[("service", "svc/a"), ("endpoint", "e1")])
+            .unwrap()
+            .0,
+        "service_svc/*.endpoint_e1"
+    );
+    assert_eq!(
+        limit_of(&d, &[("midroute", "/api/x/v2")]).unwrap().0,
+        "midroute_/api*v2"
+    );
+}
+
+#[test]
+fn shadow_quota_and_replaces_are_read() {
+    let Some(d) = fixture("good/shadowmode_config.yaml") else {
+        return;
+    };
+    assert!(d.resolve(&[("key2", "x")]).unwrap().node.shadow_mode);
+    assert!(!d.resolve(&[("key2", "value2")]).unwrap().node.shadow_mode);
+    let Some(d) = fixture("good/example.yaml") else {
+        return;
+    };
+    let m = d.resolve(&[("service", "service_1")]).unwrap();
+    assert!(m.node.quota_mode);
+    assert!(m.node.metadata.is_some());
+    let m = d.resolve(&[("category", "account")]).unwrap();
+    let Some(Policy::Limits(l)) = &m.node.policy else {
+        panic!()
+    };
+    assert_eq!(&*l[0].replaces[1], "fake_name");
+    assert_eq!(rpu(&d, &[("foo", "x"), ("bar", "banned")]), Some(0));
+}
+
+/// Every bad fixture is refused, naming the file, a line and the field at fault.
+#[test]
+fn every_bad_fixture_is_refused_with_file_line_and_field() {
+    let Some(dir) = fixtures() else { return };
+    let expected: &[(&str, u64, &str)] = &[
+        ("bad_limit_unit.yaml", 6, "descriptors[0].rate_limit.unit"),
+        ("bad_yaml.yaml", 1, "yaml"),
+        ("duplicate_key.yaml", 6, "descriptors[1]"),
+        ("empty_domain.yaml", 0, "domain"),
+        ("empty_key.yaml", 3, "descriptors[0].key"),
+        ("misspelled_key.yaml", 5, "ratelimit"),
+        ("misspelled_key2.yaml", 7, "requestsperunit"),
+        ("non_map_list.yaml", 3, "yaml"),
+        ("non_string_key.yaml", 1, "0.25"),
+        (
+            "replaces_empty.yaml",
+            10,
+            "descriptors[0].descriptors[0].rate_limit.replaces[0].name",
+        ),
+        (
+            "replaces_self.yaml",
+            10,
+            "descriptors[0].descriptors[0].rate_limit.replaces[0].name",
+        ),
+        (
+            "unlimited_with_unit.yaml",
+            6,
+            "descriptors[0].rate_limit.unit",
+        ),
+    ];
+    let mut seen = 0;
+    for entry in std::fs::read_dir(dir.join("bad")).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_str().unwrap().to_owned();
+        let text = std::fs::read_to_string(&path).unwrap();
+        let err = compile_file(&path, &text).expect_err(&name);
+        let shown = err.to_string();
+        assert!(shown.starts_with(&path.display().to_string()), "{shown}");
+        let &(_, line, field) = expected
+            .iter()
+            .find(|(n, _, _)| *n == name)
+            .unwrap_or_else(|| panic!("no expectation for {name}: {shown}"));
+        assert_eq!(err.field, field, "{shown}");
+        if line > 0 {
+            assert_eq!(err.line, Some(line), "{shown}");
+        }
+        seen += 1;
+    }
+    assert_eq!(seen, expected.len());
+}
+
+#[test]
+fn a_duplicate_domain_beside_another_file_is_refused() {
+    let Some(dir) = fixtures() else { return };
+    let pair = [
+        dir.join("good/basic_config.yaml"),
+        dir.join("pairs/duplicate_domain.yaml"),
+    ];
+    let err = load_paths(&pair).unwrap_err();
+    assert_eq!(err.file, pair[1]);
+    assert_eq!(err.field, "domain");
+    assert!(err.message.contains("basic_config.yaml"), "{err}");
+    // Each alone is fine.
+    assert!(load_paths(&pair[1..]).is_ok());
+}
+
+#[test]
+fn directories_skip_dot_entries_and_other_extensions() {
+    let dir = tempfile::tempdir().unwrap();
+    let write = |rel: &str, text: &str| {
+        let p = dir.path().join(rel);
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::write(p, text).unwrap();
+    };
+    write("a.yaml", "domain: a\n");
+    write("sub/b.yml", "domain: b\n");
+    write(".hidden.yaml", "domain: a\n"); // would be a duplicate if read
+    write(".dir/c.yaml", "not: [valid");
+    write("notes.txt", "not yaml");
+    let loaded = load_paths(&[dir.path().to_owned()]).unwrap();
+    assert_eq!(loaded.files.len(), 2);
+    assert!(loaded.snapshot.domain("a").is_some() && loaded.snapshot.domain("b").is_some());
+    assert!(
+        load_paths(&[dir.path().join("missing")])
+            .unwrap_err()
+            .to_string()
+            .contains("missing")
+    );
+}
+
+#[test]
+fn extensions_parse_and_dump() {
+    let d = yaml(
+        "domain: ext\ndescriptors:\n  - key: api\n    rate_limits:\n      - {unit: second, requests_per_unit: 10, algorithm: token_bucket, burst: 20}\n      - {unit: Day, requests_per_unit: 1000, name: daily}\n  - key: slow\n    rate_limit: {unit: second, unit_multiplier: 30, requests_per_unit: 5, algorithm: SLIDING_LOG}\n",
+    )
+    .unwrap();
+    let m = d.resolve(&[("api", "k")]).unwrap();
+    let Some(Policy::Limits(l)) = &m.node.policy else {
+        panic!()
+    };
+    assert_eq!(l.len(), 2);
+    assert_eq!((l[0].algorithm, l[0].burst), (Algorithm::TokenBucket, 20));
+    assert_eq!((l[1].unit, l[1].burst), (Unit::Day, 1000));
+    let m = d.resolve(&[("slow", "k")]).unwrap();
+    let Some(Policy::Limits(l)) = &m.node.policy else {
+        panic!()
+    };
+    assert_eq!(l[0].window_seconds(), 30);
+    assert_eq!(l[0].limit().window_us, 30_000_000);
+    assert_eq!(l[0].algorithm, Algorithm::SlidingLog);
+    let dump = Snapshot::new(vec![d]).dump();
+    assert!(dump.contains("ext.api: unit=SECOND requests_per_unit=10, algorithm=token_bucket burst=20, shadow_mode: false"), "{dump}");
+    assert!(
+        dump.contains(
+            "ext.api: unit=DAY requests_per_unit=1000, algorithm=fixed_window, name=daily"
+        ),
+        "{dump}"
+    );
+    assert!(
+        dump.contains(
+            "ext.slow: unit=SECOND requests_per_unit=5 unit_multiplier=30, algorithm=sliding_log"
+        ),
+        "{dump}"
+    );
+}
+
+#[test]
+fn each_validation_error_names_its_field_and_line() {
+    let cases: &[(&str, &str, u64, &str)] = &[
+        ("domain: ''\n", "domain", 1, "empty domain"),
+        (
+            "domain: d\ndescriptors:\n  - key: ''\n",
+            "descriptors[0].key",
+            3,
+            "empty key",
+        ),
+        (
+            "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {requests_per_unit: 1}\n",
+            "descriptors[0].rate_limit.unit",
+            4,
+            "needs a unit",
+        ),
+        (
+            "domain: d\ndescriptors:\n  - key: k\n    rate_limit:\n      unit: fortnight\n",
+            "descriptors[0].rate_limit.unit",
+            5,
+            "fortnight",
+        ),
+        (
+            "domain: d\ndescriptors:\n  - key: k\n    rate_limit:\n      unit: second\n      requests_per_unit: 5000000000\n",
+            "descriptors[0].rate_limit.requests_per_unit",
+            6,
+            "larger than",
+        ),
+        (
+            "domain: d\ndescriptors:\n  - key: k\n    rate_limit:\n      unit: second\n      algorithm: leaky\n",
+            "descriptors[0].rate_limit.algorithm",
+            6,
+            "leaky",
+        ),
+        (
+            "domain: d\ndescriptors:\n  - key: k\n    rate_limit:\n      unit: second\n      burst: 3\n",
+            "descriptors[0].rate_limit.burst",
+            6,
+            "token_bucket",
+        ),
+        (
+            "domain: d\ndescriptors:\n  - key: k\n    rate_limit:\n      unit: second\n      algorithm: token_bucket\n      burst: 0\n",
+            "descriptors[0].rate_limit.burst",
+            7,
+            "between 1",
+        ),
+        (
+            "domain: d\ndescriptors:\n  - key: k\n    rate_limit:\n      unit: second\n      unit_multiplier: 0\n",
+            "descriptors[0].rate_limit.unit_multiplier",
+            6,
+            "between 1",
+        ),
+        (
+            "domain: d\ndescriptors:\n  - key: k\n    rate_limit:\n      unlimited: true\n      algorithm: token_bucket\n",
+            "descriptors[0].rate_limit.algorithm",
+            6,
+            "unlimited",
+        ),
+        (
+            "domain: d\ndescriptors:\n  - key: k\n    rate_limits: []\n",
+            "descriptors[0].rate_limits",
+            4,
+            "empty",
+        ),
+        (
+            "domain: d\ndescriptors:\n  - key: k\n    rate_limits:\n      - unlimited: true\n",
+            "descriptors[0].rate_limits[0].unlimited",
+            5,
+            "not allowed",
+        ),
+        (
+            "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: second}\n    rate_limits:\n      - {unit: second}\n",
+            "descriptors[0].rate_limits",
+            6,
+            "not both",
+        ),
+        (
+            "domain: d\ndescriptors:\n  - key: k\n    value: plain\n    share_threshold: true\n",
+            "descriptors[0].share_threshold",
+            3,
+            "wildcard",
+        ),
+        (
+            "domain: d\ndescriptors:\n  - key: k\n    metadata: [1, 2]\n",
+            "descriptors[0].metadata",
+            3,
+            "mapping",
+        ),
+        (
+            "domain: d\ndescriptors:\n  - key: k\n    descriptors:\n      - key: a\n        value: '*'\n      - key: a\n        value: '*'\n",
+            "descriptors[0].descriptors[1]",
+            7,
+            "first defined at line 5",
+        ),
+        (
+            "domain: d\ndescriptors:\n  - key: k\n    rate_limit:\n      unit: second\n      requests_per_unit: -1\n",
+            "yaml",
+            6,
+            "invalid",
+        ),
+        (
+            "domain: d\ndescriptors:\n  - key: k\n    algorithm: token_bucket\n",
+            "algorithm",
+            4,
+            "unknown field",
+        ),
+    ];
+    for &(text, field, line, needle) in cases {
+        let err = yaml(text).expect_err(text);
+        let shown = err.to_string();
+        assert_eq!(err.field, field, "{shown}");
+        assert_eq!(err.line, Some(line), "{shown}");
+        assert!(shown.contains(needle), "{shown} lacks {needle}");
+        assert!(shown.starts_with("t.yaml:"), "{shown}");
+    }
+}
+
+#[test]
+fn keys_are_injective_over_hostile_values() {
+    let d = yaml("domain: d\ndescriptors:\n  - key: a\n    descriptors:\n      - key: b\n        rate_limit: {unit: second, requests_per_unit: 1}\n  - key: a_b\n    descriptors:\n      - key: b\n        rate_limit: {unit: second, requests_per_unit: 1}\n").unwrap();
+    let k1 = d.resolve(&[("a", "x_b"), ("b", "y")]).unwrap().key;
+    let k2 = d.resolve(&[("a", "x"), ("b", "b_y")]).unwrap().key;
+    let k3 = d.resolve(&[("a_b", "x"), ("b", "y")]).unwrap().key;
+    let k4 = d.resolve(&[("a", "x\0\0\0\x01b"), ("b", "")]).unwrap().key;
+    let keys = [k1, k2, k3, k4];
+    for i in 0..keys.len() {
+        for j in i + 1..keys.len() {
+            assert_ne!(keys[i], keys[j]);
+        }
+    }
+}
+
+#[test]
+fn wildcards_match_any_run_anywhere() {
+    let cases = [
+        ("foo*", "foo", true),
+        ("foo*", "foobar", true),
+        ("foo*", "fo", false),
+        ("bar*b", "barb", true),
+        ("bar*b", "bar-xyz-b", true),
+        ("bar*b", "bar-xyz-c", false),
+        ("foo*bar*baz", "foo1bar2baz", true),
+        ("foo*bar*baz", "foobarbaz", true),
+        ("foo*bar*baz", "foobaz", false),
+        ("*", "", true),
+        ("a*a", "a", false),
+        ("/api*v1", "/api/users/v1", true),
+        ("*end", "the end", true),
+    ];
+    for (pattern, value, expected) in cases {
+        assert_eq!(
+            Wildcard::new(pattern).matches(value),
+            expected,
+            "{pattern} ~ {value}"
+        );
+    }
+}
+
+#[test]
+fn units_parse_case_insensitively() {
+    assert_eq!(Unit::parse("second"), Some(Unit::Second));
+    assert_eq!(Unit::parse("MiNuTe"), Some(Unit::Minute));
+    assert_eq!(Unit::parse("month").map(Unit::seconds), Some(2_592_000));
+    assert_eq!(Unit::parse("year").map(Unit::seconds), Some(31_536_000));
+    assert_eq!(Unit::parse("foo"), None);
+}

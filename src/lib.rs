@@ -1,0 +1,216 @@
+//! ratelimitd: an external rate-limit service for Envoy and Istio.
+//!
+//! [`run`] starts the whole service on listeners the caller has bound, so tests can run a real
+//! server on port 0; `main.rs` only parses flags, binds and waits for a signal.
+#![forbid(unsafe_code)]
+
+pub mod config;
+pub mod limiter;
+pub mod metrics;
+pub mod server;
+pub mod service;
+pub mod settings;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
+use tokio::net::TcpListener;
+use tonic::transport::server::TcpIncoming;
+use tonic_health::ServingStatus;
+
+use crate::config::{ConfigError, load_paths};
+use crate::limiter::{Clock, MemoryBackend, SystemClock};
+use crate::metrics::{LoadResult, Metrics};
+use crate::server::grpc::GrpcService;
+use crate::server::http::{HttpState, router};
+use crate::service::RateLimiter;
+use crate::settings::{BackendKind, Settings};
+
+/// gRPC health service names reported SERVING: the default, the name envoyproxy/ratelimit
+/// registers (so existing probes keep working) and the service's full name.
+pub const HEALTH_SERVICES: [&str; 3] = [
+    "",
+    "ratelimit",
+    "envoy.service.ratelimit.v3.RateLimitService",
+];
+
+/// How often the memory backend drops expired counters in the background.
+const SWEEP_EVERY: Duration = Duration::from_secs(10);
+
+/// The sockets the service serves on, bound by the caller.
+pub struct Listeners {
+    /// For gRPC.
+    pub grpc: TcpListener,
+    /// For HTTP.
+    pub http: TcpListener,
+}
+
+/// Why the service could not start or stopped abnormally.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// The first config load failed.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The config could not be watched.
+    #[error("cannot watch the config paths")]
+    Watch(#[from] notify::Error),
+    /// A server failed.
+    #[error("{0}")]
+    Serve(String),
+}
+
+/// Runs the service until `shutdown` resolves, then stops accepting, lets in-flight calls
+/// finish (up to `settings.shutdown_grace`) and returns.
+pub async fn run(
+    settings: Settings,
+    listeners: Listeners,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), RunError> {
+    run_with_clock(settings, listeners, shutdown, Arc::new(SystemClock)).await
+}
+
+/// [`run`] with the memory backend reading time from `clock`.
+pub async fn run_with_clock(
+    settings: Settings,
+    listeners: Listeners,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+    clock: Arc<dyn Clock>,
+) -> Result<(), RunError> {
+    let metrics = Arc::new(Metrics::new());
+    let loaded =
+        load_paths(&settings.config).inspect_err(|_| metrics.config_load(LoadResult::error))?;
+    metrics.config_load(LoadResult::success);
+    metrics
+        .config_rules
+        .set(loaded.snapshot.rule_count() as i64);
+    tracing::info!(
+        files = loaded.files.len(),
+        domains = loaded.snapshot.len(),
+        rules = loaded.snapshot.rule_count(),
+        "config loaded"
+    );
+    let config = Arc::new(ArcSwap::from_pointee(loaded.snapshot));
+
+    let watcher = {
+        let config = config.clone();
+        let metrics = metrics.clone();
+        config::watch::spawn(
+            settings.config.clone(),
+            loaded.fingerprint,
+            move |result| match result {
+                Ok(loaded) => {
+                    let rules = loaded.snapshot.rule_count();
+                    tracing::info!(
+                        files = loaded.files.len(),
+                        domains = loaded.snapshot.len(),
+                        rules,
+                        "config reloaded"
+                    );
+                    config.store(Arc::new(loaded.snapshot));
+                    metrics.config_load(LoadResult::success);
+                    metrics.config_rules.set(rules as i64);
+                }
+                Err(err) => {
+                    tracing::error!(error = %err, "config reload refused; previous config stays in force");
+                    metrics.config_load(LoadResult::error);
+                }
+            },
+        )?
+    };
+
+    let backend = match settings.backend {
+        BackendKind::Memory => Arc::new(MemoryBackend::new(clock)),
+    };
+    let sweeper = {
+        let backend = backend.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(SWEEP_EVERY);
+            loop {
+                tick.tick().await;
+                backend.sweep();
+            }
+        })
+    };
+
+    let limiter = Arc::new(RateLimiter::new(
+        config,
+        backend,
+        metrics.clone(),
+        settings.policies(),
+    ));
+    let serving = Arc::new(AtomicBool::new(true));
+    let (health, health_service) = tonic_health::server::health_reporter();
+    for name in HEALTH_SERVICES {
+        health
+            .set_service_status(name, ServingStatus::Serving)
+            .await;
+    }
+
+    // Shutdown fans out: health turns NOT_SERVING first, then both servers stop accepting.
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let stopping = {
+        let serving = serving.clone();
+        tokio::spawn(async move {
+            shutdown.await;
+            tracing::info!("shutting down: finishing in-flight calls");
+            serving.store(false, Ordering::SeqCst);
+            for name in HEALTH_SERVICES {
+                health
+                    .set_service_status(name, ServingStatus::NotServing)
+                    .await;
+            }
+            let _ = stop_tx.send(true);
+        })
+    };
+    let stopped = move || {
+        let mut rx = stop_rx.clone();
+        async move {
+            let _ = rx.wait_for(|s| *s).await;
+        }
+    };
+
+    let grpc_addr = listeners.grpc.local_addr().ok();
+    let http_addr = listeners.http.local_addr().ok();
+    let grpc = tonic::transport::Server::builder()
+        .add_service(health_service)
+        .add_service(RateLimitServiceServer::new(GrpcService::new(
+            limiter.clone(),
+            metrics.clone(),
+        )))
+        .serve_with_incoming_shutdown(
+            TcpIncoming::from(listeners.grpc).with_nodelay(Some(true)),
+            stopped(),
+        );
+    let http_state = Arc::new(HttpState {
+        limiter,
+        metrics,
+        serving,
+    });
+    let http = axum::serve(listeners.http, router(http_state)).with_graceful_shutdown(stopped());
+    tracing::info!(grpc = ?grpc_addr, http = ?http_addr, "serving");
+
+    let grace = settings.shutdown_grace;
+    let servers = async { tokio::join!(grpc, http) };
+    let result = tokio::select! {
+        (g, h) = servers => match (g, h) {
+            (Ok(()), Ok(())) => Ok(()),
+            (Err(e), _) => Err(RunError::Serve(format!("gRPC server: {e}"))),
+            (_, Err(e)) => Err(RunError::Serve(format!("HTTP server: {e}"))),
+        },
+        _ = async {
+            stopped().await;
+            tokio::time::sleep(grace).await;
+        } => {
+            tracing::warn!(?grace, "in-flight calls did not finish within the shutdown grace");
+            Ok(())
+        }
+    };
+    watcher.abort();
+    sweeper.abort();
+    stopping.abort();
+    result
+}

@@ -1,0 +1,491 @@
+//! The four counting algorithms as pure state transitions over microsecond timestamps.
+//!
+//! Each counter is checked first ([`State::check`]) and committed later ([`State::commit`]) only
+//! if the whole request is admitted; a check never consumes. The Redis script mirrors this math.
+
+use std::collections::VecDeque;
+use std::fmt;
+use std::time::Duration;
+
+use super::{Limit, Verdict};
+
+/// How a limit counts hits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum Algorithm {
+    /// One counter per window aligned to the Unix epoch (envoyproxy/ratelimit's only algorithm).
+    /// Lets up to twice the limit through across a window boundary.
+    #[default]
+    FixedWindow,
+    /// Weighted sum of the previous and the current window: O(1) memory, smooth at the boundary,
+    /// approximate (assumes the previous window's hits were spread evenly).
+    SlidingWindow,
+    /// Exact log of hit times: never more than the limit in any window-long interval; O(limit)
+    /// memory per counter.
+    SlidingLog,
+    /// Refill `requests_per_unit` per window up to `burst` (GCRA: one timestamp per counter).
+    TokenBucket,
+}
+
+impl Algorithm {
+    /// Every algorithm, in documentation order.
+    pub const ALL: [Algorithm; 4] = [
+        Algorithm::FixedWindow,
+        Algorithm::SlidingWindow,
+        Algorithm::SlidingLog,
+        Algorithm::TokenBucket,
+    ];
+
+    /// The name used in config files and output.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Algorithm::FixedWindow => "fixed_window",
+            Algorithm::SlidingWindow => "sliding_window",
+            Algorithm::SlidingLog => "sliding_log",
+            Algorithm::TokenBucket => "token_bucket",
+        }
+    }
+
+    /// Parses a config name, case-insensitively.
+    pub fn parse(name: &str) -> Option<Algorithm> {
+        Algorithm::ALL
+            .into_iter()
+            .find(|a| a.as_str().eq_ignore_ascii_case(name))
+    }
+
+    /// A stable one-byte tag for counter keys.
+    pub fn tag(self) -> u8 {
+        match self {
+            Algorithm::FixedWindow => b'f',
+            Algorithm::SlidingWindow => b's',
+            Algorithm::SlidingLog => b'l',
+            Algorithm::TokenBucket => b'b',
+        }
+    }
+}
+
+impl fmt::Display for Algorithm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The stored state of one counter.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum State {
+    /// Hits in the window starting at `start`.
+    Fixed { start: u64, count: u64 },
+    /// Hits in the window starting at `start` and in the one before it.
+    Sliding { start: u64, prev: u64, cur: u64 },
+    /// (time, hits) of every admitted hit still inside the window, oldest first.
+    Log {
+        entries: VecDeque<(u64, u64)>,
+        total: u64,
+    },
+    /// GCRA theoretical arrival time, in units of 1/`scale` microseconds (exact for any rate).
+    Bucket { tat: u128, scale: u64 },
+}
+
+fn us(d: u128) -> Duration {
+    Duration::from_micros(u64::try_from(d).unwrap_or(u64::MAX))
+}
+
+fn div_ceil(a: u128, b: u128) -> u128 {
+    a.div_ceil(b.max(1))
+}
+
+impl State {
+    /// A fresh counter for `algorithm`.
+    pub fn new(algorithm: Algorithm) -> State {
+        match algorithm {
+            Algorithm::FixedWindow => State::Fixed { start: 0, count: 0 },
+            Algorithm::SlidingWindow => State::Sliding {
+                start: 0,
+                prev: 0,
+                cur: 0,
+            },
+            Algorithm::SlidingLog => State::Log {
+                entries: VecDeque::new(),
+                total: 0,
+            },
+            Algorithm::TokenBucket => State::Bucket { tat: 0, scale: 1 },
+        }
+    }
+
+    /// Whether this state belongs to `algorithm`.
+    pub fn is(&self, algorithm: Algorithm) -> bool {
+        matches!(
+            (self, algorithm),
+            (State::Fixed { .. }, Algorithm::FixedWindow)
+                | (State::Sliding { .. }, Algorithm::SlidingWindow)
+                | (State::Log { .. }, Algorithm::SlidingLog)
+                | (State::Bucket { .. }, Algorithm::TokenBucket)
+        )
+    }
+
+    /// Brings the state forward to `now` (rolls windows, drops expired log entries). Changes no
+    /// observable count; [`check`](Self::check) and [`commit`](Self::commit) call it.
+    fn advance(&mut self, limit: &Limit, now: u64) {
+        let w = limit.window_us;
+        let window_start = now - now % w;
+        match self {
+            State::Fixed { start, count } => {
+                if *start != window_start {
+                    *start = window_start;
+                    *count = 0;
+                }
+            }
+            State::Sliding { start, prev, cur } => {
+                if *start != window_start {
+                    *prev = if start.checked_add(w) == Some(window_start) {
+                        *cur
+                    } else {
+                        0
+                    };
+                    *cur = 0;
+                    *start = window_start;
+                }
+            }
+            State::Log { entries, total } => {
+                while let Some(&(t, n)) = entries.front() {
+                    if t.saturating_add(w) > now {
+                        break;
+                    }
+                    *total -= n;
+                    entries.pop_front();
+                }
+            }
+            State::Bucket { tat, scale } => {
+                let rpu = limit.requests_per_unit.max(1);
+                if *scale != rpu {
+                    *tat = *tat * rpu as u128 / (*scale).max(1) as u128;
+                    *scale = rpu;
+                }
+            }
+        }
+    }
+
+    /// Decides whether `hits` more fit at `now` without consuming anything.
+    pub fn check(&mut self, limit: &Limit, now: u64, hits: u64) -> Verdict {
+        self.advance(limit, now);
+        let rpu = limit.requests_per_unit;
+        let w = limit.window_us;
+        let never = Verdict {
+            over: true,
+            remaining: 0,
+            reset: us(w as u128),
+        };
+        match self {
+            State::Fixed { start, count } => {
+                let after = count.saturating_add(hits);
+                let over = rpu == 0 || after > rpu;
+                Verdict {
+                    over,
+                    remaining: if over { 0 } else { rpu - after },
+                    reset: us((*start + w - now) as u128),
+                }
+            }
+            State::Sliding { start, prev, cur } => {
+                let elapsed = (now - *start) as u128;
+                let (w, prev_n, cur_n) = (w as u128, *prev as u128, *cur as u128);
+                // Rounded up, so `over` is exactly "prev·(w−e)/w + cur + hits > rpu".
+                let weighted_prev = div_ceil(prev_n * (w - elapsed), w);
+                let after = weighted_prev + cur_n + hits as u128;
+                let rpu_n = rpu as u128;
+                if rpu > 0 && after <= rpu_n {
+                    let reset = if cur_n + (hits as u128) > 0 {
+                        2 * w - elapsed
+                    } else if prev_n > 0 {
+                        w - elapsed
+                    } else {
+                        0
+                    };
+                    return Verdict {
+                        over: false,
+                        remaining: (rpu_n - after) as u64,
+                        reset: us(reset),
+                    };
+                }
+                if rpu == 0 || hits > rpu {
+                    return never;
+                }
+                let room = rpu_n - hits as u128; // what prev-weight + cur may add up to
+                let wait = if cur_n <= room {
+                    // The previous window's weight fades enough within this window:
+                    // prev·(w−e)/w ≤ room − cur  ⇔  e ≥ w − (room − cur)·w/prev.
+                    let target = w - (room - cur_n) * w / prev_n.max(1);
+                    target.saturating_sub(elapsed).max(1)
+                } else {
+                    // Wait for the next window, where the current count becomes the faded one.
+                    let target = w - room * w / cur_n;
+                    (w - elapsed) + target
+                };
+                Verdict {
+                    over: true,
+                    remaining: 0,
+                    reset: us(wait),
+                }
+            }
+            State::Log { entries, total } => {
+                let after = total.saturating_add(hits);
+                if rpu > 0 && after <= rpu {
+                    let reset = if hits > 0 {
+                        w as u128
+                    } else {
+                        entries.back().map_or(0, |&(t, _)| (t + w - now) as u128)
+                    };
+                    return Verdict {
+                        over: false,
+                        remaining: rpu - after,
+                        reset: us(reset),
+                    };
+                }
+                if rpu == 0 || hits > rpu {
+                    return never;
+                }
+                // The request fits once `after − rpu` logged hits have left the window.
+                let mut to_free = after - rpu;
+                let mut wait = w as u128;
+                for &(t, n) in entries.iter() {
+                    if n >= to_free {
+                        wait = (t + w - now) as u128;
+                        break;
+                    }
+                    to_free -= n;
+                }
+                Verdict {
+                    over: true,
+                    remaining: 0,
+                    reset: us(wait),
+                }
+            }
+            State::Bucket { tat, scale } => {
+                if rpu == 0 {
+                    return never;
+                }
+                // Scaled time: 1 unit = 1/rpu µs, so one emission interval is exactly `w` units.
+                let scale = *scale as u128;
+                let now_s = now as u128 * scale;
+                let w = w as u128;
+                let capacity = limit.burst as u128 * w;
+                let base = (*tat).max(now_s);
+                let new_tat = base + hits as u128 * w;
+                if new_tat <= now_s + capacity {
+                    return Verdict {
+                        over: false,
+                        remaining: ((now_s + capacity - new_tat) / w) as u64,
+                        reset: us(div_ceil(new_tat - now_s, scale)),
+                    };
+                }
+                if hits > limit.burst {
+                    return never;
+                }
+                Verdict {
+                    over: true,
+                    remaining: 0,
+                    reset: us(div_ceil(new_tat - now_s - capacity, scale)),
+                }
+            }
+        }
+    }
+
+    /// Consumes `hits` at `now`. Call only after a [`check`](Self::check) at the same `now`
+    /// found them within the limit.
+    pub fn commit(&mut self, limit: &Limit, now: u64, hits: u64) {
+        self.advance(limit, now);
+        match self {
+            State::Fixed { count, .. } => *count = count.saturating_add(hits),
+            State::Sliding { cur, .. } => *cur = cur.saturating_add(hits),
+            State::Log { entries, total } => {
+                if hits == 0 {
+                    return;
+                }
+                *total = total.saturating_add(hits);
+                match entries.back_mut() {
+                    Some((t, n)) if *t == now => *n += hits,
+                    _ => entries.push_back((now, hits)),
+                }
+            }
+            State::Bucket { tat, scale } => {
+                let now_s = now as u128 * *scale as u128;
+                *tat = (*tat).max(now_s) + hits as u128 * limit.window_us as u128;
+            }
+        }
+    }
+
+    /// The time (µs since the epoch) after which this state is indistinguishable from a fresh
+    /// counter and may be dropped.
+    pub fn expires_at(&self, limit: &Limit) -> u64 {
+        let w = limit.window_us;
+        match self {
+            State::Fixed { start, .. } => start.saturating_add(w),
+            State::Sliding { start, .. } => start.saturating_add(w.saturating_mul(2)),
+            State::Log { entries, .. } => entries.back().map_or(0, |&(t, _)| t.saturating_add(w)),
+            State::Bucket { tat, scale } => {
+                u64::try_from(div_ceil(*tat, *scale as u128)).unwrap_or(u64::MAX)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SEC: u64 = 1_000_000;
+    // A time aligned to a 60 s window boundary, far from the epoch.
+    const T0: u64 = 1_800_000_000 * SEC;
+
+    fn limit(algorithm: Algorithm, rpu: u64, window_s: u64) -> Limit {
+        Limit {
+            algorithm,
+            requests_per_unit: rpu,
+            window_us: window_s * SEC,
+            burst: rpu,
+        }
+    }
+
+    /// Checks and, when within the limit, commits: what a one-hit request does.
+    fn take(state: &mut State, limit: &Limit, now: u64, hits: u64) -> Verdict {
+        let v = state.check(limit, now, hits);
+        if !v.over {
+            state.commit(limit, now, hits);
+        }
+        v
+    }
+
+    #[test]
+    fn fixed_window_counts_until_the_window_ends() {
+        let l = limit(Algorithm::FixedWindow, 3, 60);
+        let mut s = State::new(l.algorithm);
+        for left in [2, 1, 0] {
+            let v = take(&mut s, &l, T0 + 10 * SEC, 1);
+            assert_eq!((v.over, v.remaining), (false, left));
+            assert_eq!(v.reset, Duration::from_secs(50));
+        }
+        let v = take(&mut s, &l, T0 + 59 * SEC, 1);
+        assert!(v.over);
+        assert_eq!(v.reset, Duration::from_secs(1));
+        assert!(
+            !take(&mut s, &l, T0 + 60 * SEC, 1).over,
+            "a new window starts empty"
+        );
+    }
+
+    #[test]
+    fn zero_requests_per_unit_blocks_everything_even_checks() {
+        for algorithm in Algorithm::ALL {
+            let l = limit(algorithm, 0, 1);
+            let mut s = State::new(algorithm);
+            assert!(s.check(&l, T0, 1).over, "{algorithm}");
+            assert!(s.check(&l, T0, 0).over, "{algorithm}");
+        }
+    }
+
+    #[test]
+    fn check_only_hits_never_consume() {
+        for algorithm in Algorithm::ALL {
+            let l = limit(algorithm, 2, 60);
+            let mut s = State::new(algorithm);
+            for _ in 0..5 {
+                let v = take(&mut s, &l, T0, 0);
+                assert!(!v.over, "{algorithm}");
+                assert_eq!(v.remaining, 2, "{algorithm}");
+            }
+        }
+    }
+
+    #[test]
+    fn sliding_window_weights_the_previous_window() {
+        let l = limit(Algorithm::SlidingWindow, 10, 60);
+        let mut s = State::new(l.algorithm);
+        assert!(!take(&mut s, &l, T0 + 30 * SEC, 10).over);
+        // 15 s into the next window: 10 × 45/60 = 7.5 still count, so 2 fit and 3 do not.
+        let now = T0 + 75 * SEC;
+        let v = s.check(&l, now, 2);
+        assert_eq!((v.over, v.remaining), (false, 0));
+        assert!(s.check(&l, now, 3).over);
+        let v = s.check(&l, now, 4);
+        assert!(v.over);
+        // Room for 4 needs prev·(60−e)/60 ≤ 6 ⇒ e ≥ 24 s, i.e. 9 s from now.
+        assert_eq!(v.reset, Duration::from_secs(9));
+        assert!(!take(&mut s, &l, now + 9 * SEC, 4).over);
+        // Two windows later nothing is left.
+        assert_eq!(s.check(&l, T0 + 180 * SEC, 10).remaining, 0);
+        assert!(!s.check(&l, T0 + 180 * SEC, 10).over);
+    }
+
+    #[test]
+    fn sliding_window_over_in_current_window_waits_for_the_next() {
+        let l = limit(Algorithm::SlidingWindow, 10, 60);
+        let mut s = State::new(l.algorithm);
+        assert!(!take(&mut s, &l, T0 + 30 * SEC, 10).over);
+        let v = s.check(&l, T0 + 30 * SEC, 5);
+        assert!(v.over);
+        // Next window: 10·(60−e)/60 ≤ 5 ⇒ e ≥ 30 s; 30 s to the boundary + 30 s.
+        assert_eq!(v.reset, Duration::from_secs(60));
+        assert!(!take(&mut s, &l, T0 + 90 * SEC, 5).over);
+    }
+
+    #[test]
+    fn sliding_log_is_exact_and_waits_for_the_oldest_hits() {
+        let l = limit(Algorithm::SlidingLog, 3, 10);
+        let mut s = State::new(l.algorithm);
+        for t in [0, 2, 4] {
+            assert!(!take(&mut s, &l, T0 + t * SEC, 1).over);
+        }
+        let v = take(&mut s, &l, T0 + 9 * SEC, 1);
+        assert!(v.over);
+        assert_eq!(v.reset, Duration::from_secs(1), "the hit at 0 leaves at 10");
+        let v = s.check(&l, T0 + 9 * SEC, 2);
+        assert_eq!(v.reset, Duration::from_secs(3), "two must leave: 0 and 2");
+        assert!(!take(&mut s, &l, T0 + 10 * SEC, 1).over);
+        assert!(take(&mut s, &l, T0 + 10 * SEC, 1).over);
+        assert!(s.check(&l, T0, 4).over, "more than the limit never fits");
+    }
+
+    #[test]
+    fn token_bucket_refills_at_the_rate_up_to_burst() {
+        let mut l = limit(Algorithm::TokenBucket, 2, 1); // 2 per second: one every 500 ms
+        l.burst = 4;
+        let mut s = State::new(l.algorithm);
+        for left in [3, 2, 1, 0] {
+            let v = take(&mut s, &l, T0, 1);
+            assert_eq!((v.over, v.remaining), (false, left));
+        }
+        let v = take(&mut s, &l, T0, 1);
+        assert!(v.over);
+        assert_eq!(v.reset, Duration::from_millis(500));
+        assert!(!take(&mut s, &l, T0 + 500_000, 1).over);
+        assert!(take(&mut s, &l, T0 + 500_000, 1).over);
+        // After a long pause the bucket holds `burst`, not more.
+        let v = take(&mut s, &l, T0 + 100 * SEC, 1);
+        assert_eq!(v.remaining, 3);
+    }
+
+    #[test]
+    fn token_bucket_is_exact_for_rates_that_do_not_divide_the_window() {
+        let l = limit(Algorithm::TokenBucket, 3, 1);
+        let mut s = State::new(l.algorithm);
+        for _ in 0..3 {
+            assert!(!take(&mut s, &l, T0, 1).over);
+        }
+        // 3 per second: after exactly one second all three are back.
+        assert_eq!(s.check(&l, T0 + SEC, 3).remaining, 0);
+        assert!(!s.check(&l, T0 + SEC, 3).over);
+        assert!(s.check(&l, T0 + SEC - 1, 3).over);
+    }
+
+    #[test]
+    fn expiry_marks_when_state_is_fresh_again() {
+        for algorithm in Algorithm::ALL {
+            let l = limit(algorithm, 5, 10);
+            let mut s = State::new(algorithm);
+            take(&mut s, &l, T0 + SEC, 5);
+            let at = s.expires_at(&l);
+            assert!(at > T0 + SEC, "{algorithm}");
+            let v = s.check(&l, at, 5);
+            assert!(!v.over, "{algorithm}: full quota at expiry");
+            assert_eq!(v.remaining, 0, "{algorithm}");
+        }
+    }
+}

@@ -1,0 +1,156 @@
+//! Counting: what a hit is, how each algorithm decides, and the [`Backend`] trait that
+//! stores the counters. Nothing here knows about gRPC or YAML.
+
+pub mod algorithm;
+pub mod clock;
+pub mod memory;
+
+use std::future::Future;
+use std::pin::Pin;
+use std::time::Duration;
+
+pub use algorithm::Algorithm;
+pub use clock::{Clock, ManualClock, SystemClock};
+pub use memory::MemoryBackend;
+
+/// One limit as the backend applies it: how many units of hits per window, by which algorithm.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limit {
+    /// How counting works for this limit.
+    pub algorithm: Algorithm,
+    /// Hits allowed per window (for the token bucket: refill per window).
+    pub requests_per_unit: u64,
+    /// Window length in microseconds (unit × unit_multiplier); always > 0.
+    pub window_us: u64,
+    /// Token bucket capacity; equals `requests_per_unit` unless configured.
+    pub burst: u64,
+}
+
+/// How an over-limit verdict on a hit affects the whole request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Enforcement {
+    /// Over limit rejects the request.
+    Enforce,
+    /// Counted and reported, never rejects (`shadow_mode`).
+    Shadow,
+    /// Soft limit (`quota_mode`): rejects only when every quota hit of the request is over.
+    Quota,
+}
+
+/// One counter touched by a request: the key that names it, its limit and how many hits to add.
+#[derive(Clone, Debug)]
+pub struct Hit {
+    /// Injective encoding of (domain, entries, limit identity); see `config::matcher`.
+    pub key: Vec<u8>,
+    /// The limit to apply.
+    pub limit: Limit,
+    /// Hits to add; 0 checks without consuming.
+    pub hits: u64,
+    /// What an over-limit verdict on this hit does to the request.
+    pub enforcement: Enforcement,
+}
+
+/// The verdict on one hit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Verdict {
+    /// The hit does not fit in its limit.
+    pub over: bool,
+    /// Hits still available after this request (0 when over).
+    pub remaining: u64,
+    /// Admitted: time until the limit is fully available again (fixed window: the window end).
+    /// Over: time until this request would fit.
+    pub reset: Duration,
+}
+
+/// The backend's answer for a whole request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Outcome {
+    /// Whether the request was admitted; when false, no counter was consumed.
+    pub admitted: bool,
+    /// One verdict per hit, in the order of the hits.
+    pub verdicts: Vec<Verdict>,
+}
+
+/// Why a backend could not decide. Transient errors become gRPC `UNAVAILABLE`.
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    /// The store could not be reached or did not answer in time; retrying may succeed.
+    #[error("backend unavailable: {0}")]
+    Unavailable(String),
+}
+
+impl BackendError {
+    /// True when a retry may succeed (network, timeout), false for a bug or bad data.
+    pub fn is_transient(&self) -> bool {
+        matches!(self, BackendError::Unavailable(_))
+    }
+}
+
+/// A boxed future, so backends can be chosen at run time.
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// Where counters live. Every backend gives the same guarantee: all-or-nothing per request.
+/// If any enforcing hit would exceed its limit (see [`admits`]), nothing is consumed;
+/// otherwise every hit that fits is consumed, atomically with the check.
+pub trait Backend: Send + Sync + 'static {
+    /// Checks every hit and commits them all or none.
+    fn decide<'a>(&'a self, hits: &'a [Hit]) -> BoxFuture<'a, Result<Outcome, BackendError>>;
+}
+
+/// The request-level rule shared by every backend: is a request admitted given each hit's
+/// `over` flag? Enforcing hits that are over reject; quota hits reject only when every quota
+/// hit of the request is over; shadow hits never reject.
+pub fn admits(hits: &[Hit], over: impl Fn(usize) -> bool) -> bool {
+    let mut quota_seen = false;
+    let mut quota_all_over = true;
+    for (i, hit) in hits.iter().enumerate() {
+        match hit.enforcement {
+            Enforcement::Enforce if over(i) => return false,
+            Enforcement::Quota => {
+                quota_seen = true;
+                quota_all_over &= over(i);
+            }
+            _ => {}
+        }
+    }
+    !(quota_seen && quota_all_over)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hit(enforcement: Enforcement) -> Hit {
+        Hit {
+            key: Vec::new(),
+            limit: Limit {
+                algorithm: Algorithm::FixedWindow,
+                requests_per_unit: 1,
+                window_us: 1_000_000,
+                burst: 1,
+            },
+            hits: 1,
+            enforcement,
+        }
+    }
+
+    #[test]
+    fn enforced_over_rejects_shadow_never_does() {
+        let hits = [hit(Enforcement::Enforce), hit(Enforcement::Shadow)];
+        assert!(admits(&hits, |_| false));
+        assert!(!admits(&hits, |i| i == 0));
+        assert!(admits(&hits, |i| i == 1));
+    }
+
+    #[test]
+    fn quota_rejects_only_when_all_quota_hits_are_over() {
+        let hits = [
+            hit(Enforcement::Quota),
+            hit(Enforcement::Quota),
+            hit(Enforcement::Enforce),
+        ];
+        assert!(admits(&hits, |i| i == 0));
+        assert!(!admits(&hits, |i| i < 2));
+        assert!(!admits(&hits, |i| i == 2));
+    }
+}

@@ -1,0 +1,72 @@
+//! The `ratelimitd` binary: flags and environment, logging, listeners, signals.
+
+use std::io::IsTerminal;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use ratelimitd::settings::{LogFormat, Settings};
+use ratelimitd::{Listeners, run};
+use tokio::net::TcpListener;
+use tracing_subscriber::EnvFilter;
+
+fn init_logging(settings: &Settings) -> anyhow::Result<()> {
+    let filter = EnvFilter::try_new(&settings.log_level)
+        .with_context(|| format!("--log-level: invalid filter '{}'", settings.log_level))?;
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal());
+    match settings.log_format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("installing a SIGTERM handler");
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+}
+
+async fn serve(settings: Settings) -> anyhow::Result<()> {
+    init_logging(&settings)?;
+    let grpc = TcpListener::bind(settings.grpc_addr)
+        .await
+        .with_context(|| format!("--grpc-addr: cannot listen on {}", settings.grpc_addr))?;
+    let http = TcpListener::bind(settings.http_addr)
+        .await
+        .with_context(|| format!("--http-addr: cannot listen on {}", settings.http_addr))?;
+    run(settings, Listeners { grpc, http }, shutdown_signal()).await?;
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let settings = match Settings::parse_with_env(std::env::args(), |k| std::env::var(k).ok()) {
+        Ok(s) => s,
+        Err(e) => e.exit(),
+    };
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("ratelimitd: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(serve(settings)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("ratelimitd: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

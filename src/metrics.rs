@@ -1,0 +1,144 @@
+//! Every metric the service exports, named in one place (Prometheus text format on /metrics).
+//! One registry per server instance, so tests can run several servers in one process.
+
+use std::sync::Arc;
+
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+/// The outcome of one limit for one descriptor.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
+#[allow(non_camel_case_types)]
+pub enum Decision {
+    /// Within the limit, below the near-limit ratio.
+    within_limit,
+    /// Within the limit, past `--near-limit-ratio` of it.
+    near_limit,
+    /// Over the limit and enforced.
+    over_limit,
+    /// Over the limit of a shadow-mode rule (reported, not enforced).
+    shadow_mode,
+}
+
+/// Labels of `ratelimit_decisions_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DecisionLabels {
+    /// The request's domain.
+    pub domain: Arc<String>,
+    /// The rule's config path (request values only where the config asks for them).
+    pub rule: Arc<String>,
+    /// What happened.
+    pub decision: Decision,
+}
+
+/// Result of a config load.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
+#[allow(non_camel_case_types)]
+pub enum LoadResult {
+    /// The new snapshot is in force.
+    success,
+    /// Refused; the previous snapshot stays in force.
+    error,
+}
+
+/// Labels of `ratelimit_config_loads_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct LoadLabels {
+    /// success or error.
+    pub result: LoadResult,
+}
+
+/// Labels of `ratelimit_grpc_errors_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ErrorLabels {
+    /// The gRPC status code name (invalid_argument, unavailable, …).
+    pub code: String,
+}
+
+/// The service's metrics and the registry that exports them.
+pub struct Metrics {
+    registry: Registry,
+    /// `ratelimit_decisions_total{domain,rule,decision}`.
+    pub decisions: Family<DecisionLabels, Counter>,
+    /// `ratelimit_config_loads_total{result}`.
+    pub config_loads: Family<LoadLabels, Counter>,
+    /// `ratelimit_config_rules`: rules in the snapshot in force.
+    pub config_rules: Gauge,
+    /// `ratelimit_request_duration_seconds`: ShouldRateLimit handling time.
+    pub request_duration: Histogram,
+    /// `ratelimit_grpc_errors_total{code}`: requests answered with a gRPC error.
+    pub grpc_errors: Family<ErrorLabels, Counter>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// Fresh metrics in a new registry.
+    pub fn new() -> Metrics {
+        let mut registry = Registry::default();
+        let decisions = Family::<DecisionLabels, Counter>::default();
+        registry.register(
+            "ratelimit_decisions",
+            "Limit decisions per domain, rule and outcome",
+            decisions.clone(),
+        );
+        let config_loads = Family::<LoadLabels, Counter>::default();
+        registry.register(
+            "ratelimit_config_loads",
+            "Config loads by result; a failed reload keeps the previous config",
+            config_loads.clone(),
+        );
+        let config_rules = Gauge::default();
+        registry.register(
+            "ratelimit_config_rules",
+            "Limits in the config in force",
+            config_rules.clone(),
+        );
+        let request_duration = Histogram::new([
+            0.000_025, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025,
+            0.05, 0.1, 0.25, 1.0,
+        ]);
+        registry.register(
+            "ratelimit_request_duration_seconds",
+            "Time to answer ShouldRateLimit",
+            request_duration.clone(),
+        );
+        let grpc_errors = Family::<ErrorLabels, Counter>::default();
+        registry.register(
+            "ratelimit_grpc_errors",
+            "ShouldRateLimit calls answered with a gRPC error, by code",
+            grpc_errors.clone(),
+        );
+        Metrics {
+            registry,
+            decisions,
+            config_loads,
+            config_rules,
+            request_duration,
+            grpc_errors,
+        }
+    }
+
+    /// Counts a config load.
+    pub fn config_load(&self, result: LoadResult) {
+        self.config_loads
+            .get_or_create(&LoadLabels { result })
+            .inc();
+    }
+
+    /// The Prometheus text exposition of every metric.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &self.registry)
+            .expect("writing to a String cannot fail");
+        out
+    }
+}

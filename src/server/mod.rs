@@ -1,0 +1,4 @@
+//! Protocol front ends: gRPC (Envoy's RateLimitService and health) and HTTP (operations).
+
+pub mod grpc;
+pub mod http;

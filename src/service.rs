@@ -1,0 +1,445 @@
+//! The rate-limit decision, independent of the wire protocol: validate a request, resolve each
+//! descriptor against the config snapshot, ask the backend once for all of them, and turn the
+//! verdicts into per-descriptor statuses.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+
+use crate::config::{LimitRule, Policy, Snapshot, Unit, entry_key};
+use crate::limiter::{Algorithm, Backend, BackendError, Enforcement, Hit, Limit, Verdict};
+use crate::metrics::{Decision, DecisionLabels, Metrics};
+
+/// Bounds on request size; anything larger is refused as `INVALID_ARGUMENT`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RequestLimits {
+    /// Descriptors per request.
+    pub max_descriptors: usize,
+    /// Entries per descriptor.
+    pub max_entries: usize,
+    /// Bytes per entry key.
+    pub max_key_bytes: usize,
+    /// Bytes per entry value.
+    pub max_value_bytes: usize,
+}
+
+impl Default for RequestLimits {
+    fn default() -> Self {
+        RequestLimits {
+            max_descriptors: 64,
+            max_entries: 32,
+            max_key_bytes: 4096,
+            max_value_bytes: 4096,
+        }
+    }
+}
+
+/// A limit supplied by the request itself (Envoy's `limit` override on a descriptor).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LimitOverride {
+    /// Hits per unit.
+    pub requests_per_unit: u64,
+    /// The unit.
+    pub unit: Unit,
+}
+
+/// One descriptor of a request.
+#[derive(Clone, Debug, Default)]
+pub struct Descriptor<'a> {
+    /// (key, value) pairs, outermost first.
+    pub entries: Vec<(&'a str, &'a str)>,
+    /// Replaces the configured limit when present.
+    pub limit_override: Option<LimitOverride>,
+    /// Hits for this descriptor; `Some(0)` checks without consuming.
+    pub hits_addend: Option<u64>,
+}
+
+/// A request: a domain and its descriptors.
+#[derive(Clone, Debug, Default)]
+pub struct Request<'a> {
+    /// The config domain.
+    pub domain: &'a str,
+    /// Descriptors, each decided and reported in order.
+    pub descriptors: Vec<Descriptor<'a>>,
+    /// Hits for descriptors without their own; 0 means 1.
+    pub hits_addend: u64,
+}
+
+/// Whether a descriptor (or the request) is within its limits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Code {
+    /// Within limits (or not limited at all).
+    Ok,
+    /// Over a limit.
+    OverLimit,
+}
+
+/// The limit reported for a descriptor.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReportedLimit {
+    /// `rate_limit.name`, if configured.
+    pub name: Option<Arc<str>>,
+    /// Hits per unit.
+    pub requests_per_unit: u64,
+    /// The configured unit (not multiplied).
+    pub unit: Unit,
+}
+
+/// The answer for one descriptor.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Status {
+    /// OK or OVER_LIMIT.
+    pub code: Code,
+    /// The most restrictive limit that applied; `None` when none did.
+    pub limit: Option<ReportedLimit>,
+    /// Hits left under that limit.
+    pub remaining: u64,
+    /// Time until the limit resets (or the request would fit).
+    pub reset: Option<Duration>,
+}
+
+impl Status {
+    fn unlimited() -> Status {
+        Status {
+            code: Code::Ok,
+            limit: None,
+            remaining: 0,
+            reset: None,
+        }
+    }
+}
+
+/// The answer for a request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Response {
+    /// OVER_LIMIT if any enforced limit is exceeded.
+    pub overall: Code,
+    /// One status per descriptor, in request order.
+    pub statuses: Vec<Status>,
+}
+
+/// Why a request got no decision.
+#[derive(Debug, thiserror::Error)]
+pub enum ServiceError {
+    /// The request is malformed; retrying it will not help.
+    #[error("{0}")]
+    InvalidArgument(String),
+    /// The backend could not decide.
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+}
+
+/// Decision-making settings.
+#[derive(Clone, Copy, Debug)]
+pub struct Policies {
+    /// Size bounds on requests.
+    pub request_limits: RequestLimits,
+    /// Fraction of a limit past which a decision counts as `near_limit`.
+    pub near_limit_ratio: f64,
+    /// Answer OK overall whatever the limits say (statuses still report them).
+    pub global_shadow_mode: bool,
+}
+
+impl Default for Policies {
+    fn default() -> Self {
+        Policies {
+            request_limits: RequestLimits::default(),
+            near_limit_ratio: 0.8,
+            global_shadow_mode: false,
+        }
+    }
+}
+
+/// The decision engine shared by every protocol front end.
+pub struct RateLimiter {
+    config: Arc<ArcSwap<Snapshot>>,
+    backend: Arc<dyn Backend>,
+    metrics: Arc<Metrics>,
+    policies: Policies,
+}
+
+/// A limit that applies to a descriptor, before the backend has seen it.
+struct Applied<'s> {
+    descriptor: usize,
+    limit: Limit,
+    reported: ReportedLimit,
+    enforcement: Enforcement,
+    rule: Arc<String>,
+    name: Option<&'s Arc<str>>,
+    replaces: &'s [Arc<str>],
+    key: Vec<u8>,
+}
+
+const OVERRIDE_INDEX: u16 = u16::MAX;
+
+fn limit_key(mut key: Vec<u8>, limit: &Limit, index: u16) -> Vec<u8> {
+    key.push(limit.algorithm.tag());
+    key.extend_from_slice(&limit.window_us.to_be_bytes());
+    key.extend_from_slice(&index.to_be_bytes());
+    key
+}
+
+impl RateLimiter {
+    /// An engine reading rules from `config` and counting in `backend`.
+    pub fn new(
+        config: Arc<ArcSwap<Snapshot>>,
+        backend: Arc<dyn Backend>,
+        metrics: Arc<Metrics>,
+        policies: Policies,
+    ) -> RateLimiter {
+        RateLimiter {
+            config,
+            backend,
+            metrics,
+            policies,
+        }
+    }
+
+    /// The snapshot in force.
+    pub fn snapshot(&self) -> Arc<Snapshot> {
+        self.config.load_full()
+    }
+
+    fn validate(&self, req: &Request<'_>) -> Result<(), ServiceError> {
+        let bounds = &self.policies.request_limits;
+        let invalid = |m: String| Err(ServiceError::InvalidArgument(m));
+        if req.domain.is_empty() {
+            return invalid("domain must not be empty".into());
+        }
+        if req.descriptors.is_empty() {
+            return invalid("descriptors must not be empty".into());
+        }
+        if req.descriptors.len() > bounds.max_descriptors {
+            return invalid(format!(
+                "{} descriptors exceed the maximum of {}",
+                req.descriptors.len(),
+                bounds.max_descriptors
+            ));
+        }
+        for (i, d) in req.descriptors.iter().enumerate() {
+            if d.entries.is_empty() {
+                return invalid(format!("descriptors[{i}] has no entries"));
+            }
+            if d.entries.len() > bounds.max_entries {
+                return invalid(format!(
+                    "descriptors[{i}] has {} entries, more than the maximum of {}",
+                    d.entries.len(),
+                    bounds.max_entries
+                ));
+            }
+            for (j, (k, v)) in d.entries.iter().enumerate() {
+                if k.is_empty() {
+                    return invalid(format!(
+                        "descriptors[{i}].entries[{j}].key must not be empty"
+                    ));
+                }
+                if k.len() > bounds.max_key_bytes {
+                    return invalid(format!(
+                        "descriptors[{i}].entries[{j}].key is {} bytes, more than the maximum of {}",
+                        k.len(),
+                        bounds.max_key_bytes
+                    ));
+                }
+                if v.len() > bounds.max_value_bytes {
+                    return invalid(format!(
+                        "descriptors[{i}].entries[{j}].value is {} bytes, more than the maximum of {}",
+                        v.len(),
+                        bounds.max_value_bytes
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Decides a request: all-or-nothing across its descriptors.
+    pub async fn should_rate_limit(&self, req: &Request<'_>) -> Result<Response, ServiceError> {
+        self.validate(req)?;
+        let snapshot = self.config.load_full();
+        let mut statuses = vec![Status::unlimited(); req.descriptors.len()];
+        let Some(domain) = snapshot.domain(req.domain) else {
+            return Ok(Response {
+                overall: Code::Ok,
+                statuses,
+            });
+        };
+        let default_hits = req.hits_addend.max(1);
+
+        let mut applied: Vec<Applied<'_>> = Vec::new();
+        for (i, d) in req.descriptors.iter().enumerate() {
+            if let Some(o) = d.limit_override {
+                let limit = Limit {
+                    algorithm: Algorithm::FixedWindow,
+                    requests_per_unit: o.requests_per_unit,
+                    window_us: o.unit.seconds() * 1_000_000,
+                    burst: o.requests_per_unit,
+                };
+                let rule = d
+                    .entries
+                    .iter()
+                    .map(|(k, _)| *k)
+                    .collect::<Vec<_>>()
+                    .join(".");
+                applied.push(Applied {
+                    descriptor: i,
+                    key: limit_key(
+                        entry_key(req.domain, d.entries.iter().copied()),
+                        &limit,
+                        OVERRIDE_INDEX,
+                    ),
+                    limit,
+                    reported: ReportedLimit {
+                        name: None,
+                        requests_per_unit: o.requests_per_unit,
+                        unit: o.unit,
+                    },
+                    enforcement: Enforcement::Enforce,
+                    rule: Arc::new(rule),
+                    name: None,
+                    replaces: &[],
+                });
+                continue;
+            }
+            let Some(matched) = domain.resolve(&d.entries) else {
+                continue;
+            };
+            let Some(Policy::Limits(rules)) = &matched.node.policy else {
+                continue; // unlimited
+            };
+            let enforcement = if matched.node.shadow_mode {
+                Enforcement::Shadow
+            } else if matched.node.quota_mode {
+                Enforcement::Quota
+            } else {
+                Enforcement::Enforce
+            };
+            for (j, rule) in rules.iter().enumerate() {
+                let limit = rule.limit();
+                applied.push(Applied {
+                    descriptor: i,
+                    key: limit_key(matched.key.clone(), &limit, j as u16),
+                    limit,
+                    reported: reported(rule),
+                    enforcement,
+                    rule: matched.rule.clone(),
+                    name: rule.name.as_ref(),
+                    replaces: &rule.replaces,
+                });
+            }
+        }
+
+        // `replaces`: a limit named by another applicable limit's `replaces` does not apply.
+        let replaced: Vec<&Arc<str>> = applied.iter().flat_map(|a| a.replaces).collect();
+        if !replaced.is_empty() {
+            applied.retain(|a| !a.name.is_some_and(|n| replaced.contains(&n)));
+        }
+        if applied.is_empty() {
+            return Ok(Response {
+                overall: Code::Ok,
+                statuses,
+            });
+        }
+
+        let hits: Vec<Hit> = applied
+            .iter_mut()
+            .map(|a| Hit {
+                key: std::mem::take(&mut a.key),
+                limit: a.limit,
+                hits: req.descriptors[a.descriptor]
+                    .hits_addend
+                    .unwrap_or(default_hits),
+                enforcement: a.enforcement,
+            })
+            .collect();
+        let outcome = self.backend.decide(&hits).await?;
+
+        let quota: Vec<bool> = hits
+            .iter()
+            .zip(&outcome.verdicts)
+            .filter(|(h, _)| h.enforcement == Enforcement::Quota)
+            .map(|(_, v)| v.over)
+            .collect();
+        let quota_rejects = !quota.is_empty() && quota.iter().all(|&over| over);
+
+        // Per descriptor, report the most restrictive limit: an enforced over first, then the
+        // smallest remaining.
+        let mut best: Vec<Option<(bool, u64, usize)>> = vec![None; req.descriptors.len()];
+        for (k, ((a, hit), v)) in applied.iter().zip(&hits).zip(&outcome.verdicts).enumerate() {
+            let rejects = v.over
+                && match a.enforcement {
+                    Enforcement::Enforce => true,
+                    Enforcement::Quota => quota_rejects,
+                    Enforcement::Shadow => false,
+                };
+            let remaining = if v.over {
+                0
+            } else if outcome.admitted {
+                v.remaining
+            } else {
+                // Nothing was consumed: what the verdict counted for this request is still there.
+                v.remaining.saturating_add(hit.hits)
+            };
+            self.record(&domain.name, a, v, remaining);
+            let slot = &mut best[a.descriptor];
+            let better = match slot {
+                None => true,
+                Some((r, rem, _)) => (rejects && !*r) || (rejects == *r && remaining < *rem),
+            };
+            if better {
+                *slot = Some((rejects, remaining, k));
+            }
+        }
+        for (i, b) in best.into_iter().enumerate() {
+            let Some((rejects, remaining, k)) = b else {
+                continue;
+            };
+            statuses[i] = Status {
+                code: if rejects { Code::OverLimit } else { Code::Ok },
+                limit: Some(applied[k].reported.clone()),
+                remaining,
+                reset: Some(outcome.verdicts[k].reset),
+            };
+        }
+        let overall = if outcome.admitted || self.policies.global_shadow_mode {
+            Code::Ok
+        } else {
+            Code::OverLimit
+        };
+        Ok(Response { overall, statuses })
+    }
+
+    fn record(&self, domain: &Arc<String>, a: &Applied<'_>, v: &Verdict, remaining: u64) {
+        let rpu = a.limit.requests_per_unit;
+        let decision = if v.over {
+            if a.enforcement == Enforcement::Shadow {
+                Decision::shadow_mode
+            } else {
+                Decision::over_limit
+            }
+        } else {
+            let threshold = (rpu as f64 * self.policies.near_limit_ratio).floor() as u64;
+            if rpu.saturating_sub(remaining) > threshold {
+                Decision::near_limit
+            } else {
+                Decision::within_limit
+            }
+        };
+        self.metrics
+            .decisions
+            .get_or_create(&DecisionLabels {
+                domain: domain.clone(),
+                rule: a.rule.clone(),
+                decision,
+            })
+            .inc();
+    }
+}
+
+fn reported(rule: &LimitRule) -> ReportedLimit {
+    ReportedLimit {
+        name: rule.name.clone(),
+        requests_per_unit: rule.requests_per_unit,
+        unit: rule.unit,
+    }
+}

@@ -1,0 +1,227 @@
+//! Command-line flags, each also read from `RATELIMITD_<FLAG>` (upper case, `-` → `_`) when not
+//! given on the command line. The environment is passed in, so tests never touch the process's.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{CommandFactory, Parser, ValueEnum};
+
+use crate::service::{Policies, RequestLimits};
+
+/// Where counters are kept.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum BackendKind {
+    /// In this process (the default): exact, fast, not shared between replicas.
+    Memory,
+}
+
+/// Log line format.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// Validated service settings.
+#[derive(Clone, Debug, Parser)]
+#[command(
+    name = "ratelimitd",
+    version,
+    about = "Rate-limit service for Envoy and Istio (envoy.service.ratelimit.v3)",
+    after_help = "Every flag can also be set as RATELIMITD_<FLAG>, e.g. RATELIMITD_GRPC_ADDR=0.0.0.0:8081; \
+                  RATELIMITD_CONFIG takes a comma-separated list."
+)]
+pub struct Settings {
+    /// Config file or directory (every *.yaml/*.yml inside, dot-files skipped); repeatable.
+    #[arg(long = "config", value_name = "PATH", required = true)]
+    pub config: Vec<PathBuf>,
+
+    /// gRPC listen address (RateLimitService and grpc.health.v1).
+    #[arg(long, default_value = "0.0.0.0:8081")]
+    pub grpc_addr: SocketAddr,
+
+    /// HTTP listen address (/healthcheck, /metrics, /rlconfig).
+    #[arg(long, default_value = "0.0.0.0:8080")]
+    pub http_addr: SocketAddr,
+
+    /// Where counters are kept.
+    #[arg(long, value_enum, default_value = "memory")]
+    pub backend: BackendKind,
+
+    /// Log format.
+    #[arg(long, value_enum, default_value = "text")]
+    pub log_format: LogFormat,
+
+    /// Log filter: a level (error, warn, info, debug, trace) or tracing directives.
+    #[arg(long, default_value = "info")]
+    pub log_level: String,
+
+    /// Fraction of a limit past which a decision is counted as near_limit.
+    #[arg(long, default_value_t = 0.8, value_parser = parse_ratio)]
+    pub near_limit_ratio: f64,
+
+    /// Answer OK overall whatever the limits say (statuses and metrics still report them).
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub shadow_mode: bool,
+
+    /// Most descriptors in one request.
+    #[arg(long, default_value_t = 64)]
+    pub max_descriptors: usize,
+
+    /// Most entries in one descriptor.
+    #[arg(long, default_value_t = 32)]
+    pub max_entries: usize,
+
+    /// Longest entry key, in bytes.
+    #[arg(long, default_value_t = 4096)]
+    pub max_key_bytes: usize,
+
+    /// Longest entry value, in bytes.
+    #[arg(long, default_value_t = 4096)]
+    pub max_value_bytes: usize,
+
+    /// How long in-flight calls may take to finish after SIGTERM before the process exits anyway.
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    pub shutdown_grace: Duration,
+}
+
+fn parse_ratio(s: &str) -> Result<f64, String> {
+    let v: f64 = s.parse().map_err(|e| format!("{e}"))?;
+    if (0.0..=1.0).contains(&v) {
+        Ok(v)
+    } else {
+        Err(format!("{v} is not between 0 and 1"))
+    }
+}
+
+/// Parses `250ms`, `10s`, `2m` or a bare number of seconds.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let split = s
+        .find(|c: char| !c.is_ascii_digit() && c != '.')
+        .unwrap_or(s.len());
+    let (number, unit) = s.split_at(split);
+    let n: f64 = number
+        .parse()
+        .map_err(|_| format!("'{s}' is not a duration (e.g. 250ms, 10s, 2m)"))?;
+    let secs = match unit {
+        "ms" => n / 1000.0,
+        "" | "s" => n,
+        "m" => n * 60.0,
+        _ => return Err(format!("'{s}' has an unknown unit (use ms, s or m)")),
+    };
+    Ok(Duration::from_secs_f64(secs))
+}
+
+impl Settings {
+    /// Parses `args` (program name first), filling flags missing from them from `env`.
+    pub fn parse_with_env<I, S>(
+        args: I,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<Settings, clap::Error>
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        let mut args: Vec<String> = args.into_iter().map(Into::into).collect();
+        let given: Vec<String> = args.clone();
+        for arg in Settings::command().get_arguments() {
+            let Some(long) = arg.get_long() else { continue };
+            let flag = format!("--{long}");
+            let on_command_line = given
+                .iter()
+                .any(|a| *a == flag || a.starts_with(&format!("{flag}=")));
+            if on_command_line {
+                continue;
+            }
+            let var = format!("RATELIMITD_{}", long.to_uppercase().replace('-', "_"));
+            let Some(value) = env(&var) else { continue };
+            if long == "config" {
+                for part in value.split(',').filter(|p| !p.is_empty()) {
+                    args.push(format!("{flag}={part}"));
+                }
+            } else {
+                args.push(format!("{flag}={value}"));
+            }
+        }
+        Settings::try_parse_from(args)
+    }
+
+    /// The decision policies these settings ask for.
+    pub fn policies(&self) -> Policies {
+        Policies {
+            request_limits: RequestLimits {
+                max_descriptors: self.max_descriptors,
+                max_entries: self.max_entries,
+                max_key_bytes: self.max_key_bytes,
+                max_value_bytes: self.max_value_bytes,
+            },
+            near_limit_ratio: self.near_limit_ratio,
+            global_shadow_mode: self.shadow_mode,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn parse(args: &[&str], env: &[(&str, &str)]) -> Result<Settings, clap::Error> {
+        let env: HashMap<String, String> = env
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        Settings::parse_with_env(
+            std::iter::once("ratelimitd").chain(args.iter().copied()),
+            |k| env.get(k).cloned(),
+        )
+    }
+
+    #[test]
+    fn defaults_match_the_reference_ports() {
+        let s = parse(&["--config", "x.yaml"], &[]).unwrap();
+        assert_eq!(s.grpc_addr.port(), 8081);
+        assert_eq!(s.http_addr.port(), 8080);
+        assert_eq!(s.backend, BackendKind::Memory);
+        assert_eq!(s.policies().request_limits, RequestLimits::default());
+    }
+
+    #[test]
+    fn environment_fills_missing_flags_and_flags_win() {
+        let s = parse(
+            &["--grpc-addr", "127.0.0.1:1"],
+            &[
+                ("RATELIMITD_CONFIG", "a.yaml,dir"),
+                ("RATELIMITD_GRPC_ADDR", "127.0.0.1:2"),
+                ("RATELIMITD_MAX_DESCRIPTORS", "3"),
+                ("RATELIMITD_SHADOW_MODE", "true"),
+                ("RATELIMITD_SHUTDOWN_GRACE", "250ms"),
+            ],
+        )
+        .unwrap();
+        assert_eq!(
+            s.config,
+            vec![PathBuf::from("a.yaml"), PathBuf::from("dir")]
+        );
+        assert_eq!(s.grpc_addr.port(), 1);
+        assert_eq!(s.max_descriptors, 3);
+        assert!(s.shadow_mode);
+        assert_eq!(s.shutdown_grace, Duration::from_millis(250));
+    }
+
+    #[test]
+    fn bad_values_are_refused_with_the_flag_named() {
+        let err = parse(&["--config", "x", "--near-limit-ratio", "2"], &[]).unwrap_err();
+        assert!(err.to_string().contains("--near-limit-ratio"), "{err}");
+        let err = parse(&["--config", "x", "--backend", "etcd"], &[]).unwrap_err();
+        assert!(err.to_string().contains("--backend"), "{err}");
+        let err = parse(&[], &[]).unwrap_err();
+        assert!(err.to_string().contains("--config"), "{err}");
+        let err = parse(&["--config", "x"], &[("RATELIMITD_GRPC_ADDR", "nope")]).unwrap_err();
+        assert!(err.to_string().contains("--grpc-addr"), "{err}");
+    }
+}

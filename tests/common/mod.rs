@@ -1,0 +1,269 @@
+//! Test harness: a real ratelimitd on loopback port 0, a real gRPC client, raw HTTP, polling.
+#![allow(dead_code)]
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use ratelimitd::limiter::{Clock, SystemClock};
+use ratelimitd::settings::Settings;
+use ratelimitd::{Listeners, RunError, run_with_clock};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+use tonic::transport::Channel;
+
+pub type Client = RateLimitServiceClient<Channel>;
+
+/// A running server with its config directory.
+pub struct TestServer {
+    pub grpc: SocketAddr,
+    pub http: SocketAddr,
+    pub dir: tempfile::TempDir,
+    stop: Option<oneshot::Sender<()>>,
+    pub task: Option<JoinHandle<Result<(), RunError>>>,
+}
+
+impl TestServer {
+    /// Starts a server whose config directory holds `files` (name, YAML).
+    pub async fn start(files: &[(&str, &str)]) -> TestServer {
+        Self::start_with(files, &[], Arc::new(SystemClock)).await
+    }
+
+    /// Starts a server with extra flags and a clock for the memory backend.
+    pub async fn start_with(
+        files: &[(&str, &str)],
+        flags: &[&str],
+        clock: Arc<dyn Clock>,
+    ) -> TestServer {
+        let dir = tempfile::tempdir().unwrap();
+        for (name, text) in files {
+            std::fs::write(dir.path().join(name), text).unwrap();
+        }
+        Self::start_at(dir, None, flags, clock).await
+    }
+
+    /// Starts a server on a prepared directory; `config` defaults to the directory itself.
+    pub async fn start_at(
+        dir: tempfile::TempDir,
+        config: Option<PathBuf>,
+        flags: &[&str],
+        clock: Arc<dyn Clock>,
+    ) -> TestServer {
+        let config = config.unwrap_or_else(|| dir.path().to_owned());
+        let mut args = vec![
+            "ratelimitd".to_string(),
+            "--config".into(),
+            config.display().to_string(),
+        ];
+        args.extend(flags.iter().map(|s| s.to_string()));
+        let settings = Settings::parse_with_env(args, |_| None).expect("settings");
+        let grpc_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let http_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let grpc = grpc_listener.local_addr().unwrap();
+        let http = http_listener.local_addr().unwrap();
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(run_with_clock(
+            settings,
+            Listeners {
+                grpc: grpc_listener,
+                http: http_listener,
+            },
+            async {
+                let _ = stopped.await;
+            },
+            clock,
+        ));
+        TestServer {
+            grpc,
+            http,
+            dir,
+            stop: Some(stop),
+            task: Some(task),
+        }
+    }
+
+    /// A client, once the server accepts; panics if the server has exited instead.
+    pub async fn client(&self) -> Client {
+        let url = format!("http://{}", self.grpc);
+        poll(Duration::from_secs(10), || {
+            let url = url.clone();
+            let exited = self.task.as_ref().is_none_or(|t| t.is_finished());
+            assert!(!exited, "the server exited before accepting (bad config?)");
+            async move { RateLimitServiceClient::connect(url).await.ok() }
+        })
+        .await
+    }
+
+    pub async fn http_get(&self, path: &str) -> (u16, String) {
+        http_get(self.http, path).await
+    }
+
+    /// Signals shutdown and waits for `run` to return.
+    pub async fn shutdown(&mut self) -> Result<(), RunError> {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        let task = self.task.take().expect("running");
+        tokio::time::timeout(Duration::from_secs(15), task)
+            .await
+            .expect("shut down within 15 s")
+            .expect("run task")
+    }
+
+    /// Writes a file in the config directory.
+    pub fn write(&self, name: &str, text: &str) {
+        std::fs::write(self.dir.path().join(name), text).unwrap();
+    }
+
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+}
+
+impl Drop for TestServer {
+    fn drop(&mut self) {
+        if let Some(task) = self.task.take() {
+            task.abort();
+        }
+    }
+}
+
+/// A minimal HTTP/1.1 GET: status and body.
+pub async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
+    let mut stream = TcpStream::connect(addr).await.unwrap();
+    let req = format!("GET {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n");
+    stream.write_all(req.as_bytes()).await.unwrap();
+    let mut raw = Vec::new();
+    stream.read_to_end(&mut raw).await.unwrap();
+    let text = String::from_utf8_lossy(&raw).to_string();
+    let status: u16 = text.split_whitespace().nth(1).unwrap().parse().unwrap();
+    let (_, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let body = if text
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        dechunk(body)
+    } else {
+        body.to_string()
+    };
+    (status, body)
+}
+
+fn dechunk(mut body: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = body.split_once("\r\n") {
+        let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+        if n == 0 {
+            break;
+        }
+        out.push_str(&rest[..n]);
+        body = &rest[n + 2..];
+    }
+    out
+}
+
+/// Polls `f` until it yields `Some`, or panics at the deadline.
+pub async fn poll<T, F, Fut>(deadline: Duration, mut f: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let until = Instant::now() + deadline;
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        assert!(
+            Instant::now() < until,
+            "condition not met within {deadline:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// A descriptor from (key, value) pairs.
+pub fn desc(entries: &[(&str, &str)]) -> RateLimitDescriptor {
+    RateLimitDescriptor {
+        entries: entries
+            .iter()
+            .map(|(k, v)| Entry {
+                key: k.to_string(),
+                value: v.to_string(),
+            })
+            .collect(),
+        ..Default::default()
+    }
+}
+
+/// A request for `domain` with one descriptor per entry list.
+pub fn request(domain: &str, descriptors: &[&[(&str, &str)]]) -> RateLimitRequest {
+    RateLimitRequest {
+        domain: domain.into(),
+        descriptors: descriptors.iter().map(|d| desc(d)).collect(),
+        hits_addend: 0,
+    }
+}
+
+/// Sends a request that must succeed.
+pub async fn call(client: &mut Client, req: RateLimitRequest) -> RateLimitResponse {
+    client
+        .should_rate_limit(req)
+        .await
+        .expect("ShouldRateLimit")
+        .into_inner()
+}
+
+pub fn is_ok(resp: &RateLimitResponse) -> bool {
+    resp.overall_code == Code::Ok as i32
+}
+
+pub fn is_over(resp: &RateLimitResponse) -> bool {
+    resp.overall_code == Code::OverLimit as i32
+}
+
+/// A clock-independent seconds value of a status's duration_until_reset.
+pub fn reset_of(resp: &RateLimitResponse, i: usize) -> Duration {
+    let d = resp.statuses[i]
+        .duration_until_reset
+        .as_ref()
+        .expect("duration_until_reset");
+    Duration::new(d.seconds as u64, d.nanos as u32)
+}
+
+/// Path to envoyproxy/ratelimit's fixtures, if present (required when CI asks).
+pub fn fixtures() -> Option<PathBuf> {
+    let dir = std::env::var_os("RATELIMITD_FIXTURES")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/fixtures/envoyproxy-ratelimit")
+        });
+    if dir.is_dir() {
+        return Some(dir);
+    }
+    assert!(
+        std::env::var_os("RATELIMITD_REQUIRE_FIXTURES").is_none(),
+        "fixtures required but missing at {}",
+        dir.display()
+    );
+    eprintln!("skipping: no fixtures at {}", dir.display());
+    None
+}
+
+/// The value of a metric line (exact label set) in Prometheus text, or 0.
+pub fn metric(text: &str, series: &str) -> f64 {
+    text.lines()
+        .find_map(|l| {
+            l.strip_prefix(series)
+                .and_then(|rest| rest.strip_prefix(' '))
+        })
+        .map_or(0.0, |v| v.trim().parse().unwrap())
+}

@@ -1,0 +1,583 @@
+//! The behavioural suite: a real server, a real gRPC client, every rule of the protocol and
+//! config. Time-exact checks use a manual clock; wall-clock checks poll with deadlines.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::RateLimitOverride;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
+use envoy_types::pb::google::protobuf::UInt64Value;
+use ratelimitd::limiter::{Algorithm, ManualClock};
+
+const LIMITS: &str = r#"
+domain: test
+descriptors:
+  - key: three_per_minute
+    rate_limit: {unit: minute, requests_per_unit: 3, name: three}
+  - key: roomy
+    rate_limit: {unit: minute, requests_per_unit: 100}
+  - key: blocked
+    rate_limit: {unit: second, requests_per_unit: 0}
+  - key: free
+    rate_limit: {unlimited: true}
+  - key: shadow
+    shadow_mode: true
+    rate_limit: {unit: minute, requests_per_unit: 1}
+  - key: layered
+    rate_limits:
+      - {name: burst, unit: second, requests_per_unit: 2}
+      - {name: daily, unit: day, requests_per_unit: 5}
+  - key: quota
+    value: a
+    quota_mode: true
+    rate_limit: {unit: minute, requests_per_unit: 1}
+  - key: quota
+    value: b
+    quota_mode: true
+    rate_limit: {unit: minute, requests_per_unit: 2}
+  - key: tenant
+    value: t-*
+    share_threshold: true
+    rate_limit: {unit: minute, requests_per_unit: 2}
+  - key: detailed
+    detailed_metric: true
+    rate_limit: {unit: minute, requests_per_unit: 10}
+  - key: near
+    rate_limit: {unit: minute, requests_per_unit: 10}
+"#;
+
+async fn server() -> TestServer {
+    TestServer::start(&[("limits.yaml", LIMITS)]).await
+}
+
+#[tokio::test]
+async fn fixed_window_admits_up_to_the_limit_and_reports_it() {
+    let s = server().await;
+    let mut c = s.client().await;
+    for left in [2, 1, 0] {
+        let r = call(&mut c, request("test", &[&[("three_per_minute", "x")]])).await;
+        assert!(is_ok(&r));
+        let st = &r.statuses[0];
+        assert_eq!(st.code, Code::Ok as i32);
+        assert_eq!(st.limit_remaining, left);
+        let limit = st.current_limit.as_ref().unwrap();
+        assert_eq!((limit.name.as_str(), limit.requests_per_unit), ("three", 3));
+        assert_eq!(limit.unit, Unit::Minute as i32);
+        assert!(reset_of(&r, 0) <= Duration::from_secs(60));
+        assert!(reset_of(&r, 0) > Duration::ZERO);
+    }
+    let r = call(&mut c, request("test", &[&[("three_per_minute", "x")]])).await;
+    assert!(is_over(&r));
+    assert_eq!(r.statuses[0].code, Code::OverLimit as i32);
+    assert_eq!(r.statuses[0].limit_remaining, 0);
+    // Another value of a value-less key has its own counter.
+    let r = call(&mut c, request("test", &[&[("three_per_minute", "y")]])).await;
+    assert!(is_ok(&r));
+}
+
+#[tokio::test]
+async fn unknown_domains_and_unmatched_descriptors_are_not_limited() {
+    let s = server().await;
+    let mut c = s.client().await;
+    let r = call(
+        &mut c,
+        request("nope", &[&[("three_per_minute", "x")], &[("a", "b")]]),
+    )
+    .await;
+    assert!(is_ok(&r));
+    assert_eq!(r.statuses.len(), 2);
+    assert!(
+        r.statuses
+            .iter()
+            .all(|s| s.current_limit.is_none() && s.code == Code::Ok as i32)
+    );
+    let r = call(
+        &mut c,
+        request(
+            "test",
+            &[
+                &[("unknown", "x")],
+                &[("three_per_minute", "x"), ("deeper", "y")],
+            ],
+        ),
+    )
+    .await;
+    assert!(is_ok(&r));
+    assert!(r.statuses.iter().all(|s| s.current_limit.is_none()));
+}
+
+#[tokio::test]
+async fn malformed_requests_are_invalid_argument_with_a_message() {
+    let s = server().await;
+    let mut c = s.client().await;
+    let mut cases = vec![
+        (request("", &[&[("a", "b")]]), "domain"),
+        (request("test", &[]), "descriptors"),
+        (request("test", &[&[]]), "no entries"),
+        (request("test", &[&[("", "b")]]), "key must not be empty"),
+    ];
+    let many: Vec<&[(&str, &str)]> = vec![&[("a", "b")]; 65];
+    cases.push((request("test", &many), "maximum of 64"));
+    let deep: Vec<(&str, &str)> = vec![("a", "b"); 33];
+    cases.push((request("test", &[&deep]), "maximum of 32"));
+    let long = "v".repeat(4097);
+    cases.push((
+        request("test", &[&[("a", long.as_str())]]),
+        "value is 4097 bytes",
+    ));
+    let long_key = "k".repeat(4097);
+    cases.push((
+        request("test", &[&[(long_key.as_str(), "v")]]),
+        "key is 4097 bytes",
+    ));
+    let mut bad_unit = request("test", &[&[("a", "b")]]);
+    bad_unit.descriptors[0].limit = Some(RateLimitOverride {
+        requests_per_unit: 1,
+        unit: 0,
+    });
+    cases.push((bad_unit, "limit.unit"));
+    let mut negative = request("test", &[&[("a", "b")]]);
+    negative.descriptors[0].is_negative_hits = true;
+    cases.push((negative, "is_negative_hits"));
+    for (req, needle) in cases {
+        let err = c.should_rate_limit(req).await.expect_err(needle);
+        assert_eq!(err.code(), tonic::Code::InvalidArgument, "{needle}");
+        assert!(
+            err.message().contains(needle),
+            "{} lacks {needle}",
+            err.message()
+        );
+    }
+    // The server is still fine.
+    assert!(is_ok(
+        &call(&mut c, request("test", &[&[("roomy", "x")]])).await
+    ));
+    let (_, metrics) = s.http_get("/metrics").await;
+    assert_eq!(
+        metric(
+            &metrics,
+            r#"ratelimit_grpc_errors_total{code="invalidargument"}"#
+        ),
+        10.0
+    );
+}
+
+#[tokio::test]
+async fn hits_addend_per_request_and_per_descriptor() {
+    let s = server().await;
+    let mut c = s.client().await;
+    // Request hits_addend 0 means 1.
+    let r = call(&mut c, request("test", &[&[("roomy", "h")]])).await;
+    assert_eq!(r.statuses[0].limit_remaining, 99);
+    let mut req = request("test", &[&[("roomy", "h")]]);
+    req.hits_addend = 10;
+    assert_eq!(call(&mut c, req).await.statuses[0].limit_remaining, 89);
+    // A descriptor's own hits_addend wins, and 0 only checks.
+    let mut req = request("test", &[&[("roomy", "h")], &[("roomy", "h")]]);
+    req.hits_addend = 10;
+    req.descriptors[0].hits_addend = Some(UInt64Value { value: 0 });
+    req.descriptors[1].hits_addend = Some(UInt64Value { value: 5 });
+    let r = call(&mut c, req).await;
+    assert_eq!(r.statuses[0].limit_remaining, 89);
+    assert_eq!(r.statuses[1].limit_remaining, 84);
+    let mut req = request("test", &[&[("roomy", "h")]]);
+    req.descriptors[0].hits_addend = Some(UInt64Value { value: 0 });
+    assert_eq!(call(&mut c, req).await.statuses[0].limit_remaining, 84);
+    // More than fits at once is over, and consumes nothing.
+    let mut req = request("test", &[&[("roomy", "h")]]);
+    req.hits_addend = 85;
+    assert!(is_over(&call(&mut c, req).await));
+    let mut req = request("test", &[&[("roomy", "h")]]);
+    req.hits_addend = 84;
+    let r = call(&mut c, req).await;
+    assert!(is_ok(&r));
+    assert_eq!(r.statuses[0].limit_remaining, 0);
+}
+
+#[tokio::test]
+async fn a_descriptor_limit_override_replaces_the_configured_limit() {
+    let s = server().await;
+    let mut c = s.client().await;
+    let with_override = |key: &str| {
+        let mut req = request("test", &[&[(key, "o")]]);
+        req.descriptors[0].limit = Some(RateLimitOverride {
+            requests_per_unit: 2,
+            unit: 3, /* HOUR */
+        });
+        req
+    };
+    for key in ["roomy", "not_configured"] {
+        let r = call(&mut c, with_override(key)).await;
+        let limit = r.statuses[0].current_limit.as_ref().unwrap();
+        assert_eq!(
+            (limit.requests_per_unit, limit.unit),
+            (2, Unit::Hour as i32),
+            "{key}"
+        );
+        assert!(is_ok(&call(&mut c, with_override(key)).await), "{key}");
+        assert!(is_over(&call(&mut c, with_override(key)).await), "{key}");
+    }
+    // The configured limit's own counter was not touched.
+    let r = call(&mut c, request("test", &[&[("roomy", "o")]])).await;
+    assert_eq!(r.statuses[0].limit_remaining, 99);
+}
+
+#[tokio::test]
+async fn a_rejected_request_consumes_nothing_anywhere() {
+    let s = server().await;
+    let mut c = s.client().await;
+    let both: &[&[(&str, &str)]] = &[&[("roomy", "aon")], &[("three_per_minute", "aon")]];
+    for _ in 0..3 {
+        assert!(is_ok(&call(&mut c, request("test", both)).await));
+    }
+    for _ in 0..5 {
+        let r = call(&mut c, request("test", both)).await;
+        assert!(is_over(&r));
+        assert_eq!(
+            r.statuses[0].code,
+            Code::Ok as i32,
+            "the roomy limit had room"
+        );
+        assert_eq!(r.statuses[0].limit_remaining, 97, "and still has it");
+        assert_eq!(r.statuses[1].code, Code::OverLimit as i32);
+    }
+    let r = call(&mut c, request("test", &[&[("roomy", "aon")]])).await;
+    assert_eq!(
+        r.statuses[0].limit_remaining, 96,
+        "five rejected requests took nothing"
+    );
+}
+
+#[tokio::test]
+async fn zero_blocks_unlimited_never_limits() {
+    let s = server().await;
+    let mut c = s.client().await;
+    let r = call(&mut c, request("test", &[&[("blocked", "x")]])).await;
+    assert!(is_over(&r));
+    for _ in 0..50 {
+        let r = call(&mut c, request("test", &[&[("free", "x")]])).await;
+        assert!(is_ok(&r));
+        assert!(r.statuses[0].current_limit.is_none());
+    }
+}
+
+#[tokio::test]
+async fn shadow_mode_counts_and_reports_but_never_rejects() {
+    let s = server().await;
+    let mut c = s.client().await;
+    for _ in 0..3 {
+        let r = call(&mut c, request("test", &[&[("shadow", "x")]])).await;
+        assert!(is_ok(&r));
+        assert_eq!(r.statuses[0].code, Code::Ok as i32);
+    }
+    let (_, m) = s.http_get("/metrics").await;
+    assert_eq!(
+        metric(
+            &m,
+            r#"ratelimit_decisions_total{domain="test",rule="shadow",decision="shadow_mode"}"#
+        ),
+        2.0
+    );
+    // A shadow limit being over does not stop other limits from counting.
+    let r = call(
+        &mut c,
+        request("test", &[&[("shadow", "x")], &[("roomy", "s")]]),
+    )
+    .await;
+    assert!(is_ok(&r));
+    assert_eq!(r.statuses[1].limit_remaining, 99);
+}
+
+#[tokio::test]
+async fn global_shadow_mode_answers_ok_overall() {
+    let s = TestServer::start_with(
+        &[("limits.yaml", LIMITS)],
+        &["--shadow-mode"],
+        Arc::new(ratelimitd::limiter::SystemClock),
+    )
+    .await;
+    let mut c = s.client().await;
+    let r = call(&mut c, request("test", &[&[("blocked", "x")]])).await;
+    assert!(is_ok(&r));
+    assert_eq!(
+        r.statuses[0].code,
+        Code::OverLimit as i32,
+        "statuses still tell the truth"
+    );
+}
+
+#[tokio::test]
+async fn several_limits_report_the_most_restrictive() {
+    let s = server().await;
+    let mut c = s.client().await;
+    let r = call(&mut c, request("test", &[&[("layered", "k")]])).await;
+    let limit = r.statuses[0].current_limit.as_ref().unwrap();
+    assert_eq!(
+        (limit.name.as_str(), r.statuses[0].limit_remaining),
+        ("burst", 1)
+    );
+    let r = call(&mut c, request("test", &[&[("layered", "k")]])).await;
+    assert_eq!(r.statuses[0].limit_remaining, 0);
+    let r = call(&mut c, request("test", &[&[("layered", "k")]])).await;
+    assert!(is_over(&r));
+    assert_eq!(r.statuses[0].current_limit.as_ref().unwrap().name, "burst");
+    // With room in the per-second limit, the daily one (3 left of 5 after 2) is tighter later.
+    let mut req = request("test", &[&[("layered", "j")]]);
+    req.hits_addend = 2;
+    let r = call(&mut c, req).await;
+    assert_eq!(r.statuses[0].current_limit.as_ref().unwrap().name, "burst");
+    assert_eq!(r.statuses[0].limit_remaining, 0);
+}
+
+#[tokio::test]
+async fn quota_mode_rejects_only_when_every_quota_descriptor_is_over() {
+    let s = server().await;
+    let mut c = s.client().await;
+    let both: &[&[(&str, &str)]] = &[&[("quota", "a")], &[("quota", "b")]];
+    assert!(is_ok(&call(&mut c, request("test", both)).await)); // a 0 left, b 1 left
+    let r = call(&mut c, request("test", both)).await; // a over, b fits
+    assert!(is_ok(&r));
+    assert_eq!(r.statuses[0].code, Code::Ok as i32);
+    assert_eq!(r.statuses[1].limit_remaining, 0);
+    let r = call(&mut c, request("test", both)).await; // both over
+    assert!(is_over(&r));
+    assert!(r.statuses.iter().all(|s| s.code == Code::OverLimit as i32));
+}
+
+#[tokio::test]
+async fn share_threshold_wildcards_share_one_counter() {
+    let s = server().await;
+    let mut c = s.client().await;
+    assert!(is_ok(
+        &call(&mut c, request("test", &[&[("tenant", "t-1")]])).await
+    ));
+    assert!(is_ok(
+        &call(&mut c, request("test", &[&[("tenant", "t-2")]])).await
+    ));
+    assert!(is_over(
+        &call(&mut c, request("test", &[&[("tenant", "t-3")]])).await
+    ));
+    let (_, m) = s.http_get("/metrics").await;
+    assert_eq!(
+        metric(
+            &m,
+            r#"ratelimit_decisions_total{domain="test",rule="tenant_t-*",decision="over_limit"}"#
+        ),
+        1.0
+    );
+}
+
+#[tokio::test]
+async fn metrics_keep_request_values_out_unless_asked() {
+    let s = server().await;
+    let mut c = s.client().await;
+    for _ in 0..9 {
+        call(&mut c, request("test", &[&[("near", "v0")]])).await;
+    }
+    for v in ["a", "b"] {
+        call(&mut c, request("test", &[&[("detailed", v)]])).await;
+    }
+    let (status, m) = s.http_get("/metrics").await;
+    assert_eq!(status, 200);
+    // 10 per minute, ratio 0.8: the 9th hit is past 8.
+    assert_eq!(
+        metric(
+            &m,
+            r#"ratelimit_decisions_total{domain="test",rule="near",decision="within_limit"}"#
+        ),
+        8.0
+    );
+    assert_eq!(
+        metric(
+            &m,
+            r#"ratelimit_decisions_total{domain="test",rule="near",decision="near_limit"}"#
+        ),
+        1.0
+    );
+    assert!(
+        !m.contains("v0"),
+        "a value-less key never puts request values in labels"
+    );
+    assert_eq!(
+        metric(
+            &m,
+            r#"ratelimit_decisions_total{domain="test",rule="detailed_a",decision="within_limit"}"#
+        ),
+        1.0
+    );
+    assert!(metric(&m, "ratelimit_request_duration_seconds_count") >= 11.0);
+    assert_eq!(
+        metric(&m, r#"ratelimit_config_loads_total{result="success"}"#),
+        1.0
+    );
+}
+
+#[tokio::test]
+async fn health_over_grpc_and_http() {
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
+    let mut s = server().await;
+    s.client().await; // wait until up
+    let channel = tonic::transport::Channel::from_shared(format!("http://{}", s.grpc))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut health = HealthClient::new(channel);
+    for service in ratelimitd::HEALTH_SERVICES {
+        let r = health
+            .check(HealthCheckRequest {
+                service: service.into(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(r.status, ServingStatus::Serving as i32, "{service:?}");
+    }
+    assert_eq!(s.http_get("/healthcheck").await, (200, "OK".to_string()));
+    let (status, dump) = s.http_get("/rlconfig").await;
+    assert_eq!(status, 200);
+    assert!(dump.contains("test.three_per_minute: unit=MINUTE requests_per_unit=3, algorithm=fixed_window, name=three, shadow_mode: false"), "{dump}");
+    assert!(dump.contains("test.shadow: unit=MINUTE requests_per_unit=1, algorithm=fixed_window, shadow_mode: true"), "{dump}");
+    s.shutdown().await.unwrap();
+    assert!(
+        tokio::net::TcpStream::connect(s.grpc).await.is_err(),
+        "stopped accepting"
+    );
+}
+
+#[tokio::test]
+async fn concurrent_requests_admit_exactly_the_limit_for_every_algorithm() {
+    let yaml = Algorithm::ALL
+        .iter()
+        .map(|a| format!("  - key: {a}\n    rate_limit: {{unit: hour, requests_per_unit: 50, algorithm: {a}}}\n"))
+        .collect::<String>();
+    let s = TestServer::start(&[("c.yaml", &format!("domain: c\ndescriptors:\n{yaml}"))]).await;
+    let client = s.client().await;
+    for algorithm in Algorithm::ALL {
+        let key = algorithm.as_str();
+        let calls = (0..150).map(|_| {
+            let mut c = client.clone();
+            tokio::spawn(async move { is_ok(&call(&mut c, request("c", &[&[(key, "x")]])).await) })
+        });
+        let mut admitted = 0;
+        for call in calls.collect::<Vec<_>>() {
+            admitted += call.await.unwrap() as usize;
+        }
+        assert_eq!(admitted, 50, "{algorithm}");
+    }
+}
+
+/// Each algorithm's exact timing, through gRPC, with the memory backend on a manual clock.
+#[tokio::test]
+async fn algorithms_keep_time_exactly_on_a_manual_clock() {
+    const T0: u64 = 1_800_000_000_000_000; // aligned to every window below
+    let clock = ManualClock::new(T0);
+    let yaml = [
+        "domain: t",
+        "descriptors:",
+        "  - key: fixed",
+        "    rate_limit: {unit: second, unit_multiplier: 10, requests_per_unit: 2}",
+        "  - key: sliding",
+        "    rate_limit: {unit: second, unit_multiplier: 10, requests_per_unit: 10, algorithm: sliding_window}",
+        "  - key: log",
+        "    rate_limit: {unit: second, unit_multiplier: 10, requests_per_unit: 2, algorithm: sliding_log}",
+        "  - key: bucket",
+        "    rate_limit: {unit: second, requests_per_unit: 4, algorithm: token_bucket, burst: 2}",
+    ]
+    .join("\n");
+    let yaml = yaml.as_str();
+    let s = TestServer::start_with(&[("t.yaml", yaml)], &[], Arc::new(clock.clone())).await;
+    let mut c = s.client().await;
+    let mut hit = async |key: &str, hits: u32| {
+        let mut req = request("t", &[&[(key, "k")]]);
+        req.hits_addend = hits;
+        call(&mut c, req).await
+    };
+
+    // fixed_window: 2 per 10 s window, reset at the window end.
+    clock.set(T0 + 3_000_000);
+    assert!(is_ok(&hit("fixed", 2).await));
+    let r = hit("fixed", 1).await;
+    assert!(is_over(&r));
+    assert_eq!(reset_of(&r, 0), Duration::from_secs(7));
+    clock.set(T0 + 10_000_000);
+    assert!(is_ok(&hit("fixed", 2).await), "new window");
+
+    // sliding_window: 10 at 5 s; 10 s later (15 s) half of them still count.
+    clock.set(T0 + 5_000_000);
+    assert!(is_ok(&hit("sliding", 10).await));
+    clock.set(T0 + 15_000_000);
+    assert!(is_ok(&hit("sliding", 5).await));
+    let r = hit("sliding", 1).await;
+    assert!(is_over(&r));
+    // prev·(10−e)/10 ≤ 4 ⇒ e ≥ 6 s: 1 s from now.
+    assert_eq!(reset_of(&r, 0), Duration::from_secs(1));
+    clock.advance(Duration::from_secs(1));
+    assert!(is_ok(&hit("sliding", 1).await));
+
+    // sliding_log: 2 in any 10 s; the oldest leaves exactly 10 s after it came.
+    clock.set(T0 + 20_000_000);
+    assert!(is_ok(&hit("log", 1).await));
+    clock.set(T0 + 24_000_000);
+    assert!(is_ok(&hit("log", 1).await));
+    clock.set(T0 + 29_000_000);
+    let r = hit("log", 1).await;
+    assert!(is_over(&r));
+    assert_eq!(reset_of(&r, 0), Duration::from_secs(1));
+    clock.set(T0 + 30_000_000);
+    assert!(is_ok(&hit("log", 1).await));
+    assert!(is_over(&hit("log", 1).await));
+
+    // token_bucket: 4 per second (one per 250 ms), holds 2.
+    clock.set(T0 + 40_000_000);
+    assert!(is_ok(&hit("bucket", 2).await));
+    let r = hit("bucket", 1).await;
+    assert!(is_over(&r));
+    assert_eq!(reset_of(&r, 0), Duration::from_millis(250));
+    clock.advance(Duration::from_millis(250));
+    assert!(is_ok(&hit("bucket", 1).await));
+    assert!(is_over(&hit("bucket", 1).await));
+    clock.advance(Duration::from_secs(60));
+    let r = hit("bucket", 1).await;
+    assert_eq!(r.statuses[0].limit_remaining, 1, "never more than burst");
+}
+
+/// Each algorithm on the wall clock: rejected now, admitted again no later than it said.
+#[tokio::test]
+async fn algorithms_recover_on_the_wall_clock_when_they_said() {
+    let yaml = Algorithm::ALL
+        .iter()
+        .map(|a| format!("  - key: {a}\n    rate_limit: {{unit: second, requests_per_unit: 3, algorithm: {a}}}\n"))
+        .collect::<String>();
+    let s = TestServer::start(&[("w.yaml", &format!("domain: w\ndescriptors:\n{yaml}"))]).await;
+    let mut c = s.client().await;
+    for algorithm in Algorithm::ALL {
+        let key = algorithm.as_str();
+        let mut req = request("w", &[&[(key, "x")]]);
+        req.hits_addend = 3;
+        assert!(is_ok(&call(&mut c, req).await), "{algorithm}");
+        let r = call(&mut c, request("w", &[&[(key, "x")]])).await;
+        assert!(is_over(&r), "{algorithm}");
+        let said = reset_of(&r, 0);
+        assert!(
+            said > Duration::ZERO && said <= Duration::from_secs(2),
+            "{algorithm}: {said:?}"
+        );
+        let started = std::time::Instant::now();
+        poll(said + Duration::from_secs(3), || {
+            let mut c = c.clone();
+            async move { is_ok(&call(&mut c, request("w", &[&[(key, "x")]])).await).then_some(()) }
+        })
+        .await;
+        // Admitted, and not long before the time it announced (10 ms of clock slack).
+        assert!(
+            started.elapsed() + Duration::from_millis(10) >= said,
+            "{algorithm}: admitted early"
+        );
+    }
+}
