@@ -1,0 +1,143 @@
+//! The `ratelimitd` binary itself: flags, environment, config errors at start, and SIGTERM.
+
+mod common;
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+const BIN: &str = env!("CARGO_BIN_EXE_ratelimitd");
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+#[test]
+fn an_invalid_first_config_exits_non_zero_naming_file_line_and_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("bad.yaml");
+    std::fs::write(
+        &file,
+        "domain: d\ndescriptors:\n  - key: k\n    rate_limit:\n      unit: fortnight\n",
+    )
+    .unwrap();
+    let out = Command::new(BIN)
+        .args([
+            "--config",
+            file.to_str().unwrap(),
+            "--grpc-addr",
+            "127.0.0.1:0",
+            "--http-addr",
+            "127.0.0.1:0",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let expected = format!(
+        "{}:5:13: descriptors[0].rate_limit.unit: invalid rate limit unit 'fortnight'",
+        file.display()
+    );
+    assert!(stderr.contains(&expected), "{stderr}");
+    assert_eq!(
+        stderr.matches("fortnight").count(),
+        1,
+        "said once: {stderr}"
+    );
+}
+
+#[test]
+fn invalid_flags_and_missing_paths_exit_non_zero_with_a_message() {
+    let out = Command::new(BIN)
+        .args(["--config", "x.yaml", "--log-format", "xml"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--log-format"));
+
+    let out = Command::new(BIN)
+        .args([
+            "--config",
+            "/nonexistent/limits.yaml",
+            "--grpc-addr",
+            "127.0.0.1:0",
+            "--http-addr",
+            "127.0.0.1:0",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent/limits.yaml"));
+
+    let out = Command::new(BIN)
+        .args(["--config", "x.yaml"])
+        .env("RATELIMITD_MAX_ENTRIES", "many")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--max-entries"));
+}
+
+#[tokio::test]
+async fn sigterm_finishes_and_exits_zero() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("l.yaml"),
+        "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: second, requests_per_unit: 5}\n",
+    )
+    .unwrap();
+    let (grpc, http) = (free_port(), free_port());
+    // Flags through the environment, as a container would set them.
+    let mut child = Command::new(BIN)
+        .env("RATELIMITD_CONFIG", dir.path())
+        .env("RATELIMITD_GRPC_ADDR", format!("127.0.0.1:{grpc}"))
+        .env("RATELIMITD_HTTP_ADDR", format!("127.0.0.1:{http}"))
+        .env("RATELIMITD_LOG_FORMAT", "json")
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let http_addr = format!("127.0.0.1:{http}").parse().unwrap();
+    poll(Duration::from_secs(20), || async move {
+        match tokio::net::TcpStream::connect(http_addr).await {
+            Ok(_) => Some(()),
+            Err(_) => None,
+        }
+    })
+    .await;
+    assert_eq!(
+        http_get(http_addr, "/healthcheck").await,
+        (200, "OK".into())
+    );
+    let mut client = Client::connect(format!("http://127.0.0.1:{grpc}"))
+        .await
+        .unwrap();
+    assert!(is_ok(
+        &call(&mut client, request("d", &[&[("k", "v")]])).await
+    ));
+
+    let status = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let started = Instant::now();
+    let exit = loop {
+        if let Some(exit) = child.try_wait().unwrap() {
+            break exit;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(15),
+            "still running after SIGTERM"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(exit.success(), "{exit:?}");
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+    assert!(stderr.contains("\"shutting down"), "json logs: {stderr}");
+}

@@ -1,0 +1,140 @@
+//! envoyproxy/ratelimit's own config files, served unchanged, behave as their comments say.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::*;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+use ratelimitd::limiter::SystemClock;
+
+async fn serve_fixture(rel: &str) -> Option<TestServer> {
+    let file = fixtures()?.join(rel);
+    let dir = tempfile::tempdir().unwrap();
+    Some(TestServer::start_at(dir, Some(file), &[], Arc::new(SystemClock)).await)
+}
+
+#[tokio::test]
+async fn every_good_fixture_serves() {
+    let Some(dir) = fixtures() else { return };
+    for entry in std::fs::read_dir(dir.join("good")).unwrap() {
+        let path = entry.unwrap().path();
+        let rel = format!("good/{}", path.file_name().unwrap().to_str().unwrap());
+        let mut s = serve_fixture(&rel).await.unwrap();
+        let (status, dump) = s.http_get("/rlconfig").await;
+        assert_eq!(status, 200, "{rel}");
+        assert!(
+            !dump.trim().is_empty() || rel.contains("example_config"),
+            "{rel}: {dump}"
+        );
+        s.shutdown().await.unwrap();
+    }
+}
+
+#[tokio::test]
+async fn basic_config_limits_through_grpc() {
+    let Some(s) = serve_fixture("good/basic_config.yaml").await else {
+        return;
+    };
+    let mut c = s.client().await;
+    // key1=value1, subkey1=subvalue1: 10 per second (the specific override of 5).
+    let d: &[&[(&str, &str)]] = &[&[("key1", "value1"), ("subkey1", "subvalue1")]];
+    let r = call(&mut c, request("test-domain", d)).await;
+    assert_eq!(
+        r.statuses[0]
+            .current_limit
+            .as_ref()
+            .unwrap()
+            .requests_per_unit,
+        10
+    );
+    // key3: 1 per hour.
+    assert!(is_ok(
+        &call(&mut c, request("test-domain", &[&[("key3", "a")]])).await
+    ));
+    assert!(is_over(
+        &call(&mut c, request("test-domain", &[&[("key3", "a")]])).await
+    ));
+    // key4's named limit is reported by name.
+    let r = call(&mut c, request("test-domain", &[&[("key4", "a")]])).await;
+    assert_eq!(
+        r.statuses[0].current_limit.as_ref().unwrap().name,
+        "key4_rate_limit"
+    );
+    // key2=value3 is whitelisted; key6 unlimited.
+    for d in [("key2", "value3"), ("key6", "x")] {
+        for _ in 0..40 {
+            assert!(is_ok(&call(&mut c, request("test-domain", &[&[d]])).await));
+        }
+    }
+}
+
+#[tokio::test]
+async fn example_replaces_bans_and_shadows() {
+    let Some(s) = serve_fixture("good/example.yaml").await else {
+        return;
+    };
+    let mut c = s.client().await;
+    // A 2/min limit that replaces "bkthomps" (1/min): the named one stops applying.
+    let pair: &[&[(&str, &str)]] = &[
+        &[
+            ("source_cluster", "proxy"),
+            ("destination_cluster", "bkthomps"),
+        ],
+        &[("foo", "f"), ("bar", "bkthomps")],
+    ];
+    for _ in 0..2 {
+        let r = call(&mut c, request("rl", pair)).await;
+        assert!(is_ok(&r));
+        assert!(r.statuses[1].current_limit.is_none(), "replaced");
+    }
+    assert!(is_over(&call(&mut c, request("rl", pair)).await));
+    // Alone, the bkthomps limit is 1/min.
+    let alone: &[&[(&str, &str)]] = &[&[("foo", "g"), ("bar", "bkthomps")]];
+    assert!(is_ok(&call(&mut c, request("rl", alone)).await));
+    assert!(is_over(&call(&mut c, request("rl", alone)).await));
+    // requests_per_unit 0 bans, unless a limit that replaces "banned_limit" applies too.
+    let banned: &[&[(&str, &str)]] = &[&[("foo", "h"), ("bar", "banned")]];
+    assert!(is_over(&call(&mut c, request("rl", banned)).await));
+    let unbanned: &[&[(&str, &str)]] = &[
+        &[("foo", "h"), ("bar", "banned")],
+        &[
+            ("source_cluster", "proxy"),
+            ("destination_cluster", "override"),
+        ],
+    ];
+    assert!(is_ok(&call(&mut c, request("rl", unbanned)).await));
+    // Shadow mode: over its 3/min, still OK.
+    let shady: &[&[(&str, &str)]] = &[&[("foo", "i"), ("baz", "shady")]];
+    for _ in 0..5 {
+        let r = call(&mut c, request("rl", shady)).await;
+        assert!(is_ok(&r));
+        assert_eq!(r.statuses[0].code, Code::Ok as i32);
+    }
+    // detailed_metric puts the value in the rule label; others never do.
+    call(&mut c, request("rl", &[&[("unspec", "client-7")]])).await;
+    let (_, m) = s.http_get("/metrics").await;
+    assert!(m.contains(r#"rule="unspec_client-7""#), "{m}");
+    assert!(
+        m.contains(r#"rule="foo.baz_shady",decision="shadow_mode""#),
+        "{m}"
+    );
+    assert!(!m.contains("f.bar_bkthomps"));
+}
+
+#[tokio::test]
+async fn a_duplicate_domain_in_the_config_directory_is_refused_at_start() {
+    let Some(dir) = fixtures() else { return };
+    let config = tempfile::tempdir().unwrap();
+    for rel in ["good/basic_config.yaml", "pairs/duplicate_domain.yaml"] {
+        let name = rel.replace('/', "_");
+        std::fs::copy(dir.join(rel), config.path().join(name)).unwrap();
+    }
+    let mut s = TestServer::start_at(config, None, &[], Arc::new(SystemClock)).await;
+    let err = s.shutdown().await.unwrap_err().to_string();
+    assert!(
+        err.contains("pairs_duplicate_domain.yaml")
+            && err.contains("duplicate domain 'test-domain'"),
+        "{err}"
+    );
+}
