@@ -23,3 +23,7 @@ deps:
 
 build:
 	$(CARGO) build --release
+
+## Throughput and latency under load (release build, loopback only; not part of `make test`).
+bench:
+	./scripts/bench.sh

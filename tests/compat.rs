@@ -138,3 +138,53 @@ async fn a_duplicate_domain_in_the_config_directory_is_refused_at_start() {
         "{err}"
     );
 }
+
+#[tokio::test]
+async fn the_example_limits_load_and_limit() {
+    let dir = tempfile::tempdir().unwrap();
+    let limits = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/envoy/limits");
+    let s = TestServer::start_at(dir, Some(limits), &[], Arc::new(SystemClock)).await;
+    let mut c = s.client().await;
+    let r = call(
+        &mut c,
+        request("edge", &[&[("path", "/login")], &[("path", "/healthz")]]),
+    )
+    .await;
+    assert!(is_ok(&r));
+    assert_eq!(
+        r.statuses[0]
+            .current_limit
+            .as_ref()
+            .unwrap()
+            .requests_per_unit,
+        5
+    );
+    assert!(r.statuses[1].current_limit.is_none(), "unlimited");
+    for _ in 0..4 {
+        call(&mut c, request("edge", &[&[("path", "/login")]])).await;
+    }
+    assert!(is_over(
+        &call(&mut c, request("edge", &[&[("path", "/login")]])).await
+    ));
+}
+
+/// Every YAML example in the README is a valid config (fragments inside a domain).
+#[test]
+fn the_readme_examples_are_valid_configs() {
+    let readme =
+        std::fs::read_to_string(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md"))
+            .unwrap();
+    let mut checked = 0;
+    for block in readme.split("```yaml\n").skip(1) {
+        let yaml = block.split("```").next().unwrap();
+        let text = if yaml.starts_with("domain:") {
+            yaml.to_string()
+        } else {
+            format!("domain: readme\ndescriptors:\n{yaml}")
+        };
+        ratelimitd::config::compile_file(std::path::Path::new("README.md"), &text)
+            .unwrap_or_else(|e| panic!("{e}\n{text}"));
+        checked += 1;
+    }
+    assert!(checked >= 6, "{checked} examples");
+}

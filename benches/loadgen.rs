@@ -1,0 +1,192 @@
+//! Load generator for ratelimitd: closed-loop gRPC ShouldRateLimit calls from many concurrent
+//! workers over a few HTTP/2 connections, reporting throughput and latency percentiles.
+//!
+//! `cargo bench --bench loadgen -- --target http://127.0.0.1:8081 --duration 10`
+//! (see `make bench`, which also starts the server). Only loopback targets are accepted.
+
+use std::time::{Duration, Instant};
+
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use tonic::transport::Channel;
+
+struct Args {
+    target: String,
+    connections: usize,
+    concurrency: usize,
+    duration: Duration,
+    warmup: Duration,
+    domain: String,
+    keys: u64,
+}
+
+fn parse_args() -> Args {
+    let mut args = Args {
+        target: "http://127.0.0.1:8081".into(),
+        connections: 4,
+        concurrency: 64,
+        duration: Duration::from_secs(10),
+        warmup: Duration::from_secs(1),
+        domain: "bench".into(),
+        keys: 10_000,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        if flag == "--bench" {
+            continue; // passed by `cargo bench`
+        }
+        let mut value = || it.next().unwrap_or_else(|| panic!("{flag} needs a value"));
+        match flag.as_str() {
+            "--target" => args.target = value(),
+            "--connections" => args.connections = value().parse().expect("--connections"),
+            "--concurrency" => args.concurrency = value().parse().expect("--concurrency"),
+            "--duration" => {
+                args.duration = Duration::from_secs_f64(value().parse().expect("--duration"))
+            }
+            "--warmup" => args.warmup = Duration::from_secs_f64(value().parse().expect("--warmup")),
+            "--domain" => args.domain = value(),
+            "--keys" => args.keys = value().parse().expect("--keys"),
+            other => panic!("unknown flag {other}"),
+        }
+    }
+    let host = args.target.trim_start_matches("http://");
+    assert!(
+        host.starts_with("127.") || host.starts_with("localhost") || host.starts_with("[::1]"),
+        "load is only ever sent to loopback, not {host}"
+    );
+    args
+}
+
+fn entry(key: &str, value: String) -> Entry {
+    Entry {
+        key: key.into(),
+        value,
+    }
+}
+
+/// Two descriptors per request: a per-client limit and a per-route limit.
+fn request(domain: &str, n: u64, keys: u64) -> RateLimitRequest {
+    RateLimitRequest {
+        domain: domain.into(),
+        descriptors: vec![
+            RateLimitDescriptor {
+                entries: vec![entry("client", format!("c{}", n % keys))],
+                ..Default::default()
+            },
+            RateLimitDescriptor {
+                entries: vec![entry("route", format!("/api/{}", n % 16))],
+                ..Default::default()
+            },
+        ],
+        hits_addend: 1,
+    }
+}
+
+#[derive(Default)]
+struct Tally {
+    ok: u64,
+    over: u64,
+    errors: u64,
+    latencies_us: Vec<u32>,
+}
+
+async fn worker(
+    mut client: RateLimitServiceClient<Channel>,
+    args: &Args,
+    id: u64,
+    start: Instant,
+) -> Tally {
+    let mut tally = Tally::default();
+    let measure_from = start + args.warmup;
+    let end = measure_from + args.duration;
+    let mut n = id.wrapping_mul(7919);
+    loop {
+        let sent = Instant::now();
+        if sent >= end {
+            return tally;
+        }
+        n = n.wrapping_add(1);
+        let result = client
+            .should_rate_limit(request(&args.domain, n, args.keys))
+            .await;
+        if sent < measure_from {
+            continue;
+        }
+        tally
+            .latencies_us
+            .push(sent.elapsed().as_micros().min(u32::MAX as u128) as u32);
+        match result {
+            Ok(r) if r.get_ref().overall_code == Code::OverLimit as i32 => tally.over += 1,
+            Ok(_) => tally.ok += 1,
+            Err(_) => tally.errors += 1,
+        }
+    }
+}
+
+fn percentile(sorted: &[u32], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i] as f64 / 1000.0
+}
+
+#[tokio::main]
+async fn main() {
+    let args = parse_args();
+    let mut channels = Vec::new();
+    for _ in 0..args.connections.max(1) {
+        let channel = Channel::from_shared(args.target.clone())
+            .expect("target URL")
+            .tcp_nodelay(true)
+            .connect()
+            .await
+            .expect("connect to the target");
+        channels.push(channel);
+    }
+    let args = Box::leak(Box::new(args));
+    let start = Instant::now();
+    let workers: Vec<_> = (0..args.concurrency)
+        .map(|i| {
+            let client = RateLimitServiceClient::new(channels[i % channels.len()].clone());
+            let args: &'static Args = args;
+            tokio::spawn(async move { worker(client, args, i as u64, start).await })
+        })
+        .collect();
+    let mut total = Tally::default();
+    for w in workers {
+        let t = w.await.expect("worker");
+        total.ok += t.ok;
+        total.over += t.over;
+        total.errors += t.errors;
+        total.latencies_us.extend(t.latencies_us);
+    }
+    total.latencies_us.sort_unstable();
+    let count = total.latencies_us.len() as f64;
+    let secs = args.duration.as_secs_f64();
+    println!(
+        "loadgen: {} connections, {} concurrent, {:.0} s, 2 descriptors/request, {} client keys",
+        args.connections, args.concurrency, secs, args.keys
+    );
+    println!(
+        "requests: {:.0} ({:.0}/s)  ok {}  over_limit {}  errors {}",
+        count,
+        count / secs,
+        total.ok,
+        total.over,
+        total.errors
+    );
+    println!(
+        "latency ms: p50 {:.3}  p90 {:.3}  p99 {:.3}  max {:.3}",
+        percentile(&total.latencies_us, 0.50),
+        percentile(&total.latencies_us, 0.90),
+        percentile(&total.latencies_us, 0.99),
+        percentile(&total.latencies_us, 1.0)
+    );
+    if total.errors > 0 {
+        std::process::exit(1);
+    }
+}
