@@ -8,7 +8,9 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 
 use crate::config::{LimitRule, Policy, Snapshot, Unit, entry_key};
-use crate::limiter::{Algorithm, Backend, BackendError, Enforcement, Hit, Limit, Verdict};
+use crate::limiter::{
+    Algorithm, Backend, BackendError, Enforcement, Hit, Limit, Verdict, quota_rejects,
+};
 use crate::metrics::{Decision, DecisionLabels, Metrics};
 
 /// Bounds on request size; anything larger is refused as `INVALID_ARGUMENT`.
@@ -354,13 +356,7 @@ impl RateLimiter {
             .collect();
         let outcome = self.backend.decide(&hits).await?;
 
-        let quota: Vec<bool> = hits
-            .iter()
-            .zip(&outcome.verdicts)
-            .filter(|(h, _)| h.enforcement == Enforcement::Quota)
-            .map(|(_, v)| v.over)
-            .collect();
-        let quota_rejects = !quota.is_empty() && quota.iter().all(|&over| over);
+        let quota_rejects = quota_rejects(&hits, |i| outcome.verdicts[i].over);
 
         // Per descriptor, report the most restrictive limit: an enforced over first, then the
         // smallest remaining.

@@ -160,7 +160,7 @@ async fn malformed_requests_are_invalid_argument_with_a_message() {
     assert_eq!(
         metric(
             &metrics,
-            r#"ratelimit_grpc_errors_total{code="invalidargument"}"#
+            r#"ratelimit_grpc_errors_total{code="invalid_argument"}"#
         ),
         10.0
     );

@@ -101,19 +101,21 @@ pub trait Backend: Send + Sync + 'static {
 /// `over` flag? Enforcing hits that are over reject; quota hits reject only when every quota
 /// hit of the request is over; shadow hits never reject.
 pub fn admits(hits: &[Hit], over: impl Fn(usize) -> bool) -> bool {
-    let mut quota_seen = false;
-    let mut quota_all_over = true;
-    for (i, hit) in hits.iter().enumerate() {
-        match hit.enforcement {
-            Enforcement::Enforce if over(i) => return false,
-            Enforcement::Quota => {
-                quota_seen = true;
-                quota_all_over &= over(i);
-            }
-            _ => {}
-        }
-    }
-    !(quota_seen && quota_all_over)
+    let enforced_over = hits
+        .iter()
+        .enumerate()
+        .any(|(i, h)| h.enforcement == Enforcement::Enforce && over(i));
+    !enforced_over && !quota_rejects(hits, over)
+}
+
+/// Whether the request's quota hits reject it: there is at least one, and all are over.
+pub fn quota_rejects(hits: &[Hit], over: impl Fn(usize) -> bool) -> bool {
+    let mut quota = hits
+        .iter()
+        .enumerate()
+        .filter(|(_, h)| h.enforcement == Enforcement::Quota)
+        .peekable();
+    quota.peek().is_some() && quota.all(|(i, _)| over(i))
 }
 
 #[cfg(test)]

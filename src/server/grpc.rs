@@ -131,7 +131,14 @@ pub fn to_response(resp: service::Response) -> RateLimitResponse {
 
 impl GrpcService {
     fn error(&self, status: Status) -> Status {
-        let code = format!("{:?}", status.code()).to_lowercase();
+        let code = match status.code() {
+            tonic::Code::InvalidArgument => "invalid_argument",
+            tonic::Code::Unavailable => "unavailable",
+            tonic::Code::DeadlineExceeded => "deadline_exceeded",
+            tonic::Code::ResourceExhausted => "resource_exhausted",
+            _ => "internal",
+        }
+        .to_owned();
         self.metrics
             .grpc_errors
             .get_or_create(&ErrorLabels { code })
