@@ -7,9 +7,9 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 
-use crate::config::{LimitRule, Policy, Snapshot, Unit, entry_key};
+use crate::config::{LimitRule, Policy, Snapshot, Unit};
 use crate::limiter::{
-    Algorithm, Backend, BackendError, Enforcement, Hit, Limit, Verdict, quota_rejects,
+    Algorithm, Backend, BackendError, CounterKey, Enforcement, Hit, Limit, Verdict, quota_rejects,
 };
 use crate::metrics::{Decision, DecisionLabels, Metrics};
 
@@ -170,17 +170,10 @@ struct Applied<'s> {
     rule: Arc<String>,
     name: Option<&'s Arc<str>>,
     replaces: &'s [Arc<str>],
-    key: Vec<u8>,
+    key: Option<CounterKey>,
 }
 
 const OVERRIDE_INDEX: u16 = u16::MAX;
-
-fn limit_key(mut key: Vec<u8>, limit: &Limit, index: u16) -> Vec<u8> {
-    key.push(limit.algorithm.tag());
-    key.extend_from_slice(&limit.window_us.to_be_bytes());
-    key.extend_from_slice(&index.to_be_bytes());
-    key
-}
 
 impl RateLimiter {
     /// An engine reading rules from `config` and counting in `backend`.
@@ -285,10 +278,9 @@ impl RateLimiter {
                     .join(".");
                 applied.push(Applied {
                     descriptor: i,
-                    key: limit_key(
-                        entry_key(req.domain, d.entries.iter().copied()),
-                        &limit,
-                        OVERRIDE_INDEX,
+                    key: Some(
+                        CounterKey::new(req.domain, d.entries.iter().copied())
+                            .with_limit(&limit, OVERRIDE_INDEX),
                     ),
                     limit,
                     reported: ReportedLimit {
@@ -320,7 +312,7 @@ impl RateLimiter {
                 let limit = rule.limit();
                 applied.push(Applied {
                     descriptor: i,
-                    key: limit_key(matched.key.clone(), &limit, j as u16),
+                    key: Some(matched.key.clone().with_limit(&limit, j as u16)),
                     limit,
                     reported: reported(rule),
                     enforcement,
@@ -346,7 +338,7 @@ impl RateLimiter {
         let hits: Vec<Hit> = applied
             .iter_mut()
             .map(|a| Hit {
-                key: std::mem::take(&mut a.key),
+                key: a.key.take().expect("each key is used once"),
                 limit: a.limit,
                 hits: req.descriptors[a.descriptor]
                     .hits_addend

@@ -8,39 +8,20 @@ use std::borrow::Cow;
 use std::sync::Arc;
 
 use super::{Domain, Node};
+use crate::limiter::CounterKey;
 
 /// A descriptor that landed on a node with a policy.
 #[derive(Debug)]
 pub struct Matched<'s> {
     /// The node (its `policy` is set).
     pub node: &'s Node,
-    /// Injective encoding of the domain and each entry's key and counted value; the caller
-    /// appends the limit's identity. A wildcard with `share_threshold` counts under its pattern,
-    /// every other node under the request's value.
-    pub key: Vec<u8>,
+    /// The domain and each entry's key and counted value; the caller appends the limit's
+    /// identity. A wildcard with `share_threshold` counts under its pattern, every other node
+    /// under the request's value.
+    pub key: CounterKey,
     /// The metric `rule` label: the config path, with request values only where the config asks
     /// for them (`detailed_metric`, `value_to_metric`), so clients cannot explode cardinality.
     pub rule: Arc<String>,
-}
-
-fn push_component(buf: &mut Vec<u8>, bytes: &[u8]) {
-    buf.extend_from_slice(&(bytes.len() as u32).to_be_bytes());
-    buf.extend_from_slice(bytes);
-}
-
-/// The counter key of `entries` as given, for descriptors that carry their own limit.
-/// Length-prefixed, so no choice of bytes in keys or values can collide with another key.
-pub fn entry_key<'a>(
-    domain: &str,
-    entries: impl IntoIterator<Item = (&'a str, &'a str)>,
-) -> Vec<u8> {
-    let mut key = Vec::with_capacity(64);
-    push_component(&mut key, domain.as_bytes());
-    for (k, v) in entries {
-        push_component(&mut key, k.as_bytes());
-        push_component(&mut key, v.as_bytes());
-    }
-    key
 }
 
 impl Domain {
@@ -67,7 +48,7 @@ impl Domain {
         let leaf = *path.last()?;
         leaf.policy.as_ref()?;
 
-        let key = entry_key(
+        let key = CounterKey::new(
             &self.name,
             path.iter().zip(entries).map(|(node, &(k, v))| {
                 let counted = match &node.value {

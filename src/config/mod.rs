@@ -24,7 +24,7 @@ use crate::limiter::{Algorithm, Limit};
 pub use compile::compile_file;
 pub use error::ConfigError;
 pub use load::{LoadedConfig, load_paths};
-pub use matcher::{Matched, entry_key};
+pub use matcher::Matched;
 
 /// A time unit of a limit. Month is 30 days and year 365 days, as in envoyproxy/ratelimit.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -512,18 +512,3 @@ fn units_parse_case_insensitively() {
     assert_eq!(Unit::parse("year").map(Unit::seconds), Some(31_536_000));
     assert_eq!(Unit::parse("foo"), None);
 }
-
-proptest::proptest! {
-    /// Two different entry lists never share a counter key, whatever bytes they hold.
-    #[test]
-    fn entry_keys_are_injective(
-        a in proptest::collection::vec((".{0,6}", ".{0,6}"), 0..4),
-        b in proptest::collection::vec((".{0,6}", ".{0,6}"), 0..4),
-        da in "[a-z_:{}]{0,4}",
-        db in "[a-z_:{}]{0,4}",
-    ) {
-        let ka = entry_key(&da, a.iter().map(|(k, v)| (k.as_str(), v.as_str())));
-        let kb = entry_key(&db, b.iter().map(|(k, v)| (k.as_str(), v.as_str())));
-        proptest::prop_assert_eq!(ka == kb, a == b && da == db);
-    }
-}

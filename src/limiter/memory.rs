@@ -85,7 +85,10 @@ impl MemoryBackend {
     /// Decides synchronously; [`Backend::decide`] wraps this.
     pub fn decide_now(&self, hits: &[Hit]) -> Outcome {
         let now = self.clock.now_us();
-        let shard_ids: Vec<usize> = hits.iter().map(|h| self.shard_of(&h.key)).collect();
+        let shard_ids: Vec<usize> = hits
+            .iter()
+            .map(|h| self.shard_of(h.key.as_bytes()))
+            .collect();
         let mut order = shard_ids.clone();
         order.sort_unstable();
         order.dedup();
@@ -97,7 +100,7 @@ impl MemoryBackend {
         let mut verdicts = Vec::with_capacity(hits.len());
         for (hit, &shard) in hits.iter().zip(&shard_ids) {
             let entries = &mut guards[guard_of(shard)].1.entries;
-            let verdict = match entries.get_mut(hit.key.as_slice()) {
+            let verdict = match entries.get_mut(hit.key.as_bytes()) {
                 Some(e) if e.state.is(hit.limit.algorithm) => {
                     e.state.check(&hit.limit, now, hit.hits)
                 }
@@ -126,7 +129,7 @@ fn commit(shard: &mut Shard, hit: &Hit, limit: &Limit, now: u64) {
     }
     let entry = shard
         .entries
-        .entry(hit.key.clone())
+        .entry(hit.key.as_bytes().to_vec())
         .or_insert_with(|| Entry {
             state: State::new(limit.algorithm),
             expires_at: 0,
@@ -147,14 +150,14 @@ impl Backend for MemoryBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::limiter::{Algorithm, Enforcement, ManualClock};
+    use crate::limiter::{Algorithm, CounterKey, Enforcement, ManualClock};
     use std::time::Duration;
 
     const T0: u64 = 1_800_000_000_000_000;
 
     fn hit(key: &str, algorithm: Algorithm, rpu: u64) -> Hit {
         Hit {
-            key: key.as_bytes().to_vec(),
+            key: CounterKey::new("test", [("k", key)]),
             limit: Limit {
                 algorithm,
                 requests_per_unit: rpu,

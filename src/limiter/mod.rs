@@ -3,6 +3,7 @@
 
 pub mod algorithm;
 pub mod clock;
+pub mod key;
 pub mod memory;
 
 use std::future::Future;
@@ -11,6 +12,7 @@ use std::time::Duration;
 
 pub use algorithm::Algorithm;
 pub use clock::{Clock, ManualClock, SystemClock};
+pub use key::CounterKey;
 pub use memory::MemoryBackend;
 
 /// One limit as the backend applies it: how many units of hits per window, by which algorithm.
@@ -40,8 +42,8 @@ pub enum Enforcement {
 /// One counter touched by a request: the key that names it, its limit and how many hits to add.
 #[derive(Clone, Debug)]
 pub struct Hit {
-    /// Injective encoding of (domain, entries, limit identity); see `config::matcher`.
-    pub key: Vec<u8>,
+    /// Which counter: domain, entries and limit identity.
+    pub key: CounterKey,
     /// The limit to apply.
     pub limit: Limit,
     /// Hits to add; 0 checks without consuming.
@@ -124,7 +126,7 @@ mod tests {
 
     fn hit(enforcement: Enforcement) -> Hit {
         Hit {
-            key: Vec::new(),
+            key: CounterKey::new("d", []),
             limit: Limit {
                 algorithm: Algorithm::FixedWindow,
                 requests_per_unit: 1,
