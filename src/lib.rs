@@ -23,7 +23,9 @@ use tonic::transport::server::TcpIncoming;
 use tonic_health::ServingStatus;
 
 use crate::config::{ConfigError, load_paths};
-use crate::limiter::{Clock, MemoryBackend, SystemClock};
+use crate::limiter::fallback::Fallback;
+use crate::limiter::redis::RedisBackend;
+use crate::limiter::{Backend, Clock, MemoryBackend, SystemClock};
 use crate::metrics::{LoadResult, Metrics};
 use crate::server::grpc::GrpcService;
 use crate::server::http::{HttpState, router};
@@ -40,6 +42,8 @@ pub const HEALTH_SERVICES: [&str; 3] = [
 
 /// How often the memory backend drops expired counters in the background.
 const SWEEP_EVERY: Duration = Duration::from_secs(10);
+/// How often the Redis backend checks that Redis answers, traffic or not.
+const PROBE_EVERY: Duration = Duration::from_secs(1);
 
 /// The sockets the service serves on, bound by the caller.
 pub struct Listeners {
@@ -52,6 +56,9 @@ pub struct Listeners {
 /// Why the service could not start or stopped abnormally.
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
+    /// The settings are inconsistent (e.g. `--backend redis` without an address).
+    #[error("{0}")]
+    Settings(String),
     /// The first config load failed.
     #[error(transparent)]
     Config(#[from] ConfigError),
@@ -122,23 +129,38 @@ pub async fn run_with_clock(
         )?
     };
 
-    let backend = match settings.backend {
-        BackendKind::Memory => Arc::new(MemoryBackend::new(clock)),
-    };
-    let sweeper = {
-        let backend = backend.clone();
+    // The memory backend is the backend itself, or Redis's `local` fallback.
+    let memory = Arc::new(MemoryBackend::new(clock));
+    let mut tasks = vec![{
+        let memory = memory.clone();
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(SWEEP_EVERY);
             loop {
                 tick.tick().await;
-                backend.sweep();
+                memory.sweep();
             }
         })
+    }];
+    let backend: Arc<dyn Backend> = match settings.backend {
+        BackendKind::Memory => memory,
+        BackendKind::Redis => {
+            let options = settings.redis_options().map_err(RunError::Settings)?;
+            tracing::info!(target = ?options.target, hash_tag = ?options.hash_tag, failure_mode = settings.failure_mode().as_str(), "redis backend");
+            let redis =
+                Arc::new(RedisBackend::new(options, metrics.clone()).map_err(RunError::Settings)?);
+            tasks.push(redis.spawn_probe(PROBE_EVERY));
+            Arc::new(Fallback::new(
+                redis,
+                settings.failure_mode(),
+                memory,
+                metrics.clone(),
+            ))
+        }
     };
 
     let limiter = Arc::new(RateLimiter::new(
         config,
-        backend,
+        backend.clone(),
         metrics.clone(),
         settings.policies(),
     ));
@@ -189,6 +211,7 @@ pub async fn run_with_clock(
         limiter,
         metrics,
         serving,
+        backend,
     });
     let http = axum::serve(listeners.http, router(http_state)).with_graceful_shutdown(stopped());
     tracing::info!(grpc = ?grpc_addr, http = ?http_addr, "serving");
@@ -210,7 +233,9 @@ pub async fn run_with_clock(
         }
     };
     watcher.abort();
-    sweeper.abort();
+    for task in tasks {
+        task.abort();
+    }
     stopping.abort();
     result
 }

@@ -59,6 +59,20 @@ pub struct ErrorLabels {
     pub code: String,
 }
 
+/// Labels of `ratelimit_backend_errors_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KindLabels {
+    /// timeout, connection, cluster, noscript, circuit_open or other.
+    pub kind: &'static str,
+}
+
+/// Labels of `ratelimit_failure_mode_decisions_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ModeLabels {
+    /// error, allow, deny or local.
+    pub mode: &'static str,
+}
+
 /// The service's metrics and the registry that exports them.
 pub struct Metrics {
     registry: Registry,
@@ -72,6 +86,16 @@ pub struct Metrics {
     pub request_duration: Histogram,
     /// `ratelimit_grpc_errors_total{code}`: requests answered with a gRPC error.
     pub grpc_errors: Family<ErrorLabels, Counter>,
+    /// `ratelimit_backend_errors_total{kind}`: failed backend calls.
+    pub backend_errors: Family<KindLabels, Counter>,
+    /// `ratelimit_backend_duration_seconds`: one backend round trip (one script call).
+    pub backend_duration: Histogram,
+    /// `ratelimit_backend_up`: 1 while the backend is reachable.
+    pub backend_up: Gauge,
+    /// `ratelimit_local_cache_hits_total`: requests answered by the over-limit cache.
+    pub local_cache_hits: Counter,
+    /// `ratelimit_failure_mode_decisions_total{mode}`: requests decided by the failure mode.
+    pub failure_mode_decisions: Family<ModeLabels, Counter>,
 }
 
 impl Default for Metrics {
@@ -117,7 +141,46 @@ impl Metrics {
             "ShouldRateLimit calls answered with a gRPC error, by code",
             grpc_errors.clone(),
         );
+        let backend_errors = Family::<KindLabels, Counter>::default();
+        registry.register(
+            "ratelimit_backend_errors",
+            "Failed backend calls by kind",
+            backend_errors.clone(),
+        );
+        let backend_duration = Histogram::new([
+            0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1,
+            0.25, 1.0,
+        ]);
+        registry.register(
+            "ratelimit_backend_duration_seconds",
+            "Backend round trip (one script call)",
+            backend_duration.clone(),
+        );
+        let backend_up = Gauge::default();
+        backend_up.set(1);
+        registry.register(
+            "ratelimit_backend_up",
+            "1 while the backend is reachable",
+            backend_up.clone(),
+        );
+        let local_cache_hits = Counter::default();
+        registry.register(
+            "ratelimit_local_cache_hits",
+            "Requests answered by the over-limit cache without a backend call",
+            local_cache_hits.clone(),
+        );
+        let failure_mode_decisions = Family::<ModeLabels, Counter>::default();
+        registry.register(
+            "ratelimit_failure_mode_decisions",
+            "Requests decided by the failure mode while the backend was unavailable",
+            failure_mode_decisions.clone(),
+        );
         Metrics {
+            backend_errors,
+            backend_duration,
+            backend_up,
+            local_cache_hits,
+            failure_mode_decisions,
             registry,
             decisions,
             config_loads,
@@ -131,6 +194,13 @@ impl Metrics {
     pub fn config_load(&self, result: LoadResult) {
         self.config_loads
             .get_or_create(&LoadLabels { result })
+            .inc();
+    }
+
+    /// Counts a failed backend call.
+    pub fn backend_error(&self, kind: &'static str) {
+        self.backend_errors
+            .get_or_create(&KindLabels { kind })
             .inc();
     }
 

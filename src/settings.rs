@@ -7,6 +7,8 @@ use std::time::Duration;
 
 use clap::{CommandFactory, Parser, ValueEnum};
 
+use crate::limiter::fallback::FailureMode;
+use crate::limiter::redis::{HashTag, RedisOptions, RedisUrl, Target, TlsFiles};
 use crate::service::{Policies, RequestLimits};
 
 /// Where counters are kept.
@@ -14,6 +16,38 @@ use crate::service::{Policies, RequestLimits};
 pub enum BackendKind {
     /// In this process (the default): exact, fast, not shared between replicas.
     Memory,
+    /// In Redis (standalone, cluster or sentinel), shared by every replica.
+    Redis,
+}
+
+/// `--redis-failure-mode`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum FailureModeArg {
+    /// gRPC UNAVAILABLE: Envoy's failure_mode_deny decides.
+    Error,
+    /// Answer OK.
+    Allow,
+    /// Answer OVER_LIMIT.
+    Deny,
+    /// Decide in this process until Redis is back.
+    Local,
+}
+
+/// `--redis-hash-tag`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum HashTagArg {
+    /// One slot per domain: exact all-or-nothing in one call.
+    Domain,
+    /// One slot per descriptor: spreads a domain over a cluster.
+    Descriptor,
+}
+
+fn parse_redis_url(s: &str) -> Result<RedisUrl, String> {
+    if s.starts_with("redis://") || s.starts_with("rediss://") {
+        Ok(RedisUrl(s.to_string()))
+    } else {
+        Err("expected redis://[user:pass@]host:port[/db] or rediss://…".into())
+    }
 }
 
 /// Log line format.
@@ -83,6 +117,54 @@ pub struct Settings {
     #[arg(long, default_value_t = 4096)]
     pub max_value_bytes: usize,
 
+    /// Redis server (standalone): redis://[user:pass@]host:port[/db], or rediss:// for TLS.
+    #[arg(long, value_parser = parse_redis_url)]
+    pub redis_url: Option<RedisUrl>,
+
+    /// Redis Cluster seed nodes, comma-separated URLs.
+    #[arg(long, value_parser = parse_redis_url, value_delimiter = ',')]
+    pub redis_cluster_nodes: Vec<RedisUrl>,
+
+    /// Redis Sentinel nodes, comma-separated URLs (with --redis-sentinel-master).
+    #[arg(long, value_parser = parse_redis_url, value_delimiter = ',')]
+    pub redis_sentinel_nodes: Vec<RedisUrl>,
+
+    /// The master name the sentinels monitor.
+    #[arg(long)]
+    pub redis_sentinel_master: Option<String>,
+
+    /// CA certificate (PEM) to verify a rediss:// server.
+    #[arg(long)]
+    pub redis_tls_ca: Option<PathBuf>,
+
+    /// Client certificate (PEM) for mutual TLS.
+    #[arg(long)]
+    pub redis_tls_cert: Option<PathBuf>,
+
+    /// Client key (PEM) for mutual TLS.
+    #[arg(long)]
+    pub redis_tls_key: Option<PathBuf>,
+
+    /// Budget for one Redis call, redirections and retries included.
+    #[arg(long, default_value = "100ms", value_parser = parse_duration)]
+    pub redis_timeout: Duration,
+
+    /// What to answer while Redis is unavailable.
+    #[arg(long, value_enum, default_value = "error")]
+    pub redis_failure_mode: FailureModeArg,
+
+    /// Prefix of every Redis key.
+    #[arg(long, default_value = "ratelimit:")]
+    pub redis_key_prefix: String,
+
+    /// What a key's cluster hash tag covers.
+    #[arg(long, value_enum, default_value = "domain")]
+    pub redis_hash_tag: HashTagArg,
+
+    /// Entries of the local over-limit cache (0 = off).
+    #[arg(long, default_value_t = 0)]
+    pub local_cache_size: usize,
+
     /// How long in-flight calls may take to finish after SIGTERM before the process exits anyway.
     #[arg(long, default_value = "10s", value_parser = parse_duration)]
     pub shutdown_grace: Duration,
@@ -150,6 +232,62 @@ impl Settings {
         Settings::try_parse_from(args)
     }
 
+    /// The Redis backend's options, or why they are incomplete.
+    pub fn redis_options(&self) -> Result<RedisOptions, String> {
+        let target = match (
+            &self.redis_url,
+            self.redis_cluster_nodes.is_empty(),
+            self.redis_sentinel_nodes.is_empty(),
+        ) {
+            (Some(url), true, true) => Target::Standalone(url.clone()),
+            (None, false, true) => Target::Cluster(self.redis_cluster_nodes.clone()),
+            (None, true, false) => Target::Sentinel {
+                nodes: self.redis_sentinel_nodes.clone(),
+                master: self
+                    .redis_sentinel_master
+                    .clone()
+                    .ok_or("--redis-sentinel-nodes needs --redis-sentinel-master")?,
+            },
+            (None, true, true) => {
+                return Err("--backend redis needs --redis-url, --redis-cluster-nodes or --redis-sentinel-nodes".into());
+            }
+            _ => {
+                return Err("give only one of --redis-url, --redis-cluster-nodes and --redis-sentinel-nodes".into());
+            }
+        };
+        if self.redis_tls_cert.is_some() != self.redis_tls_key.is_some() {
+            return Err("--redis-tls-cert and --redis-tls-key go together".into());
+        }
+        if self.redis_timeout.is_zero() {
+            return Err("--redis-timeout must be more than 0".into());
+        }
+        Ok(RedisOptions {
+            target,
+            tls: TlsFiles {
+                ca: self.redis_tls_ca.clone(),
+                cert: self.redis_tls_cert.clone(),
+                key: self.redis_tls_key.clone(),
+            },
+            timeout: self.redis_timeout,
+            key_prefix: self.redis_key_prefix.clone(),
+            hash_tag: match self.redis_hash_tag {
+                HashTagArg::Domain => HashTag::Domain,
+                HashTagArg::Descriptor => HashTag::Descriptor,
+            },
+            local_cache_size: self.local_cache_size,
+        })
+    }
+
+    /// `--redis-failure-mode` as the limiter's type.
+    pub fn failure_mode(&self) -> FailureMode {
+        match self.redis_failure_mode {
+            FailureModeArg::Error => FailureMode::Error,
+            FailureModeArg::Allow => FailureMode::Allow,
+            FailureModeArg::Deny => FailureMode::Deny,
+            FailureModeArg::Local => FailureMode::Local,
+        }
+    }
+
     /// The decision policies these settings ask for.
     pub fn policies(&self) -> Policies {
         Policies {
@@ -211,6 +349,26 @@ mod tests {
         assert_eq!(s.max_descriptors, 3);
         assert!(s.shadow_mode);
         assert_eq!(s.shutdown_grace, Duration::from_millis(250));
+        let s = parse(
+            &["--config", "x"],
+            &[
+                ("RATELIMITD_REDIS_CLUSTER_NODES", "redis://a:1,redis://b:2"),
+                ("RATELIMITD_REDIS_TIMEOUT", "50ms"),
+            ],
+        )
+        .unwrap();
+        let opts = s.redis_options().unwrap();
+        assert!(matches!(opts.target, Target::Cluster(ref n) if n.len() == 2));
+        assert_eq!(opts.timeout, Duration::from_millis(50));
+        let s = parse(
+            &["--config", "x", "--redis-url", "redis://:hunter2@h:1"],
+            &[],
+        )
+        .unwrap();
+        assert!(
+            !format!("{s:?}").contains("hunter2"),
+            "passwords never in Debug"
+        );
     }
 
     #[test]
@@ -221,6 +379,20 @@ mod tests {
         assert!(err.to_string().contains("--backend"), "{err}");
         let err = parse(&[], &[]).unwrap_err();
         assert!(err.to_string().contains("--config"), "{err}");
+        let s = parse(&["--config", "x", "--backend", "redis"], &[]).unwrap();
+        assert!(s.redis_options().unwrap_err().contains("--redis-url"));
+        let s = parse(
+            &["--config", "x", "--redis-sentinel-nodes", "redis://a:1"],
+            &[],
+        )
+        .unwrap();
+        assert!(
+            s.redis_options()
+                .unwrap_err()
+                .contains("--redis-sentinel-master")
+        );
+        let err = parse(&["--config", "x", "--redis-url", "host:6379"], &[]).unwrap_err();
+        assert!(err.to_string().contains("--redis-url"), "{err}");
         let err = parse(&["--config", "x"], &[("RATELIMITD_GRPC_ADDR", "nope")]).unwrap_err();
         assert!(err.to_string().contains("--grpc-addr"), "{err}");
     }

@@ -50,13 +50,12 @@ descriptors:
     rate_limit: {unit: minute, requests_per_unit: 10}
 "#;
 
-async fn server() -> TestServer {
-    TestServer::start(&[("limits.yaml", LIMITS)]).await
+async fn server(kind: Kind) -> TestServer {
+    start(kind, &[("limits.yaml", LIMITS)], &[]).await
 }
 
-#[tokio::test]
-async fn fixed_window_admits_up_to_the_limit_and_reports_it() {
-    let s = server().await;
+async fn fixed_window_admits_up_to_the_limit_and_reports_it(kind: Kind) {
+    let s = server(kind).await;
     let mut c = s.client().await;
     for left in [2, 1, 0] {
         let r = call(&mut c, request("test", &[&[("three_per_minute", "x")]])).await;
@@ -79,9 +78,8 @@ async fn fixed_window_admits_up_to_the_limit_and_reports_it() {
     assert!(is_ok(&r));
 }
 
-#[tokio::test]
-async fn unknown_domains_and_unmatched_descriptors_are_not_limited() {
-    let s = server().await;
+async fn unknown_domains_and_unmatched_descriptors_are_not_limited(kind: Kind) {
+    let s = server(kind).await;
     let mut c = s.client().await;
     let r = call(
         &mut c,
@@ -110,9 +108,8 @@ async fn unknown_domains_and_unmatched_descriptors_are_not_limited() {
     assert!(r.statuses.iter().all(|s| s.current_limit.is_none()));
 }
 
-#[tokio::test]
-async fn malformed_requests_are_invalid_argument_with_a_message() {
-    let s = server().await;
+async fn malformed_requests_are_invalid_argument_with_a_message(kind: Kind) {
+    let s = server(kind).await;
     let mut c = s.client().await;
     let mut cases = vec![
         (request("", &[&[("a", "b")]]), "domain"),
@@ -166,9 +163,8 @@ async fn malformed_requests_are_invalid_argument_with_a_message() {
     );
 }
 
-#[tokio::test]
-async fn hits_addend_per_request_and_per_descriptor() {
-    let s = server().await;
+async fn hits_addend_per_request_and_per_descriptor(kind: Kind) {
+    let s = server(kind).await;
     let mut c = s.client().await;
     // Request hits_addend 0 means 1.
     let r = call(&mut c, request("test", &[&[("roomy", "h")]])).await;
@@ -198,9 +194,8 @@ async fn hits_addend_per_request_and_per_descriptor() {
     assert_eq!(r.statuses[0].limit_remaining, 0);
 }
 
-#[tokio::test]
-async fn a_descriptor_limit_override_replaces_the_configured_limit() {
-    let s = server().await;
+async fn a_descriptor_limit_override_replaces_the_configured_limit(kind: Kind) {
+    let s = server(kind).await;
     let mut c = s.client().await;
     let with_override = |key: &str| {
         let mut req = request("test", &[&[(key, "o")]]);
@@ -226,9 +221,8 @@ async fn a_descriptor_limit_override_replaces_the_configured_limit() {
     assert_eq!(r.statuses[0].limit_remaining, 99);
 }
 
-#[tokio::test]
-async fn a_rejected_request_consumes_nothing_anywhere() {
-    let s = server().await;
+async fn a_rejected_request_consumes_nothing_anywhere(kind: Kind) {
+    let s = server(kind).await;
     let mut c = s.client().await;
     let both: &[&[(&str, &str)]] = &[&[("roomy", "aon")], &[("three_per_minute", "aon")]];
     for _ in 0..3 {
@@ -252,9 +246,8 @@ async fn a_rejected_request_consumes_nothing_anywhere() {
     );
 }
 
-#[tokio::test]
-async fn zero_blocks_unlimited_never_limits() {
-    let s = server().await;
+async fn zero_blocks_unlimited_never_limits(kind: Kind) {
+    let s = server(kind).await;
     let mut c = s.client().await;
     let r = call(&mut c, request("test", &[&[("blocked", "x")]])).await;
     assert!(is_over(&r));
@@ -265,9 +258,8 @@ async fn zero_blocks_unlimited_never_limits() {
     }
 }
 
-#[tokio::test]
-async fn shadow_mode_counts_and_reports_but_never_rejects() {
-    let s = server().await;
+async fn shadow_mode_counts_and_reports_but_never_rejects(kind: Kind) {
+    let s = server(kind).await;
     let mut c = s.client().await;
     for _ in 0..3 {
         let r = call(&mut c, request("test", &[&[("shadow", "x")]])).await;
@@ -292,14 +284,8 @@ async fn shadow_mode_counts_and_reports_but_never_rejects() {
     assert_eq!(r.statuses[1].limit_remaining, 99);
 }
 
-#[tokio::test]
-async fn global_shadow_mode_answers_ok_overall() {
-    let s = TestServer::start_with(
-        &[("limits.yaml", LIMITS)],
-        &["--shadow-mode"],
-        Arc::new(ratelimitd::limiter::SystemClock),
-    )
-    .await;
+async fn global_shadow_mode_answers_ok_overall(kind: Kind) {
+    let s = start(kind, &[("limits.yaml", LIMITS)], &["--shadow-mode"]).await;
     let mut c = s.client().await;
     let r = call(&mut c, request("test", &[&[("blocked", "x")]])).await;
     assert!(is_ok(&r));
@@ -310,9 +296,8 @@ async fn global_shadow_mode_answers_ok_overall() {
     );
 }
 
-#[tokio::test]
-async fn several_limits_report_the_most_restrictive() {
-    let s = server().await;
+async fn several_limits_report_the_most_restrictive(kind: Kind) {
+    let s = server(kind).await;
     let mut c = s.client().await;
     let r = call(&mut c, request("test", &[&[("layered", "k")]])).await;
     let limit = r.statuses[0].current_limit.as_ref().unwrap();
@@ -333,9 +318,8 @@ async fn several_limits_report_the_most_restrictive() {
     assert_eq!(r.statuses[0].limit_remaining, 0);
 }
 
-#[tokio::test]
-async fn quota_mode_rejects_only_when_every_quota_descriptor_is_over() {
-    let s = server().await;
+async fn quota_mode_rejects_only_when_every_quota_descriptor_is_over(kind: Kind) {
+    let s = server(kind).await;
     let mut c = s.client().await;
     let both: &[&[(&str, &str)]] = &[&[("quota", "a")], &[("quota", "b")]];
     assert!(is_ok(&call(&mut c, request("test", both)).await)); // a 0 left, b 1 left
@@ -348,9 +332,8 @@ async fn quota_mode_rejects_only_when_every_quota_descriptor_is_over() {
     assert!(r.statuses.iter().all(|s| s.code == Code::OverLimit as i32));
 }
 
-#[tokio::test]
-async fn share_threshold_wildcards_share_one_counter() {
-    let s = server().await;
+async fn share_threshold_wildcards_share_one_counter(kind: Kind) {
+    let s = server(kind).await;
     let mut c = s.client().await;
     assert!(is_ok(
         &call(&mut c, request("test", &[&[("tenant", "t-1")]])).await
@@ -371,9 +354,8 @@ async fn share_threshold_wildcards_share_one_counter() {
     );
 }
 
-#[tokio::test]
-async fn metrics_keep_request_values_out_unless_asked() {
-    let s = server().await;
+async fn metrics_keep_request_values_out_unless_asked(kind: Kind) {
+    let s = server(kind).await;
     let mut c = s.client().await;
     for _ in 0..9 {
         call(&mut c, request("test", &[&[("near", "v0")]])).await;
@@ -416,11 +398,10 @@ async fn metrics_keep_request_values_out_unless_asked() {
     );
 }
 
-#[tokio::test]
-async fn health_over_grpc_and_http() {
+async fn health_over_grpc_and_http(kind: Kind) {
     use tonic_health::pb::health_check_response::ServingStatus;
     use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
-    let mut s = server().await;
+    let mut s = server(kind).await;
     s.client().await; // wait until up
     let channel = tonic::transport::Channel::from_shared(format!("http://{}", s.grpc))
         .unwrap()
@@ -450,13 +431,17 @@ async fn health_over_grpc_and_http() {
     );
 }
 
-#[tokio::test]
-async fn concurrent_requests_admit_exactly_the_limit_for_every_algorithm() {
+async fn concurrent_requests_admit_exactly_the_limit_for_every_algorithm(kind: Kind) {
     let yaml = Algorithm::ALL
         .iter()
         .map(|a| format!("  - key: {a}\n    rate_limit: {{unit: hour, requests_per_unit: 50, algorithm: {a}}}\n"))
         .collect::<String>();
-    let s = TestServer::start(&[("c.yaml", &format!("domain: c\ndescriptors:\n{yaml}"))]).await;
+    let s = start(
+        kind,
+        &[("c.yaml", &format!("domain: c\ndescriptors:\n{yaml}"))],
+        &[],
+    )
+    .await;
     let client = s.client().await;
     for algorithm in Algorithm::ALL {
         let key = algorithm.as_str();
@@ -548,13 +533,17 @@ async fn algorithms_keep_time_exactly_on_a_manual_clock() {
 }
 
 /// Each algorithm on the wall clock: rejected now, admitted again no later than it said.
-#[tokio::test]
-async fn algorithms_recover_on_the_wall_clock_when_they_said() {
+async fn algorithms_recover_on_the_wall_clock_when_they_said(kind: Kind) {
     let yaml = Algorithm::ALL
         .iter()
         .map(|a| format!("  - key: {a}\n    rate_limit: {{unit: second, requests_per_unit: 3, algorithm: {a}}}\n"))
         .collect::<String>();
-    let s = TestServer::start(&[("w.yaml", &format!("domain: w\ndescriptors:\n{yaml}"))]).await;
+    let s = start(
+        kind,
+        &[("w.yaml", &format!("domain: w\ndescriptors:\n{yaml}"))],
+        &[],
+    )
+    .await;
     let mut c = s.client().await;
     for algorithm in Algorithm::ALL {
         let key = algorithm.as_str();
@@ -581,3 +570,22 @@ async fn algorithms_recover_on_the_wall_clock_when_they_said() {
         );
     }
 }
+
+every_backend!(
+    fixed_window_admits_up_to_the_limit_and_reports_it,
+    unknown_domains_and_unmatched_descriptors_are_not_limited,
+    malformed_requests_are_invalid_argument_with_a_message,
+    hits_addend_per_request_and_per_descriptor,
+    a_descriptor_limit_override_replaces_the_configured_limit,
+    a_rejected_request_consumes_nothing_anywhere,
+    zero_blocks_unlimited_never_limits,
+    shadow_mode_counts_and_reports_but_never_rejects,
+    global_shadow_mode_answers_ok_overall,
+    several_limits_report_the_most_restrictive,
+    quota_mode_rejects_only_when_every_quota_descriptor_is_over,
+    share_threshold_wildcards_share_one_counter,
+    metrics_keep_request_values_out_unless_asked,
+    health_over_grpc_and_http,
+    concurrent_requests_admit_exactly_the_limit_for_every_algorithm,
+    algorithms_recover_on_the_wall_clock_when_they_said,
+);

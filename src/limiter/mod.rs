@@ -3,8 +3,10 @@
 
 pub mod algorithm;
 pub mod clock;
+pub mod fallback;
 pub mod key;
 pub mod memory;
+pub mod redis;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -97,6 +99,11 @@ pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 pub trait Backend: Send + Sync + 'static {
     /// Checks every hit and commits them all or none.
     fn decide<'a>(&'a self, hits: &'a [Hit]) -> BoxFuture<'a, Result<Outcome, BackendError>>;
+
+    /// Whether the store is reachable, as far as the backend knows (for health and metrics).
+    fn is_up(&self) -> bool {
+        true
+    }
 }
 
 /// The request-level rule shared by every backend: is a request admitted given each hit's

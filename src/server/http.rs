@@ -9,6 +9,7 @@ use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
 
+use crate::limiter::Backend;
 use crate::metrics::Metrics;
 use crate::service::RateLimiter;
 
@@ -20,6 +21,8 @@ pub struct HttpState {
     pub metrics: Arc<Metrics>,
     /// False once shutdown has begun, so load balancers stop sending traffic.
     pub serving: Arc<AtomicBool>,
+    /// The backend, for its reachability.
+    pub backend: Arc<dyn Backend>,
 }
 
 /// The HTTP routes.
@@ -31,11 +34,17 @@ pub fn router(state: Arc<HttpState>) -> Router {
         .with_state(state)
 }
 
+/// 200 while serving, even with the backend down: the failure mode decides what requests get,
+/// and failing every replica's probe when a shared Redis blips would only add an outage.
+/// The body says when the backend is unreachable.
 async fn healthcheck(State(state): State<Arc<HttpState>>) -> impl IntoResponse {
-    if state.serving.load(Ordering::SeqCst) {
+    if !state.serving.load(Ordering::SeqCst) {
+        return (StatusCode::INTERNAL_SERVER_ERROR, "shutting down");
+    }
+    if state.backend.is_up() {
         (StatusCode::OK, "OK")
     } else {
-        (StatusCode::INTERNAL_SERVER_ERROR, "shutting down")
+        (StatusCode::OK, "OK\nbackend: unavailable")
     }
 }
 

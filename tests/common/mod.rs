@@ -21,7 +21,68 @@ use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tonic::transport::Channel;
 
+pub mod redis;
+
 pub type Client = RateLimitServiceClient<Channel>;
+
+/// Which backend a behavioural test runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Memory,
+    Redis,
+    Cluster,
+}
+
+impl Kind {
+    /// Flags selecting this backend; Redis kinds share one server (or cluster) per test binary,
+    /// each test under its own key prefix.
+    pub fn flags(self) -> Vec<String> {
+        let common = |target: &[String]| {
+            let mut f = vec!["--backend".to_string(), "redis".into()];
+            f.extend(target.iter().cloned());
+            f.extend([
+                "--redis-key-prefix".to_string(),
+                redis::unique_prefix(),
+                // Generous: a debug build on a loaded CI machine; fault tests set their own.
+                "--redis-timeout".into(),
+                "2s".into(),
+            ]);
+            f
+        };
+        match self {
+            Kind::Memory => vec![],
+            Kind::Redis => common(&["--redis-url".into(), redis::shared_standalone().url()]),
+            Kind::Cluster => common(&[
+                "--redis-cluster-nodes".into(),
+                redis::shared_cluster().urls(),
+            ]),
+        }
+    }
+}
+
+/// A server on `kind` with `files` and extra flags.
+pub async fn start(kind: Kind, files: &[(&str, &str)], extra: &[&str]) -> TestServer {
+    let mut flags = kind.flags();
+    flags.extend(extra.iter().map(|s| s.to_string()));
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    TestServer::start_with(files, &flags, Arc::new(SystemClock)).await
+}
+
+/// Generates one `#[tokio::test]` per backend for each `async fn name(kind: Kind)`.
+#[macro_export]
+macro_rules! every_backend {
+    ($($name:ident),* $(,)?) => {
+        mod memory {
+            $(#[tokio::test] async fn $name() { super::$name(super::Kind::Memory).await })*
+        }
+        mod redis {
+            $(#[tokio::test] async fn $name() { super::$name(super::Kind::Redis).await })*
+        }
+        mod cluster {
+            $(#[tokio::test] async fn $name() { super::$name(super::Kind::Cluster).await })*
+        }
+    };
+}
 
 /// A running server with its config directory.
 pub struct TestServer {

@@ -1,0 +1,102 @@
+//! What to answer while the shared backend is unavailable (`--redis-failure-mode`).
+
+use std::sync::Arc;
+
+use super::{Backend, BackendError, BoxFuture, Hit, MemoryBackend, Outcome, Verdict, admits};
+use crate::metrics::{Metrics, ModeLabels};
+
+/// The answer while Redis cannot be reached.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FailureMode {
+    /// gRPC UNAVAILABLE, so Envoy's `failure_mode_deny` decides.
+    Error,
+    /// Admit everything.
+    Allow,
+    /// Reject everything that has an enforced limit.
+    Deny,
+    /// Decide with the in-process memory backend until Redis is back (per-replica counts).
+    Local,
+}
+
+impl FailureMode {
+    /// The flag value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FailureMode::Error => "error",
+            FailureMode::Allow => "allow",
+            FailureMode::Deny => "deny",
+            FailureMode::Local => "local",
+        }
+    }
+}
+
+/// A backend that answers by `mode` when `primary` fails.
+pub struct Fallback {
+    primary: Arc<dyn Backend>,
+    mode: FailureMode,
+    local: Arc<MemoryBackend>,
+    metrics: Arc<Metrics>,
+}
+
+impl Fallback {
+    /// Wraps `primary`; `local` is used only in `FailureMode::Local`.
+    pub fn new(
+        primary: Arc<dyn Backend>,
+        mode: FailureMode,
+        local: Arc<MemoryBackend>,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        Fallback {
+            primary,
+            mode,
+            local,
+            metrics,
+        }
+    }
+
+    fn degrade(&self, hits: &[Hit], err: BackendError) -> Result<Outcome, BackendError> {
+        self.metrics
+            .failure_mode_decisions
+            .get_or_create(&ModeLabels {
+                mode: self.mode.as_str(),
+            })
+            .inc();
+        tracing::debug!(error = %err, mode = self.mode.as_str(), "backend unavailable; failure mode decides");
+        let all = |over: bool| -> Vec<Verdict> {
+            hits.iter()
+                .map(|h| Verdict {
+                    over,
+                    remaining: if over { 0 } else { h.limit.requests_per_unit },
+                    reset: std::time::Duration::ZERO,
+                })
+                .collect()
+        };
+        match self.mode {
+            FailureMode::Error => Err(err),
+            FailureMode::Allow => Ok(Outcome {
+                admitted: true,
+                verdicts: all(false),
+            }),
+            FailureMode::Deny => Ok(Outcome {
+                admitted: admits(hits, |_| true),
+                verdicts: all(true),
+            }),
+            FailureMode::Local => Ok(self.local.decide_now(hits)),
+        }
+    }
+}
+
+impl Backend for Fallback {
+    fn decide<'a>(&'a self, hits: &'a [Hit]) -> BoxFuture<'a, Result<Outcome, BackendError>> {
+        Box::pin(async move {
+            match self.primary.decide(hits).await {
+                Ok(outcome) => Ok(outcome),
+                Err(err) => self.degrade(hits, err),
+            }
+        })
+    }
+
+    fn is_up(&self) -> bool {
+        self.primary.is_up()
+    }
+}

@@ -1,0 +1,214 @@
+-- ratelimitd: decide (or refund) every counter of one request in one atomic step.
+--
+-- Why a script: checking several counters and then committing them must be one step, or two
+-- replicas both read 99 of 100 and both admit; and the window must come from one clock (Redis
+-- TIME), not from each replica's. Since Redis 5 scripts replicate their effects, so TIME here
+-- is safe. The math mirrors src/limiter/algorithm.rs (the memory backend); Lua numbers are
+-- doubles, exact for microsecond timestamps and for counts below 2^53.
+--
+-- KEYS[i]    the counter of limit i. All keys share one hash tag, so one cluster slot.
+--            fixed_window: string count, expires at the window end
+--            sliding_window: hash {s = window start, p = previous count, c = current count}
+--            sliding_log: sorted set, one member per admitted hit, scored by its time (µs)
+--            token_bucket: string GCRA theoretical arrival time (µs)
+-- ARGV[1]    "decide" or "refund"
+-- ARGV[2]    nonce unique to the request (names sliding_log members, so refunds can find them)
+-- ARGV[3]    decide: ignored; refund: the decide's time (µs), as returned by decide
+-- ARGV[4..]  6 per limit: algorithm (f|s|l|b), requests_per_unit, window (µs), burst, hits,
+--            enforcement (E: over rejects; Q: rejects only if every Q is over; S: never rejects)
+--
+-- decide returns {admitted, now, then per limit: over, remaining, reset (µs)}. Nothing is
+-- written unless the request is admitted; then every limit that fits is consumed and every key
+-- written gets an expiry. refund undoes an admitted decide of the same KEYS and ARGV.
+
+local mode = ARGV[1]
+local nonce = ARGV[2]
+local FIELDS = 6
+local n = #KEYS
+
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+
+local function expire_at_us(key, at_us)
+  -- PEXPIREAT is in ms and a key lives while now_ms <= at_ms, so expire at the last ms before
+  -- `at_us` (window ends are whole seconds) or, for unaligned times, the ms after it.
+  local at_ms = math.ceil(at_us / 1000)
+  if at_us % 1000000 == 0 then at_ms = at_ms - 1 end
+  redis.call('PEXPIREAT', key, at_ms)
+end
+
+local function limit(i)
+  local b = 3 + (i - 1) * FIELDS
+  return ARGV[b + 1], tonumber(ARGV[b + 2]), tonumber(ARGV[b + 3]), tonumber(ARGV[b + 4]),
+    tonumber(ARGV[b + 5]), ARGV[b + 6]
+end
+
+local function member(i, j)
+  return nonce .. ':' .. i .. ':' .. j
+end
+
+if mode == 'refund' then
+  local at = tonumber(ARGV[3])
+  for i = 1, n do
+    local key = KEYS[i]
+    local algo, rpu, w, burst, hits = limit(i)
+    if hits > 0 then
+      local start = at - (at % w)
+      if algo == 'f' then
+        if now - (now % w) == start and redis.call('EXISTS', key) == 1 then
+          local left = redis.call('DECRBY', key, hits)
+          if left < 0 then redis.call('INCRBY', key, -left) end
+        end
+      elseif algo == 's' then
+        local s = tonumber(redis.call('HGET', key, 's') or '-1')
+        local field = (s == start and 'c') or (s == start + w and 'p') or nil
+        if field then
+          local left = redis.call('HINCRBY', key, field, -hits)
+          if left < 0 then redis.call('HSET', key, field, 0) end
+        end
+      elseif algo == 'l' then
+        for j0 = 1, hits, 1000 do
+          local batch = {}
+          for j = j0, math.min(hits, j0 + 999) do batch[#batch + 1] = member(i, j) end
+          redis.call('ZREM', key, unpack(batch))
+        end
+      elseif algo == 'b' then
+        local tat = tonumber(redis.call('GET', key) or '0')
+        if tat > now then
+          local back = tat - hits * (w / rpu)
+          if back > now then
+            redis.call('SET', key, string.format('%.3f', back))
+            expire_at_us(key, back + 1)
+          else
+            redis.call('DEL', key)
+          end
+        end
+      end
+    end
+  end
+  return {1, now}
+end
+
+-- decide: check every limit (reads only; pruning the log changes no count).
+local over, remaining, reset, state = {}, {}, {}, {}
+for i = 1, n do
+  local key = KEYS[i]
+  local algo, rpu, w, burst, hits = limit(i)
+  local start = now - (now % w)
+  local o, rem, rst = true, 0, w
+  if algo == 'f' then
+    local count = tonumber(redis.call('GET', key) or '0')
+    local after = count + hits
+    o = rpu == 0 or after > rpu
+    if not o then rem = rpu - after end
+    rst = start + w - now
+  elseif algo == 's' then
+    local h = redis.call('HMGET', key, 's', 'p', 'c')
+    local s, p, c = tonumber(h[1] or '-1'), tonumber(h[2] or '0'), tonumber(h[3] or '0')
+    if s ~= start then
+      if s == start - w then p = c else p = 0 end
+      c = 0
+    end
+    state[i] = {p, c}
+    local e = now - start
+    local faded = p * (w - e) -- the previous window's weight, times w
+    local room = rpu - c - hits
+    o = rpu == 0 or faded > room * w
+    if not o then
+      rem = room - math.ceil(faded / w)
+      if c + hits > 0 then rst = 2 * w - e elseif p > 0 then rst = w - e else rst = 0 end
+    elseif rpu > 0 and hits <= rpu then
+      local r = rpu - hits
+      if c <= r then
+        rst = math.max(1, (w - math.floor((r - c) * w / math.max(p, 1))) - e)
+      else
+        rst = (w - e) + (w - math.floor(r * w / c))
+      end
+    end
+  elseif algo == 'l' then
+    redis.call('ZREMRANGEBYSCORE', key, '-inf', now - w)
+    local count = redis.call('ZCARD', key)
+    local after = count + hits
+    o = rpu == 0 or after > rpu
+    if not o then
+      rem = rpu - after
+      if hits > 0 then
+        rst = w
+      else
+        local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
+        if newest[2] then rst = tonumber(newest[2]) + w - now else rst = 0 end
+      end
+    elseif rpu > 0 and hits <= rpu then
+      local oldest = redis.call('ZRANGE', key, after - rpu - 1, after - rpu - 1, 'WITHSCORES')
+      rst = tonumber(oldest[2]) + w - now
+    end
+  elseif algo == 'b' then
+    if rpu > 0 then
+      local interval = w / rpu
+      local cap = burst * interval
+      local tat = math.max(tonumber(redis.call('GET', key) or '0'), now)
+      local new_tat = tat + hits * interval
+      o = new_tat - now > cap + 0.001
+      if not o then
+        rem = math.floor((cap - (new_tat - now)) / interval + 0.000001)
+        rst = math.ceil(new_tat - now - 0.001)
+        state[i] = new_tat
+      elseif hits <= burst then
+        rst = math.ceil(new_tat - now - cap - 0.001)
+      end
+    end
+  else
+    return redis.error_reply('ratelimitd: unknown algorithm ' .. tostring(algo))
+  end
+  over[i], remaining[i], reset[i] = o, rem, rst
+end
+
+-- All-or-nothing: an enforced limit over, or every quota limit over, rejects the request.
+local admitted, quota_seen, quota_all_over = true, false, true
+for i = 1, n do
+  local enforcement = ARGV[3 + i * FIELDS]
+  if enforcement == 'E' and over[i] then admitted = false end
+  if enforcement == 'Q' then
+    quota_seen = true
+    if not over[i] then quota_all_over = false end
+  end
+end
+if quota_seen and quota_all_over then admitted = false end
+
+if admitted then
+  for i = 1, n do
+    local key = KEYS[i]
+    local algo, rpu, w, burst, hits = limit(i)
+    if not over[i] and hits > 0 then
+      local start = now - (now % w)
+      if algo == 'f' then
+        redis.call('INCRBY', key, hits)
+        expire_at_us(key, start + w)
+      elseif algo == 's' then
+        redis.call('HSET', key, 's', start, 'p', state[i][1], 'c', state[i][2] + hits)
+        expire_at_us(key, start + 2 * w)
+      elseif algo == 'l' then
+        for j0 = 1, hits, 1000 do
+          local batch = {}
+          for j = j0, math.min(hits, j0 + 999) do
+            batch[#batch + 1] = now
+            batch[#batch + 1] = member(i, j)
+          end
+          redis.call('ZADD', key, unpack(batch))
+        end
+        expire_at_us(key, now + w + 1)
+      elseif algo == 'b' then
+        redis.call('SET', key, string.format('%.3f', state[i]))
+        expire_at_us(key, state[i] + 1)
+      end
+    end
+  end
+end
+
+local out = {admitted and 1 or 0, now}
+for i = 1, n do
+  out[#out + 1] = over[i] and 1 or 0
+  out[#out + 1] = remaining[i]
+  out[#out + 1] = reset[i]
+end
+return out

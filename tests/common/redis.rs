@@ -1,0 +1,356 @@
+//! Real `redis-server` processes on free loopback ports: standalone, a three-master cluster,
+//! sentinel and TLS. They can be killed, stalled, flushed and restarted. A watchdog shell ends
+//! each one when the test process exits, so shared instances never outlive the run.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU16, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+/// A port that is free, with port + 10000 free too (the cluster bus).
+pub fn free_port() -> u16 {
+    static NEXT: AtomicU16 = AtomicU16::new(0);
+    let base = 20_000 + (std::process::id() % 500) as u16 * 20;
+    loop {
+        let p = base + NEXT.fetch_add(1, Ordering::SeqCst) % 10_000;
+        let ok = |port: u16| std::net::TcpListener::bind(("127.0.0.1", port)).is_ok();
+        if ok(p) && ok(p + 10_000) {
+            return p;
+        }
+    }
+}
+
+/// A unique key prefix, so tests can share one Redis.
+pub fn unique_prefix() -> String {
+    static N: AtomicUsize = AtomicUsize::new(0);
+    format!(
+        "t{}-{}:",
+        std::process::id(),
+        N.fetch_add(1, Ordering::SeqCst)
+    )
+}
+
+pub struct RedisProc {
+    pub port: u16,
+    args: Vec<String>,
+    child: Option<Child>,
+    pub dir: tempfile::TempDir,
+    /// CA of a TLS-only server.
+    tls_ca: Option<PathBuf>,
+}
+
+fn watchdog(pid: u32) {
+    let script = format!(
+        "while kill -0 {} 2>/dev/null; do sleep 0.5; done; kill -9 {pid} 2>/dev/null",
+        std::process::id()
+    );
+    let _ = Command::new("sh")
+        .args(["-c", &script])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn();
+}
+
+impl RedisProc {
+    /// Starts `redis-server` with `extra` arguments and waits until it answers PING.
+    pub fn start(extra: &[&str]) -> RedisProc {
+        Self::start_on(free_port(), extra)
+    }
+
+    pub fn start_on(port: u16, extra: &[&str]) -> RedisProc {
+        Self::start_with(port, extra, None)
+    }
+
+    /// A TLS-only server (plain port off) using the certificates of [`make_certs`].
+    pub fn start_tls(certs: &std::path::Path) -> RedisProc {
+        let port = free_port();
+        let path = |f: &str| certs.join(f).display().to_string();
+        let extra = [
+            "--tls-port".to_string(),
+            port.to_string(),
+            "--tls-cert-file".into(),
+            path("server.crt"),
+            "--tls-key-file".into(),
+            path("server.key"),
+            "--tls-ca-cert-file".into(),
+            path("ca.crt"),
+            "--tls-auth-clients".into(),
+            "no".into(),
+        ];
+        let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+        Self::start_with(0, &extra, Some(certs.join("ca.crt")))
+    }
+
+    fn start_with(port: u16, extra: &[&str], tls_ca: Option<PathBuf>) -> RedisProc {
+        let dir = tempfile::tempdir().unwrap();
+        let mut args: Vec<String> = vec![
+            "--port".into(),
+            port.to_string(),
+            "--bind".into(),
+            "127.0.0.1".into(),
+            "--save".into(),
+            "".into(),
+            "--appendonly".into(),
+            "no".into(),
+            "--dir".into(),
+            dir.path().display().to_string(),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let tls_port = extra
+            .iter()
+            .position(|a| *a == "--tls-port")
+            .map(|i| extra[i + 1].parse().unwrap());
+        let mut p = RedisProc {
+            port: tls_port.unwrap_or(port),
+            args,
+            child: None,
+            dir,
+            tls_ca,
+        };
+        p.spawn();
+        p
+    }
+
+    fn spawn(&mut self) {
+        let child = Command::new("redis-server")
+            .args(&self.args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server is installed");
+        watchdog(child.id());
+        self.child = Some(child);
+        let until = Instant::now() + Duration::from_secs(10);
+        while self.try_cli(&["PING"]).as_deref() != Some("PONG") {
+            assert!(
+                Instant::now() < until,
+                "redis-server on {} did not start",
+                self.port
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn url(&self) -> String {
+        let scheme = if self.tls_ca.is_some() {
+            "rediss"
+        } else {
+            "redis"
+        };
+        format!("{scheme}://127.0.0.1:{}", self.port)
+    }
+
+    fn cli_command(&self) -> Command {
+        let mut c = Command::new("redis-cli");
+        c.args(["-h", "127.0.0.1"]);
+        if let Some(ca) = &self.tls_ca {
+            c.args(["--tls", "--cacert"]).arg(ca);
+        }
+        c.args(["-p", &self.port.to_string()]);
+        c
+    }
+
+    pub fn try_cli(&self, args: &[&str]) -> Option<String> {
+        let out = self.cli_command().args(args).output().ok()?;
+        out.status
+            .success()
+            .then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
+    }
+
+    /// Runs redis-cli against this server.
+    pub fn cli(&self, args: &[&str]) -> String {
+        self.try_cli(args)
+            .unwrap_or_else(|| panic!("redis-cli {args:?} failed"))
+    }
+
+    /// Kills the server (SIGKILL: nothing is saved).
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Starts it again on the same port, empty.
+    pub fn restart(&mut self) {
+        self.kill();
+        self.spawn();
+    }
+
+    /// Makes the server unresponsive for `secs` (DEBUG SLEEP), without waiting.
+    pub fn stall(&self, secs: f64) -> Child {
+        self.cli_command()
+            .args(["DEBUG", "SLEEP", &secs.to_string()])
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap()
+    }
+}
+
+impl Drop for RedisProc {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Three masters, no replicas, all slots assigned.
+pub struct RedisCluster {
+    pub nodes: Vec<RedisProc>,
+}
+
+impl RedisCluster {
+    pub fn start() -> RedisCluster {
+        let nodes: Vec<RedisProc> = (0..3)
+            .map(|_| {
+                RedisProc::start(&[
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                ])
+            })
+            .collect();
+        let mut create = Command::new("redis-cli");
+        create.arg("--cluster").arg("create");
+        for n in &nodes {
+            create.arg(format!("127.0.0.1:{}", n.port));
+        }
+        let out = create
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "cluster create: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        let until = Instant::now() + Duration::from_secs(20);
+        for n in &nodes {
+            while !n.cli(&["CLUSTER", "INFO"]).contains("cluster_state:ok") {
+                assert!(Instant::now() < until, "cluster not ok");
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        RedisCluster { nodes }
+    }
+
+    pub fn urls(&self) -> String {
+        self.nodes
+            .iter()
+            .map(|n| n.url())
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// The node serving `slot`.
+    pub fn node_for_key(&self, key: &str) -> &RedisProc {
+        let slot: u16 = self.nodes[0]
+            .cli(&["CLUSTER", "KEYSLOT", key])
+            .parse()
+            .unwrap();
+        let shards = self.nodes[0].cli(&["CLUSTER", "SLOTS"]);
+        let lines: Vec<&str> = shards.lines().collect();
+        for chunk in lines.chunks(5) {
+            let (from, to, port): (u16, u16, u16) = (
+                chunk[0].parse().unwrap(),
+                chunk[1].parse().unwrap(),
+                chunk[3].parse().unwrap(),
+            );
+            if (from..=to).contains(&slot) {
+                return self.nodes.iter().find(|n| n.port == port).unwrap();
+            }
+        }
+        panic!("no node for slot {slot}");
+    }
+}
+
+/// One standalone Redis shared by the tests of this binary.
+pub fn shared_standalone() -> &'static RedisProc {
+    static R: OnceLock<RedisProc> = OnceLock::new();
+    R.get_or_init(|| RedisProc::start(&[]))
+}
+
+/// One cluster shared by the tests of this binary.
+pub fn shared_cluster() -> &'static RedisCluster {
+    static C: OnceLock<RedisCluster> = OnceLock::new();
+    C.get_or_init(RedisCluster::start)
+}
+
+/// Every key under `prefix` on `node`, with its PTTL.
+pub fn keys_with_ttl(node: &RedisProc, prefix: &str) -> Vec<(String, i64)> {
+    let keys = node.cli(&["--scan", "--pattern", &format!("{prefix}*")]);
+    keys.lines()
+        .filter(|k| !k.is_empty())
+        .map(|k| (k.to_string(), node.cli(&["PTTL", k]).parse().unwrap()))
+        .collect()
+}
+
+/// A CA and a server certificate for 127.0.0.1, made with openssl in `dir/certs`.
+pub fn make_certs(dir: &std::path::Path) -> PathBuf {
+    let certs = dir.join("certs");
+    std::fs::create_dir_all(&certs).unwrap();
+    let run = |args: &[&str]| {
+        let out = Command::new("openssl")
+            .args(args)
+            .current_dir(&certs)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "openssl {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    run(&[
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.crt",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=ratelimitd-test-ca",
+    ]);
+    run(&[
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "server.key",
+        "-out",
+        "server.csr",
+        "-subj",
+        "/CN=127.0.0.1",
+    ]);
+    std::fs::write(
+        certs.join("ext.cnf"),
+        "subjectAltName=IP:127.0.0.1,DNS:localhost\n",
+    )
+    .unwrap();
+    run(&[
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "server.crt",
+        "-days",
+        "2",
+        "-extfile",
+        "ext.cnf",
+    ]);
+    certs
+}
