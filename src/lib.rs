@@ -87,6 +87,9 @@ pub async fn run_with_clock(
     shutdown: impl Future<Output = ()> + Send + 'static,
     clock: Arc<dyn Clock>,
 ) -> Result<(), RunError> {
+    // rediss:// uses rustls; pick its crypto provider once per process (ring: no C toolchain
+    // beyond what the build already needs). Fails harmlessly if one is already installed.
+    let _ = rustls::crypto::ring::default_provider().install_default();
     let metrics = Arc::new(Metrics::new());
     let loaded =
         load_paths(&settings.config).inspect_err(|_| metrics.config_load(LoadResult::error))?;

@@ -141,3 +141,66 @@ async fn sigterm_finishes_and_exits_zero() {
     std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
     assert!(stderr.contains("\"shutting down"), "json logs: {stderr}");
 }
+
+#[tokio::test]
+async fn redis_passwords_never_reach_the_logs() {
+    let redis = common::redis::RedisProc::start(&["--requirepass", "hunter2-secret"]);
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("l.yaml"), "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: second, requests_per_unit: 5}\n").unwrap();
+    let (grpc, http) = (free_port(), free_port());
+    let url = format!("redis://:hunter2-secret@127.0.0.1:{}", redis.port);
+    let mut child = Command::new(BIN)
+        .args([
+            "--config",
+            dir.path().to_str().unwrap(),
+            "--backend",
+            "redis",
+            "--redis-url",
+            &url,
+        ])
+        .args([
+            "--grpc-addr",
+            &format!("127.0.0.1:{grpc}"),
+            "--http-addr",
+            &format!("127.0.0.1:{http}"),
+        ])
+        .args(["--log-level", "trace"])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let http_addr = format!("127.0.0.1:{http}").parse().unwrap();
+    poll(Duration::from_secs(20), || async move {
+        tokio::net::TcpStream::connect(http_addr)
+            .await
+            .ok()
+            .map(|_| ())
+    })
+    .await;
+    let mut client = Client::connect(format!("http://127.0.0.1:{grpc}"))
+        .await
+        .unwrap();
+    assert!(
+        is_ok(&call(&mut client, request("d", &[&[("k", "v")]])).await),
+        "authenticated"
+    );
+    let (_, dump) = http_get(http_addr, "/rlconfig").await;
+    let (_, metrics) = http_get(http_addr, "/metrics").await;
+    Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    let started = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        assert!(started.elapsed() < Duration::from_secs(15));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+    assert!(
+        stderr.contains("redis backend"),
+        "the target is logged: {stderr}"
+    );
+    for text in [&stderr, &dump, &metrics] {
+        assert!(!text.contains("hunter2"), "{text}");
+    }
+}

@@ -89,6 +89,8 @@ pub struct TestServer {
     pub grpc: SocketAddr,
     pub http: SocketAddr,
     pub dir: tempfile::TempDir,
+    /// The flags it was started with.
+    pub flags: Vec<String>,
     stop: Option<oneshot::Sender<()>>,
     pub task: Option<JoinHandle<Result<(), RunError>>>,
 }
@@ -126,7 +128,7 @@ impl TestServer {
             config.display().to_string(),
         ];
         args.extend(flags.iter().map(|s| s.to_string()));
-        let settings = Settings::parse_with_env(args, |_| None).expect("settings");
+        let settings = Settings::parse_with_env(args.clone(), |_| None).expect("settings");
         let grpc_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let http_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let grpc = grpc_listener.local_addr().unwrap();
@@ -147,6 +149,7 @@ impl TestServer {
             grpc,
             http,
             dir,
+            flags: args,
             stop: Some(stop),
             task: Some(task),
         }

@@ -63,6 +63,19 @@ impl RedisProc {
         Self::start_with(port, extra, None)
     }
 
+    /// A Sentinel reading `conf` (which must be writable: Sentinel rewrites it).
+    pub fn start_sentinel(port: u16, conf: &std::path::Path) -> RedisProc {
+        let mut p = RedisProc {
+            port,
+            args: vec![conf.display().to_string(), "--sentinel".into()],
+            child: None,
+            dir: tempfile::tempdir().unwrap(),
+            tls_ca: None,
+        };
+        p.spawn();
+        p
+    }
+
     /// A TLS-only server (plain port off) using the certificates of [`make_certs`].
     pub fn start_tls(certs: &std::path::Path) -> RedisProc {
         let port = free_port();
@@ -149,6 +162,9 @@ impl RedisProc {
             c.args(["--tls", "--cacert"]).arg(ca);
         }
         c.args(["-p", &self.port.to_string()]);
+        if let Some(i) = self.args.iter().position(|a| a == "--requirepass") {
+            c.args(["--no-auth-warning", "-a", &self.args[i + 1]]);
+        }
         c
     }
 
@@ -244,22 +260,24 @@ impl RedisCluster {
             .join(",")
     }
 
-    /// The node serving `slot`.
+    /// The node serving `key`'s slot (from each node's own `CLUSTER NODES` "myself" line).
     pub fn node_for_key(&self, key: &str) -> &RedisProc {
         let slot: u16 = self.nodes[0]
             .cli(&["CLUSTER", "KEYSLOT", key])
             .parse()
             .unwrap();
-        let shards = self.nodes[0].cli(&["CLUSTER", "SLOTS"]);
-        let lines: Vec<&str> = shards.lines().collect();
-        for chunk in lines.chunks(5) {
-            let (from, to, port): (u16, u16, u16) = (
-                chunk[0].parse().unwrap(),
-                chunk[1].parse().unwrap(),
-                chunk[3].parse().unwrap(),
-            );
-            if (from..=to).contains(&slot) {
-                return self.nodes.iter().find(|n| n.port == port).unwrap();
+        for node in &self.nodes {
+            let nodes = node.cli(&["CLUSTER", "NODES"]);
+            let me = nodes.lines().find(|l| l.contains("myself")).unwrap();
+            let owns = me.split_whitespace().skip(8).any(|range| {
+                let (from, to) = range.split_once('-').unwrap_or((range, range));
+                match (from.parse::<u16>(), to.parse::<u16>()) {
+                    (Ok(f), Ok(t)) => (f..=t).contains(&slot),
+                    _ => false,
+                }
+            });
+            if owns {
+                return node;
             }
         }
         panic!("no node for slot {slot}");

@@ -1,0 +1,660 @@
+//! The Redis backend against real servers the tests start: several ratelimitd instances
+//! sharing counters, key hygiene, every failure mode, stalls, script flushes, start-before-Redis,
+//! the over-limit cache, per-descriptor hash tags with refunds, Sentinel and TLS.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::redis::*;
+use common::*;
+use envoy_types::pb::google::protobuf::UInt64Value;
+use ratelimitd::limiter::{Algorithm, SystemClock};
+
+fn algorithms_yaml(domain: &str, rpu: u32) -> String {
+    let mut y = format!("domain: {domain}\ndescriptors:\n");
+    for a in Algorithm::ALL {
+        y += &format!(
+            "  - key: {a}\n    rate_limit: {{unit: hour, requests_per_unit: {rpu}, algorithm: {a}}}\n"
+        );
+    }
+    y
+}
+
+/// Three ratelimitd instances on one Redis target and one key prefix.
+async fn instances(target: &[&str], files: &[(&str, &str)], extra: &[&str]) -> Vec<TestServer> {
+    let prefix = unique_prefix();
+    let mut out = Vec::new();
+    for _ in 0..3 {
+        let mut flags = vec![
+            "--backend",
+            "redis",
+            "--redis-key-prefix",
+            &prefix,
+            "--redis-timeout",
+            "2s",
+        ];
+        flags.extend_from_slice(target);
+        flags.extend_from_slice(extra);
+        out.push(TestServer::start_with(files, &flags, Arc::new(SystemClock)).await);
+    }
+    out
+}
+
+async fn clients(servers: &[TestServer]) -> Vec<Client> {
+    let mut out = Vec::new();
+    for s in servers {
+        out.push(s.client().await);
+    }
+    out
+}
+
+/// Sends `n` requests concurrently, round-robin over `clients`; returns how many were admitted.
+async fn admitted_of(
+    clients: &[Client],
+    n: usize,
+    make: impl Fn(usize) -> envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest,
+) -> usize {
+    let tasks: Vec<_> = (0..n)
+        .map(|i| {
+            let mut c = clients[i % clients.len()].clone();
+            let req = make(i);
+            tokio::spawn(async move { is_ok(&call(&mut c, req).await) })
+        })
+        .collect();
+    let mut admitted = 0;
+    for t in tasks {
+        admitted += t.await.unwrap() as usize;
+    }
+    admitted
+}
+
+fn check_only(
+    domain: &str,
+    key: &str,
+    value: &str,
+) -> envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest {
+    let mut req = request(domain, &[&[(key, value)]]);
+    req.descriptors[0].hits_addend = Some(UInt64Value { value: 0 });
+    req
+}
+
+async fn shared_counting_is_exact(target: &[&str]) {
+    let servers = instances(target, &[("a.yaml", &algorithms_yaml("shared", 50))], &[]).await;
+    let clients = clients(&servers).await;
+    for a in Algorithm::ALL {
+        let key = a.as_str();
+        let admitted = admitted_of(&clients, 150, |_| request("shared", &[&[(key, "x")]])).await;
+        assert_eq!(admitted, 50, "{a}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_instances_on_standalone_admit_exactly_the_limit() {
+    let url = shared_standalone().url();
+    shared_counting_is_exact(&["--redis-url", &url]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_instances_on_a_cluster_admit_exactly_the_limit() {
+    let urls = shared_cluster().urls();
+    shared_counting_is_exact(&["--redis-cluster-nodes", &urls]).await;
+}
+
+const PAIR: &str = "domain: pair\ndescriptors:\n  - key: tight\n    rate_limit: {unit: hour, requests_per_unit: 20}\n  - key: roomy\n    rate_limit: {unit: hour, requests_per_unit: 1000}\n";
+
+async fn all_or_nothing_under_concurrency(target: &[&str]) {
+    let servers = instances(target, &[("p.yaml", PAIR)], &[]).await;
+    let clients = clients(&servers).await;
+    let admitted = admitted_of(&clients, 100, |_| {
+        request("pair", &[&[("roomy", "r")], &[("tight", "t")]])
+    })
+    .await;
+    assert_eq!(admitted, 20);
+    let mut c = clients[0].clone();
+    let r = call(&mut c, check_only("pair", "roomy", "r")).await;
+    assert_eq!(
+        r.statuses[0].limit_remaining, 980,
+        "rejected requests consumed nothing"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn all_or_nothing_holds_under_concurrency_on_standalone() {
+    let url = shared_standalone().url();
+    all_or_nothing_under_concurrency(&["--redis-url", &url]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn all_or_nothing_holds_under_concurrency_on_a_cluster() {
+    let urls = shared_cluster().urls();
+    all_or_nothing_under_concurrency(&["--redis-cluster-nodes", &urls]).await;
+}
+
+/// Moves the slot of `{tag}` to another master while traffic flows: MOVED and ASK are
+/// followed, nothing is lost or double counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_migration_under_traffic_loses_nothing() {
+    let cluster = RedisCluster::start();
+    let domain = "migrating";
+    let yaml = format!(
+        "domain: {domain}\ndescriptors:\n  - key: k\n    rate_limit: {{unit: hour, requests_per_unit: 100000}}\n"
+    );
+    let s = start_cluster_server(&cluster, &yaml).await;
+    let mut c = s.client().await;
+    let slot = cluster.nodes[0].cli(&["CLUSTER", "KEYSLOT", domain]);
+    let src = cluster.node_for_key(domain);
+    let dst = cluster.nodes.iter().find(|n| n.port != src.port).unwrap();
+    let id = |n: &RedisProc| n.cli(&["CLUSTER", "MYID"]);
+    let (src_id, dst_id) = (id(src), id(dst));
+
+    let traffic = {
+        let c = c.clone();
+        tokio::spawn(async move {
+            let mut sent = 0u64;
+            let started = Instant::now();
+            while started.elapsed() < Duration::from_secs(2) {
+                let mut c = c.clone();
+                let r = call(&mut c, request(domain, &[&[("k", "v")]])).await;
+                assert!(is_ok(&r), "every request decided during the migration");
+                sent += 1;
+            }
+            sent
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        dst.cli(&["CLUSTER", "SETSLOT", &slot, "IMPORTING", &src_id]),
+        "OK"
+    );
+    assert_eq!(
+        src.cli(&["CLUSTER", "SETSLOT", &slot, "MIGRATING", &dst_id]),
+        "OK"
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await; // traffic meets ASK redirections
+    let keys = src.cli(&["CLUSTER", "GETKEYSINSLOT", &slot, "100"]);
+    for key in keys.lines().filter(|k| !k.is_empty()) {
+        let port = dst.port.to_string();
+        src.cli(&["MIGRATE", "127.0.0.1", &port, key, "0", "5000"]);
+    }
+    for n in &cluster.nodes {
+        n.cli(&["CLUSTER", "SETSLOT", &slot, "NODE", &dst_id]);
+    }
+    let sent = traffic.await.unwrap();
+    let r = call(&mut c, check_only(domain, "k", "v")).await;
+    assert_eq!(
+        100_000 - r.statuses[0].limit_remaining as u64,
+        sent,
+        "each admitted request counted once"
+    );
+    assert_eq!(cluster.node_for_key(domain).port, dst.port);
+}
+
+async fn start_cluster_server(cluster: &RedisCluster, yaml: &str) -> TestServer {
+    let urls = cluster.urls();
+    let prefix = unique_prefix();
+    let flags = [
+        "--backend",
+        "redis",
+        "--redis-cluster-nodes",
+        &urls,
+        "--redis-key-prefix",
+        &prefix,
+        "--redis-timeout",
+        "2s",
+    ];
+    TestServer::start_with(&[("m.yaml", yaml)], &flags, Arc::new(SystemClock)).await
+}
+
+#[tokio::test]
+async fn restarting_an_instance_mid_window_keeps_the_count() {
+    let url = shared_standalone().url();
+    let prefix = unique_prefix();
+    let flags = [
+        "--backend",
+        "redis",
+        "--redis-url",
+        &url,
+        "--redis-key-prefix",
+        &prefix,
+    ];
+    let files = [("p.yaml", PAIR)];
+    let mut a = TestServer::start_with(&files, &flags, Arc::new(SystemClock)).await;
+    let mut c = a.client().await;
+    for _ in 0..15 {
+        assert!(is_ok(
+            &call(&mut c, request("pair", &[&[("tight", "t")]])).await
+        ));
+    }
+    a.shutdown().await.unwrap();
+    let b = TestServer::start_with(&files, &flags, Arc::new(SystemClock)).await;
+    let mut c = b.client().await;
+    let mut admitted = 0;
+    for _ in 0..10 {
+        admitted += is_ok(&call(&mut c, request("pair", &[&[("tight", "t")]])).await) as usize;
+    }
+    assert_eq!(admitted, 5);
+}
+
+const HOSTILE: [&str; 11] = [
+    "a}b",
+    "a%7Db",
+    "{x}",
+    "x",
+    "a:b",
+    "a_b",
+    "a%3Ab",
+    "line\nbreak",
+    "line%0Abreak",
+    "",
+    "ü{}",
+];
+
+/// Hostile values never collide, every key stays in the domain's slot, every key has a TTL.
+#[tokio::test]
+async fn keys_are_injective_slotted_by_domain_and_always_expire() {
+    let cluster = shared_cluster();
+    let yaml = format!(
+        "{}  - key: v\n    rate_limit: {{unit: hour, requests_per_unit: 1}}\n",
+        algorithms_yaml("hostile", 5)
+    );
+    let s = start(Kind::Cluster, &[("h.yaml", &yaml)], &[]).await;
+    let prefix = s_prefix(&s);
+    let mut c = s.client().await;
+    for v in HOSTILE {
+        assert!(
+            is_ok(&call(&mut c, request("hostile", &[&[("v", v)]])).await),
+            "{v:?}"
+        );
+    }
+    for v in HOSTILE {
+        assert!(
+            is_over(&call(&mut c, request("hostile", &[&[("v", v)]])).await),
+            "{v:?}"
+        );
+    }
+    for a in Algorithm::ALL {
+        call(&mut c, request("hostile", &[&[(a.as_str(), "{evil}:\n")]])).await;
+    }
+    let domain_slot = cluster.nodes[0].cli(&["CLUSTER", "KEYSLOT", "hostile"]);
+    let mut keys = Vec::new();
+    for node in &cluster.nodes {
+        keys.extend(keys_with_ttl(node, &prefix));
+    }
+    assert_eq!(keys.len(), HOSTILE.len() + Algorithm::ALL.len(), "{keys:?}");
+    for (key, ttl) in &keys {
+        assert!(*ttl > 0, "{key:?} has PTTL {ttl}");
+        assert!(key.starts_with(&format!("{prefix}{{hostile}}")), "{key:?}");
+        assert_eq!(
+            cluster.nodes[0].cli(&["CLUSTER", "KEYSLOT", key]),
+            domain_slot,
+            "{key:?}"
+        );
+    }
+}
+
+/// The key prefix a server was given (for inspecting its keys).
+fn s_prefix(s: &TestServer) -> String {
+    s.flags
+        .iter()
+        .position(|f| f == "--redis-key-prefix")
+        .map(|i| s.flags[i + 1].clone())
+        .expect("a redis server")
+}
+
+const ONE: &str = "domain: f\ndescriptors:\n  - key: k\n    rate_limit: {unit: hour, requests_per_unit: 2}\n  - key: s\n    shadow_mode: true\n    rate_limit: {unit: hour, requests_per_unit: 1}\n";
+
+async fn fault_server(redis: &RedisProc, extra: &[&str]) -> TestServer {
+    let url = redis.url();
+    let prefix = unique_prefix();
+    let mut flags = vec![
+        "--backend",
+        "redis",
+        "--redis-url",
+        &url,
+        "--redis-key-prefix",
+        &prefix,
+        "--redis-timeout",
+        "100ms",
+    ];
+    flags.extend_from_slice(extra);
+    TestServer::start_with(&[("f.yaml", ONE)], &flags, Arc::new(SystemClock)).await
+}
+
+/// Answers every call within the timeout plus a margin for a debug build on a busy machine.
+const ANSWER_BOUND: Duration = Duration::from_millis(100 + 150);
+
+async fn timed(
+    c: &mut Client,
+    req: envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest,
+) -> (Result<bool, tonic::Code>, Duration) {
+    let started = Instant::now();
+    let r = c.should_rate_limit(req).await;
+    (
+        r.map(|r| is_ok(r.get_ref())).map_err(|s| s.code()),
+        started.elapsed(),
+    )
+}
+
+#[tokio::test]
+async fn a_killed_redis_is_answered_fast_in_every_failure_mode_and_recovers() {
+    for mode in ["error", "allow", "deny", "local"] {
+        let mut redis = RedisProc::start(&[]);
+        let s = fault_server(&redis, &["--redis-failure-mode", mode]).await;
+        let mut c = s.client().await;
+        assert!(
+            is_ok(&call(&mut c, request("f", &[&[("k", "v")]])).await),
+            "{mode}"
+        );
+        redis.kill();
+        let mut answers = Vec::new();
+        for _ in 0..6 {
+            let (answer, took) = timed(&mut c, request("f", &[&[("k", "v")]])).await;
+            assert!(took < ANSWER_BOUND, "{mode}: answered after {took:?}");
+            answers.push(answer);
+        }
+        match mode {
+            "error" => assert!(
+                answers.iter().all(|a| *a == Err(tonic::Code::Unavailable)),
+                "{answers:?}"
+            ),
+            "allow" => assert!(answers.iter().all(|a| *a == Ok(true)), "{answers:?}"),
+            "deny" => assert!(answers.iter().all(|a| *a == Ok(false)), "{answers:?}"),
+            _ => assert_eq!(
+                answers,
+                [
+                    Ok(true),
+                    Ok(true),
+                    Ok(false),
+                    Ok(false),
+                    Ok(false),
+                    Ok(false)
+                ],
+                "local: 2 per hour, counted here"
+            ),
+        }
+        if mode == "deny" {
+            // Shadow-only requests are still admitted in deny mode.
+            assert_eq!(
+                timed(&mut c, request("f", &[&[("s", "v")]])).await.0,
+                Ok(true)
+            );
+        }
+        let (_, m) = s.http_get("/metrics").await;
+        assert!(
+            metric(
+                &m,
+                &format!("ratelimit_failure_mode_decisions_total{{mode=\"{mode}\"}}")
+            ) >= 6.0,
+            "{m}"
+        );
+        assert_eq!(metric(&m, "ratelimit_backend_up"), 0.0);
+
+        redis.restart();
+        // The probe notices, and then Redis decides again: the failure mode stops counting.
+        poll(Duration::from_secs(10), || async {
+            let (_, m) = s.http_get("/metrics").await;
+            (metric(&m, "ratelimit_backend_up") == 1.0).then_some(())
+        })
+        .await;
+        let series = format!("ratelimit_failure_mode_decisions_total{{mode=\"{mode}\"}}");
+        let before = metric(&s.http_get("/metrics").await.1, &series);
+        let r = call(&mut c, request("f", &[&[("k", "v")]])).await;
+        assert!(is_ok(&r), "{mode}: Redis is empty again");
+        assert_eq!(r.statuses[0].limit_remaining, 1, "{mode}: counted in Redis");
+        assert_eq!(
+            metric(&s.http_get("/metrics").await.1, &series),
+            before,
+            "{mode}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_stalled_redis_is_answered_within_the_timeout_and_recovers() {
+    let redis = RedisProc::start(&["--enable-debug-command", "yes"]);
+    let s = fault_server(&redis, &[]).await;
+    let mut c = s.client().await;
+    assert!(is_ok(&call(&mut c, request("f", &[&[("k", "v")]])).await));
+    let mut stall = redis.stall(2.0);
+    // Wait for the stall to begin: the first request that times out.
+    poll(Duration::from_secs(2), || {
+        let mut c = c.clone();
+        async move {
+            let (answer, _) = timed(&mut c, request("f", &[&[("k", "v")]])).await;
+            (answer == Err(tonic::Code::Unavailable)).then_some(())
+        }
+    })
+    .await;
+    let mut slowest = Duration::ZERO;
+    for _ in 0..8 {
+        let (answer, took) = timed(&mut c, request("f", &[&[("k", "v")]])).await;
+        assert_eq!(answer, Err(tonic::Code::Unavailable));
+        slowest = slowest.max(took);
+    }
+    assert!(slowest < ANSWER_BOUND, "slowest answer {slowest:?}");
+    let _ = stall.wait();
+    // Calls that timed out were still queued in Redis and may have counted (never admitted):
+    // recovery is checked on a fresh counter.
+    poll(Duration::from_secs(10), || {
+        let mut c = c.clone();
+        async move { is_ok(&call(&mut c, request("f", &[&[("k", "after")]])).await).then_some(()) }
+    })
+    .await;
+    let (_, m) = s.http_get("/metrics").await;
+    assert!(
+        metric(&m, r#"ratelimit_backend_errors_total{kind="timeout"}"#) >= 1.0,
+        "{m}"
+    );
+    assert!(
+        metric(&m, r#"ratelimit_backend_errors_total{kind="circuit_open"}"#) >= 1.0,
+        "the breaker spared Redis: {m}"
+    );
+}
+
+#[tokio::test]
+async fn script_flush_is_recovered_transparently() {
+    let redis = RedisProc::start(&[]);
+    let s = fault_server(&redis, &[]).await;
+    let mut c = s.client().await;
+    assert!(is_ok(&call(&mut c, request("f", &[&[("k", "v")]])).await));
+    assert_eq!(redis.cli(&["SCRIPT", "FLUSH"]), "OK");
+    let r = call(&mut c, request("f", &[&[("k", "v")]])).await;
+    assert!(is_ok(&r));
+    assert_eq!(
+        r.statuses[0].limit_remaining, 0,
+        "the count survived the flush"
+    );
+}
+
+#[tokio::test]
+async fn starting_before_redis_is_not_a_crash() {
+    let port = free_port();
+    let url = format!("redis://127.0.0.1:{port}");
+    let prefix = unique_prefix();
+    let flags = [
+        "--backend",
+        "redis",
+        "--redis-url",
+        &url,
+        "--redis-key-prefix",
+        &prefix,
+        "--redis-timeout",
+        "100ms",
+    ];
+    let s = TestServer::start_with(&[("f.yaml", ONE)], &flags, Arc::new(SystemClock)).await;
+    let mut c = s.client().await;
+    let (answer, took) = timed(&mut c, request("f", &[&[("k", "v")]])).await;
+    assert_eq!(answer, Err(tonic::Code::Unavailable));
+    assert!(took < ANSWER_BOUND, "{took:?}");
+    poll(Duration::from_secs(5), || async {
+        let (status, body) = s.http_get("/healthcheck").await;
+        (status == 200 && body.contains("backend: unavailable")).then_some(())
+    })
+    .await;
+    let _redis = RedisProc::start_on(port, &[]);
+    poll(Duration::from_secs(10), || {
+        let mut c = c.clone();
+        async move { is_ok(&call(&mut c, request("f", &[&[("k", "v")]])).await).then_some(()) }
+    })
+    .await;
+    poll(Duration::from_secs(5), || async {
+        (s.http_get("/healthcheck").await.1 == "OK").then_some(())
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn the_over_limit_cache_answers_without_redis_but_never_for_shadow_rules() {
+    let mut redis = RedisProc::start(&[]);
+    let s = fault_server(&redis, &["--local-cache-size", "100"]).await;
+    let mut c = s.client().await;
+    for _ in 0..2 {
+        assert!(is_ok(&call(&mut c, request("f", &[&[("k", "v")]])).await));
+    }
+    assert!(
+        is_over(&call(&mut c, request("f", &[&[("k", "v")]])).await),
+        "over: now cached"
+    );
+    call(&mut c, request("f", &[&[("s", "v")]])).await;
+    call(&mut c, request("f", &[&[("s", "v")]])).await; // shadow over: not cached
+    redis.kill();
+    let r = call(&mut c, request("f", &[&[("k", "v")], &[("k", "other")]])).await;
+    assert!(is_over(&r), "answered from the cache with Redis gone");
+    assert!(r.statuses[0].duration_until_reset.is_some());
+    let (_, m) = s.http_get("/metrics").await;
+    assert_eq!(metric(&m, "ratelimit_local_cache_hits_total"), 1.0);
+    let shadow = c.should_rate_limit(request("f", &[&[("s", "v")]])).await;
+    assert_eq!(
+        shadow.unwrap_err().code(),
+        tonic::Code::Unavailable,
+        "shadow rules are never cached"
+    );
+}
+
+/// Two descriptor values whose per-descriptor hash tags live on different cluster nodes.
+fn values_on_different_nodes(cluster: &RedisCluster) -> (String, String) {
+    let node = |v: &str| cluster.node_for_key(&format!("{{pair:roomy:{v}}}")).port;
+    let a = "r0".to_string();
+    let b = (1..)
+        .map(|i| format!("t{i}"))
+        .find(|v| cluster.node_for_key(&format!("{{pair:tight:{v}}}")).port != node(&a))
+        .unwrap();
+    (a, b)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn descriptor_hash_tags_spread_and_refund_but_never_over_admit() {
+    let cluster = shared_cluster();
+    let (roomy, tight) = values_on_different_nodes(cluster);
+    let urls = cluster.urls();
+    let servers = instances(
+        &["--redis-cluster-nodes", &urls],
+        &[("p.yaml", PAIR)],
+        &["--redis-hash-tag", "descriptor"],
+    )
+    .await;
+    let clients = clients(&servers).await;
+    let (r, t) = (roomy.clone(), tight.clone());
+    let admitted = admitted_of(&clients, 100, move |_| {
+        request("pair", &[&[("roomy", &r)], &[("tight", &t)]])
+    })
+    .await;
+    assert!(
+        (1..=20).contains(&admitted),
+        "never over-admits: {admitted}"
+    );
+    let mut c = clients[0].clone();
+    let roomy_left = call(&mut c, check_only("pair", "roomy", &roomy))
+        .await
+        .statuses[0]
+        .limit_remaining;
+    let tight_left = call(&mut c, check_only("pair", "tight", &tight))
+        .await
+        .statuses[0]
+        .limit_remaining;
+    assert_eq!(
+        1000 - roomy_left as usize,
+        admitted,
+        "rejected requests were refunded"
+    );
+    assert_eq!(20 - tight_left as usize, admitted);
+    // The two counters really are on different nodes.
+    let prefix = s_prefix(&servers[0]);
+    let holders: Vec<usize> = cluster
+        .nodes
+        .iter()
+        .map(|n| keys_with_ttl(n, &prefix).len())
+        .collect();
+    assert_eq!(holders.iter().filter(|&&k| k > 0).count(), 2, "{holders:?}");
+}
+
+#[tokio::test]
+async fn sentinel_finds_the_master() {
+    let master = RedisProc::start(&[]);
+    let sentinel_dir = tempfile::tempdir().unwrap();
+    let conf = sentinel_dir.path().join("sentinel.conf");
+    let sentinel_port = free_port();
+    std::fs::write(
+        &conf,
+        format!(
+            "port {sentinel_port}\nbind 127.0.0.1\nsentinel monitor main 127.0.0.1 {} 1\n",
+            master.port
+        ),
+    )
+    .unwrap();
+    let _sentinel = RedisProc::start_sentinel(sentinel_port, &conf);
+    let sentinel_url = format!("redis://127.0.0.1:{sentinel_port}");
+    let prefix = unique_prefix();
+    let flags = [
+        "--backend",
+        "redis",
+        "--redis-sentinel-nodes",
+        &sentinel_url,
+        "--redis-sentinel-master",
+        "main",
+        "--redis-key-prefix",
+        &prefix,
+        "--redis-timeout",
+        "2s",
+    ];
+    let s = TestServer::start_with(&[("f.yaml", ONE)], &flags, Arc::new(SystemClock)).await;
+    let mut c = s.client().await;
+    for _ in 0..2 {
+        assert!(is_ok(&call(&mut c, request("f", &[&[("k", "v")]])).await));
+    }
+    assert!(is_over(&call(&mut c, request("f", &[&[("k", "v")]])).await));
+    assert_eq!(
+        keys_with_ttl(&master, &prefix).len(),
+        1,
+        "counted on the master"
+    );
+}
+
+#[tokio::test]
+async fn tls_with_a_private_ca() {
+    let certs_dir = tempfile::tempdir().unwrap();
+    let certs = make_certs(certs_dir.path());
+    let redis = RedisProc::start_tls(&certs);
+    let url = redis.url();
+    assert!(url.starts_with("rediss://"));
+    let ca = certs.join("ca.crt");
+    let prefix = unique_prefix();
+    let flags = [
+        "--backend",
+        "redis",
+        "--redis-url",
+        &url,
+        "--redis-tls-ca",
+        ca.to_str().unwrap(),
+        "--redis-key-prefix",
+        &prefix,
+        "--redis-timeout",
+        "2s",
+    ];
+    let s = TestServer::start_with(&[("f.yaml", ONE)], &flags, Arc::new(SystemClock)).await;
+    let mut c = s.client().await;
+    assert!(is_ok(&call(&mut c, request("f", &[&[("k", "v")]])).await));
+    assert_eq!(keys_with_ttl(&redis, &prefix).len(), 1);
+}
