@@ -1,33 +1,82 @@
 #!/usr/bin/env bash
-# `make bench`: start a release ratelimitd on loopback with benches/limits.yaml and drive it
-# with the project's load generator. Prints the machine's core count with the results.
-# Tunables: DURATION (s), CONCURRENCY, CONNECTIONS, PIN=1 (server on CPU 0, load on CPU 1).
+# `make bench`: throughput and latency of a release ratelimitd on loopback, driven by the
+# project's load generator (benches/loadgen.rs), on the memory backend and on a standalone
+# redis-server this script starts; then redis-benchmark running the very same Lua script with
+# the same two keys per call, measured in the same run: the ceiling the service can approach.
+# Prints the machine's core count with the results. Loopback only; bounded durations.
+# Tunables: DURATION (s), CONCURRENCY, CONNECTIONS, BACKENDS ("memory redis").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DURATION=${DURATION:-10}
 CONCURRENCY=${CONCURRENCY:-64}
 CONNECTIONS=${CONNECTIONS:-4}
-PIN=${PIN:-0}
-GRPC=127.0.0.1:${BENCH_GRPC_PORT:-18081}
-HTTP=127.0.0.1:${BENCH_HTTP_PORT:-18080}
+BACKENDS=${BACKENDS:-memory redis}
+
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
 cargo build --release --quiet
 cargo bench --bench loadgen --no-run --quiet 2>/dev/null || cargo bench --bench loadgen --no-run
-server_cpu=(); load_cpu=()
-if [ "$PIN" = 1 ]; then server_cpu=(taskset -c 0); load_cpu=(taskset -c 1); fi
+echo "machine: $(nproc) cores ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)), $(redis-server --version | cut -d' ' -f1-3)"
+echo "load: $CONCURRENCY concurrent calls over $CONNECTIONS connections, ${DURATION}s, 2 descriptors per request"
 
-"${server_cpu[@]}" ./target/release/ratelimitd --config benches/limits.yaml \
-  --grpc-addr "$GRPC" --http-addr "$HTTP" --log-level warn &
-server=$!
-trap 'kill $server 2>/dev/null; wait $server 2>/dev/null' EXIT
-for _ in $(seq 100); do
-  kill -0 "$server" 2>/dev/null || { echo "bench: ratelimitd did not start" >&2; exit 1; }
-  curl -sf "http://$HTTP/healthcheck" >/dev/null 2>&1 && break
-  sleep 0.1
+pids=()
+cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
+trap cleanup EXIT
+
+REDIS_PORT=$(free_port)
+redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save "" --appendonly no >/dev/null &
+pids+=($!)
+for _ in $(seq 100); do redis-cli -p "$REDIS_PORT" ping >/dev/null 2>&1 && break; sleep 0.05; done
+
+run_service() {
+  local backend=$1; shift
+  local grpc http
+  grpc=127.0.0.1:$(free_port); http=127.0.0.1:$(free_port)
+  ./target/release/ratelimitd --config benches/limits.yaml --grpc-addr "$grpc" --http-addr "$http" \
+    --log-level warn --backend "$backend" "$@" &
+  local server=$!
+  pids+=($server)
+  for _ in $(seq 100); do
+    kill -0 "$server" 2>/dev/null || { echo "bench: ratelimitd did not start" >&2; exit 1; }
+    curl -sf "http://$http/healthcheck" >/dev/null 2>&1 && break
+    sleep 0.1
+  done
+  echo "--- ratelimitd, $backend backend"
+  cargo bench --quiet --bench loadgen -- --target "http://$grpc" \
+    --duration "$DURATION" --concurrency "$CONCURRENCY" --connections "$CONNECTIONS"
+  ps -o rss=,time= -p "$server" | awk '{print "server: rss " int($1/1024) " MiB, cpu time " $2}'
+  kill "$server"; wait "$server" 2>/dev/null || true
+}
+
+for backend in $BACKENDS; do
+  case $backend in
+    memory) run_service memory ;;
+    redis) run_service redis --redis-url "redis://127.0.0.1:$REDIS_PORT" --redis-timeout 1s ;;
+  esac
 done
 
-echo "machine: $(nproc) cores ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)); pinned: $PIN"
-echo "backend: memory"
-"${load_cpu[@]}" cargo bench --quiet --bench loadgen -- --target "http://$GRPC" \
-  --duration "$DURATION" --concurrency "$CONCURRENCY" --connections "$CONNECTIONS"
-ps -o rss=,time= -p "$server" | awk '{print "server: rss " $1/1024 " MiB, cpu time " $2}'
+if [[ " $BACKENDS " == *" redis "* ]]; then
+  # The same script and arguments ratelimitd sends for one request of benches/limits.yaml:
+  # a sliding_window client counter (10 000 distinct clients) and a fixed_window route counter.
+  sha=$(redis-cli -p "$REDIS_PORT" SCRIPT LOAD "$(cat src/limiter/redis/script.lua)")
+  requests=$((DURATION * 40000))
+  echo "--- Redis MEMORY USAGE of one full counter (limit 100 per 60 s, 100 single-hit requests)"
+  for algo in f s l b; do
+    key="ratelimit:{edge}:remote_address:10.0.0.1:${algo}60000000:0"
+    for i in $(seq 100); do
+      redis-cli -p "$REDIS_PORT" EVALSHA "$sha" 1 "$key" decide "$(printf '%016x.%x' $RANDOM$RANDOM "$i")" 0 \
+        "$algo" 100 60000000 100 1 E >/dev/null
+    done
+    over=$(redis-cli -p "$REDIS_PORT" EVALSHA "$sha" 1 "$key" decide x 0 "$algo" 100 60000000 100 1 E | head -1)
+    case $algo in f) name=fixed_window;; s) name=sliding_window;; l) name=sliding_log;; b) name=token_bucket;; esac
+    printf '%-15s %5s bytes  (101st request admitted: %s; key %s, ttl %s ms)\n' "$name" \
+      "$(redis-cli -p "$REDIS_PORT" MEMORY USAGE "$key" SAMPLES 0)" "$over" \
+      "$(redis-cli -p "$REDIS_PORT" TYPE "$key")" "$(redis-cli -p "$REDIS_PORT" PTTL "$key")"
+  done
+  echo "--- redis-benchmark, EVALSHA of script.lua with the same 2 keys per call, $CONCURRENCY clients"
+  redis-benchmark -p "$REDIS_PORT" -c "$CONCURRENCY" -n "$requests" -r 10000 --precision 3 \
+    EVALSHA "$sha" 2 "ratelimit:{bench}:client:c__rand_int__:s1000000:0" \
+    "ratelimit:{bench}:route:/api/__rand_int__:f1000000:0" \
+    decide bench 0 s 1000000 1000000 1000000 1 E f 100000000 1000000 100000000 1 E \
+    | tr '\r' '\n' | grep -A4 "Summary:" | grep -v "^ *$"
+fi
