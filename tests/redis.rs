@@ -80,7 +80,7 @@ fn check_only(
     req
 }
 
-async fn shared_counting_is_exact(target: &[&str]) {
+async fn shared_counting_is_exact(target: &[&str], nodes: &[&RedisProc]) {
     let servers = instances(target, &[("a.yaml", &algorithms_yaml("shared", 50))], &[]).await;
     let clients = clients(&servers).await;
     for a in Algorithm::ALL {
@@ -88,18 +88,29 @@ async fn shared_counting_is_exact(target: &[&str]) {
         let admitted = admitted_of(&clients, 150, |_| request("shared", &[&[(key, "x")]])).await;
         assert_eq!(admitted, 50, "{a}");
     }
+    let prefix = s_prefix(&servers[0]);
+    let keys: Vec<(String, i64)> = nodes
+        .iter()
+        .flat_map(|n| keys_with_ttl(n, &prefix))
+        .collect();
+    assert_eq!(keys.len(), Algorithm::ALL.len(), "{keys:?}");
+    assert!(
+        keys.iter().all(|(_, ttl)| *ttl > 0),
+        "every key expires: {keys:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_instances_on_standalone_admit_exactly_the_limit() {
-    let url = shared_standalone().url();
-    shared_counting_is_exact(&["--redis-url", &url]).await;
+    let redis = shared_standalone();
+    shared_counting_is_exact(&["--redis-url", &redis.url()], &[redis]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_instances_on_a_cluster_admit_exactly_the_limit() {
-    let urls = shared_cluster().urls();
-    shared_counting_is_exact(&["--redis-cluster-nodes", &urls]).await;
+    let cluster = shared_cluster();
+    let nodes: Vec<&RedisProc> = cluster.nodes.iter().collect();
+    shared_counting_is_exact(&["--redis-cluster-nodes", &cluster.urls()], &nodes).await;
 }
 
 const PAIR: &str = "domain: pair\ndescriptors:\n  - key: tight\n    rate_limit: {unit: hour, requests_per_unit: 20}\n  - key: roomy\n    rate_limit: {unit: hour, requests_per_unit: 1000}\n";
