@@ -17,37 +17,37 @@ const LIMITS: &str = r#"
 domain: test
 descriptors:
   - key: three_per_minute
-    rate_limit: {unit: minute, requests_per_unit: 3, name: three}
+    rate_limit: {unit: hour, requests_per_unit: 3, name: three}
   - key: roomy
-    rate_limit: {unit: minute, requests_per_unit: 100}
+    rate_limit: {unit: hour, requests_per_unit: 100}
   - key: blocked
     rate_limit: {unit: second, requests_per_unit: 0}
   - key: free
     rate_limit: {unlimited: true}
   - key: shadow
     shadow_mode: true
-    rate_limit: {unit: minute, requests_per_unit: 1}
+    rate_limit: {unit: hour, requests_per_unit: 1}
   - key: layered
     rate_limits:
-      - {name: burst, unit: second, requests_per_unit: 2}
+      - {name: burst, unit: hour, requests_per_unit: 2}
       - {name: daily, unit: day, requests_per_unit: 5}
   - key: quota
     value: a
     quota_mode: true
-    rate_limit: {unit: minute, requests_per_unit: 1}
+    rate_limit: {unit: hour, requests_per_unit: 1}
   - key: quota
     value: b
     quota_mode: true
-    rate_limit: {unit: minute, requests_per_unit: 2}
+    rate_limit: {unit: hour, requests_per_unit: 2}
   - key: tenant
     value: t-*
     share_threshold: true
-    rate_limit: {unit: minute, requests_per_unit: 2}
+    rate_limit: {unit: hour, requests_per_unit: 2}
   - key: detailed
     detailed_metric: true
-    rate_limit: {unit: minute, requests_per_unit: 10}
+    rate_limit: {unit: hour, requests_per_unit: 10}
   - key: near
-    rate_limit: {unit: minute, requests_per_unit: 10}
+    rate_limit: {unit: hour, requests_per_unit: 10}
 "#;
 
 async fn server(kind: Kind) -> TestServer {
@@ -65,8 +65,8 @@ async fn fixed_window_admits_up_to_the_limit_and_reports_it(kind: Kind) {
         assert_eq!(st.limit_remaining, left);
         let limit = st.current_limit.as_ref().unwrap();
         assert_eq!((limit.name.as_str(), limit.requests_per_unit), ("three", 3));
-        assert_eq!(limit.unit, Unit::Minute as i32);
-        assert!(reset_of(&r, 0) <= Duration::from_secs(60));
+        assert_eq!(limit.unit, Unit::Hour as i32);
+        assert!(reset_of(&r, 0) <= Duration::from_secs(3600));
         assert!(reset_of(&r, 0) > Duration::ZERO);
     }
     let r = call(&mut c, request("test", &[&[("three_per_minute", "x")]])).await;
@@ -310,7 +310,7 @@ async fn several_limits_report_the_most_restrictive(kind: Kind) {
     let r = call(&mut c, request("test", &[&[("layered", "k")]])).await;
     assert!(is_over(&r));
     assert_eq!(r.statuses[0].current_limit.as_ref().unwrap().name, "burst");
-    // With room in the per-second limit, the daily one (3 left of 5 after 2) is tighter later.
+    // Two hits at once: the burst limit (0 left) is tighter than the daily one (3 left).
     let mut req = request("test", &[&[("layered", "j")]]);
     req.hits_addend = 2;
     let r = call(&mut c, req).await;
@@ -365,7 +365,7 @@ async fn metrics_keep_request_values_out_unless_asked(kind: Kind) {
     }
     let (status, m) = s.http_get("/metrics").await;
     assert_eq!(status, 200);
-    // 10 per minute, ratio 0.8: the 9th hit is past 8.
+    // 10 per hour, ratio 0.8: the 9th hit is past 8.
     assert_eq!(
         metric(
             &m,
@@ -422,8 +422,13 @@ async fn health_over_grpc_and_http(kind: Kind) {
     assert_eq!(s.http_get("/healthcheck").await, (200, "OK".to_string()));
     let (status, dump) = s.http_get("/rlconfig").await;
     assert_eq!(status, 200);
-    assert!(dump.contains("test.three_per_minute: unit=MINUTE requests_per_unit=3, algorithm=fixed_window, name=three, shadow_mode: false"), "{dump}");
-    assert!(dump.contains("test.shadow: unit=MINUTE requests_per_unit=1, algorithm=fixed_window, shadow_mode: true"), "{dump}");
+    assert!(dump.contains("test.three_per_minute: unit=HOUR requests_per_unit=3, algorithm=fixed_window, name=three, shadow_mode: false"), "{dump}");
+    assert!(
+        dump.contains(
+            "test.shadow: unit=HOUR requests_per_unit=1, algorithm=fixed_window, shadow_mode: true"
+        ),
+        "{dump}"
+    );
     s.shutdown().await.unwrap();
     assert!(
         tokio::net::TcpStream::connect(s.grpc).await.is_err(),
@@ -547,12 +552,21 @@ async fn algorithms_recover_on_the_wall_clock_when_they_said(kind: Kind) {
     let mut c = s.client().await;
     for algorithm in Algorithm::ALL {
         let key = algorithm.as_str();
-        let mut req = request("w", &[&[(key, "x")]]);
-        req.hits_addend = 3;
-        assert!(is_ok(&call(&mut c, req).await), "{algorithm}");
-        let r = call(&mut c, request("w", &[&[(key, "x")]])).await;
-        assert!(is_over(&r), "{algorithm}");
-        let said = reset_of(&r, 0);
+        // Fill the limit and see the next request refused. A window boundary between the two
+        // calls (1 s windows) would admit it; then try again with a fresh counter.
+        let mut attempt = 0;
+        let (value, said) = loop {
+            attempt += 1;
+            let value = format!("x{attempt}");
+            let mut req = request("w", &[&[(key, &value)]]);
+            req.hits_addend = 3;
+            assert!(is_ok(&call(&mut c, req).await), "{algorithm}");
+            let r = call(&mut c, request("w", &[&[(key, &value)]])).await;
+            if is_over(&r) {
+                break (value, reset_of(&r, 0));
+            }
+            assert!(attempt < 3, "{algorithm}: never refused");
+        };
         assert!(
             said > Duration::ZERO && said <= Duration::from_secs(2),
             "{algorithm}: {said:?}"
@@ -560,7 +574,8 @@ async fn algorithms_recover_on_the_wall_clock_when_they_said(kind: Kind) {
         let started = std::time::Instant::now();
         poll(said + Duration::from_secs(3), || {
             let mut c = c.clone();
-            async move { is_ok(&call(&mut c, request("w", &[&[(key, "x")]])).await).then_some(()) }
+            let req = request("w", &[&[(key, value.as_str())]]);
+            async move { is_ok(&call(&mut c, req).await).then_some(()) }
         })
         .await;
         // Admitted, and not long before the time it announced (10 ms of clock slack).
