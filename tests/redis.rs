@@ -27,19 +27,23 @@ async fn instances(target: &[&str], files: &[(&str, &str)], extra: &[&str]) -> V
     let prefix = unique_prefix();
     let mut out = Vec::new();
     for _ in 0..3 {
-        let mut flags = vec![
-            "--backend",
-            "redis",
-            "--redis-key-prefix",
-            &prefix,
-            "--redis-timeout",
-            "2s",
-        ];
-        flags.extend_from_slice(target);
-        flags.extend_from_slice(extra);
-        out.push(TestServer::start_with(files, &flags, Arc::new(SystemClock)).await);
+        out.push(redis_server(files, &[target, extra].concat(), &prefix, "2s").await);
     }
     out
+}
+
+/// A Redis-backed server: `target` picks the Redis (plus any other flags), under `prefix`,
+/// with a per-call `timeout`.
+async fn redis_server(
+    files: &[(&str, &str)],
+    target: &[&str],
+    prefix: &str,
+    timeout: &str,
+) -> TestServer {
+    let mut flags = vec!["--backend", "redis", "--redis-key-prefix", prefix];
+    flags.extend_from_slice(&["--redis-timeout", timeout]);
+    flags.extend_from_slice(target);
+    TestServer::start_with(files, &flags, Arc::new(SystemClock)).await
 }
 
 async fn clients(servers: &[TestServer]) -> Vec<Client> {
@@ -203,35 +207,15 @@ async fn a_slot_migration_under_traffic_loses_nothing() {
 }
 
 async fn start_cluster_server(cluster: &RedisCluster, yaml: &str) -> TestServer {
-    let urls = cluster.urls();
-    let prefix = unique_prefix();
-    let flags = [
-        "--backend",
-        "redis",
-        "--redis-cluster-nodes",
-        &urls,
-        "--redis-key-prefix",
-        &prefix,
-        "--redis-timeout",
-        "2s",
-    ];
-    TestServer::start_with(&[("m.yaml", yaml)], &flags, Arc::new(SystemClock)).await
+    let target = ["--redis-cluster-nodes", &cluster.urls()];
+    redis_server(&[("m.yaml", yaml)], &target, &unique_prefix(), "2s").await
 }
 
 #[tokio::test]
 async fn restarting_an_instance_mid_window_keeps_the_count() {
     let url = shared_standalone().url();
-    let prefix = unique_prefix();
-    let flags = [
-        "--backend",
-        "redis",
-        "--redis-url",
-        &url,
-        "--redis-key-prefix",
-        &prefix,
-    ];
-    let files = [("p.yaml", PAIR)];
-    let mut a = TestServer::start_with(&files, &flags, Arc::new(SystemClock)).await;
+    let (prefix, target, files) = (unique_prefix(), ["--redis-url", &url], [("p.yaml", PAIR)]);
+    let mut a = redis_server(&files, &target, &prefix, "2s").await;
     let mut c = a.client().await;
     for _ in 0..15 {
         assert!(is_ok(
@@ -239,7 +223,7 @@ async fn restarting_an_instance_mid_window_keeps_the_count() {
         ));
     }
     a.shutdown().await.unwrap();
-    let b = TestServer::start_with(&files, &flags, Arc::new(SystemClock)).await;
+    let b = redis_server(&files, &target, &prefix, "2s").await;
     let mut c = b.client().await;
     let mut admitted = 0;
     for _ in 0..10 {
@@ -318,19 +302,8 @@ const ONE: &str = "domain: f\ndescriptors:\n  - key: k\n    rate_limit: {unit: h
 
 async fn fault_server(redis: &RedisProc, extra: &[&str]) -> TestServer {
     let url = redis.url();
-    let prefix = unique_prefix();
-    let mut flags = vec![
-        "--backend",
-        "redis",
-        "--redis-url",
-        &url,
-        "--redis-key-prefix",
-        &prefix,
-        "--redis-timeout",
-        "100ms",
-    ];
-    flags.extend_from_slice(extra);
-    TestServer::start_with(&[("f.yaml", ONE)], &flags, Arc::new(SystemClock)).await
+    let target = [&["--redis-url", url.as_str()], extra].concat();
+    redis_server(&[("f.yaml", ONE)], &target, &unique_prefix(), "100ms").await
 }
 
 /// Answers every call within the timeout plus a margin for a debug build on a busy machine.
@@ -483,18 +456,8 @@ async fn script_flush_is_recovered_transparently() {
 async fn starting_before_redis_is_not_a_crash() {
     let port = free_port();
     let url = format!("redis://127.0.0.1:{port}");
-    let prefix = unique_prefix();
-    let flags = [
-        "--backend",
-        "redis",
-        "--redis-url",
-        &url,
-        "--redis-key-prefix",
-        &prefix,
-        "--redis-timeout",
-        "100ms",
-    ];
-    let s = TestServer::start_with(&[("f.yaml", ONE)], &flags, Arc::new(SystemClock)).await;
+    let target = ["--redis-url", &url];
+    let s = redis_server(&[("f.yaml", ONE)], &target, &unique_prefix(), "100ms").await;
     let mut c = s.client().await;
     let (answer, took) = timed(&mut c, request("f", &[&[("k", "v")]])).await;
     assert_eq!(answer, Err(tonic::Code::Unavailable));
@@ -618,19 +581,13 @@ async fn sentinel_finds_the_master() {
     let _sentinel = RedisProc::start_sentinel(sentinel_port, &conf);
     let sentinel_url = format!("redis://127.0.0.1:{sentinel_port}");
     let prefix = unique_prefix();
-    let flags = [
-        "--backend",
-        "redis",
+    let target = [
         "--redis-sentinel-nodes",
         &sentinel_url,
         "--redis-sentinel-master",
         "main",
-        "--redis-key-prefix",
-        &prefix,
-        "--redis-timeout",
-        "2s",
     ];
-    let s = TestServer::start_with(&[("f.yaml", ONE)], &flags, Arc::new(SystemClock)).await;
+    let s = redis_server(&[("f.yaml", ONE)], &target, &prefix, "2s").await;
     let mut c = s.client().await;
     for _ in 0..2 {
         assert!(is_ok(&call(&mut c, request("f", &[&[("k", "v")]])).await));
@@ -652,19 +609,8 @@ async fn tls_with_a_private_ca() {
     assert!(url.starts_with("rediss://"));
     let ca = certs.join("ca.crt");
     let prefix = unique_prefix();
-    let flags = [
-        "--backend",
-        "redis",
-        "--redis-url",
-        &url,
-        "--redis-tls-ca",
-        ca.to_str().unwrap(),
-        "--redis-key-prefix",
-        &prefix,
-        "--redis-timeout",
-        "2s",
-    ];
-    let s = TestServer::start_with(&[("f.yaml", ONE)], &flags, Arc::new(SystemClock)).await;
+    let target = ["--redis-url", &url, "--redis-tls-ca", ca.to_str().unwrap()];
+    let s = redis_server(&[("f.yaml", ONE)], &target, &prefix, "2s").await;
     let mut c = s.client().await;
     assert!(is_ok(&call(&mut c, request("f", &[&[("k", "v")]])).await));
     assert_eq!(keys_with_ttl(&redis, &prefix).len(), 1);

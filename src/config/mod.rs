@@ -11,9 +11,6 @@ mod matcher;
 mod schema;
 pub mod watch;
 
-#[cfg(test)]
-mod tests;
-
 use std::collections::HashMap;
 use std::fmt::{self, Write as _};
 use std::path::PathBuf;

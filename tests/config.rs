@@ -1,27 +1,13 @@
-//! Parsing, validation and matching, against envoyproxy/ratelimit's own files where they exist.
+//! Config parsing, validation and matching through the library's public API, against
+//! envoyproxy/ratelimit's own files where they exist.
 
-use std::path::{Path, PathBuf};
+mod common;
 
-use super::*;
+use std::path::Path;
 
-/// envoyproxy/ratelimit's fixture files (outside the project; see the brief).
-fn fixtures() -> Option<PathBuf> {
-    let dir = std::env::var_os("RATELIMITD_FIXTURES")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/fixtures/envoyproxy-ratelimit")
-        });
-    if dir.is_dir() {
-        return Some(dir);
-    }
-    assert!(
-        std::env::var_os("RATELIMITD_REQUIRE_FIXTURES").is_none(),
-        "fixtures required but missing at {}",
-        dir.display()
-    );
-    eprintln!("skipping: no fixtures at {}", dir.display());
-    None
-}
+use common::fixtures;
+use ratelimitd::config::*;
+use ratelimitd::limiter::Algorithm;
 
 fn fixture(rel: &str) -> Option<Domain> {
     let path = fixtures()?.join(rel);
