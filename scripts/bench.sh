@@ -12,6 +12,7 @@ CONCURRENCY=${CONCURRENCY:-64}
 CONNECTIONS=${CONNECTIONS:-4}
 BACKENDS=${BACKENDS:-memory redis}
 
+cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
 cargo build --release --quiet
@@ -42,9 +43,17 @@ run_service() {
     sleep 0.1
   done
   echo "--- ratelimitd, $backend backend"
-  cargo bench --quiet --bench loadgen -- --target "http://$grpc" \
-    --duration "$DURATION" --concurrency "$CONCURRENCY" --connections "$CONNECTIONS"
-  ps -o rss=,time= -p "$server" | awk '{print "server: rss " int($1/1024) " MiB, cpu time " $2}'
+  local before after out
+  before=$(cpu_ticks "$server")
+  out=$(cargo bench --quiet --bench loadgen -- --target "http://$grpc" \
+    --duration "$DURATION" --warmup 0 --concurrency "$CONCURRENCY" --connections "$CONNECTIONS")
+  after=$(cpu_ticks "$server")
+  echo "$out"
+  # Server CPU per request: throughput per core, whatever else shares the machine.
+  local requests
+  requests=$(echo "$out" | awk '/^requests:/ {print $2}')
+  awk -v t=$((after - before)) -v hz="$(getconf CLK_TCK)" -v n="$requests" -v rss="$(ps -o rss= -p "$server")" \
+    'BEGIN { s = t / hz; printf "server: %.2f CPU-s for %d requests = %.1f us/request = %.0f requests per core-second; rss %d MiB\n", s, n, s * 1e6 / n, n / s, rss / 1024 }'
   kill "$server"; wait "$server" 2>/dev/null || true
 }
 

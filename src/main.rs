@@ -9,6 +9,11 @@ use ratelimitd::{Listeners, run};
 use tokio::net::TcpListener;
 use tracing_subscriber::EnvFilter;
 
+/// mimalloc: the hot path allocates small, short-lived buffers per request (decoded protos, keys,
+/// responses); a thread-caching allocator measurably beats the system one there (`make bench`).
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn init_logging(settings: &Settings) -> anyhow::Result<()> {
     let filter = EnvFilter::try_new(&settings.log_level)
         .with_context(|| format!("--log-level: invalid filter '{}'", settings.log_level))?;
