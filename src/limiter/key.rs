@@ -30,6 +30,21 @@ fn push_escaped(buf: &mut Vec<u8>, bytes: &[u8]) {
     }
 }
 
+/// Appends `n` in decimal without allocating (this runs for every limit of every request).
+fn push_decimal(buf: &mut Vec<u8>, mut n: u64) {
+    let mut digits = [0u8; 20];
+    let mut i = digits.len();
+    loop {
+        i -= 1;
+        digits[i] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    buf.extend_from_slice(&digits[i..]);
+}
+
 impl CounterKey {
     /// The key of a descriptor's entries in `domain` (without a limit identity yet).
     pub fn new<'a>(domain: &str, entries: impl IntoIterator<Item = (&'a str, &'a str)>) -> Self {
@@ -56,10 +71,9 @@ impl CounterKey {
     pub fn with_limit(mut self, limit: &Limit, index: u16) -> Self {
         self.bytes.push(b':');
         self.bytes.push(limit.algorithm.tag());
-        self.bytes
-            .extend_from_slice(limit.window_us.to_string().as_bytes());
+        push_decimal(&mut self.bytes, limit.window_us);
         self.bytes.push(b':');
-        self.bytes.extend_from_slice(index.to_string().as_bytes());
+        push_decimal(&mut self.bytes, index as u64);
         self
     }
 
@@ -98,6 +112,15 @@ impl CounterKey {
 mod tests {
     use super::*;
     use crate::limiter::Algorithm;
+
+    #[test]
+    fn decimals() {
+        for n in [0, 7, 10, 1_000_000, u64::MAX] {
+            let mut buf = Vec::new();
+            push_decimal(&mut buf, n);
+            assert_eq!(buf, n.to_string().as_bytes());
+        }
+    }
 
     #[test]
     fn keys_are_readable_and_brace_free() {
