@@ -410,6 +410,39 @@ impl Backend for RedisBackend {
 mod tests {
     use super::*;
 
+    fn options(prefix: &str) -> RedisOptions {
+        RedisOptions {
+            target: Target::Standalone(RedisUrl("redis://127.0.0.1:1".into())),
+            tls: TlsFiles::default(),
+            timeout: Duration::from_millis(100),
+            key_prefix: prefix.into(),
+            hash_tag: HashTag::Domain,
+            local_cache_size: 0,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_prefix_with_braces_is_refused_and_keys_carry_our_tag() {
+        let metrics = Arc::new(Metrics::new());
+        let err = RedisBackend::new(options("rl{x}:"), metrics.clone())
+            .err()
+            .unwrap();
+        assert!(err.contains("--redis-key-prefix"), "{err}");
+        let backend = RedisBackend::new(options("rl:"), metrics).unwrap();
+        let hit = Hit {
+            key: super::super::CounterKey::new("edge", [("k", "{v}")]),
+            limit: super::super::Limit {
+                algorithm: super::super::Algorithm::FixedWindow,
+                requests_per_unit: 1,
+                window_us: 1_000_000,
+                burst: 1,
+            },
+            hits: 1,
+            enforcement: Enforcement::Enforce,
+        };
+        assert_eq!(backend.redis_key(&hit), b"rl:{edge}:k:%7Bv%7D".to_vec());
+    }
+
     #[test]
     fn slots_match_redis() {
         // Values from CLUSTER KEYSLOT.
