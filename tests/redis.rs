@@ -564,16 +564,23 @@ async fn descriptor_hash_tags_spread_and_refund_but_never_over_admit() {
     assert_eq!(holders.iter().filter(|&&k| k > 0).count(), 2, "{holders:?}");
 }
 
+/// A master, a replica and one Sentinel: requests go to the master Sentinel names, and after
+/// the master dies they follow the failover to the promoted replica, counts included.
 #[tokio::test]
-async fn sentinel_finds_the_master() {
-    let master = RedisProc::start(&[]);
+async fn sentinel_finds_the_master_and_follows_a_failover() {
+    let mut master = RedisProc::start(&[]);
+    let master_addr = master.port.to_string();
+    let replica = RedisProc::start(&["--replicaof", "127.0.0.1", &master_addr]);
     let sentinel_dir = tempfile::tempdir().unwrap();
     let conf = sentinel_dir.path().join("sentinel.conf");
     let sentinel_port = free_port();
     std::fs::write(
         &conf,
         format!(
-            "port {sentinel_port}\nbind 127.0.0.1\nsentinel monitor main 127.0.0.1 {} 1\n",
+            "port {sentinel_port}\nbind 127.0.0.1\n\
+             sentinel monitor main 127.0.0.1 {} 1\n\
+             sentinel down-after-milliseconds main 400\n\
+             sentinel failover-timeout main 2000\n",
             master.port
         ),
     )
@@ -587,7 +594,7 @@ async fn sentinel_finds_the_master() {
         "--redis-sentinel-master",
         "main",
     ];
-    let s = redis_server(&[("f.yaml", ONE)], &target, &prefix, "2s").await;
+    let s = redis_server(&[("f.yaml", ONE)], &target, &prefix, "500ms").await;
     let mut c = s.client().await;
     for _ in 0..2 {
         assert!(is_ok(&call(&mut c, request("f", &[&[("k", "v")]])).await));
@@ -597,6 +604,29 @@ async fn sentinel_finds_the_master() {
         keys_with_ttl(&master, &prefix).len(),
         1,
         "counted on the master"
+    );
+    poll(Duration::from_secs(10), || async {
+        (keys_with_ttl(&replica, &prefix).len() == 1).then_some(())
+    })
+    .await;
+
+    master.kill();
+    // Sentinel promotes the replica; ratelimitd asks the sentinel again and carries on.
+    poll(Duration::from_secs(30), || {
+        let mut c = c.clone();
+        async move {
+            let r = c
+                .should_rate_limit(request("f", &[&[("k", "after")]]))
+                .await
+                .ok()?;
+            is_ok(r.get_ref()).then_some(())
+        }
+    })
+    .await;
+    assert!(replica.cli(&["ROLE"]).starts_with("master"));
+    assert!(
+        is_over(&call(&mut c, request("f", &[&[("k", "v")]])).await),
+        "the count survived the failover"
     );
 }
 
