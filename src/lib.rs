@@ -87,8 +87,8 @@ pub async fn run_with_clock(
     shutdown: impl Future<Output = ()> + Send + 'static,
     clock: Arc<dyn Clock>,
 ) -> Result<(), RunError> {
-    // rediss:// uses rustls; pick its crypto provider once per process (ring: no C toolchain
-    // beyond what the build already needs). Fails harmlessly if one is already installed.
+    // rediss:// uses rustls, which needs one crypto provider chosen per process; ring builds
+    // with the C compiler alone (aws-lc also wants cmake). A second install is a harmless no-op.
     let _ = rustls::crypto::ring::default_provider().install_default();
     let metrics = Arc::new(Metrics::new());
     let loaded =
