@@ -40,14 +40,7 @@ async fn basic_config_limits_through_grpc() {
     // key1=value1, subkey1=subvalue1: 10 per second (the specific override of 5).
     let d: &[&[(&str, &str)]] = &[&[("key1", "value1"), ("subkey1", "subvalue1")]];
     let r = call(&mut c, request("test-domain", d)).await;
-    assert_eq!(
-        r.statuses[0]
-            .current_limit
-            .as_ref()
-            .unwrap()
-            .requests_per_unit,
-        10
-    );
+    assert_eq!(rpu_of(&r, 0), Some(10));
     // key3: 1 per hour.
     assert!(is_ok(
         &call(&mut c, request("test-domain", &[&[("key3", "a")]])).await
@@ -151,14 +144,7 @@ async fn the_example_limits_load_and_limit() {
     )
     .await;
     assert!(is_ok(&r));
-    assert_eq!(
-        r.statuses[0]
-            .current_limit
-            .as_ref()
-            .unwrap()
-            .requests_per_unit,
-        5
-    );
+    assert_eq!(rpu_of(&r, 0), Some(5));
     assert!(r.statuses[1].current_limit.is_none(), "unlimited");
     for _ in 0..4 {
         call(&mut c, request("edge", &[&[("path", "/login")]])).await;

@@ -24,13 +24,7 @@ fn limits(rpu: u32) -> String {
 async fn rpu(c: &mut Client) -> Option<u32> {
     let mut req = request("r", &[&[("k", "v")]]);
     req.descriptors[0].hits_addend = Some(UInt64Value { value: 0 });
-    call(c, req)
-        .await
-        .statuses
-        .first()?
-        .current_limit
-        .as_ref()
-        .map(|l| l.requests_per_unit)
+    rpu_of(&call(c, req).await, 0)
 }
 
 /// Waits until the service answers with `want`, returning how long that took.

@@ -294,6 +294,14 @@ pub fn is_over(resp: &RateLimitResponse) -> bool {
     resp.overall_code == Code::OverLimit as i32
 }
 
+/// The `requests_per_unit` a status reports, if it reports a limit.
+pub fn rpu_of(resp: &RateLimitResponse, i: usize) -> Option<u32> {
+    resp.statuses[i]
+        .current_limit
+        .as_ref()
+        .map(|l| l.requests_per_unit)
+}
+
 /// A clock-independent seconds value of a status's duration_until_reset.
 pub fn reset_of(resp: &RateLimitResponse, i: usize) -> Duration {
     let d = resp.statuses[i]
