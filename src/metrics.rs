@@ -86,6 +86,8 @@ pub struct Metrics {
     pub request_duration: Histogram,
     /// `ratelimit_grpc_errors_total{code}`: requests answered with a gRPC error.
     pub grpc_errors: Family<ErrorLabels, Counter>,
+    /// `ratelimit_requests_in_flight`: ShouldRateLimit calls being handled now.
+    pub in_flight: Gauge,
     /// `ratelimit_backend_errors_total{kind}`: failed backend calls.
     pub backend_errors: Family<KindLabels, Counter>,
     /// `ratelimit_backend_duration_seconds`: one backend round trip (one script call).
@@ -175,7 +177,14 @@ impl Metrics {
             "Requests decided by the failure mode while the backend was unavailable",
             failure_mode_decisions.clone(),
         );
+        let in_flight = Gauge::default();
+        registry.register(
+            "ratelimit_requests_in_flight",
+            "ShouldRateLimit calls being handled now",
+            in_flight.clone(),
+        );
         Metrics {
+            in_flight,
             backend_errors,
             backend_duration,
             backend_up,

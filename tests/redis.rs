@@ -645,3 +645,63 @@ async fn tls_with_a_private_ca() {
     assert!(is_ok(&call(&mut c, request("f", &[&[("k", "v")]])).await));
     assert_eq!(keys_with_ttl(&redis, &prefix).len(), 1);
 }
+
+/// SIGTERM's in-process twin: shutdown begins while a call waits on a stalled Redis; health
+/// turns not-serving, the call still completes, and only then does the server return.
+#[tokio::test]
+async fn shutdown_lets_in_flight_calls_finish() {
+    let redis = RedisProc::start(&["--enable-debug-command", "yes"]);
+    let target = ["--redis-url", &redis.url()];
+    let mut s = redis_server(&[("f.yaml", ONE)], &target, &unique_prefix(), "5s").await;
+    let mut c = s.client().await;
+    assert!(is_ok(&call(&mut c, request("f", &[&[("k", "v")]])).await));
+    let mut stall = redis.stall(1.5);
+    poll(Duration::from_secs(5), || async {
+        redis_is_stalled(redis.port).await.then_some(())
+    })
+    .await;
+    let in_flight = {
+        let mut c = c.clone();
+        tokio::spawn(async move { c.should_rate_limit(request("f", &[&[("k", "v")]])).await })
+    };
+    poll(Duration::from_secs(5), || async {
+        let (_, m) = s.http_get("/metrics").await;
+        (metric(&m, "ratelimit_requests_in_flight") == 1.0).then_some(())
+    })
+    .await;
+    let http = s.http;
+    let shutdown = tokio::spawn(async move { s.shutdown().await });
+    poll(Duration::from_secs(5), || async {
+        // Not-serving first, while the call is still waiting (or the port already closed).
+        match tokio::net::TcpStream::connect(http).await {
+            Ok(_) => (http_get(http, "/healthcheck").await.0 == 500).then_some(()),
+            Err(_) => Some(()),
+        }
+    })
+    .await;
+    let answer = in_flight
+        .await
+        .unwrap()
+        .expect("the in-flight call was answered");
+    assert!(
+        is_ok(answer.get_ref()),
+        "and decided by Redis once the stall ended"
+    );
+    shutdown.await.unwrap().unwrap();
+    let _ = stall.wait();
+}
+
+/// True when `port` does not answer PING within 50 ms.
+async fn redis_is_stalled(port: u16) -> bool {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Ok(mut conn) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await else {
+        return false;
+    };
+    if conn.write_all(b"PING\r\n").await.is_err() {
+        return false;
+    }
+    let mut buf = [0u8; 16];
+    tokio::time::timeout(Duration::from_millis(50), conn.read(&mut buf))
+        .await
+        .is_err()
+}

@@ -129,6 +129,15 @@ pub fn to_response(resp: service::Response) -> RateLimitResponse {
     }
 }
 
+/// Decrements the in-flight gauge however the call ends (even if the client goes away).
+struct InFlight<'a>(&'a Metrics);
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.in_flight.dec();
+    }
+}
+
 impl GrpcService {
     fn error(&self, status: Status) -> Status {
         let code = match status.code() {
@@ -154,6 +163,8 @@ impl RateLimitService for GrpcService {
         request: Request<RateLimitRequest>,
     ) -> Result<Response<RateLimitResponse>, Status> {
         let started = Instant::now();
+        self.metrics.in_flight.inc();
+        let _done = InFlight(&self.metrics);
         let req = request.get_ref();
         let result = match to_request(req) {
             Err(message) => Err(Status::invalid_argument(message)),

@@ -31,6 +31,8 @@ pub enum Kind {
     Memory,
     Redis,
     Cluster,
+    /// The cluster with `--redis-hash-tag descriptor`: one script per slot group, refunds.
+    ClusterPerDescriptor,
 }
 
 impl Kind {
@@ -56,6 +58,12 @@ impl Kind {
                 "--redis-cluster-nodes".into(),
                 redis::shared_cluster().urls(),
             ]),
+            Kind::ClusterPerDescriptor => common(&[
+                "--redis-cluster-nodes".into(),
+                redis::shared_cluster().urls(),
+                "--redis-hash-tag".into(),
+                "descriptor".into(),
+            ]),
         }
     }
 }
@@ -80,6 +88,9 @@ macro_rules! every_backend {
         }
         mod cluster {
             $(#[tokio::test] async fn $name() { super::$name(super::Kind::Cluster).await })*
+        }
+        mod cluster_per_descriptor {
+            $(#[tokio::test] async fn $name() { super::$name(super::Kind::ClusterPerDescriptor).await })*
         }
     };
 }
