@@ -7,9 +7,10 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 
-use crate::config::{LimitRule, Policy, Snapshot, Unit};
+use crate::config::{Domain, LimitRule, Policy, Snapshot, Unit};
 use crate::limiter::{
-    Algorithm, Backend, BackendError, CounterKey, Enforcement, Hit, Limit, Verdict, quota_rejects,
+    Algorithm, Backend, BackendError, CounterKey, Enforcement, Hit, Limit, Outcome, Verdict,
+    quota_rejects,
 };
 use crate::metrics::{Decision, DecisionLabels, Metrics};
 
@@ -252,89 +253,18 @@ impl RateLimiter {
     pub async fn should_rate_limit(&self, req: &Request<'_>) -> Result<Response, ServiceError> {
         self.validate(req)?;
         let snapshot = self.config.load_full();
-        let mut statuses = vec![Status::unlimited(); req.descriptors.len()];
-        let Some(domain) = snapshot.domain(req.domain) else {
-            return Ok(Response {
-                overall: Code::Ok,
-                statuses,
-            });
+        let unlimited = || Response {
+            overall: Code::Ok,
+            statuses: vec![Status::unlimited(); req.descriptors.len()],
         };
-        let default_hits = req.hits_addend.max(1);
-
-        let mut applied: Vec<Applied<'_>> = Vec::new();
-        for (i, d) in req.descriptors.iter().enumerate() {
-            if let Some(o) = d.limit_override {
-                let limit = Limit {
-                    algorithm: Algorithm::FixedWindow,
-                    requests_per_unit: o.requests_per_unit,
-                    window_us: o.unit.seconds() * 1_000_000,
-                    burst: o.requests_per_unit,
-                };
-                let rule = d
-                    .entries
-                    .iter()
-                    .map(|(k, _)| *k)
-                    .collect::<Vec<_>>()
-                    .join(".");
-                applied.push(Applied {
-                    descriptor: i,
-                    key: Some(
-                        CounterKey::new(req.domain, d.entries.iter().copied())
-                            .with_limit(&limit, OVERRIDE_INDEX),
-                    ),
-                    limit,
-                    reported: ReportedLimit {
-                        name: None,
-                        requests_per_unit: o.requests_per_unit,
-                        unit: o.unit,
-                    },
-                    enforcement: Enforcement::Enforce,
-                    rule: Arc::new(rule),
-                    name: None,
-                    replaces: &[],
-                });
-                continue;
-            }
-            let Some(matched) = domain.resolve(&d.entries) else {
-                continue;
-            };
-            let Some(Policy::Limits(rules)) = &matched.node.policy else {
-                continue; // unlimited
-            };
-            let enforcement = if matched.node.shadow_mode {
-                Enforcement::Shadow
-            } else if matched.node.quota_mode {
-                Enforcement::Quota
-            } else {
-                Enforcement::Enforce
-            };
-            for (j, rule) in rules.iter().enumerate() {
-                let limit = rule.limit();
-                applied.push(Applied {
-                    descriptor: i,
-                    key: Some(matched.key.clone().with_limit(&limit, j as u16)),
-                    limit,
-                    reported: reported(rule),
-                    enforcement,
-                    rule: matched.rule.clone(),
-                    name: rule.name.as_ref(),
-                    replaces: &rule.replaces,
-                });
-            }
-        }
-
-        // `replaces`: a limit named by another applicable limit's `replaces` does not apply.
-        let replaced: Vec<&Arc<str>> = applied.iter().flat_map(|a| a.replaces).collect();
-        if !replaced.is_empty() {
-            applied.retain(|a| !a.name.is_some_and(|n| replaced.contains(&n)));
-        }
+        let Some(domain) = snapshot.domain(req.domain) else {
+            return Ok(unlimited());
+        };
+        let mut applied = applicable(domain, req);
         if applied.is_empty() {
-            return Ok(Response {
-                overall: Code::Ok,
-                statuses,
-            });
+            return Ok(unlimited());
         }
-
+        let default_hits = req.hits_addend.max(1);
         let hits: Vec<Hit> = applied
             .iter_mut()
             .map(|a| Hit {
@@ -347,13 +277,28 @@ impl RateLimiter {
             })
             .collect();
         let outcome = self.backend.decide(&hits).await?;
+        let statuses = self.statuses(&domain.name, req, &applied, &hits, &outcome);
+        let overall = if outcome.admitted || self.policies.global_shadow_mode {
+            Code::Ok
+        } else {
+            Code::OverLimit
+        };
+        Ok(Response { overall, statuses })
+    }
 
-        let quota_rejects = quota_rejects(&hits, |i| outcome.verdicts[i].over);
-
-        // Per descriptor, report the most restrictive limit: an enforced over first, then the
-        // smallest remaining.
+    /// One status per descriptor: the most restrictive of its limits (an enforced over first,
+    /// then the fewest hits left). Records each limit's decision in the metrics.
+    fn statuses(
+        &self,
+        domain: &Arc<String>,
+        req: &Request<'_>,
+        applied: &[Applied<'_>],
+        hits: &[Hit],
+        outcome: &Outcome,
+    ) -> Vec<Status> {
+        let quota_rejects = quota_rejects(hits, |i| outcome.verdicts[i].over);
         let mut best: Vec<Option<(bool, u64, usize)>> = vec![None; req.descriptors.len()];
-        for (k, ((a, hit), v)) in applied.iter().zip(&hits).zip(&outcome.verdicts).enumerate() {
+        for (k, ((a, hit), v)) in applied.iter().zip(hits).zip(&outcome.verdicts).enumerate() {
             let rejects = v.over
                 && match a.enforcement {
                     Enforcement::Enforce => true,
@@ -368,7 +313,7 @@ impl RateLimiter {
                 // Nothing was consumed: what the verdict counted for this request is still there.
                 v.remaining.saturating_add(hit.hits)
             };
-            self.record(&domain.name, a, v, remaining);
+            self.record(domain, a, v, remaining);
             let slot = &mut best[a.descriptor];
             let better = match slot {
                 None => true,
@@ -378,23 +323,17 @@ impl RateLimiter {
                 *slot = Some((rejects, remaining, k));
             }
         }
-        for (i, b) in best.into_iter().enumerate() {
-            let Some((rejects, remaining, k)) = b else {
-                continue;
-            };
-            statuses[i] = Status {
-                code: if rejects { Code::OverLimit } else { Code::Ok },
-                limit: Some(applied[k].reported.clone()),
-                remaining,
-                reset: Some(outcome.verdicts[k].reset),
-            };
-        }
-        let overall = if outcome.admitted || self.policies.global_shadow_mode {
-            Code::Ok
-        } else {
-            Code::OverLimit
-        };
-        Ok(Response { overall, statuses })
+        best.into_iter()
+            .map(|b| match b {
+                None => Status::unlimited(),
+                Some((rejects, remaining, k)) => Status {
+                    code: if rejects { Code::OverLimit } else { Code::Ok },
+                    limit: Some(applied[k].reported.clone()),
+                    remaining,
+                    reset: Some(outcome.verdicts[k].reset),
+                },
+            })
+            .collect()
     }
 
     fn record(&self, domain: &Arc<String>, a: &Applied<'_>, v: &Verdict, remaining: u64) {
@@ -422,6 +361,78 @@ impl RateLimiter {
             })
             .inc();
     }
+}
+
+/// Every limit that applies to the request's descriptors, after `replaces`: a descriptor's
+/// own `limit` override, else the limits of the node its entries resolve to.
+fn applicable<'s>(domain: &'s Domain, req: &Request<'_>) -> Vec<Applied<'s>> {
+    let mut applied = Vec::new();
+    for (i, d) in req.descriptors.iter().enumerate() {
+        if let Some(o) = d.limit_override {
+            let limit = Limit {
+                algorithm: Algorithm::FixedWindow,
+                requests_per_unit: o.requests_per_unit,
+                window_us: o.unit.seconds() * 1_000_000,
+                burst: o.requests_per_unit,
+            };
+            let rule = d
+                .entries
+                .iter()
+                .map(|(k, _)| *k)
+                .collect::<Vec<_>>()
+                .join(".");
+            applied.push(Applied {
+                descriptor: i,
+                key: Some(
+                    CounterKey::new(req.domain, d.entries.iter().copied())
+                        .with_limit(&limit, OVERRIDE_INDEX),
+                ),
+                limit,
+                reported: ReportedLimit {
+                    name: None,
+                    requests_per_unit: o.requests_per_unit,
+                    unit: o.unit,
+                },
+                enforcement: Enforcement::Enforce,
+                rule: Arc::new(rule),
+                name: None,
+                replaces: &[],
+            });
+            continue;
+        }
+        let Some(matched) = domain.resolve(&d.entries) else {
+            continue;
+        };
+        let Some(Policy::Limits(rules)) = &matched.node.policy else {
+            continue; // unlimited
+        };
+        let enforcement = if matched.node.shadow_mode {
+            Enforcement::Shadow
+        } else if matched.node.quota_mode {
+            Enforcement::Quota
+        } else {
+            Enforcement::Enforce
+        };
+        for (j, rule) in rules.iter().enumerate() {
+            let limit = rule.limit();
+            applied.push(Applied {
+                descriptor: i,
+                key: Some(matched.key.clone().with_limit(&limit, j as u16)),
+                limit,
+                reported: reported(rule),
+                enforcement,
+                rule: matched.rule.clone(),
+                name: rule.name.as_ref(),
+                replaces: &rule.replaces,
+            });
+        }
+    }
+    // `replaces`: a limit named by another applicable limit's `replaces` does not apply.
+    let replaced: Vec<&Arc<str>> = applied.iter().flat_map(|a| a.replaces).collect();
+    if !replaced.is_empty() {
+        applied.retain(|a| !a.name.is_some_and(|n| replaced.contains(&n)));
+    }
+    applied
 }
 
 fn reported(rule: &LimitRule) -> ReportedLimit {
