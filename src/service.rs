@@ -265,19 +265,18 @@ impl RateLimiter {
             return Ok(unlimited());
         }
         let default_hits = req.hits_addend.max(1);
-        let hits: Vec<Hit> = applied
-            .iter_mut()
-            .map(|a| Hit {
+        let (hits, origin) = merge(applied.iter_mut().map(|a| {
+            Hit {
                 key: a.key.take().expect("each key is used once"),
                 limit: a.limit,
                 hits: req.descriptors[a.descriptor]
                     .hits_addend
                     .unwrap_or(default_hits),
                 enforcement: a.enforcement,
-            })
-            .collect();
+            }
+        }));
         let outcome = self.backend.decide(&hits).await?;
-        let statuses = self.statuses(&domain.name, req, &applied, &hits, &outcome);
+        let statuses = self.statuses(&domain.name, req, &applied, &origin, &hits, &outcome);
         let overall = if outcome.admitted || self.policies.global_shadow_mode {
             Code::Ok
         } else {
@@ -293,12 +292,14 @@ impl RateLimiter {
         domain: &Arc<String>,
         req: &Request<'_>,
         applied: &[Applied<'_>],
+        origin: &[usize],
         hits: &[Hit],
         outcome: &Outcome,
     ) -> Vec<Status> {
         let quota_rejects = quota_rejects(hits, |i| outcome.verdicts[i].over);
         let mut best: Vec<Option<(bool, u64, usize)>> = vec![None; req.descriptors.len()];
-        for (k, ((a, hit), v)) in applied.iter().zip(hits).zip(&outcome.verdicts).enumerate() {
+        for (k, a) in applied.iter().enumerate() {
+            let (hit, v) = (&hits[origin[k]], &outcome.verdicts[origin[k]]);
             let rejects = v.over
                 && match a.enforcement {
                     Enforcement::Enforce => true,
@@ -330,7 +331,7 @@ impl RateLimiter {
                     code: if rejects { Code::OverLimit } else { Code::Ok },
                     limit: Some(applied[k].reported.clone()),
                     remaining,
-                    reset: Some(outcome.verdicts[k].reset),
+                    reset: Some(outcome.verdicts[origin[k]].reset),
                 },
             })
             .collect()
@@ -361,6 +362,46 @@ impl RateLimiter {
             })
             .inc();
     }
+}
+
+/// Merges hits on the same counter (a request may carry the same descriptor twice, or two
+/// descriptors may share a counter), so each counter is checked once with the sum of its hits:
+/// checked separately, both would fit and both would be committed, over-admitting. Returns the
+/// merged hits and, for each input hit, the index of its merged hit.
+fn merge(hits: impl Iterator<Item = Hit>) -> (Vec<Hit>, Vec<usize>) {
+    let mut merged: Vec<Hit> = Vec::new();
+    let mut origin = Vec::new();
+    for hit in hits {
+        match merged.iter().position(|m| m.key == hit.key) {
+            Some(m) => {
+                let into = &mut merged[m];
+                into.hits = into.hits.saturating_add(hit.hits);
+                // The same key can carry different limits only through request overrides:
+                // keep the stricter.
+                into.limit.requests_per_unit = into
+                    .limit
+                    .requests_per_unit
+                    .min(hit.limit.requests_per_unit);
+                into.limit.burst = into.limit.burst.min(hit.limit.burst);
+                into.enforcement = stricter(into.enforcement, hit.enforcement);
+                origin.push(m);
+            }
+            None => {
+                origin.push(merged.len());
+                merged.push(hit);
+            }
+        }
+    }
+    (merged, origin)
+}
+
+fn stricter(a: Enforcement, b: Enforcement) -> Enforcement {
+    let rank = |e| match e {
+        Enforcement::Enforce => 2,
+        Enforcement::Quota => 1,
+        Enforcement::Shadow => 0,
+    };
+    if rank(a) >= rank(b) { a } else { b }
 }
 
 /// Every limit that applies to the request's descriptors, after `replaces`: a descriptor's

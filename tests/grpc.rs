@@ -173,22 +173,22 @@ async fn hits_addend_per_request_and_per_descriptor(kind: Kind) {
     req.hits_addend = 10;
     assert_eq!(call(&mut c, req).await.statuses[0].limit_remaining, 89);
     // A descriptor's own hits_addend wins, and 0 only checks.
-    let mut req = request("test", &[&[("roomy", "h")], &[("roomy", "h")]]);
+    let mut req = request("test", &[&[("roomy", "h")], &[("roomy", "h2")]]);
     req.hits_addend = 10;
     req.descriptors[0].hits_addend = Some(UInt64Value { value: 0 });
     req.descriptors[1].hits_addend = Some(UInt64Value { value: 5 });
     let r = call(&mut c, req).await;
     assert_eq!(r.statuses[0].limit_remaining, 89);
-    assert_eq!(r.statuses[1].limit_remaining, 84);
+    assert_eq!(r.statuses[1].limit_remaining, 95);
     let mut req = request("test", &[&[("roomy", "h")]]);
     req.descriptors[0].hits_addend = Some(UInt64Value { value: 0 });
-    assert_eq!(call(&mut c, req).await.statuses[0].limit_remaining, 84);
+    assert_eq!(call(&mut c, req).await.statuses[0].limit_remaining, 89);
     // More than fits at once is over, and consumes nothing.
     let mut req = request("test", &[&[("roomy", "h")]]);
-    req.hits_addend = 85;
+    req.hits_addend = 90;
     assert!(is_over(&call(&mut c, req).await));
     let mut req = request("test", &[&[("roomy", "h")]]);
-    req.hits_addend = 84;
+    req.hits_addend = 89;
     let r = call(&mut c, req).await;
     assert!(is_ok(&r));
     assert_eq!(r.statuses[0].limit_remaining, 0);
@@ -244,6 +244,29 @@ async fn a_rejected_request_consumes_nothing_anywhere(kind: Kind) {
         r.statuses[0].limit_remaining, 96,
         "five rejected requests took nothing"
     );
+}
+
+/// The same counter twice in one request is checked once with both hits: separately, each
+/// would fit and both would be committed.
+async fn one_counter_twice_in_a_request_counts_both_hits(kind: Kind) {
+    let s = server(kind).await;
+    let mut c = s.client().await;
+    let twice: &[&[(&str, &str)]] = &[
+        &[("three_per_minute", "dup")],
+        &[("three_per_minute", "dup")],
+    ];
+    let r = call(&mut c, request("test", twice)).await;
+    assert!(is_ok(&r));
+    assert_eq!(
+        (r.statuses[0].limit_remaining, r.statuses[1].limit_remaining),
+        (1, 1)
+    );
+    let r = call(&mut c, request("test", twice)).await;
+    assert!(is_over(&r), "2 more hits do not fit in the 1 left");
+    assert!(r.statuses.iter().all(|s| s.code == Code::OverLimit as i32));
+    let r = call(&mut c, request("test", &[&[("three_per_minute", "dup")]])).await;
+    assert!(is_ok(&r));
+    assert_eq!(r.statuses[0].limit_remaining, 0);
 }
 
 async fn zero_blocks_unlimited_never_limits(kind: Kind) {
@@ -587,6 +610,7 @@ async fn algorithms_recover_on_the_wall_clock_when_they_said(kind: Kind) {
 }
 
 every_backend!(
+    one_counter_twice_in_a_request_counts_both_hits,
     fixed_window_admits_up_to_the_limit_and_reports_it,
     unknown_domains_and_unmatched_descriptors_are_not_limited,
     malformed_requests_are_invalid_argument_with_a_message,
