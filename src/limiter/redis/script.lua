@@ -29,12 +29,16 @@ local n = #KEYS
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 
-local function expire_at_us(key, at_us)
-  -- PEXPIREAT is in ms and a key lives while now_ms <= at_ms, so expire at the last ms before
+local function expiry_ms(at_us)
+  -- Expiries are in ms and a key lives while now_ms <= at_ms, so expire at the last ms before
   -- `at_us` (window ends are whole seconds) or, for unaligned times, the ms after it.
   local at_ms = math.ceil(at_us / 1000)
   if at_us % 1000000 == 0 then at_ms = at_ms - 1 end
-  redis.call('PEXPIREAT', key, at_ms)
+  return at_ms
+end
+
+local function expire_at_us(key, at_us)
+  redis.call('PEXPIREAT', key, expiry_ms(at_us))
 end
 
 local function limit(i)
@@ -109,7 +113,7 @@ for i = 1, n do
       if s == start - w then p = c else p = 0 end
       c = 0
     end
-    state[i] = {p, c}
+    state[i] = {p, c, s ~= start}
     local e = now - start
     local faded = p * (w - e) -- the previous window's weight, times w
     local room = rpu - c - hits
@@ -182,11 +186,15 @@ if admitted then
     if not over[i] and hits > 0 then
       local start = now - (now % w)
       if algo == 'f' then
-        redis.call('INCRBY', key, hits)
-        expire_at_us(key, start + w)
+        -- A key that existed already expires at this window's end; only a new one needs it.
+        if redis.call('INCRBY', key, hits) == hits then expire_at_us(key, start + w) end
       elseif algo == 's' then
-        redis.call('HSET', key, 's', start, 'p', state[i][1], 'c', state[i][2] + hits)
-        expire_at_us(key, start + 2 * w)
+        if state[i][3] then -- new key or a new window: rewrite it, with its new expiry
+          redis.call('HSET', key, 's', start, 'p', state[i][1], 'c', state[i][2] + hits)
+          expire_at_us(key, start + 2 * w)
+        else
+          redis.call('HINCRBY', key, 'c', hits)
+        end
       elseif algo == 'l' then
         for j0 = 1, hits, 1000 do
           local batch = {}
@@ -198,8 +206,7 @@ if admitted then
         end
         expire_at_us(key, now + w + 1)
       elseif algo == 'b' then
-        redis.call('SET', key, string.format('%.3f', state[i]))
-        expire_at_us(key, state[i] + 1)
+        redis.call('SET', key, string.format('%.3f', state[i]), 'PXAT', expiry_ms(state[i] + 1))
       end
     end
   end
