@@ -204,3 +204,60 @@ async fn redis_passwords_never_reach_the_logs() {
         assert!(!text.contains("hunter2"), "{text}");
     }
 }
+
+/// A bad reload is logged with its file, line and field, and the process keeps serving.
+#[tokio::test]
+async fn a_bad_reload_is_logged_with_file_line_and_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("l.yaml");
+    std::fs::write(&file, "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: second, requests_per_unit: 5}\n").unwrap();
+    let (grpc, http) = (free_port(), free_port());
+    let mut child = Command::new(BIN)
+        .args(["--config", dir.path().to_str().unwrap()])
+        .args([
+            "--grpc-addr",
+            &format!("127.0.0.1:{grpc}"),
+            "--http-addr",
+            &format!("127.0.0.1:{http}"),
+        ])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let http_addr = format!("127.0.0.1:{http}").parse().unwrap();
+    poll(Duration::from_secs(20), || async move {
+        tokio::net::TcpStream::connect(http_addr)
+            .await
+            .ok()
+            .map(|_| ())
+    })
+    .await;
+    std::fs::write(
+        &file,
+        "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: fortnight}\n",
+    )
+    .unwrap();
+    poll(Duration::from_secs(10), || async move {
+        let (_, m) = http_get(http_addr, "/metrics").await;
+        (metric(&m, r#"ratelimit_config_loads_total{result="error"}"#) == 1.0).then_some(())
+    })
+    .await;
+    let mut client = Client::connect(format!("http://127.0.0.1:{grpc}"))
+        .await
+        .unwrap();
+    let r = call(&mut client, request("d", &[&[("k", "v")]])).await;
+    assert_eq!(rpu_of(&r, 0), Some(5), "the previous config still serves");
+    Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    let started = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        assert!(started.elapsed() < Duration::from_secs(15));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+    let expected = format!("{}:4:24: descriptors[0].rate_limit.unit", file.display());
+    assert!(stderr.contains("config reload refused"), "{stderr}");
+    assert!(stderr.contains(&expected), "{stderr}");
+}
