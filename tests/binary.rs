@@ -2,20 +2,14 @@
 
 mod common;
 
-use std::process::{Command, Stdio};
+use std::net::SocketAddr;
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
+use common::redis::free_port;
 use common::*;
 
 const BIN: &str = env!("CARGO_BIN_EXE_ratelimitd");
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 #[test]
 fn an_invalid_first_config_exits_non_zero_naming_file_line_and_field() {
@@ -83,62 +77,81 @@ fn invalid_flags_and_missing_paths_exit_non_zero_with_a_message() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("--max-entries"));
 }
 
+const LIMITS: &str =
+    "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: second, requests_per_unit: 5}\n";
+
+/// A running `ratelimitd` process on free loopback ports (given through the environment, as a
+/// container would), with its stderr captured.
+struct Daemon {
+    child: Child,
+    grpc: u16,
+    http: SocketAddr,
+}
+
+impl Daemon {
+    /// Starts `cmd` (the binary with its config and flags) and waits until HTTP accepts.
+    async fn start(mut cmd: Command) -> Daemon {
+        let (grpc, http) = (free_port(), free_port());
+        let child = cmd
+            .env("RATELIMITD_GRPC_ADDR", format!("127.0.0.1:{grpc}"))
+            .env("RATELIMITD_HTTP_ADDR", format!("127.0.0.1:{http}"))
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let http = format!("127.0.0.1:{http}").parse().unwrap();
+        poll(Duration::from_secs(20), || async move {
+            tokio::net::TcpStream::connect(http).await.ok().map(|_| ())
+        })
+        .await;
+        Daemon { child, grpc, http }
+    }
+
+    async fn client(&self) -> Client {
+        Client::connect(format!("http://127.0.0.1:{}", self.grpc))
+            .await
+            .unwrap()
+    }
+
+    /// Sends SIGTERM and waits (bounded) for the exit: its status and everything logged.
+    async fn terminate(mut self) -> (ExitStatus, String) {
+        let kill = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(kill.success());
+        let started = Instant::now();
+        let exit = loop {
+            if let Some(exit) = self.child.try_wait().unwrap() {
+                break exit;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(15),
+                "still running after SIGTERM"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        let mut stderr = String::new();
+        std::io::Read::read_to_string(self.child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+        (exit, stderr)
+    }
+}
+
 #[tokio::test]
 async fn sigterm_finishes_and_exits_zero() {
     let dir = tempfile::tempdir().unwrap();
-    std::fs::write(
-        dir.path().join("l.yaml"),
-        "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: second, requests_per_unit: 5}\n",
-    )
-    .unwrap();
-    let (grpc, http) = (free_port(), free_port());
+    std::fs::write(dir.path().join("l.yaml"), LIMITS).unwrap();
     // Flags through the environment, as a container would set them.
-    let mut child = Command::new(BIN)
-        .env("RATELIMITD_CONFIG", dir.path())
-        .env("RATELIMITD_GRPC_ADDR", format!("127.0.0.1:{grpc}"))
-        .env("RATELIMITD_HTTP_ADDR", format!("127.0.0.1:{http}"))
-        .env("RATELIMITD_LOG_FORMAT", "json")
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let http_addr = format!("127.0.0.1:{http}").parse().unwrap();
-    poll(Duration::from_secs(20), || async move {
-        match tokio::net::TcpStream::connect(http_addr).await {
-            Ok(_) => Some(()),
-            Err(_) => None,
-        }
-    })
-    .await;
-    assert_eq!(
-        http_get(http_addr, "/healthcheck").await,
-        (200, "OK".into())
-    );
-    let mut client = Client::connect(format!("http://127.0.0.1:{grpc}"))
-        .await
-        .unwrap();
+    let mut cmd = Command::new(BIN);
+    cmd.env("RATELIMITD_CONFIG", dir.path())
+        .env("RATELIMITD_LOG_FORMAT", "json");
+    let d = Daemon::start(cmd).await;
+    assert_eq!(http_get(d.http, "/healthcheck").await, (200, "OK".into()));
+    let mut client = d.client().await;
     assert!(is_ok(
         &call(&mut client, request("d", &[&[("k", "v")]])).await
     ));
-
-    let status = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
-    let started = Instant::now();
-    let exit = loop {
-        if let Some(exit) = child.try_wait().unwrap() {
-            break exit;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(15),
-            "still running after SIGTERM"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let (exit, stderr) = d.terminate().await;
     assert!(exit.success(), "{exit:?}");
-    let mut stderr = String::new();
-    std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
     assert!(stderr.contains("\"shutting down"), "json logs: {stderr}");
 }
 
@@ -146,56 +159,21 @@ async fn sigterm_finishes_and_exits_zero() {
 async fn redis_passwords_never_reach_the_logs() {
     let redis = common::redis::RedisProc::start(&["--requirepass", "hunter2-secret"]);
     let dir = tempfile::tempdir().unwrap();
-    std::fs::write(dir.path().join("l.yaml"), "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: second, requests_per_unit: 5}\n").unwrap();
-    let (grpc, http) = (free_port(), free_port());
+    std::fs::write(dir.path().join("l.yaml"), LIMITS).unwrap();
     let url = format!("redis://:hunter2-secret@127.0.0.1:{}", redis.port);
-    let mut child = Command::new(BIN)
-        .args([
-            "--config",
-            dir.path().to_str().unwrap(),
-            "--backend",
-            "redis",
-            "--redis-url",
-            &url,
-        ])
-        .args([
-            "--grpc-addr",
-            &format!("127.0.0.1:{grpc}"),
-            "--http-addr",
-            &format!("127.0.0.1:{http}"),
-        ])
-        .args(["--log-level", "trace"])
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let http_addr = format!("127.0.0.1:{http}").parse().unwrap();
-    poll(Duration::from_secs(20), || async move {
-        tokio::net::TcpStream::connect(http_addr)
-            .await
-            .ok()
-            .map(|_| ())
-    })
-    .await;
-    let mut client = Client::connect(format!("http://127.0.0.1:{grpc}"))
-        .await
-        .unwrap();
+    let mut cmd = Command::new(BIN);
+    cmd.args(["--config", dir.path().to_str().unwrap()])
+        .args(["--backend", "redis", "--redis-url", &url])
+        .args(["--log-level", "trace"]);
+    let d = Daemon::start(cmd).await;
+    let mut client = d.client().await;
     assert!(
         is_ok(&call(&mut client, request("d", &[&[("k", "v")]])).await),
         "authenticated"
     );
-    let (_, dump) = http_get(http_addr, "/rlconfig").await;
-    let (_, metrics) = http_get(http_addr, "/metrics").await;
-    Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    let started = Instant::now();
-    while child.try_wait().unwrap().is_none() {
-        assert!(started.elapsed() < Duration::from_secs(15));
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let mut stderr = String::new();
-    std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+    let (_, dump) = http_get(d.http, "/rlconfig").await;
+    let (_, metrics) = http_get(d.http, "/metrics").await;
+    let (_, stderr) = d.terminate().await;
     assert!(
         stderr.contains("redis backend"),
         "the target is logged: {stderr}"
@@ -210,53 +188,25 @@ async fn redis_passwords_never_reach_the_logs() {
 async fn a_bad_reload_is_logged_with_file_line_and_field() {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("l.yaml");
-    std::fs::write(&file, "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: second, requests_per_unit: 5}\n").unwrap();
-    let (grpc, http) = (free_port(), free_port());
-    let mut child = Command::new(BIN)
-        .args(["--config", dir.path().to_str().unwrap()])
-        .args([
-            "--grpc-addr",
-            &format!("127.0.0.1:{grpc}"),
-            "--http-addr",
-            &format!("127.0.0.1:{http}"),
-        ])
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let http_addr = format!("127.0.0.1:{http}").parse().unwrap();
-    poll(Duration::from_secs(20), || async move {
-        tokio::net::TcpStream::connect(http_addr)
-            .await
-            .ok()
-            .map(|_| ())
-    })
-    .await;
+    std::fs::write(&file, LIMITS).unwrap();
+    let mut cmd = Command::new(BIN);
+    cmd.args(["--config", dir.path().to_str().unwrap()]);
+    let d = Daemon::start(cmd).await;
     std::fs::write(
         &file,
         "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: fortnight}\n",
     )
     .unwrap();
+    let http = d.http;
     poll(Duration::from_secs(10), || async move {
-        let (_, m) = http_get(http_addr, "/metrics").await;
+        let (_, m) = http_get(http, "/metrics").await;
         (metric(&m, r#"ratelimit_config_loads_total{result="error"}"#) == 1.0).then_some(())
     })
     .await;
-    let mut client = Client::connect(format!("http://127.0.0.1:{grpc}"))
-        .await
-        .unwrap();
+    let mut client = d.client().await;
     let r = call(&mut client, request("d", &[&[("k", "v")]])).await;
     assert_eq!(rpu_of(&r, 0), Some(5), "the previous config still serves");
-    Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    let started = Instant::now();
-    while child.try_wait().unwrap().is_none() {
-        assert!(started.elapsed() < Duration::from_secs(15));
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let mut stderr = String::new();
-    std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+    let (_, stderr) = d.terminate().await;
     let expected = format!("{}:4:24: descriptors[0].rate_limit.unit", file.display());
     assert!(stderr.contains("config reload refused"), "{stderr}");
     assert!(stderr.contains(&expected), "{stderr}");

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use parking_lot::{Mutex, MutexGuard};
 
 use super::algorithm::State;
-use super::{Backend, BackendError, BoxFuture, Clock, Hit, Limit, Outcome, SystemClock, admits};
+use super::{Backend, BackendError, BoxFuture, Clock, Hit, Outcome, SystemClock, admits};
 
 const SHARDS: usize = 64;
 const MIN_SWEEP_LEN: usize = 256;
@@ -116,14 +116,15 @@ impl MemoryBackend {
                     continue; // an over-limit shadow or quota hit has nothing to take
                 }
                 let (_, shard) = &mut guards[guard_of(shard)];
-                commit(shard, hit, &hit.limit, now);
+                commit(shard, hit, now);
             }
         }
         Outcome { admitted, verdicts }
     }
 }
 
-fn commit(shard: &mut Shard, hit: &Hit, limit: &Limit, now: u64) {
+fn commit(shard: &mut Shard, hit: &Hit, now: u64) {
+    let limit = &hit.limit;
     if shard.entries.len() >= shard.sweep_at {
         shard.sweep(now);
     }
@@ -150,7 +151,7 @@ impl Backend for MemoryBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::limiter::{Algorithm, CounterKey, Enforcement, ManualClock};
+    use crate::limiter::{Algorithm, CounterKey, Enforcement, Limit, ManualClock};
     use std::time::Duration;
 
     const T0: u64 = 1_800_000_000_000_000;
