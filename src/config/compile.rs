@@ -9,7 +9,9 @@ use std::sync::Arc;
 use serde_saphyr::{Location, Spanned};
 
 use super::schema::{RawDescriptor, RawFile, RawLimit};
-use super::{ConfigError, Domain, KeyNodes, Level, LimitRule, Node, Policy, Unit, Wildcard};
+use super::{
+    ConfigError, Domain, KeyNodes, Level, LimitRule, Node, Policy, Unit, Wildcard, is_wildcard,
+};
 use crate::limiter::Algorithm;
 
 /// Largest `unit_multiplier`: keeps every window (up to 10 000 years) within u64 microseconds.
@@ -126,7 +128,7 @@ impl Compiler<'_> {
         };
 
         let share_threshold = raw.share_threshold.unwrap_or(false);
-        if share_threshold && !value.as_deref().is_some_and(|v| v.contains('*')) {
+        if share_threshold && !is_wildcard(value.as_deref()) {
             return Err(self.err(
                 Some(&at),
                 &format!("{field}.share_threshold"),

@@ -163,8 +163,13 @@ pub struct Node {
 
 impl Node {
     fn is_wildcard(&self) -> bool {
-        self.value.as_deref().is_some_and(|v| v.contains('*'))
+        is_wildcard(self.value.as_deref())
     }
+}
+
+/// Whether a configured value is a wildcard pattern (contains `*`).
+fn is_wildcard(value: Option<&str>) -> bool {
+    value.is_some_and(|v| v.contains('*'))
 }
 
 /// The nodes of one tree level, indexed for matching.
