@@ -133,7 +133,11 @@ pub async fn run_with_clock(
     };
 
     // The memory backend is the backend itself, or Redis's `local` fallback.
-    let memory = Arc::new(MemoryBackend::new(clock));
+    let memory = Arc::new(MemoryBackend::bounded(
+        clock,
+        settings.memory_max_bytes,
+        metrics.memory.clone(),
+    ));
     let mut tasks = vec![{
         let memory = memory.clone();
         tokio::spawn(async move {

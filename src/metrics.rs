@@ -73,6 +73,16 @@ pub struct ModeLabels {
     pub mode: &'static str,
 }
 
+/// What the memory backend (or the `local` failure mode) reports: bytes of counter state held
+/// and counters given up at the `--memory-max-bytes` bound.
+#[derive(Clone, Default)]
+pub struct MemoryMetrics {
+    /// `ratelimit_memory_bytes`.
+    pub bytes: Gauge,
+    /// `ratelimit_memory_evictions_total`.
+    pub evictions: Counter,
+}
+
 /// The service's metrics and the registry that exports them.
 pub struct Metrics {
     registry: Registry,
@@ -98,6 +108,8 @@ pub struct Metrics {
     pub local_cache_hits: Counter,
     /// `ratelimit_failure_mode_decisions_total{mode}`: requests decided by the failure mode.
     pub failure_mode_decisions: Family<ModeLabels, Counter>,
+    /// The memory backend's bytes and evictions.
+    pub memory: MemoryMetrics,
 }
 
 impl Default for Metrics {
@@ -183,7 +195,19 @@ impl Metrics {
             "ShouldRateLimit calls being handled now",
             in_flight.clone(),
         );
+        let memory = MemoryMetrics::default();
+        registry.register(
+            "ratelimit_memory_bytes",
+            "Bytes of counter state the memory backend holds, keys included",
+            memory.bytes.clone(),
+        );
+        registry.register(
+            "ratelimit_memory_evictions",
+            "Live counters given up at --memory-max-bytes (each may admit up to its limit again)",
+            memory.evictions.clone(),
+        );
         Metrics {
+            memory,
             in_flight,
             backend_errors,
             backend_duration,

@@ -160,6 +160,8 @@ pub struct RateLimiter {
     backend: Arc<dyn Backend>,
     metrics: Arc<Metrics>,
     policies: Policies,
+    value_rules: ValueRules,
+    override_rule: Arc<String>,
 }
 
 /// A limit that applies to a descriptor, before the backend has seen it.
@@ -169,12 +171,44 @@ struct Applied<'s> {
     reported: ReportedLimit,
     enforcement: Enforcement,
     rule: Arc<String>,
+    /// The rule label carries request values (`detailed_metric`, `value_to_metric`).
+    rule_has_values: bool,
     name: Option<&'s Arc<str>>,
     replaces: &'s [Arc<str>],
     key: Option<CounterKey>,
 }
 
 const OVERRIDE_INDEX: u16 = u16::MAX;
+
+/// The metric rule of a request's `limit` override on a descriptor the config does not know:
+/// a constant, since the entries are the client's.
+pub const OVERRIDE_RULE: &str = "_override";
+/// The metric rule standing for every further label once [`MAX_VALUE_RULES`] are in use.
+pub const OVERFLOW_RULE: &str = "_other";
+/// Distinct rule labels carrying request values (`detailed_metric`, `value_to_metric`) the
+/// metrics keep; later ones are counted under [`OVERFLOW_RULE`], so clients cannot grow
+/// `/metrics` without bound even where the config asks for their values.
+pub const MAX_VALUE_RULES: usize = 1000;
+
+/// The set of value-carrying rule labels in use, capped at [`MAX_VALUE_RULES`].
+#[derive(Default)]
+struct ValueRules {
+    seen: parking_lot::Mutex<std::collections::HashSet<Arc<String>>>,
+    overflow: std::sync::OnceLock<Arc<String>>,
+}
+
+impl ValueRules {
+    /// `rule` if it is (or may become) one of the kept labels, else the overflow label.
+    fn label(&self, rule: &Arc<String>) -> Arc<String> {
+        let mut seen = self.seen.lock();
+        if seen.contains(rule) || (seen.len() < MAX_VALUE_RULES && seen.insert(rule.clone())) {
+            return rule.clone();
+        }
+        self.overflow
+            .get_or_init(|| Arc::new(OVERFLOW_RULE.to_owned()))
+            .clone()
+    }
+}
 
 impl RateLimiter {
     /// An engine reading rules from `config` and counting in `backend`.
@@ -189,6 +223,8 @@ impl RateLimiter {
             backend,
             metrics,
             policies,
+            value_rules: ValueRules::default(),
+            override_rule: Arc::new(OVERRIDE_RULE.to_owned()),
         }
     }
 
@@ -260,7 +296,7 @@ impl RateLimiter {
         let Some(domain) = snapshot.domain(req.domain) else {
             return Ok(unlimited());
         };
-        let mut applied = applicable(domain, req);
+        let mut applied = applicable(domain, req, &self.override_rule);
         if applied.is_empty() {
             return Ok(unlimited());
         }
@@ -353,11 +389,16 @@ impl RateLimiter {
                 Decision::within_limit
             }
         };
+        let rule = if a.rule_has_values {
+            self.value_rules.label(&a.rule)
+        } else {
+            a.rule.clone()
+        };
         self.metrics
             .decisions
             .get_or_create(&DecisionLabels {
                 domain: domain.clone(),
-                rule: a.rule.clone(),
+                rule,
                 decision,
             })
             .inc();
@@ -406,7 +447,11 @@ fn stricter(a: Enforcement, b: Enforcement) -> Enforcement {
 
 /// Every limit that applies to the request's descriptors, after `replaces`: a descriptor's
 /// own `limit` override, else the limits of the node its entries resolve to.
-fn applicable<'s>(domain: &'s Domain, req: &Request<'_>) -> Vec<Applied<'s>> {
+fn applicable<'s>(
+    domain: &'s Domain,
+    req: &Request<'_>,
+    override_rule: &Arc<String>,
+) -> Vec<Applied<'s>> {
     let mut applied = Vec::new();
     for (i, d) in req.descriptors.iter().enumerate() {
         if let Some(o) = d.limit_override {
@@ -416,12 +461,12 @@ fn applicable<'s>(domain: &'s Domain, req: &Request<'_>) -> Vec<Applied<'s>> {
                 window_us: o.unit.seconds() * 1_000_000,
                 burst: o.requests_per_unit,
             };
-            let rule = d
-                .entries
-                .iter()
-                .map(|(k, _)| *k)
-                .collect::<Vec<_>>()
-                .join(".");
+            // The metric label comes from the config, never from the request's entries: the
+            // node the descriptor matches, else a constant.
+            let (rule, rule_has_values) = match domain.resolve(&d.entries) {
+                Some(m) => (m.rule, m.rule_has_values),
+                None => (override_rule.clone(), false),
+            };
             applied.push(Applied {
                 descriptor: i,
                 key: Some(
@@ -435,7 +480,8 @@ fn applicable<'s>(domain: &'s Domain, req: &Request<'_>) -> Vec<Applied<'s>> {
                     unit: o.unit,
                 },
                 enforcement: Enforcement::Enforce,
-                rule: Arc::new(rule),
+                rule,
+                rule_has_values,
                 name: None,
                 replaces: &[],
             });
@@ -454,15 +500,16 @@ fn applicable<'s>(domain: &'s Domain, req: &Request<'_>) -> Vec<Applied<'s>> {
         } else {
             Enforcement::Enforce
         };
-        for (j, rule) in rules.iter().enumerate() {
+        for rule in rules {
             let limit = rule.limit();
             applied.push(Applied {
                 descriptor: i,
-                key: Some(matched.key.clone().with_limit(&limit, j as u16)),
+                key: Some(matched.key.clone().with_limit(&limit, rule.ordinal)),
                 limit,
                 reported: reported(rule),
                 enforcement,
                 rule: matched.rule.clone(),
+                rule_has_values: matched.rule_has_values,
                 name: rule.name.as_ref(),
                 replaces: &rule.replaces,
             });

@@ -8,7 +8,7 @@ use std::time::Duration;
 use clap::{CommandFactory, Parser, ValueEnum};
 
 use crate::limiter::fallback::FailureMode;
-use crate::limiter::redis::{HashTag, RedisOptions, RedisUrl, Target, TlsFiles};
+use crate::limiter::redis::{Credentials, HashTag, RedisOptions, RedisUrl, Target, TlsFiles};
 use crate::service::{Policies, RequestLimits};
 
 /// Where counters are kept.
@@ -43,11 +43,21 @@ pub enum HashTagArg {
 }
 
 fn parse_redis_url(s: &str) -> Result<RedisUrl, String> {
-    if s.starts_with("redis://") || s.starts_with("rediss://") {
-        Ok(RedisUrl(s.to_string()))
-    } else {
-        Err("expected redis://[user:pass@]host:port[/db] or rediss://…".into())
+    RedisUrl::parse(s).map_err(|e| e.to_string())
+}
+
+/// A flag value that is never shown (`Debug` prints `***`).
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(pub String);
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("***")
     }
+}
+
+fn parse_secret(s: &str) -> Result<Secret, String> {
+    Ok(Secret(s.to_owned()))
 }
 
 /// Log line format.
@@ -133,6 +143,20 @@ pub struct Settings {
     #[arg(long)]
     pub redis_sentinel_master: Option<String>,
 
+    /// ACL user for Redis data nodes (standalone, cluster, or the master Sentinel names) whose
+    /// URL has no user information. Sentinels take theirs from their own URLs.
+    #[arg(long)]
+    pub redis_username: Option<String>,
+
+    /// Password for Redis data nodes whose URL has none (best set as RATELIMITD_REDIS_PASSWORD
+    /// from a Secret). Sentinels take theirs from their own URLs.
+    #[arg(long, value_parser = parse_secret)]
+    pub redis_password: Option<Secret>,
+
+    /// Reach Redis data nodes over TLS (as if their URLs said rediss://); for Sentinel, the master.
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub redis_tls: bool,
+
     /// CA certificate (PEM) to verify a rediss:// server.
     #[arg(long)]
     pub redis_tls_ca: Option<PathBuf>,
@@ -146,7 +170,7 @@ pub struct Settings {
     pub redis_tls_key: Option<PathBuf>,
 
     /// Budget for one Redis call, redirections and retries included.
-    #[arg(long, default_value = "100ms", value_parser = parse_duration)]
+    #[arg(long, default_value = "100ms", value_parser = parse_timeout)]
     pub redis_timeout: Duration,
 
     /// What to answer while Redis is unavailable.
@@ -161,12 +185,17 @@ pub struct Settings {
     #[arg(long, value_enum, default_value = "domain")]
     pub redis_hash_tag: HashTagArg,
 
-    /// Entries of the local over-limit cache (0 = off).
-    #[arg(long, default_value_t = 0)]
-    pub local_cache_size: usize,
+    /// Bytes of the local over-limit cache, keys included (0 = off), e.g. 1MiB.
+    #[arg(long, default_value = "0", value_parser = parse_bytes)]
+    pub local_cache_bytes: u64,
+
+    /// Bytes of counter state the memory backend (or the `local` failure mode) may hold, keys
+    /// included; past it the counters closest to expiry are given up, e.g. 64MiB.
+    #[arg(long, default_value = "64MiB", value_parser = parse_bytes)]
+    pub memory_max_bytes: u64,
 
     /// How long in-flight calls may take to finish after SIGTERM before the process exits anyway.
-    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    #[arg(long, default_value = "10s", value_parser = parse_grace)]
     pub shutdown_grace: Duration,
 }
 
@@ -179,8 +208,13 @@ fn parse_ratio(s: &str) -> Result<f64, String> {
     }
 }
 
-/// Parses `250ms`, `10s`, `2m` or a bare number of seconds.
+/// Parses `250ms`, `10s`, `2m` or a bare number of seconds, never more than a day: a longer
+/// timeout or grace is a typo, and an unbounded one would overflow the runtime's timers.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    parse_duration_within(s, Duration::from_secs(86_400))
+}
+
+fn parse_duration_within(s: &str, max: Duration) -> Result<Duration, String> {
     let s = s.trim();
     let split = s
         .find(|c: char| !c.is_ascii_digit() && c != '.')
@@ -195,7 +229,45 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         "m" => n * 60.0,
         _ => return Err(format!("'{s}' has an unknown unit (use ms, s or m)")),
     };
-    Ok(Duration::from_secs_f64(secs))
+    match Duration::try_from_secs_f64(secs) {
+        Ok(d) if d <= max => Ok(d),
+        _ => Err(format!("'{s}' is longer than the maximum of {max:?}")),
+    }
+}
+
+/// `--redis-timeout`: more than 0 and at most a minute (Envoy itself waits 20 ms by default).
+fn parse_timeout(s: &str) -> Result<Duration, String> {
+    let d = parse_duration_within(s, Duration::from_secs(60))?;
+    if d.is_zero() {
+        return Err("must be more than 0".into());
+    }
+    Ok(d)
+}
+
+/// `--shutdown-grace`: at most an hour.
+fn parse_grace(s: &str) -> Result<Duration, String> {
+    parse_duration_within(s, Duration::from_secs(3_600))
+}
+
+/// Parses a byte size: a number with an optional `k`, `m` or `g` suffix (powers of 1024,
+/// optionally followed by `i`/`ib`/`b`), e.g. `64MiB`, `512k`, `1048576`.
+pub fn parse_bytes(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (number, unit) = t.split_at(split);
+    let n: u64 = number
+        .parse()
+        .map_err(|_| format!("'{s}' is not a size (e.g. 65536, 512KiB, 64MiB, 1GiB)"))?;
+    let shift = match unit.to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kb" | "ki" | "kib" => 10,
+        "m" | "mb" | "mi" | "mib" => 20,
+        "g" | "gb" | "gi" | "gib" => 30,
+        _ => return Err(format!("'{s}' has an unknown unit (use KiB, MiB or GiB)")),
+    };
+    n.checked_mul(1 << shift)
+        .filter(|b| *b <= 1 << 40)
+        .ok_or_else(|| format!("'{s}' is larger than 1 TiB"))
 }
 
 impl Settings {
@@ -229,24 +301,39 @@ impl Settings {
                 args.push(format!("{flag}={value}"));
             }
         }
-        Settings::try_parse_from(args)
+        Settings::try_parse_from(args)?.validate()
     }
 
     /// The Redis backend's options, or why they are incomplete.
     pub fn redis_options(&self) -> Result<RedisOptions, String> {
+        let credentials = Credentials {
+            username: self.redis_username.clone(),
+            password: self.redis_password.as_ref().map(|s| s.0.clone()),
+        };
+        if credentials.username.is_some() && credentials.password.is_none() {
+            return Err("--redis-username needs --redis-password".into());
+        }
+        let data_node = |url: &RedisUrl| {
+            let url = url.with_default_credentials(&credentials);
+            if self.redis_tls { url.with_tls() } else { url }
+        };
         let target = match (
             &self.redis_url,
             self.redis_cluster_nodes.is_empty(),
             self.redis_sentinel_nodes.is_empty(),
         ) {
-            (Some(url), true, true) => Target::Standalone(url.clone()),
-            (None, false, true) => Target::Cluster(self.redis_cluster_nodes.clone()),
+            (Some(url), true, true) => Target::Standalone(data_node(url)),
+            (None, false, true) => {
+                Target::Cluster(self.redis_cluster_nodes.iter().map(data_node).collect())
+            }
             (None, true, false) => Target::Sentinel {
                 nodes: self.redis_sentinel_nodes.clone(),
                 master: self
                     .redis_sentinel_master
                     .clone()
                     .ok_or("--redis-sentinel-nodes needs --redis-sentinel-master")?,
+                master_credentials: credentials.clone(),
+                master_tls: self.redis_tls,
             },
             (None, true, true) => {
                 return Err("--backend redis needs --redis-url, --redis-cluster-nodes or --redis-sentinel-nodes".into());
@@ -258,8 +345,22 @@ impl Settings {
         if self.redis_tls_cert.is_some() != self.redis_tls_key.is_some() {
             return Err("--redis-tls-cert and --redis-tls-key go together".into());
         }
-        if self.redis_timeout.is_zero() {
-            return Err("--redis-timeout must be more than 0".into());
+        for (flag, file) in [
+            ("--redis-tls-ca", &self.redis_tls_ca),
+            ("--redis-tls-cert", &self.redis_tls_cert),
+            ("--redis-tls-key", &self.redis_tls_key),
+        ] {
+            if let Some(file) = file
+                && let Err(e) = std::fs::metadata(file)
+            {
+                return Err(format!("{flag}: {}: {e}", file.display()));
+            }
+        }
+        if self.redis_key_prefix.contains(['{', '}']) {
+            return Err(format!(
+                "--redis-key-prefix '{}' must not contain '{{' or '}}' (it would move the hash tag)",
+                self.redis_key_prefix
+            ));
         }
         Ok(RedisOptions {
             target,
@@ -274,8 +375,21 @@ impl Settings {
                 HashTagArg::Domain => HashTag::Domain,
                 HashTagArg::Descriptor => HashTag::Descriptor,
             },
-            local_cache_size: self.local_cache_size,
+            local_cache_bytes: self.local_cache_bytes,
         })
+    }
+
+    /// Checks what no single flag's parser can: combinations, and the Redis options when
+    /// `--backend redis` is chosen. A failure is a usage error (exit 2), like a bad flag.
+    pub fn validate(self) -> Result<Settings, clap::Error> {
+        if self.backend == BackendKind::Redis
+            && let Err(message) = self.redis_options()
+        {
+            return Err(
+                Settings::command().error(clap::error::ErrorKind::ArgumentConflict, message)
+            );
+        }
+        Ok(self)
     }
 
     /// `--redis-failure-mode` as the limiter's type.
@@ -379,21 +493,109 @@ mod tests {
         assert!(err.to_string().contains("--backend"), "{err}");
         let err = parse(&[], &[]).unwrap_err();
         assert!(err.to_string().contains("--config"), "{err}");
-        let s = parse(&["--config", "x", "--backend", "redis"], &[]).unwrap();
-        assert!(s.redis_options().unwrap_err().contains("--redis-url"));
-        let s = parse(
-            &["--config", "x", "--redis-sentinel-nodes", "redis://a:1"],
+        let err = parse(&["--config", "x", "--backend", "redis"], &[]).unwrap_err();
+        assert!(err.to_string().contains("--redis-url"), "{err}");
+        assert_eq!(err.exit_code(), 2);
+        let err = parse(
+            &[
+                "--config",
+                "x",
+                "--backend",
+                "redis",
+                "--redis-sentinel-nodes",
+                "redis://a:1",
+            ],
             &[],
         )
-        .unwrap();
-        assert!(
-            s.redis_options()
-                .unwrap_err()
-                .contains("--redis-sentinel-master")
-        );
+        .unwrap_err();
+        assert!(err.to_string().contains("--redis-sentinel-master"), "{err}");
+        let err = parse(
+            &[
+                "--config",
+                "x",
+                "--backend",
+                "redis",
+                "--redis-url",
+                "redis://h:1",
+                "--redis-key-prefix",
+                "a{b}",
+            ],
+            &[],
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("--redis-key-prefix"), "{err}");
         let err = parse(&["--config", "x", "--redis-url", "host:6379"], &[]).unwrap_err();
         assert!(err.to_string().contains("--redis-url"), "{err}");
         let err = parse(&["--config", "x"], &[("RATELIMITD_GRPC_ADDR", "nope")]).unwrap_err();
         assert!(err.to_string().contains("--grpc-addr"), "{err}");
+    }
+
+    #[test]
+    fn huge_or_odd_durations_and_sizes_are_usage_errors_not_panics() {
+        for (flag, value) in [
+            ("--shutdown-grace", "99999999999999999999999"),
+            ("--redis-timeout", "99999999999999999999999"),
+            ("--redis-timeout", "1e400"),
+            ("--shutdown-grace", "2h"),
+            ("--redis-timeout", "0"),
+            ("--redis-timeout", "61s"),
+            ("--shutdown-grace", "."),
+            ("--memory-max-bytes", "99999999999999999999GiB"),
+            ("--memory-max-bytes", "2TiB"),
+            ("--local-cache-bytes", "1.5MiB"),
+            ("--near-limit-ratio", "NaN"),
+            ("--max-descriptors", "99999999999999999999999"),
+        ] {
+            let err = parse(&["--config", "x", flag, value], &[]).unwrap_err();
+            assert!(err.to_string().contains(flag), "{flag} {value}: {err}");
+            assert_eq!(err.exit_code(), 2, "{flag} {value}");
+        }
+        let s = parse(
+            &[
+                "--config",
+                "x",
+                "--memory-max-bytes",
+                "512KiB",
+                "--redis-timeout",
+                "60s",
+            ],
+            &[],
+        )
+        .unwrap();
+        assert_eq!(s.memory_max_bytes, 512 * 1024);
+        assert_eq!(s.redis_timeout, Duration::from_secs(60));
+    }
+
+    #[test]
+    fn sentinel_master_credentials_and_tls_are_apart_from_the_sentinels() {
+        let s = parse(
+            &[
+                "--config",
+                "x",
+                "--backend",
+                "redis",
+                "--redis-sentinel-nodes",
+                "redis://:sentinel-pw@a:1",
+                "--redis-sentinel-master",
+                "m",
+                "--redis-tls",
+            ],
+            &[("RATELIMITD_REDIS_PASSWORD", "master/pw")],
+        )
+        .unwrap();
+        assert!(!format!("{s:?}").contains("pw"), "{s:?}");
+        match s.redis_options().unwrap().target {
+            Target::Sentinel {
+                master_credentials,
+                master_tls,
+                nodes,
+                ..
+            } => {
+                assert_eq!(master_credentials.password.as_deref(), Some("master/pw"));
+                assert!(master_tls);
+                assert!(!nodes[0].is_tls());
+            }
+            other => panic!("{other:?}"),
+        }
     }
 }

@@ -482,7 +482,7 @@ async fn starting_before_redis_is_not_a_crash() {
 #[tokio::test]
 async fn the_over_limit_cache_answers_without_redis_but_never_for_shadow_rules() {
     let mut redis = RedisProc::start(&[]);
-    let s = fault_server(&redis, &["--local-cache-size", "100"]).await;
+    let s = fault_server(&redis, &["--local-cache-bytes", "64KiB"]).await;
     let mut c = s.client().await;
     for _ in 0..2 {
         assert!(is_ok(&call(&mut c, request("f", &[&[("k", "v")]])).await));

@@ -180,6 +180,17 @@ impl Compiler<'_> {
                         Policy::Unlimited => unreachable!("refused inside rate_limits"),
                     }
                 }
+                // A limit's counter is (algorithm, window, ordinal among those alike).
+                for j in 0..limits.len() {
+                    let alike = limits[..j]
+                        .iter()
+                        .filter(|l: &&LimitRule| {
+                            l.algorithm == limits[j].algorithm
+                                && l.window_seconds() == limits[j].window_seconds()
+                        })
+                        .count();
+                    limits[j].ordinal = u16::try_from(alike).unwrap_or(u16::MAX);
+                }
                 Some(Policy::Limits(limits))
             }
             (None, None) => None,
@@ -335,6 +346,7 @@ impl Compiler<'_> {
             requests_per_unit,
             algorithm,
             burst,
+            ordinal: 0,
         }]))
     }
 }

@@ -9,8 +9,25 @@ use std::path::{Path, PathBuf};
 
 use super::{ConfigError, Snapshot, compile_file};
 
-/// Directory nesting followed below a config path (symlink loops end here).
+/// Directory nesting followed below a config path.
 const MAX_DEPTH: usize = 8;
+
+/// A file or directory's identity, whatever path (or symlink) reached it.
+type Identity = (u64, u64);
+
+fn identity(meta: &std::fs::Metadata) -> Identity {
+    use std::os::unix::fs::MetadataExt;
+    (meta.dev(), meta.ino())
+}
+
+/// What a walk has seen: each directory is entered once and each file read once, however many
+/// symlinks lead to them (a `loop -> .` would otherwise read every file twice, and a few
+/// self-links multiply the walk exponentially).
+#[derive(Default)]
+struct Seen {
+    dirs: std::collections::HashSet<Identity>,
+    files: std::collections::HashSet<Identity>,
+}
 
 /// A validated snapshot and what it was built from.
 #[derive(Debug)]
@@ -26,8 +43,9 @@ pub struct LoadedConfig {
 /// Reads every config file under `paths` and builds one snapshot, or fails as a whole.
 pub fn load_paths(paths: &[PathBuf]) -> Result<LoadedConfig, ConfigError> {
     let mut files = Vec::new();
+    let mut seen = Seen::default();
     for path in paths {
-        collect(path, 0, &mut files)?;
+        collect(path, 0, &mut seen, &mut files)?;
     }
     let mut hasher = DefaultHasher::new();
     let mut domains = Vec::with_capacity(files.len());
@@ -58,13 +76,27 @@ pub fn load_paths(paths: &[PathBuf]) -> Result<LoadedConfig, ConfigError> {
     })
 }
 
-fn collect(path: &Path, depth: usize, out: &mut Vec<PathBuf>) -> Result<(), ConfigError> {
+fn collect(
+    path: &Path,
+    depth: usize,
+    seen: &mut Seen,
+    out: &mut Vec<PathBuf>,
+) -> Result<(), ConfigError> {
     let meta = std::fs::metadata(path).map_err(|e| ConfigError::io(path, &e))?;
     if !meta.is_dir() {
-        out.push(path.to_owned());
+        if seen.files.insert(identity(&meta)) {
+            out.push(path.to_owned());
+        } else {
+            tracing::warn!(path = %path.display(), "config file reached twice (through a symlink); read once");
+        }
+        return Ok(());
+    }
+    if !seen.dirs.insert(identity(&meta)) {
+        tracing::warn!(path = %path.display(), "config directory reached again (a symlink loop or a second link); skipped");
         return Ok(());
     }
     if depth > MAX_DEPTH {
+        tracing::warn!(path = %path.display(), max = MAX_DEPTH, "config directory nested too deep; skipped");
         return Ok(());
     }
     let mut entries: Vec<PathBuf> = std::fs::read_dir(path)
@@ -82,14 +114,12 @@ fn collect(path: &Path, depth: usize, out: &mut Vec<PathBuf>) -> Result<(), Conf
         let Ok(meta) = std::fs::metadata(&entry) else {
             continue;
         };
-        if meta.is_dir() {
-            collect(&entry, depth + 1, out)?;
-        } else if entry
+        let is_yaml = entry
             .extension()
             .and_then(|e| e.to_str())
-            .is_some_and(|e| e == "yaml" || e == "yml")
-        {
-            out.push(entry);
+            .is_some_and(|e| e == "yaml" || e == "yml");
+        if meta.is_dir() || is_yaml {
+            collect(&entry, depth + 1, seen, out)?;
         }
     }
     Ok(())

@@ -22,6 +22,9 @@ pub struct Matched<'s> {
     /// The metric `rule` label: the config path, with request values only where the config asks
     /// for them (`detailed_metric`, `value_to_metric`), so clients cannot explode cardinality.
     pub rule: Arc<String>,
+    /// Whether `rule` carries request values (the config asked for them), so that its
+    /// cardinality is up to clients and must be capped by whoever records it.
+    pub rule_has_values: bool,
 }
 
 impl Domain {
@@ -87,6 +90,7 @@ impl Domain {
             node: leaf,
             key,
             rule,
+            rule_has_values: with_values,
         })
     }
 }

@@ -104,6 +104,12 @@ pub struct LimitRule {
     pub algorithm: Algorithm,
     /// Token-bucket capacity (equals `requests_per_unit` unless configured).
     pub burst: u64,
+    /// Which counter of its descriptor this limit keeps: the number of limits before it on the
+    /// same descriptor with the same algorithm and window. With the algorithm and window it
+    /// names the counter, so reordering limits, adding one with another window, renaming one
+    /// or changing its `requests_per_unit` keeps every count where it was (only limits that
+    /// share an algorithm and window are told apart by their order).
+    pub ordinal: u16,
 }
 
 impl LimitRule {

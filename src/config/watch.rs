@@ -19,6 +19,10 @@ const MAX_DELAY: Duration = Duration::from_millis(400);
 /// Starts watching `paths`. Each time they change, every file is reloaded and `apply` gets the
 /// result, unless the content is unchanged from `fingerprint` (the last good load). The watch
 /// ends when the returned task is aborted or the runtime stops.
+///
+/// A configured directory is followed by path, not by inode: its parent is watched too, and
+/// when the path names another directory than before (`mv limits old; mkdir limits`), the
+/// watch moves to the new one and says so in the log.
 pub fn spawn<F>(
     paths: Vec<PathBuf>,
     mut fingerprint: u64,
@@ -36,14 +40,27 @@ where
             }
             Err(err) => tracing::warn!(%err, "config watch error"),
         })?;
+    let mut watched: Vec<Watched> = Vec::with_capacity(paths.len());
     for path in &paths {
         let (target, mode) = watch_target(path);
         watcher.watch(&target, mode)?;
         tracing::debug!(path = %target.display(), "watching config");
+        if mode == RecursiveMode::Recursive
+            && let Some(parent) = parent_of(path)
+            && let Err(err) = watcher.watch(&parent, RecursiveMode::NonRecursive)
+        {
+            tracing::warn!(path = %parent.display(), %err, "cannot watch the config directory's parent; replacing the directory itself will not be noticed");
+        }
+        watched.push(Watched {
+            path: path.clone(),
+            target,
+            mode,
+            identity: identity(path),
+        });
     }
 
     Ok(tokio::spawn(async move {
-        let _watcher = watcher; // dropping it ends the watch
+        let mut watcher = watcher; // dropping it ends the watch
         while rx.recv().await.is_some() {
             let deadline = tokio::time::Instant::now() + MAX_DELAY;
             loop {
@@ -54,6 +71,9 @@ where
                     Ok(None) => return,
                     _ => break,
                 }
+            }
+            for w in &mut watched {
+                w.follow(&mut watcher);
             }
             let paths = paths.clone();
             let Ok(result) = tokio::task::spawn_blocking(move || load_paths(&paths)).await else {
@@ -71,6 +91,55 @@ where
             }
         }
     }))
+}
+
+/// (device, inode) of what `path` names now, following symlinks; `None` if nothing.
+fn identity(path: &Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(path).ok().map(|m| (m.dev(), m.ino()))
+}
+
+fn parent_of(path: &Path) -> Option<PathBuf> {
+    let absolute = std::path::absolute(path).ok()?;
+    absolute.parent().map(Path::to_owned)
+}
+
+/// One configured path and the watch that covers it.
+struct Watched {
+    path: PathBuf,
+    target: PathBuf,
+    mode: RecursiveMode,
+    identity: Option<(u64, u64)>,
+}
+
+impl Watched {
+    /// Moves the watch when the configured directory was replaced (or has come back).
+    fn follow(&mut self, watcher: &mut RecommendedWatcher) {
+        if self.mode != RecursiveMode::Recursive {
+            return; // a file is watched through its directory, which is not replaced here
+        }
+        let now = identity(&self.path);
+        if now == self.identity {
+            return;
+        }
+        let _ = watcher.unwatch(&self.target);
+        match now {
+            None => {
+                tracing::warn!(path = %self.path.display(), "config directory is gone; the previous config stays in force until it is back");
+            }
+            Some(_) => match watcher.watch(&self.path, RecursiveMode::Recursive) {
+                Ok(()) => {
+                    tracing::info!(path = %self.path.display(), "config directory was replaced; watching the new one");
+                }
+                Err(err) => {
+                    tracing::error!(path = %self.path.display(), %err, "cannot watch the replaced config directory");
+                    return; // try again on the next event
+                }
+            },
+        }
+        self.identity = now;
+        self.target = self.path.clone();
+    }
 }
 
 /// A directory is watched with everything below it; a file through its directory.

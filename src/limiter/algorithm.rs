@@ -57,7 +57,9 @@ impl Algorithm {
         match self {
             Algorithm::FixedWindow => b'f',
             Algorithm::SlidingWindow => b's',
-            Algorithm::SlidingLog => b'l',
+            // 'w' (weighted log): the Redis layout changed from one member per hit to one per
+            // request, so counters of the old layout are never read as the new one.
+            Algorithm::SlidingLog => b'w',
             Algorithm::TokenBucket => b'b',
         }
     }
@@ -85,6 +87,9 @@ pub enum State {
     Bucket { tat: u128, scale: u64 },
 }
 
+/// Log entries a rejected sliding_log check scans for its reset, here and in `script.lua`.
+pub const LOG_SCAN_MAX: usize = 128;
+
 fn us(d: u128) -> Duration {
     Duration::from_micros(u64::try_from(d).unwrap_or(u64::MAX))
 }
@@ -108,6 +113,14 @@ impl State {
                 total: 0,
             },
             Algorithm::TokenBucket => State::Bucket { tat: 0, scale: 1 },
+        }
+    }
+
+    /// Heap bytes beyond the state itself (a sliding log's entries), for the memory bound.
+    pub fn heap_bytes(&self) -> u64 {
+        match self {
+            State::Log { entries, .. } => (entries.capacity() * 16) as u64,
+            _ => 0,
         }
     }
 
@@ -242,10 +255,12 @@ impl State {
                 if rpu == 0 || hits > rpu {
                     return never;
                 }
-                // The request fits once `after − rpu` logged hits have left the window.
+                // The request fits once `after − rpu` logged hits have left the window. Only
+                // the oldest LOG_SCAN_MAX entries are looked at (this runs under a shard lock,
+                // for every rejected request); past them, a whole window is an upper bound.
                 let mut to_free = after - rpu;
                 let mut wait = w as u128;
-                for &(t, n) in entries.iter() {
+                for &(t, n) in entries.iter().take(LOG_SCAN_MAX) {
                     if n >= to_free {
                         wait = (t + w - now) as u128;
                         break;

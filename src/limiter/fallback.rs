@@ -91,7 +91,10 @@ impl Backend for Fallback {
         Box::pin(async move {
             match self.primary.decide(hits).await {
                 Ok(outcome) => Ok(outcome),
-                Err(err) => self.degrade(hits, err),
+                // Only an unreachable store is a failure mode's business; a permanent error
+                // (a bug) is reported as such rather than hidden behind `allow` or `local`.
+                Err(err) if err.is_transient() => self.degrade(hits, err),
+                Err(err) => Err(err),
             }
         })
     }

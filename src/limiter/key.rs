@@ -65,15 +65,17 @@ impl CounterKey {
         }
     }
 
-    /// Appends the identity of one limit: algorithm, window and its index on the descriptor.
+    /// Appends the identity of one limit: algorithm, window and `ordinal` (which of the
+    /// descriptor's limits with that algorithm and window). Never its position among all of
+    /// the descriptor's limits: inserting a limit with another window must not move counts.
     /// Limits differing in any of these never share state; a changed `requests_per_unit`
     /// keeps its count across a reload.
-    pub fn with_limit(mut self, limit: &Limit, index: u16) -> Self {
+    pub fn with_limit(mut self, limit: &Limit, ordinal: u16) -> Self {
         self.bytes.push(b':');
         self.bytes.push(limit.algorithm.tag());
         push_decimal(&mut self.bytes, limit.window_us);
         self.bytes.push(b':');
-        push_decimal(&mut self.bytes, index as u64);
+        push_decimal(&mut self.bytes, ordinal as u64);
         self
     }
 

@@ -2,11 +2,18 @@
 //!
 //! Guarantees: exact under any number of concurrent callers (a request holds the locks of every
 //! shard its keys live in, taken in shard order, for its check and commit), all-or-nothing per
-//! request, and bounded memory: expired counters are swept from a shard whenever it has doubled
-//! since its last sweep, and by [`MemoryBackend::sweep`]. Counts are per process: replicas
-//! do not share them (use the Redis backend for that).
+//! request, and bounded memory. Counts are per process: replicas do not share them (use the
+//! Redis backend for that).
+//!
+//! The bound is in bytes, keys included (`--memory-max-bytes`), split evenly over the shards.
+//! Expired counters leave first (each shard keeps its counters ordered by expiry, so that costs
+//! O(log n) per counter, never a scan). When live counters alone exceed a shard's share, the
+//! counters closest to expiry are given up (`ratelimit_memory_evictions_total`): a given-up
+//! counter starts again from zero, so its key can be admitted up to its whole limit again
+//! within the window it was in. Nothing else is ever lost, and the process never grows past
+//! the bound with counters however many distinct values clients send.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::hash::{BuildHasher, RandomState};
 use std::sync::Arc;
 
@@ -14,26 +21,77 @@ use parking_lot::{Mutex, MutexGuard};
 
 use super::algorithm::State;
 use super::{Backend, BackendError, BoxFuture, Clock, Hit, Outcome, SystemClock, admits};
+pub use crate::metrics::MemoryMetrics;
 
 const SHARDS: usize = 64;
-const MIN_SWEEP_LEN: usize = 256;
+/// Default bound of counter state: 64 MiB, a few hundred thousand typical counters.
+pub const DEFAULT_MAX_BYTES: u64 = 64 << 20;
+/// Bytes a counter costs beyond its key and log: the map and expiry-index slots, the shared
+/// key's header and the state (measured against the allocator: about this, rounded up).
+pub const ENTRY_OVERHEAD: u64 = 160;
+/// Expired counters a commit drops on its way (the periodic sweep drops the rest).
+const EXPIRE_PER_COMMIT: usize = 8;
 
 struct Entry {
     state: State,
     expires_at: u64,
+    bytes: u64,
 }
 
 #[derive(Default)]
 struct Shard {
-    entries: HashMap<Vec<u8>, Entry>,
-    /// Sweep when `entries.len()` reaches this; doubles with the live set (amortized O(1)).
-    sweep_at: usize,
+    entries: HashMap<Arc<[u8]>, Entry>,
+    by_expiry: BTreeSet<(u64, Arc<[u8]>)>,
+    bytes: u64,
+}
+
+fn cost(key: &[u8], state: &State) -> u64 {
+    key.len() as u64 + ENTRY_OVERHEAD + state.heap_bytes()
 }
 
 impl Shard {
-    fn sweep(&mut self, now: u64) {
-        self.entries.retain(|_, e| e.expires_at > now);
-        self.sweep_at = (self.entries.len() * 2).max(MIN_SWEEP_LEN);
+    fn remove(&mut self, key: &Arc<[u8]>) -> u64 {
+        match self.entries.remove(key) {
+            Some(e) => {
+                self.by_expiry.remove(&(e.expires_at, key.clone()));
+                self.bytes -= e.bytes;
+                e.bytes
+            }
+            None => 0,
+        }
+    }
+
+    /// Drops up to `max` counters that expired by `now`; returns the bytes freed.
+    fn expire(&mut self, now: u64, max: usize) -> u64 {
+        let mut freed = 0;
+        for _ in 0..max {
+            match self.by_expiry.first() {
+                Some((at, key)) if *at <= now => {
+                    let key = key.clone();
+                    freed += self.remove(&key);
+                }
+                _ => break,
+            }
+        }
+        freed
+    }
+
+    /// Gives up the counters closest to expiry (never `keep`) until the shard fits `budget`.
+    /// Returns (bytes freed, counters given up).
+    fn evict(&mut self, budget: u64, keep: &[u8]) -> (u64, u64) {
+        let (mut freed, mut evicted) = (0, 0);
+        while self.bytes > budget {
+            let victim = self
+                .by_expiry
+                .iter()
+                .map(|(_, k)| k)
+                .find(|k| k.as_ref() != keep)
+                .cloned();
+            let Some(key) = victim else { break };
+            freed += self.remove(&key);
+            evicted += 1;
+        }
+        (freed, evicted)
     }
 }
 
@@ -42,6 +100,8 @@ pub struct MemoryBackend {
     shards: Box<[Mutex<Shard>]>,
     hasher: RandomState,
     clock: Arc<dyn Clock>,
+    shard_budget: u64,
+    metrics: MemoryMetrics,
 }
 
 impl Default for MemoryBackend {
@@ -51,12 +111,19 @@ impl Default for MemoryBackend {
 }
 
 impl MemoryBackend {
-    /// A backend that reads time from `clock`.
+    /// A backend that reads time from `clock`, bounded by [`DEFAULT_MAX_BYTES`].
     pub fn new(clock: Arc<dyn Clock>) -> Self {
+        Self::bounded(clock, DEFAULT_MAX_BYTES, MemoryMetrics::default())
+    }
+
+    /// A backend holding at most `max_bytes` of counter state, reporting to `metrics`.
+    pub fn bounded(clock: Arc<dyn Clock>, max_bytes: u64, metrics: MemoryMetrics) -> Self {
         Self {
             shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
             hasher: RandomState::new(),
             clock,
+            shard_budget: max_bytes / SHARDS as u64,
+            metrics,
         }
     }
 
@@ -74,11 +141,17 @@ impl MemoryBackend {
         self.len() == 0
     }
 
+    /// Bytes of counter state held, keys included.
+    pub fn bytes(&self) -> u64 {
+        self.shards.iter().map(|s| s.lock().bytes).sum()
+    }
+
     /// Drops every expired counter now.
     pub fn sweep(&self) {
         let now = self.clock.now_us();
         for shard in self.shards.iter() {
-            shard.lock().sweep(now);
+            let freed = shard.lock().expire(now, usize::MAX);
+            self.metrics.bytes.dec_by(freed as i64);
         }
     }
 
@@ -116,30 +189,51 @@ impl MemoryBackend {
                     continue; // an over-limit shadow or quota hit has nothing to take
                 }
                 let (_, shard) = &mut guards[guard_of(shard)];
-                commit(shard, hit, now);
+                self.commit(shard, hit, now);
             }
         }
         Outcome { admitted, verdicts }
     }
-}
 
-fn commit(shard: &mut Shard, hit: &Hit, now: u64) {
-    let limit = &hit.limit;
-    if shard.entries.len() >= shard.sweep_at {
-        shard.sweep(now);
+    fn commit(&self, shard: &mut Shard, hit: &Hit, now: u64) {
+        let limit = &hit.limit;
+        let mut delta = -(shard.expire(now, EXPIRE_PER_COMMIT) as i64);
+        let key = hit.key.as_bytes();
+        let (key, mut entry) = match shard.entries.get_key_value(key) {
+            Some((k, _)) => {
+                let k = k.clone();
+                let e = shard.entries.remove(&k).expect("present");
+                shard.by_expiry.remove(&(e.expires_at, k.clone()));
+                shard.bytes -= e.bytes;
+                delta -= e.bytes as i64;
+                (k, e)
+            }
+            None => (
+                Arc::<[u8]>::from(key),
+                Entry {
+                    state: State::new(limit.algorithm),
+                    expires_at: 0,
+                    bytes: 0,
+                },
+            ),
+        };
+        if !entry.state.is(limit.algorithm) {
+            entry.state = State::new(limit.algorithm);
+        }
+        entry.state.commit(limit, now, hit.hits);
+        entry.expires_at = entry.state.expires_at(limit);
+        entry.bytes = cost(&key, &entry.state);
+        shard.bytes += entry.bytes;
+        delta += entry.bytes as i64;
+        shard.by_expiry.insert((entry.expires_at, key.clone()));
+        shard.entries.insert(key.clone(), entry);
+        if shard.bytes > self.shard_budget {
+            let (freed, evicted) = shard.evict(self.shard_budget, &key);
+            delta -= freed as i64;
+            self.metrics.evictions.inc_by(evicted);
+        }
+        self.metrics.bytes.inc_by(delta);
     }
-    let entry = shard
-        .entries
-        .entry(hit.key.as_bytes().to_vec())
-        .or_insert_with(|| Entry {
-            state: State::new(limit.algorithm),
-            expires_at: 0,
-        });
-    if !entry.state.is(limit.algorithm) {
-        entry.state = State::new(limit.algorithm);
-    }
-    entry.state.commit(limit, now, hit.hits);
-    entry.expires_at = entry.state.expires_at(limit);
 }
 
 impl Backend for MemoryBackend {
@@ -216,6 +310,32 @@ mod tests {
     }
 
     #[test]
+    fn the_byte_bound_holds_and_gives_up_the_counters_closest_to_expiry() {
+        let clock = ManualClock::new(T0);
+        let metrics = MemoryMetrics::default();
+        let max = 64 * 4096; // 4 KiB per shard
+        let backend = MemoryBackend::bounded(Arc::new(clock.clone()), max, metrics.clone());
+        let mut long = hit("long-lived", Algorithm::FixedWindow, 1);
+        long.limit.window_us = 86_400_000_000; // a day: never the closest to expiry
+        assert!(backend.decide_now(&[long.clone()]).admitted);
+        let value = "v".repeat(1000);
+        for i in 0..20_000u64 {
+            backend.decide_now(&[hit(&format!("{i}{value}"), Algorithm::SlidingLog, 10)]);
+            assert!(backend.bytes() <= max, "{} > {max}", backend.bytes());
+        }
+        assert_eq!(metrics.bytes.get() as u64, backend.bytes());
+        assert!(
+            metrics.evictions.get() > 15_000,
+            "{}",
+            metrics.evictions.get()
+        );
+        assert!(
+            !backend.decide_now(&[long]).admitted,
+            "the day-long counter outlived every shorter one"
+        );
+    }
+
+    #[test]
     fn memory_stays_bounded_under_a_stream_of_distinct_keys() {
         let clock = ManualClock::new(T0);
         let backend = MemoryBackend::new(Arc::new(clock.clone()));
@@ -224,7 +344,7 @@ mod tests {
             clock.advance(Duration::from_micros(100)); // 10 000 keys per 1 s window
         }
         let held = backend.len();
-        // ~10 000 live keys; a shard sweeps when it doubles, or at 256 entries.
+        // ~10 000 live keys; each commit drops a few expired ones, the sweep the rest.
         assert!(held < 30_000, "{held} counters held");
         clock.advance(Duration::from_secs(5));
         backend.sweep();

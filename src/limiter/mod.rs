@@ -75,18 +75,42 @@ pub struct Outcome {
     pub verdicts: Vec<Verdict>,
 }
 
-/// Why a backend could not decide. Transient errors become gRPC `UNAVAILABLE`.
+/// Why a backend could not decide. The detail is for the log only: clients get a short,
+/// stable message chosen by the front end.
 #[derive(Debug, thiserror::Error)]
 pub enum BackendError {
-    /// The store could not be reached or did not answer in time; retrying may succeed.
-    #[error("backend unavailable: {0}")]
-    Unavailable(String),
+    /// The store could not be reached or did not answer in time (network, timeout, failover,
+    /// a busy or loading server, rejected credentials); retrying may succeed. The failure mode
+    /// decides what such a request gets.
+    #[error("backend unavailable ({kind}): {detail}")]
+    Unavailable {
+        /// A short, bounded category for metrics (timeout, connection, cluster, …).
+        kind: &'static str,
+        /// What happened, for the log.
+        detail: String,
+    },
+    /// The store answered something this service cannot use (a malformed script reply, a
+    /// script error, a key of the wrong type): a bug or foreign data; retrying will not help.
+    #[error("backend failed ({kind}): {detail}")]
+    Internal {
+        /// A short, bounded category for metrics.
+        kind: &'static str,
+        /// What happened, for the log.
+        detail: String,
+    },
 }
 
 impl BackendError {
-    /// True when a retry may succeed (network, timeout), false for a bug or bad data.
+    /// True when a retry may succeed (network, timeout, failover), false for a bug or bad data.
     pub fn is_transient(&self) -> bool {
-        matches!(self, BackendError::Unavailable(_))
+        matches!(self, BackendError::Unavailable { .. })
+    }
+
+    /// The error's category (a metric label value).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            BackendError::Unavailable { kind, .. } | BackendError::Internal { kind, .. } => kind,
+        }
     }
 }
 

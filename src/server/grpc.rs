@@ -171,9 +171,14 @@ impl RateLimitService for GrpcService {
             Ok(req) => match self.limiter.should_rate_limit(&req).await {
                 Ok(resp) => Ok(Response::new(to_response(resp))),
                 Err(ServiceError::InvalidArgument(m)) => Err(Status::invalid_argument(m)),
+                // Clients get a short, stable message; what happened goes to the log.
+                Err(ServiceError::Backend(e)) if e.is_transient() => {
+                    tracing::warn!(error = %e, "backend unavailable");
+                    Err(Status::unavailable("rate limit backend unavailable"))
+                }
                 Err(ServiceError::Backend(e)) => {
-                    tracing::warn!(error = %e, "backend could not decide");
-                    Err(Status::unavailable(e.to_string()))
+                    tracing::error!(error = %e, "backend failed");
+                    Err(Status::internal("rate limit backend error"))
                 }
             },
         };

@@ -40,7 +40,8 @@ pub struct RedisProc {
     tls_ca: Option<PathBuf>,
 }
 
-fn watchdog(pid: u32) {
+/// Kills `pid` once the test process has exited, however it exits.
+pub fn watchdog(pid: u32) {
     let script = format!(
         "while kill -0 {} 2>/dev/null; do sleep 0.5; done; kill -9 {pid} 2>/dev/null",
         std::process::id()

@@ -11,37 +11,149 @@ use std::time::Duration;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig, MultiplexedConnection};
 use redis::cluster::ClusterClientBuilder;
 use redis::cluster_async::ClusterConnection;
-use redis::sentinel::{SentinelClient, SentinelServerType};
-use redis::{AsyncConnectionConfig, Client, RedisResult, ScriptInvocation, TlsCertificates};
+use redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType};
+use redis::{
+    AsyncConnectionConfig, Client, IntoConnectionInfo, RedisResult, ScriptInvocation,
+    TlsCertificates, TlsMode,
+};
 use tokio::sync::Mutex;
 
 use crate::limiter::BoxFuture;
 
-/// A Redis URL whose password never shows in `Debug` or `Display`.
+/// A Redis URL, parsed so that its user information can never be printed: `Debug` and
+/// `Display` show `user:***`, and the password is only handed to the Redis client.
+///
+/// The user information is everything between `://` and the **last** `@` (a host, port or
+/// database number never contains one), so a password with an unencoded `/`, `@`, `?` or `#`
+/// is still recognised as a password, redacted, and percent-encoded before connecting.
 #[derive(Clone, PartialEq, Eq)]
-pub struct RedisUrl(pub String);
+pub struct RedisUrl {
+    scheme: String,
+    /// (user, password) as written, `None` when the URL has no `@`.
+    userinfo: Option<(String, Option<String>)>,
+    /// host:port and anything after it (`/db`).
+    rest: String,
+}
+
+/// Why a Redis URL was refused. Never carries the URL's password.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("expected redis://[user:pass@]host:port[/db] or rediss://…, got {shown}")]
+pub struct UrlError {
+    shown: String,
+}
+
+/// Percent-encodes `s` for the user information of a URL, keeping `%XX` escapes the user
+/// already wrote.
+fn encode_userinfo(s: &str) -> String {
+    let bytes = s.as_bytes();
+    let mut out = String::with_capacity(s.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let b = bytes[i];
+        let escaped = b == b'%'
+            && bytes.len() > i + 2
+            && bytes[i + 1].is_ascii_hexdigit()
+            && bytes[i + 2].is_ascii_hexdigit();
+        if b.is_ascii_alphanumeric() || b"-._~!$&'()*+,;=".contains(&b) || escaped {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+        i += 1;
+    }
+    out
+}
 
 impl RedisUrl {
-    /// The URL with any password replaced by `***`.
-    pub fn redacted(&self) -> String {
-        let s = &self.0;
-        let Some(scheme_end) = s.find("://") else {
-            return s.clone();
-        };
-        let rest = &s[scheme_end + 3..];
-        let authority_end = rest.find('/').unwrap_or(rest.len());
-        match rest[..authority_end].rfind('@') {
-            Some(at) => {
-                let userinfo = &rest[..at];
-                let user = userinfo.split(':').next().unwrap_or("");
-                let shown = if userinfo.contains(':') {
-                    format!("{user}:***")
-                } else {
-                    "***".to_string()
-                };
-                format!("{}{shown}{}", &s[..scheme_end + 3], &rest[at..])
+    /// Parses `redis://…` or `rediss://…`.
+    pub fn parse(s: &str) -> Result<RedisUrl, UrlError> {
+        let (scheme, after) = match s.split_once("://") {
+            Some((scheme @ ("redis" | "rediss"), after)) => (scheme, after),
+            _ => {
+                return Err(UrlError {
+                    shown: if s.contains('@') {
+                        "a value with user information (not shown)".into()
+                    } else {
+                        format!("'{s}'")
+                    },
+                });
             }
-            None => s.clone(),
+        };
+        let (userinfo, rest) = match after.rfind('@') {
+            Some(at) => {
+                let (user, pass) = match after[..at].split_once(':') {
+                    Some((u, p)) => (u.to_owned(), Some(p.to_owned())),
+                    None => (after[..at].to_owned(), None),
+                };
+                (Some((user, pass)), &after[at + 1..])
+            }
+            None => (None, after),
+        };
+        let url = RedisUrl {
+            scheme: scheme.to_owned(),
+            userinfo,
+            rest: rest.to_owned(),
+        };
+        if rest.is_empty() || rest.starts_with(['/', ':']) {
+            return Err(UrlError {
+                shown: url.redacted(),
+            });
+        }
+        Ok(url)
+    }
+
+    /// Whether the URL asks for TLS (`rediss://`).
+    pub fn is_tls(&self) -> bool {
+        self.scheme == "rediss"
+    }
+
+    /// The same URL over TLS (`rediss://`).
+    pub fn with_tls(mut self) -> RedisUrl {
+        self.scheme = "rediss".into();
+        self
+    }
+
+    /// Whether the URL carries a user or password.
+    pub fn has_credentials(&self) -> bool {
+        self.userinfo.is_some()
+    }
+
+    /// The same URL with `credentials` as its user information when it has none of its own.
+    pub fn with_default_credentials(&self, credentials: &Credentials) -> RedisUrl {
+        let mut url = self.clone();
+        if url.userinfo.is_none() && credentials.password.is_some() {
+            url.userinfo = Some((
+                credentials.username.clone().unwrap_or_default(),
+                credentials.password.clone(),
+            ));
+        }
+        url
+    }
+
+    /// The URL with any password replaced by `***`: the only way it is ever shown.
+    pub fn redacted(&self) -> String {
+        match &self.userinfo {
+            None => format!("{}://{}", self.scheme, self.rest),
+            Some((user, None)) if user.is_empty() => format!("{}://{}", self.scheme, self.rest),
+            Some((_, None)) => format!("{}://***@{}", self.scheme, self.rest),
+            Some((user, Some(_))) => format!("{}://{user}:***@{}", self.scheme, self.rest),
+        }
+    }
+
+    /// The URL as the Redis client reads it, user information percent-encoded.
+    fn for_client(&self) -> String {
+        match &self.userinfo {
+            None => format!("{}://{}", self.scheme, self.rest),
+            Some((user, pass)) => {
+                let mut s = format!("{}://{}", self.scheme, encode_userinfo(user));
+                if let Some(p) = pass {
+                    s.push(':');
+                    s.push_str(&encode_userinfo(p));
+                }
+                s.push('@');
+                s.push_str(&self.rest);
+                s
+            }
         }
     }
 }
@@ -58,6 +170,25 @@ impl fmt::Display for RedisUrl {
     }
 }
 
+/// A user name and password given apart from a URL (`--redis-password`, or a Secret through
+/// the environment). Never shown.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct Credentials {
+    /// ACL user; `None` for the default user.
+    pub username: Option<String>,
+    /// Password; `None` for no AUTH.
+    pub password: Option<String>,
+}
+
+impl fmt::Debug for Credentials {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Credentials")
+            .field("username", &self.username)
+            .field("password", &self.password.as_ref().map(|_| "***"))
+            .finish()
+    }
+}
+
 /// Where Redis is.
 #[derive(Clone, Debug)]
 pub enum Target {
@@ -67,10 +198,14 @@ pub enum Target {
     Cluster(Vec<RedisUrl>),
     /// Sentinels and the name of the master they watch.
     Sentinel {
-        /// Sentinel URLs.
+        /// Sentinel URLs; their user information and `rediss://` apply to the sentinels only.
         nodes: Vec<RedisUrl>,
         /// `sentinel monitor <name> …`.
         master: String,
+        /// Credentials for the master the sentinels name.
+        master_credentials: Credentials,
+        /// Whether the master is reached over TLS.
+        master_tls: bool,
     },
 }
 
@@ -154,8 +289,8 @@ impl Conn {
         let certs = tls.certificates().map_err(|e| e.to_string())?;
         let client_for = |url: &RedisUrl| -> Result<Client, String> {
             match &certs {
-                Some(c) => Client::build_with_tls(url.0.as_str(), c.clone()),
-                None => Client::open(url.0.as_str()),
+                Some(c) => Client::build_with_tls(url.for_client(), c.clone()),
+                None => Client::open(url.for_client()),
             }
             .map_err(|e| format!("{url}: {e}"))
         };
@@ -172,7 +307,7 @@ impl Conn {
                 Ok(Conn::Standalone(manager))
             }
             Target::Cluster(nodes) => {
-                let mut builder = ClusterClientBuilder::new(nodes.iter().map(|u| u.0.clone()))
+                let mut builder = ClusterClientBuilder::new(nodes.iter().map(|u| u.for_client()))
                     .connection_timeout(timeout)
                     .response_timeout(timeout)
                     .retries(3)
@@ -190,11 +325,55 @@ impl Conn {
                     }),
                 })))
             }
-            Target::Sentinel { nodes, master } => {
-                let urls: Vec<String> = nodes.iter().map(|u| u.0.clone()).collect();
-                let client =
-                    SentinelClient::build(urls, master.as_str(), None, SentinelServerType::Master)
+            Target::Sentinel {
+                nodes,
+                master,
+                master_credentials,
+                master_tls,
+            } => {
+                let mut addrs = Vec::with_capacity(nodes.len());
+                for url in nodes {
+                    let info = url
+                        .for_client()
+                        .into_connection_info()
+                        .map_err(|e| format!("{url}: {e}"))?;
+                    addrs.push(info.addr().clone());
+                }
+                let first = nodes.first().ok_or("no sentinel nodes")?;
+                let mut builder =
+                    SentinelClientBuilder::new(addrs, master.as_str(), SentinelServerType::Master)
                         .map_err(|e| format!("sentinel nodes: {e}"))?;
+                // The sentinels' own credentials and TLS come from their URLs.
+                if let Some((user, pass)) = &first.userinfo {
+                    if !user.is_empty() {
+                        builder = builder.set_client_to_sentinel_username(user);
+                    }
+                    if let Some(pass) = pass {
+                        builder = builder.set_client_to_sentinel_password(pass);
+                    }
+                }
+                if first.is_tls() {
+                    builder = builder.set_client_to_sentinel_tls_mode(TlsMode::Secure);
+                    if let Some(c) = &certs {
+                        builder = builder.set_client_to_sentinel_certificates(c.clone());
+                    }
+                }
+                // The master's, from their own flags.
+                if let Some(user) = &master_credentials.username {
+                    builder = builder.set_client_to_redis_username(user);
+                }
+                if let Some(pass) = &master_credentials.password {
+                    builder = builder.set_client_to_redis_password(pass);
+                }
+                if *master_tls {
+                    builder = builder.set_client_to_redis_tls_mode(TlsMode::Secure);
+                    if let Some(c) = &certs {
+                        builder = builder.set_client_to_redis_certificates(c.clone());
+                    }
+                }
+                let client = builder
+                    .build()
+                    .map_err(|e| format!("sentinel nodes: {e}"))?;
                 Ok(Conn::Sentinel(Arc::new(SentinelConn {
                     client: Mutex::new(client),
                     conn: Mutex::new(None),
@@ -319,11 +498,40 @@ mod tests {
             ("rediss://token@host", "rediss://***@host"),
             ("redis://host:6379", "redis://host:6379"),
             ("redis://u:p@ss@host/1", "redis://u:***@host/1"),
+            ("redis://:se/cret@host:6379", "redis://:***@host:6379"),
+            (
+                "redis://:se/cr@t?#x@host:6379/2",
+                "redis://:***@host:6379/2",
+            ),
+            ("redis://u:a/b/secret@h", "redis://u:***@h"),
         ];
         for (url, shown) in cases {
-            let u = RedisUrl(url.into());
+            let u = RedisUrl::parse(url).unwrap();
             assert_eq!(u.to_string(), shown);
-            assert!(!format!("{u:?}").contains("secret"));
+            assert!(!format!("{u:?}").contains("secret"), "{u:?}");
+            assert!(!format!("{u:?}").contains("se/"), "{u:?}");
         }
+        for bad in [
+            "http://:secret@h",
+            "host:6379",
+            "redis://:secret@",
+            "redis://",
+        ] {
+            let err = RedisUrl::parse(bad).unwrap_err().to_string();
+            assert!(!err.contains("secret"), "{err}");
+        }
+    }
+
+    #[test]
+    fn unencoded_passwords_reach_the_client_encoded() {
+        let u = RedisUrl::parse("redis://us er:p/a@ss%2Fw?#@127.0.0.1:6379/3").unwrap();
+        assert_eq!(
+            u.for_client(),
+            "redis://us%20er:p%2Fa%40ss%2Fw%3F%23@127.0.0.1:6379/3"
+        );
+        let info = u.for_client().into_connection_info().unwrap();
+        assert_eq!(info.redis_settings().password(), Some("p/a@ss/w?#"));
+        assert_eq!(info.redis_settings().username(), Some("us er"));
+        assert_eq!(info.redis_settings().db(), 3);
     }
 }

@@ -24,7 +24,7 @@ use redis::{RedisError, Script};
 
 use self::breaker::Breaker;
 use self::cache::OverLimitCache;
-pub use self::connection::{Conn, RedisUrl, Target, TlsFiles};
+pub use self::connection::{Conn, Credentials, RedisUrl, Target, TlsFiles};
 use super::{Backend, BackendError, BoxFuture, Enforcement, Hit, Outcome, Verdict, admits};
 use crate::metrics::Metrics;
 
@@ -53,8 +53,8 @@ pub struct RedisOptions {
     pub key_prefix: String,
     /// What the hash tag covers.
     pub hash_tag: HashTag,
-    /// Entries of the over-limit cache; 0 turns it off.
-    pub local_cache_size: usize,
+    /// Bytes of the over-limit cache, keys included; 0 turns it off.
+    pub local_cache_bytes: u64,
 }
 
 /// Counters in Redis.
@@ -91,17 +91,30 @@ pub fn slot(tag: &[u8]) -> u16 {
     crc % 16384
 }
 
-fn error_kind(err: &RedisError) -> &'static str {
+/// Classifies a Redis error: a bounded metric label, and whether a retry may succeed.
+fn classify(err: &RedisError) -> (&'static str, bool) {
+    use redis::{ErrorKind, ServerErrorKind};
     if err.is_timeout() {
-        "timeout"
-    } else if err.is_io_error() || err.is_connection_dropped() || err.is_connection_refusal() {
-        "connection"
-    } else if err.is_cluster_error() {
-        "cluster"
-    } else if err.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) {
-        "noscript"
-    } else {
-        "other"
+        return ("timeout", true);
+    }
+    if err.is_io_error() || err.is_connection_dropped() || err.is_connection_refusal() {
+        return ("connection", true);
+    }
+    match err.kind() {
+        ErrorKind::Server(ServerErrorKind::NoScript) => ("noscript", true),
+        ErrorKind::Server(ServerErrorKind::CrossSlot) => ("crossslot", false),
+        ErrorKind::AuthenticationFailed | ErrorKind::Server(ServerErrorKind::NoPerm) => {
+            ("auth", true)
+        }
+        _ if err.is_cluster_error() => ("cluster", true),
+        _ => match err.code() {
+            Some("BUSY") | Some("LOADING") | Some("MASTERDOWN") | Some("READONLY") => {
+                ("busy", true)
+            }
+            Some("NOAUTH") | Some("WRONGPASS") => ("auth", true),
+            _ if !matches!(err.retry_method(), redis::RetryMethod::NoRetry) => ("other", true),
+            _ => ("script", false),
+        },
     }
 }
 
@@ -118,7 +131,8 @@ impl RedisBackend {
         Ok(RedisBackend {
             conn,
             script: Script::new(SCRIPT),
-            cache: (opts.local_cache_size > 0).then(|| OverLimitCache::new(opts.local_cache_size)),
+            cache: (opts.local_cache_bytes > 0)
+                .then(|| OverLimitCache::new(opts.local_cache_bytes)),
             breaker: Breaker::new(),
             metrics,
             nonce_base: RandomState::new().hash_one(std::process::id()),
@@ -206,6 +220,9 @@ impl RedisBackend {
             .collect()
     }
 
+    /// The script call for `group`. For a refund, `consumed[i]` says whether the decide took
+    /// hit `i` (it did not when that limit was over): only what was taken is given back.
+    #[allow(clippy::too_many_arguments)]
     fn invocation<'s>(
         &'s self,
         hits: &[Hit],
@@ -214,11 +231,16 @@ impl RedisBackend {
         nonce: &str,
         at: i64,
         soft_quota: bool,
+        consumed: Option<&[bool]>,
     ) -> redis::ScriptInvocation<'s> {
         let mut inv = self.script.prepare_invoke();
         inv.arg(mode).arg(nonce).arg(at);
         for &i in &group.hits {
             let hit = &hits[i];
+            let taken = match consumed {
+                Some(c) if !c[i] => 0,
+                _ => hit.hits,
+            };
             let l = &hit.limit;
             let enforcement = match hit.enforcement {
                 Enforcement::Enforce => "E",
@@ -230,7 +252,7 @@ impl RedisBackend {
                 .arg(l.requests_per_unit)
                 .arg(l.window_us)
                 .arg(l.burst)
-                .arg(hit.hits)
+                .arg(taken)
                 .arg(enforcement);
         }
         inv
@@ -251,16 +273,21 @@ impl RedisBackend {
             }
             Ok(Err(e)) => {
                 self.conn.on_error(&e).await;
-                let kind = error_kind(&e);
+                let (kind, transient) = classify(&e);
                 self.metrics.backend_error(kind);
-                BackendError::Unavailable(format!("redis {kind}: {e}"))
+                let detail = format!("redis: {e}");
+                if !transient {
+                    // Redis answered: it is up, and a bug must not open the circuit.
+                    return Err(BackendError::Internal { kind, detail });
+                }
+                BackendError::Unavailable { kind, detail }
             }
             Err(_) => {
                 self.metrics.backend_error("timeout");
-                BackendError::Unavailable(format!(
-                    "redis did not answer within {:?}",
-                    self.opts.timeout
-                ))
+                BackendError::Unavailable {
+                    kind: "timeout",
+                    detail: format!("redis did not answer within {:?}", self.opts.timeout),
+                }
             }
         };
         self.breaker.on_failure();
@@ -271,9 +298,10 @@ impl RedisBackend {
     async fn decide_remote(&self, hits: &[Hit]) -> Result<Outcome, BackendError> {
         if !self.breaker.allow() {
             self.metrics.backend_error("circuit_open");
-            return Err(BackendError::Unavailable(
-                "redis circuit open after repeated failures".into(),
-            ));
+            return Err(BackendError::Unavailable {
+                kind: "circuit_open",
+                detail: "redis circuit open after repeated failures".into(),
+            });
         }
         let nonce = format!(
             "{:x}.{:x}",
@@ -284,7 +312,7 @@ impl RedisBackend {
         let soft_quota = groups.len() > 1;
         let invocations: Vec<_> = groups
             .iter()
-            .map(|g| self.invocation(hits, g, "decide", &nonce, 0, soft_quota))
+            .map(|g| self.invocation(hits, g, "decide", &nonce, 0, soft_quota, None))
             .collect();
         let results = join_all(invocations.iter().map(|inv| self.call(inv))).await;
 
@@ -314,10 +342,15 @@ impl RedisBackend {
                     }
                 }
                 Ok(reply) => {
-                    first_error.get_or_insert(BackendError::Unavailable(format!(
-                        "unexpected script reply of {} values",
-                        reply.len()
-                    )));
+                    self.metrics.backend_error("reply");
+                    first_error.get_or_insert(BackendError::Internal {
+                        kind: "reply",
+                        detail: format!(
+                            "unexpected script reply of {} values for {} limits",
+                            reply.len(),
+                            groups[g].hits.len()
+                        ),
+                    });
                 }
                 Err(e) => {
                     first_error.get_or_insert(e);
@@ -326,10 +359,23 @@ impl RedisBackend {
         }
         let admitted = first_error.is_none() && admits(hits, |i| verdicts[i].over);
         if !admitted && groups.len() > 1 {
-            // Undo the groups that consumed; never over-admit, may over-reject briefly.
+            // Undo the groups that consumed, and in them only the limits that were taken (an
+            // over limit, shadow or quota, took nothing); never over-admit, may over-reject
+            // briefly.
+            let consumed: Vec<bool> = verdicts.iter().map(|v| !v.over).collect();
             let refunds: Vec<_> = committed
                 .iter()
-                .map(|&(g, at)| self.invocation(hits, &groups[g], "refund", &nonce, at, soft_quota))
+                .map(|&(g, at)| {
+                    self.invocation(
+                        hits,
+                        &groups[g],
+                        "refund",
+                        &nonce,
+                        at,
+                        soft_quota,
+                        Some(&consumed),
+                    )
+                })
                 .collect();
             for result in join_all(refunds.iter().map(|inv| self.call(inv))).await {
                 if let Err(e) = result {
@@ -412,12 +458,12 @@ mod tests {
 
     fn options(prefix: &str) -> RedisOptions {
         RedisOptions {
-            target: Target::Standalone(RedisUrl("redis://127.0.0.1:1".into())),
+            target: Target::Standalone(RedisUrl::parse("redis://127.0.0.1:1").unwrap()),
             tls: TlsFiles::default(),
             timeout: Duration::from_millis(100),
             key_prefix: prefix.into(),
             hash_tag: HashTag::Domain,
-            local_cache_size: 0,
+            local_cache_bytes: 0,
         }
     }
 

@@ -9,12 +9,17 @@
 -- KEYS[i]    the counter of limit i. All keys share one hash tag, so one cluster slot.
 --            fixed_window: string count, expires at the window end
 --            sliding_window: hash {s = window start, p = previous count, c = current count}
---            sliding_log: sorted set, one member per admitted hit, scored by its time (µs)
+--            sliding_log: sorted set, one member per admitted request and limit, scored by its time
+--              (µs) and named `<nonce>:<i>:<hits>` (so its weight is in its name), plus the
+--              member `#` scored -(total hits in the log): O(1) work per call however many hits
+--              a request carries (a member per hit let one request block Redis for seconds)
 --            token_bucket: string GCRA theoretical arrival time (µs)
 -- ARGV[1]    "decide" or "refund"
 -- ARGV[2]    nonce unique to the request (names sliding_log members, so refunds can find them)
+--            refund: the hits of a limit are the hits its decide CONSUMED (0 for one that was
+--            over), so a refund never gives back what was never taken
 -- ARGV[3]    decide: ignored; refund: the decide's time (µs), as returned by decide
--- ARGV[4..]  6 per limit: algorithm (f|s|l|b), requests_per_unit, window (µs), burst, hits,
+-- ARGV[4..]  6 per limit: algorithm (f|s|w|b), requests_per_unit, window (µs), burst, hits,
 --            enforcement (E: over rejects; Q: rejects only if every Q is over; S: never rejects)
 --
 -- decide returns {admitted, now, then per limit: over, remaining, reset (µs)}. Nothing is
@@ -47,8 +52,47 @@ local function limit(i)
     tonumber(ARGV[b + 5]), ARGV[b + 6]
 end
 
-local function member(i, j)
-  return nonce .. ':' .. i .. ':' .. j
+local function member(i, hits)
+  return nonce .. ':' .. i .. ':' .. hits
+end
+
+-- sliding_log bounds: entries pruned per call, and entries scanned for a rejected request's
+-- reset. Both keep one call's work constant; see log_total and log_wait.
+local LOG_PRUNE_MAX = 1000
+local LOG_SCAN_MAX = 128
+
+-- The weighted log's total after dropping (up to LOG_PRUNE_MAX) entries at or before `upto`.
+-- Entries left unpruned still count: an over-count, which may over-reject until the next
+-- call prunes them, never over-admits.
+local function log_total(key, upto)
+  local total = -tonumber(redis.call('ZSCORE', key, '#') or '0')
+  if total <= 0 then return 0 end
+  local old = redis.call('ZRANGEBYSCORE', key, 0, upto, 'LIMIT', 0, LOG_PRUNE_MAX)
+  if #old > 0 then
+    local freed = 0
+    for _, m in ipairs(old) do freed = freed + tonumber(string.match(m, ':(%d+)$')) end
+    redis.call('ZREM', key, unpack(old))
+    total = total - freed
+    if total <= 0 then
+      redis.call('ZREM', key, '#')
+      total = 0
+    else
+      redis.call('ZADD', key, -total, '#')
+    end
+  end
+  return total
+end
+
+-- How long until `to_free` logged hits have left the window, scanning at most LOG_SCAN_MAX
+-- entries (oldest first); past that, a whole window (an upper bound). Mirrors the memory backend.
+local function log_wait(key, to_free, w)
+  local oldest = redis.call('ZRANGEBYSCORE', key, 0, '+inf', 'WITHSCORES', 'LIMIT', 0, LOG_SCAN_MAX)
+  for j = 1, #oldest, 2 do
+    local n = tonumber(string.match(oldest[j], ':(%d+)$'))
+    if n >= to_free then return tonumber(oldest[j + 1]) + w - now end
+    to_free = to_free - n
+  end
+  return w
 end
 
 if mode == 'refund' then
@@ -70,11 +114,9 @@ if mode == 'refund' then
           local left = redis.call('HINCRBY', key, field, -hits)
           if left < 0 then redis.call('HSET', key, field, 0) end
         end
-      elseif algo == 'l' then
-        for j0 = 1, hits, 1000 do
-          local batch = {}
-          for j = j0, math.min(hits, j0 + 999) do batch[#batch + 1] = member(i, j) end
-          redis.call('ZREM', key, unpack(batch))
+      elseif algo == 'w' then
+        if redis.call('ZREM', key, member(i, hits)) == 1 then
+          if redis.call('ZINCRBY', key, hits, '#') >= 0 then redis.call('ZREM', key, '#') end
         end
       elseif algo == 'b' then
         local tat = tonumber(redis.call('GET', key) or '0')
@@ -129,9 +171,8 @@ for i = 1, n do
         rst = (w - e) + (w - math.floor(r * w / c))
       end
     end
-  elseif algo == 'l' then
-    redis.call('ZREMRANGEBYSCORE', key, '-inf', now - w)
-    local count = redis.call('ZCARD', key)
+  elseif algo == 'w' then
+    local count = log_total(key, now - w)
     local after = count + hits
     o = rpu == 0 or after > rpu
     if not o then
@@ -140,11 +181,14 @@ for i = 1, n do
         rst = w
       else
         local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
-        if newest[2] then rst = tonumber(newest[2]) + w - now else rst = 0 end
+        if newest[2] and tonumber(newest[2]) > 0 then
+          rst = tonumber(newest[2]) + w - now
+        else
+          rst = 0
+        end
       end
     elseif rpu > 0 and hits <= rpu then
-      local oldest = redis.call('ZRANGE', key, after - rpu - 1, after - rpu - 1, 'WITHSCORES')
-      rst = tonumber(oldest[2]) + w - now
+      rst = log_wait(key, after - rpu, w)
     end
   elseif algo == 'b' then
     if rpu > 0 then
@@ -195,15 +239,9 @@ if admitted then
         else
           redis.call('HINCRBY', key, 'c', hits)
         end
-      elseif algo == 'l' then
-        for j0 = 1, hits, 1000 do
-          local batch = {}
-          for j = j0, math.min(hits, j0 + 999) do
-            batch[#batch + 1] = now
-            batch[#batch + 1] = member(i, j)
-          end
-          redis.call('ZADD', key, unpack(batch))
-        end
+      elseif algo == 'w' then
+        redis.call('ZADD', key, now, member(i, hits))
+        redis.call('ZINCRBY', key, -hits, '#')
         expire_at_us(key, now + w + 1)
       elseif algo == 'b' then
         redis.call('SET', key, string.format('%.3f', state[i]), 'PXAT', expiry_ms(state[i] + 1))
