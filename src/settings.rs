@@ -42,8 +42,34 @@ pub enum HashTagArg {
     Descriptor,
 }
 
-fn parse_redis_url(s: &str) -> Result<RedisUrl, String> {
-    RedisUrl::parse(s).map_err(|e| e.to_string())
+/// Parses a Redis URL flag. A custom parser (not a function) so that a refused value is never
+/// echoed: clap would print the whole value, password included.
+#[derive(Clone)]
+struct RedisUrlParser;
+
+impl clap::builder::TypedValueParser for RedisUrlParser {
+    type Value = RedisUrl;
+
+    fn parse_ref(
+        &self,
+        _cmd: &clap::Command,
+        arg: Option<&clap::Arg>,
+        value: &std::ffi::OsStr,
+    ) -> Result<RedisUrl, clap::Error> {
+        let flag = arg.map_or("a Redis URL".to_owned(), |a| a.to_string());
+        let text = value.to_str().ok_or_else(|| {
+            clap::Error::raw(
+                clap::error::ErrorKind::InvalidUtf8,
+                format!("{flag}: not UTF-8\n"),
+            )
+        })?;
+        RedisUrl::parse(text).map_err(|e| {
+            clap::Error::raw(
+                clap::error::ErrorKind::ValueValidation,
+                format!("invalid value for {flag}: {e}\n"),
+            )
+        })
+    }
 }
 
 /// A flag value that is never shown (`Debug` prints `***`).
@@ -128,15 +154,15 @@ pub struct Settings {
     pub max_value_bytes: usize,
 
     /// Redis server (standalone): redis://[user:pass@]host:port[/db], or rediss:// for TLS.
-    #[arg(long, value_parser = parse_redis_url)]
+    #[arg(long, value_parser = RedisUrlParser)]
     pub redis_url: Option<RedisUrl>,
 
     /// Redis Cluster seed nodes, comma-separated URLs.
-    #[arg(long, value_parser = parse_redis_url, value_delimiter = ',')]
+    #[arg(long, value_parser = RedisUrlParser, value_delimiter = ',')]
     pub redis_cluster_nodes: Vec<RedisUrl>,
 
     /// Redis Sentinel nodes, comma-separated URLs (with --redis-sentinel-master).
-    #[arg(long, value_parser = parse_redis_url, value_delimiter = ',')]
+    #[arg(long, value_parser = RedisUrlParser, value_delimiter = ',')]
     pub redis_sentinel_nodes: Vec<RedisUrl>,
 
     /// The master name the sentinels monitor.

@@ -66,9 +66,16 @@ impl RedisProc {
 
     /// A Sentinel reading `conf` (which must be writable: Sentinel rewrites it).
     pub fn start_sentinel(port: u16, conf: &std::path::Path) -> RedisProc {
+        Self::start_sentinel_with(port, conf, &[])
+    }
+
+    /// A Sentinel with extra arguments (e.g. `--requirepass` for its own clients).
+    pub fn start_sentinel_with(port: u16, conf: &std::path::Path, extra: &[&str]) -> RedisProc {
+        let mut args = vec![conf.display().to_string(), "--sentinel".into()];
+        args.extend(extra.iter().map(|s| s.to_string()));
         let mut p = RedisProc {
             port,
-            args: vec![conf.display().to_string(), "--sentinel".into()],
+            args,
             child: None,
             dir: tempfile::tempdir().unwrap(),
             tls_ca: None,
