@@ -208,11 +208,15 @@ async fn a_bad_reload_is_logged_with_file_line_and_field() {
     let mut cmd = Command::new(BIN);
     cmd.args(["--config", dir.path().to_str().unwrap()]);
     let d = Daemon::start(cmd).await;
+    // Written aside and renamed over, so no half-written version is ever seen: the one bad
+    // version is the one the log must name.
+    let aside = dir.path().join(".l.yaml.tmp");
     std::fs::write(
-        &file,
+        &aside,
         "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: fortnight}\n",
     )
     .unwrap();
+    std::fs::rename(&aside, &file).unwrap();
     let http = d.http;
     poll(Duration::from_secs(10), || async move {
         let (_, m) = http_get(http, "/metrics").await;

@@ -116,7 +116,8 @@ if mode == 'refund' then
         end
       elseif algo == 'w' then
         if redis.call('ZREM', key, member(i, hits)) == 1 then
-          if redis.call('ZINCRBY', key, hits, '#') >= 0 then redis.call('ZREM', key, '#') end
+          -- ZINCRBY replies with a string: compare it as a number.
+          if tonumber(redis.call('ZINCRBY', key, hits, '#')) >= 0 then redis.call('ZREM', key, '#') end
         end
       elseif algo == 'b' then
         local tat = tonumber(redis.call('GET', key) or '0')
