@@ -2,7 +2,7 @@
 CARGO ?= cargo
 EXAMPLE_LIMITS ?= examples/envoy/limits
 
-.PHONY: run test lint deps build bench
+.PHONY: run test lint deps build bench fuzz soak
 
 ## Build and start ratelimitd on the embedded memory backend with the example limits.
 run:
@@ -27,3 +27,7 @@ build:
 ## Throughput and latency under load (release build, loopback only; not part of `make test`).
 bench:
 	./scripts/bench.sh
+
+## Coverage-guided fuzzing (AFL++ via cargo-afl, stable Rust), FUZZ_SECONDS per target; not in CI.
+fuzz:
+	./scripts/fuzz.sh
