@@ -226,14 +226,25 @@ pub struct RedisCluster {
 
 impl RedisCluster {
     pub fn start() -> RedisCluster {
-        let nodes: Vec<RedisProc> = (0..3)
+        Self::start_with(3, 0, &[])
+    }
+
+    /// `masters` masters with `replicas` replicas each, every node started with `extra`.
+    pub fn start_with(masters: usize, replicas: usize, extra: &[&str]) -> RedisCluster {
+        let nodes: Vec<RedisProc> = (0..masters * (1 + replicas))
             .map(|_| {
-                RedisProc::start(&[
+                let mut args = vec![
                     "--cluster-enabled",
                     "yes",
                     "--cluster-config-file",
                     "nodes.conf",
-                ])
+                    // Replicas sync at once (the default waits 5 s for more replicas), so a
+                    // test can kill a master as soon as the cluster is up.
+                    "--repl-diskless-sync-delay",
+                    "0",
+                ];
+                args.extend_from_slice(extra);
+                RedisProc::start(&args)
             })
             .collect();
         let mut create = Command::new("redis-cli");
@@ -242,7 +253,7 @@ impl RedisCluster {
             create.arg(format!("127.0.0.1:{}", n.port));
         }
         let out = create
-            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"])
             .output()
             .unwrap();
         assert!(
@@ -250,10 +261,21 @@ impl RedisCluster {
             "cluster create: {}",
             String::from_utf8_lossy(&out.stdout)
         );
-        let until = Instant::now() + Duration::from_secs(20);
+        let until = Instant::now() + Duration::from_secs(30);
         for n in &nodes {
             while !n.cli(&["CLUSTER", "INFO"]).contains("cluster_state:ok") {
                 assert!(Instant::now() < until, "cluster not ok");
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        // A replica that has not finished its first sync would never be promoted.
+        for n in &nodes {
+            loop {
+                let info = n.cli(&["INFO", "replication"]);
+                if info.contains("role:master") || info.contains("master_link_status:up") {
+                    break;
+                }
+                assert!(Instant::now() < until, "replica not in sync");
                 std::thread::sleep(Duration::from_millis(50));
             }
         }
@@ -270,13 +292,23 @@ impl RedisCluster {
 
     /// The node serving `key`'s slot (from each node's own `CLUSTER NODES` "myself" line).
     pub fn node_for_key(&self, key: &str) -> &RedisProc {
-        let slot: u16 = self.nodes[0]
-            .cli(&["CLUSTER", "KEYSLOT", key])
+        let slot: u16 = self
+            .nodes
+            .iter()
+            .find_map(|n| n.try_cli(&["CLUSTER", "KEYSLOT", key]))
+            .expect("a live node")
             .parse()
             .unwrap();
         for node in &self.nodes {
-            let nodes = node.cli(&["CLUSTER", "NODES"]);
-            let me = nodes.lines().find(|l| l.contains("myself")).unwrap();
+            let Some(nodes) = node.try_cli(&["CLUSTER", "NODES"]) else {
+                continue; // a killed node
+            };
+            let Some(me) = nodes
+                .lines()
+                .find(|l| l.contains("myself") && l.contains("master"))
+            else {
+                continue; // a replica owns no slot
+            };
             let owns = me.split_whitespace().skip(8).any(|range| {
                 let (from, to) = range.split_once('-').unwrap_or((range, range));
                 match (from.parse::<u16>(), to.parse::<u16>()) {

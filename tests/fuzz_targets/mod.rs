@@ -15,8 +15,11 @@ use ratelimitd::metrics::Metrics;
 use ratelimitd::server::grpc::to_request;
 use ratelimitd::service::{Policies, RateLimiter};
 
+/// A fuzz target: takes any bytes, panics only on a bug.
+pub type FuzzTarget = fn(&[u8]);
+
 /// The fuzz targets by name, as `make fuzz` and the replay test know them.
-pub const TARGETS: [(&str, fn(&[u8])); 4] = [
+pub const TARGETS: [(&str, FuzzTarget); 4] = [
     ("config", config),
     ("request", request),
     ("key", key),

@@ -310,7 +310,10 @@ impl Conn {
                 let mut builder = ClusterClientBuilder::new(nodes.iter().map(|u| u.for_client()))
                     .connection_timeout(timeout)
                     .response_timeout(timeout)
-                    .retries(3)
+                    // MOVED, ASK and TRYAGAIN (a slot mid-migration) are retried with backoff
+                    // 2, 4, 8, 16, 20, 20 ms: about 70 ms, within the call's budget, which
+                    // bounds the whole call anyway.
+                    .retries(6)
                     .min_retry_wait(2)
                     .max_retry_wait(20);
                 if let Some(c) = &certs {

@@ -280,6 +280,11 @@ impl RedisBackend {
                     // Redis answered: it is up, and a bug must not open the circuit.
                     return Err(BackendError::Internal { kind, detail });
                 }
+                if !matches!(kind, "timeout" | "connection" | "busy") {
+                    // Redis answered (TRYAGAIN mid-migration, a failover in progress, AUTH):
+                    // calling it again costs no timeout, so the circuit stays closed.
+                    return Err(BackendError::Unavailable { kind, detail });
+                }
                 BackendError::Unavailable { kind, detail }
             }
             Err(_) => {
