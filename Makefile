@@ -31,3 +31,7 @@ bench:
 ## Coverage-guided fuzzing (AFL++ via cargo-afl, stable Rust), FUZZ_SECONDS per target; not in CI.
 fuzz:
 	./scripts/fuzz.sh
+
+## 10 minutes of mixed load at half of peak with Redis restarts and config reloads; not in CI.
+soak:
+	./scripts/soak.sh

@@ -70,7 +70,7 @@ if [[ " $BACKENDS " == *" redis "* ]]; then
   sha=$(redis-cli -p "$REDIS_PORT" SCRIPT LOAD "$(cat src/limiter/redis/script.lua)")
   requests=$((DURATION * 40000))
   echo "--- Redis MEMORY USAGE of one full counter (limit 100 per 60 s, 100 single-hit requests)"
-  for algo in f s l b; do
+  for algo in f s w b; do
     key="ratelimit:{edge}:remote_address:10.0.0.1:${algo}60000000:0"
     # Fill it with 100 requests; if a minute boundary fell inside (the 101st is admitted), again.
     for attempt in 1 2; do
@@ -82,7 +82,7 @@ if [[ " $BACKENDS " == *" redis "* ]]; then
       admitted=$(redis-cli -p "$REDIS_PORT" EVALSHA "$sha" 1 "$key" decide x 0 "$algo" 100 60000000 100 1 E | head -1)
       [ "$admitted" = 0 ] && break  # the 101st request is refused: full
     done
-    case $algo in f) name=fixed_window;; s) name=sliding_window;; l) name=sliding_log;; b) name=token_bucket;; esac
+    case $algo in f) name=fixed_window;; s) name=sliding_window;; w) name=sliding_log;; b) name=token_bucket;; esac
     printf '%-15s %5s bytes  (full: %s; key %s, ttl %s ms)\n' "$name" \
       "$(redis-cli -p "$REDIS_PORT" MEMORY USAGE "$key" SAMPLES 0)" "$([ "$admitted" = 0 ] && echo yes || echo NO)" \
       "$(redis-cli -p "$REDIS_PORT" TYPE "$key")" "$(redis-cli -p "$REDIS_PORT" PTTL "$key")"

@@ -48,9 +48,12 @@ impl ConfigError {
         if let Some(at) = message.rfind(" at line ") {
             message.truncate(at);
         }
+        // An unknown field is named; anything else (and an unknown field with an empty name)
+        // is a YAML-level error.
         let field = message
             .strip_prefix("unknown field `")
             .and_then(|rest| rest.split('`').next())
+            .filter(|name| !name.is_empty())
             .unwrap_or("yaml")
             .to_owned();
         ConfigError::at(file, location, field, message)
