@@ -204,16 +204,29 @@ pub async fn run_with_clock(
 
     let grpc_addr = listeners.grpc.local_addr().ok();
     let http_addr = listeners.http.local_addr().ok();
-    let grpc = tonic::transport::Server::builder()
+    let grpc_router = tonic::transport::Server::builder()
         .add_service(health_service)
         .add_service(RateLimitServiceServer::new(GrpcService::new(
             limiter.clone(),
             metrics.clone(),
-        )))
-        .serve_with_incoming_shutdown(
-            TcpIncoming::from(listeners.grpc).with_nodelay(Some(true)),
-            stopped(),
-        );
+        )));
+    let grpc: std::pin::Pin<Box<dyn Future<Output = Result<(), tonic::transport::Error>> + Send>> =
+        match settings.grpc_tls() {
+            None => Box::pin(grpc_router.serve_with_incoming_shutdown(
+                TcpIncoming::from(listeners.grpc).with_nodelay(Some(true)),
+                stopped(),
+            )),
+            Some(files) => {
+                let config = files
+                    .load()
+                    .map_err(|e| RunError::Settings(format!("--grpc-tls-*: {e}")))?;
+                tracing::info!(mutual = files.client_ca.is_some(), "gRPC over TLS");
+                let (incoming, tls_tasks) =
+                    server::tls::incoming(listeners.grpc, files, config, metrics.clone());
+                tasks.extend(tls_tasks);
+                Box::pin(grpc_router.serve_with_incoming_shutdown(incoming, stopped()))
+            }
+        };
     let http_state = Arc::new(HttpState {
         limiter,
         metrics,

@@ -110,6 +110,8 @@ pub struct Metrics {
     pub failure_mode_decisions: Family<ModeLabels, Counter>,
     /// The memory backend's bytes and evictions.
     pub memory: MemoryMetrics,
+    /// `ratelimit_tls_reloads_total{result}`: reloads of the gRPC listener's TLS files.
+    pub tls_reloads: Family<LoadLabels, Counter>,
 }
 
 impl Default for Metrics {
@@ -206,7 +208,14 @@ impl Metrics {
             "Live counters given up at --memory-max-bytes (each may admit up to its limit again)",
             memory.evictions.clone(),
         );
+        let tls_reloads = Family::<LoadLabels, Counter>::default();
+        registry.register(
+            "ratelimit_tls_reloads",
+            "Reloads of the gRPC listener's TLS files by result; a failed one keeps the previous",
+            tls_reloads.clone(),
+        );
         Metrics {
+            tls_reloads,
             memory,
             in_flight,
             backend_errors,
@@ -228,6 +237,11 @@ impl Metrics {
         self.config_loads
             .get_or_create(&LoadLabels { result })
             .inc();
+    }
+
+    /// Counts a reload of the gRPC listener's TLS files.
+    pub fn tls_reload(&self, result: LoadResult) {
+        self.tls_reloads.get_or_create(&LoadLabels { result }).inc();
     }
 
     /// Counts a failed backend call.

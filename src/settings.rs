@@ -113,6 +113,19 @@ pub struct Settings {
     #[arg(long, default_value = "0.0.0.0:8081")]
     pub grpc_addr: SocketAddr,
 
+    /// Serve gRPC over TLS with this certificate chain (PEM); with --grpc-tls-key. Reloaded
+    /// when the file changes.
+    #[arg(long, requires = "grpc_tls_key")]
+    pub grpc_tls_cert: Option<PathBuf>,
+
+    /// The gRPC listener's private key (PEM).
+    #[arg(long, requires = "grpc_tls_cert")]
+    pub grpc_tls_key: Option<PathBuf>,
+
+    /// Require client certificates issued by this CA (PEM) on the gRPC listener (mutual TLS).
+    #[arg(long, requires = "grpc_tls_cert")]
+    pub grpc_tls_client_ca: Option<PathBuf>,
+
     /// HTTP listen address (/healthcheck, /metrics, /rlconfig).
     #[arg(long, default_value = "0.0.0.0:8080")]
     pub http_addr: SocketAddr,
@@ -408,6 +421,14 @@ impl Settings {
     /// Checks what no single flag's parser can: combinations, and the Redis options when
     /// `--backend redis` is chosen. A failure is a usage error (exit 2), like a bad flag.
     pub fn validate(self) -> Result<Settings, clap::Error> {
+        if let Some(files) = self.grpc_tls()
+            && let Err(e) = files.load()
+        {
+            return Err(Settings::command().error(
+                clap::error::ErrorKind::ValueValidation,
+                format!("--grpc-tls-*: {e}"),
+            ));
+        }
         if self.backend == BackendKind::Redis
             && let Err(message) = self.redis_options()
         {
@@ -416,6 +437,15 @@ impl Settings {
             );
         }
         Ok(self)
+    }
+
+    /// The gRPC listener's TLS files, when TLS is asked for.
+    pub fn grpc_tls(&self) -> Option<crate::server::tls::TlsFiles> {
+        Some(crate::server::tls::TlsFiles {
+            cert: self.grpc_tls_cert.clone()?,
+            key: self.grpc_tls_key.clone()?,
+            client_ca: self.grpc_tls_client_ca.clone(),
+        })
     }
 
     /// `--redis-failure-mode` as the limiter's type.

@@ -459,6 +459,25 @@ mod tests {
     }
 
     #[test]
+    fn a_rejected_sliding_log_check_scans_a_bounded_number_of_entries() {
+        // 10 000 single hits at distinct times; freeing 5 000 of them would need a scan of
+        // half the log under the shard lock. Past LOG_SCAN_MAX entries the answer is a whole
+        // window: an upper bound, computed in constant time.
+        let l = limit(Algorithm::SlidingLog, 10_000, 3_600);
+        let mut s = State::new(l.algorithm);
+        for i in 0..10_000 {
+            assert!(!take(&mut s, &l, T0 + i * 1_000, 1).over);
+        }
+        let now = T0 + 20 * SEC;
+        let v = s.check(&l, now, 5_000);
+        assert!(v.over);
+        assert_eq!(v.reset, Duration::from_secs(3_600));
+        // Within the scanned entries the reset is exact: the oldest hit leaves at T0 + 1 h.
+        let v = s.check(&l, now, 1);
+        assert_eq!(v.reset, Duration::from_micros(T0 + 3_600 * SEC - now));
+    }
+
+    #[test]
     fn token_bucket_refills_at_the_rate_up_to_burst() {
         let mut l = limit(Algorithm::TokenBucket, 2, 1); // 2 per second: one every 500 ms
         l.burst = 4;

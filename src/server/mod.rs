@@ -2,3 +2,4 @@
 
 pub mod grpc;
 pub mod http;
+pub mod tls;

@@ -345,7 +345,8 @@ pub fn keys_with_ttl(node: &RedisProc, prefix: &str) -> Vec<(String, i64)> {
         .collect()
 }
 
-/// A CA and a server certificate for 127.0.0.1, made with openssl in `dir/certs`.
+/// A CA, a server certificate for 127.0.0.1 and localhost, and a client certificate, made
+/// with openssl in `dir/certs`.
 pub fn make_certs(dir: &std::path::Path) -> PathBuf {
     let certs = dir.join("certs");
     std::fs::create_dir_all(&certs).unwrap();
@@ -409,6 +410,37 @@ pub fn make_certs(dir: &std::path::Path) -> PathBuf {
         "2",
         "-extfile",
         "ext.cnf",
+    ]);
+    // A client certificate from the same CA, for mutual TLS (v3, as webpki requires).
+    std::fs::write(certs.join("client.cnf"), "extendedKeyUsage=clientAuth\n").unwrap();
+    run(&[
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "client.key",
+        "-out",
+        "client.csr",
+        "-subj",
+        "/CN=ratelimitd-test-client",
+    ]);
+    run(&[
+        "x509",
+        "-req",
+        "-in",
+        "client.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "client.crt",
+        "-days",
+        "2",
+        "-extfile",
+        "client.cnf",
     ]);
     certs
 }

@@ -1,0 +1,176 @@
+//! TLS on the gRPC listener: a certificate and key (PEM), and optionally a client CA that
+//! every client must present a certificate from (mutual TLS). The files are checked every
+//! second and reloaded when they change (a Kubernetes Secret update swaps them under their
+//! names); a reload that fails keeps the previous certificate in force and says why in the
+//! log. Connections already open keep the certificate they were made with.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use arc_swap::ArcSwap;
+use futures_util::Stream;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::JoinHandle;
+use tokio_rustls::TlsAcceptor;
+use tokio_rustls::rustls::pki_types::pem::PemObject;
+use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use tokio_rustls::rustls::server::WebPkiClientVerifier;
+use tokio_rustls::rustls::{RootCertStore, ServerConfig};
+use tokio_rustls::server::TlsStream;
+
+use crate::metrics::{LoadResult, Metrics};
+
+/// How often the files are checked for changes.
+const CHECK_EVERY: Duration = Duration::from_secs(1);
+/// A client that has not finished its handshake by then is dropped.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The files of the listener's TLS.
+#[derive(Clone, Debug)]
+pub struct TlsFiles {
+    /// Certificate chain (PEM).
+    pub cert: PathBuf,
+    /// Private key (PEM).
+    pub key: PathBuf,
+    /// CA bundle (PEM) client certificates must chain to; `None`: no client certificates.
+    pub client_ca: Option<PathBuf>,
+}
+
+/// Why the TLS files could not be used.
+#[derive(Debug, thiserror::Error)]
+#[error("{path}: {message}")]
+pub struct TlsError {
+    path: String,
+    message: String,
+}
+
+fn err(path: &Path, message: impl ToString) -> TlsError {
+    TlsError {
+        path: path.display().to_string(),
+        message: message.to_string(),
+    }
+}
+
+impl TlsFiles {
+    /// Reads and checks the files: a rustls server config speaking HTTP/2 (gRPC).
+    pub fn load(&self) -> Result<Arc<ServerConfig>, TlsError> {
+        let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(&self.cert)
+            .map_err(|e| err(&self.cert, e))?
+            .collect::<Result<_, _>>()
+            .map_err(|e| err(&self.cert, e))?;
+        if certs.is_empty() {
+            return Err(err(&self.cert, "no certificate in the file"));
+        }
+        let key = PrivateKeyDer::from_pem_file(&self.key).map_err(|e| err(&self.key, e))?;
+        let provider = Arc::new(tokio_rustls::rustls::crypto::ring::default_provider());
+        let builder = ServerConfig::builder_with_provider(provider.clone())
+            .with_safe_default_protocol_versions()
+            .map_err(|e| err(&self.cert, e))?;
+        let builder = match &self.client_ca {
+            None => builder.with_no_client_auth(),
+            Some(ca) => {
+                let mut roots = RootCertStore::empty();
+                for cert in CertificateDer::pem_file_iter(ca).map_err(|e| err(ca, e))? {
+                    roots
+                        .add(cert.map_err(|e| err(ca, e))?)
+                        .map_err(|e| err(ca, e))?;
+                }
+                let verifier =
+                    WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
+                        .build()
+                        .map_err(|e| err(ca, e))?;
+                builder.with_client_cert_verifier(verifier)
+            }
+        };
+        let mut config = builder
+            .with_single_cert(certs, key)
+            .map_err(|e| err(&self.key, e))?;
+        config.alpn_protocols = vec![b"h2".to_vec()];
+        Ok(Arc::new(config))
+    }
+
+    /// What identifies the files' current contents (size, time and inode of each).
+    fn stamp(&self) -> Vec<Option<(u64, SystemTime, u64)>> {
+        use std::os::unix::fs::MetadataExt;
+        [Some(&self.cert), Some(&self.key), self.client_ca.as_ref()]
+            .into_iter()
+            .flatten()
+            .map(|p| {
+                let m = std::fs::metadata(p).ok()?;
+                Some((m.len(), m.modified().ok()?, m.ino()))
+            })
+            .collect()
+    }
+}
+
+/// TLS connections accepted on `listener`, for tonic's `serve_with_incoming`, with the
+/// tasks that accept them and reload the files (abort them to stop).
+pub fn incoming(
+    listener: TcpListener,
+    files: TlsFiles,
+    config: Arc<ServerConfig>,
+    metrics: Arc<Metrics>,
+) -> (
+    impl Stream<Item = Result<TlsStream<TcpStream>, std::io::Error>>,
+    Vec<JoinHandle<()>>,
+) {
+    let current = Arc::new(ArcSwap::new(config));
+    let reload = {
+        let current = current.clone();
+        tokio::spawn(async move {
+            let mut stamp = files.stamp();
+            let mut tick = tokio::time::interval(CHECK_EVERY);
+            loop {
+                tick.tick().await;
+                let now = files.stamp();
+                if now == stamp {
+                    continue;
+                }
+                stamp = now;
+                let f = files.clone();
+                match tokio::task::spawn_blocking(move || f.load()).await {
+                    Ok(Ok(config)) => {
+                        current.store(config);
+                        metrics.tls_reload(LoadResult::success);
+                        tracing::info!("gRPC TLS files reloaded");
+                    }
+                    Ok(Err(e)) => {
+                        metrics.tls_reload(LoadResult::error);
+                        tracing::error!(error = %e, "gRPC TLS reload refused; the previous certificate stays in force");
+                    }
+                    Err(_) => {}
+                }
+            }
+        })
+    };
+    let (tx, rx) = tokio::sync::mpsc::channel::<TlsStream<TcpStream>>(128);
+    let accept = tokio::spawn(async move {
+        loop {
+            let (tcp, peer) = match listener.accept().await {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::warn!(error = %e, "gRPC accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            };
+            let _ = tcp.set_nodelay(true);
+            let acceptor = TlsAcceptor::from(current.load_full());
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+                    Ok(Ok(tls)) => {
+                        let _ = tx.send(tls).await;
+                    }
+                    Ok(Err(e)) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
+                    Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
+                }
+            });
+        }
+    });
+    let stream = futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|tls| (Ok(tls), rx))
+    });
+    (stream, vec![reload, accept])
+}

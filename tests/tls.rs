@@ -1,0 +1,154 @@
+//! TLS on the gRPC listener: server certificates, mutual TLS, and certificates reloaded when
+//! their files change, through a real TLS gRPC client.
+
+mod common;
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::redis::make_certs;
+use common::*;
+use ratelimitd::limiter::SystemClock;
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
+
+const LIMITS: &str =
+    "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: hour, requests_per_unit: 5}\n";
+
+/// A TLS client trusting `ca`, optionally presenting `identity`; `None` if it cannot connect
+/// or its first call fails.
+async fn tls_call(addr: std::net::SocketAddr, ca: &Path, identity: Option<&Path>) -> Option<bool> {
+    let mut tls = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(std::fs::read(ca).unwrap()))
+        .domain_name("localhost");
+    if let Some(dir) = identity {
+        tls = tls.identity(Identity::from_pem(
+            std::fs::read(dir.join("client.crt")).unwrap(),
+            std::fs::read(dir.join("client.key")).unwrap(),
+        ));
+    }
+    let channel = Channel::from_shared(format!("https://127.0.0.1:{}", addr.port()))
+        .unwrap()
+        .tls_config(tls)
+        .ok()?
+        .connect_timeout(Duration::from_secs(5))
+        .connect()
+        .await
+        .ok()?;
+    let mut client = Client::new(channel);
+    let r = client
+        .should_rate_limit(request("d", &[&[("k", "v")]]))
+        .await
+        .ok()?;
+    Some(is_ok(r.get_ref()))
+}
+
+async fn tls_server(certs: &Path, dir: &Path, mutual: bool) -> TestServer {
+    for f in ["server.crt", "server.key"] {
+        std::fs::copy(certs.join(f), dir.join(f)).unwrap();
+    }
+    let (cert, key) = (dir.join("server.crt"), dir.join("server.key"));
+    let ca = certs.join("ca.crt");
+    let mut flags = vec![
+        "--grpc-tls-cert",
+        cert.to_str().unwrap(),
+        "--grpc-tls-key",
+        key.to_str().unwrap(),
+    ];
+    if mutual {
+        flags.extend(["--grpc-tls-client-ca", ca.to_str().unwrap()]);
+    }
+    let flags: Vec<String> = flags.into_iter().map(String::from).collect();
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    TestServer::start_with(&[("l.yaml", LIMITS)], &flags, Arc::new(SystemClock)).await
+}
+
+#[tokio::test]
+async fn grpc_over_tls_and_plain_text_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let certs = make_certs(tmp.path());
+    let files = tempfile::tempdir().unwrap();
+    let s = tls_server(&certs, files.path(), false).await;
+    let answered = poll(Duration::from_secs(10), || async {
+        tls_call(s.grpc, &certs.join("ca.crt"), None).await
+    })
+    .await;
+    assert!(answered);
+    let plain = async {
+        let mut c = Client::connect(format!("http://{}", s.grpc)).await.ok()?;
+        c.should_rate_limit(request("d", &[&[("k", "v")]]))
+            .await
+            .ok()
+    };
+    assert!(
+        tokio::time::timeout(Duration::from_secs(5), plain)
+            .await
+            .ok()
+            .flatten()
+            .is_none(),
+        "plain text is not served"
+    );
+}
+
+#[tokio::test]
+async fn mutual_tls_requires_a_client_certificate_from_the_ca() {
+    let tmp = tempfile::tempdir().unwrap();
+    let certs = make_certs(tmp.path());
+    let other = tempfile::tempdir().unwrap();
+    let stranger = make_certs(other.path());
+    let files = tempfile::tempdir().unwrap();
+    let s = tls_server(&certs, files.path(), true).await;
+    let ca = certs.join("ca.crt");
+    let answered = poll(Duration::from_secs(10), || async {
+        tls_call(s.grpc, &ca, Some(&certs)).await
+    })
+    .await;
+    assert!(answered);
+    assert_eq!(
+        tls_call(s.grpc, &ca, None).await,
+        None,
+        "no client certificate"
+    );
+    assert_eq!(
+        tls_call(s.grpc, &ca, Some(&stranger)).await,
+        None,
+        "a certificate from another CA"
+    );
+}
+
+#[tokio::test]
+async fn a_renewed_certificate_is_served_without_a_restart() {
+    let tmp = tempfile::tempdir().unwrap();
+    let old = make_certs(tmp.path());
+    let tmp2 = tempfile::tempdir().unwrap();
+    let new = make_certs(tmp2.path());
+    let files = tempfile::tempdir().unwrap();
+    let s = tls_server(&old, files.path(), false).await;
+    let answered = poll(Duration::from_secs(10), || async {
+        tls_call(s.grpc, &old.join("ca.crt"), None).await
+    })
+    .await;
+    assert!(answered);
+    // A broken renewal is refused and the old certificate keeps serving.
+    std::fs::write(files.path().join("server.crt"), "not a certificate").unwrap();
+    poll(Duration::from_secs(10), || async {
+        let (_, m) = s.http_get("/metrics").await;
+        (metric(&m, r#"ratelimit_tls_reloads_total{result="error"}"#) >= 1.0).then_some(())
+    })
+    .await;
+    assert_eq!(
+        tls_call(s.grpc, &old.join("ca.crt"), None).await,
+        Some(true)
+    );
+    // Written aside and renamed over, as a Secret update would.
+    for f in ["server.key", "server.crt"] {
+        let aside = files.path().join(format!(".{f}"));
+        std::fs::copy(new.join(f), &aside).unwrap();
+        std::fs::rename(&aside, files.path().join(f)).unwrap();
+    }
+    poll(Duration::from_secs(10), || async {
+        tls_call(s.grpc, &new.join("ca.crt"), None).await
+    })
+    .await;
+    assert_eq!(tls_call(s.grpc, &old.join("ca.crt"), None).await, None);
+}
