@@ -198,35 +198,40 @@ impl MemoryBackend {
     fn commit(&self, shard: &mut Shard, hit: &Hit, now: u64) {
         let limit = &hit.limit;
         let mut delta = -(shard.expire(now, EXPIRE_PER_COMMIT) as i64);
-        let key = hit.key.as_bytes();
-        let (key, mut entry) = match shard.entries.get_key_value(key) {
-            Some((k, _)) => {
-                let k = k.clone();
-                let e = shard.entries.remove(&k).expect("present");
-                shard.by_expiry.remove(&(e.expires_at, k.clone()));
-                shard.bytes -= e.bytes;
-                delta -= e.bytes as i64;
-                (k, e)
+        let key_bytes = hit.key.as_bytes();
+        // The shared key (a refcount, no copy) of a counter already held, else a new one.
+        let key = match shard.entries.get_key_value(key_bytes) {
+            Some((k, _)) => k.clone(),
+            None => {
+                let key = Arc::<[u8]>::from(key_bytes);
+                shard.entries.insert(
+                    key.clone(),
+                    Entry {
+                        state: State::new(limit.algorithm),
+                        expires_at: 0,
+                        bytes: 0,
+                    },
+                );
+                shard.by_expiry.insert((0, key.clone()));
+                key
             }
-            None => (
-                Arc::<[u8]>::from(key),
-                Entry {
-                    state: State::new(limit.algorithm),
-                    expires_at: 0,
-                    bytes: 0,
-                },
-            ),
         };
+        let entry = shard.entries.get_mut(key_bytes).expect("held");
         if !entry.state.is(limit.algorithm) {
             entry.state = State::new(limit.algorithm);
         }
+        let (was_expiring, was_bytes) = (entry.expires_at, entry.bytes);
         entry.state.commit(limit, now, hit.hits);
         entry.expires_at = entry.state.expires_at(limit);
         entry.bytes = cost(&key, &entry.state);
-        shard.bytes += entry.bytes;
-        delta += entry.bytes as i64;
-        shard.by_expiry.insert((entry.expires_at, key.clone()));
-        shard.entries.insert(key.clone(), entry);
+        let (expires_at, bytes) = (entry.expires_at, entry.bytes);
+        // Most commits (a fixed window's) change neither: nothing to reindex.
+        if expires_at != was_expiring {
+            shard.by_expiry.remove(&(was_expiring, key.clone()));
+            shard.by_expiry.insert((expires_at, key.clone()));
+        }
+        shard.bytes = shard.bytes - was_bytes + bytes;
+        delta += bytes as i64 - was_bytes as i64;
         if shard.bytes > self.shard_budget {
             let (freed, evicted) = shard.evict(self.shard_budget, &key);
             delta -= freed as i64;
