@@ -191,7 +191,8 @@ const TIGHT: &str = "domain: moving\ndescriptors:\n  - key: k\n    rate_limit: {
 /// Migrates the slot holding a domain's live counters (two keys per request: the script's
 /// keys may be split between the nodes mid-migration, answered with TRYAGAIN) while four
 /// streams of requests run against a limit they exceed: every answer within the timeout,
-/// exactly the limit admitted, never more.
+/// never more than the limit admitted (exactly the limit when no call failed; a call that
+/// timed out may have been counted without being admitted).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn migrating_live_counters_under_load_never_over_admits() {
     let cluster = RedisCluster::start();
@@ -245,7 +246,10 @@ async fn migrating_live_counters_under_load_never_over_admits() {
         .collect();
     eprintln!("migration under load: {seen:?}, {errors:?}");
     assert!(seen.slowest <= ANSWER_BOUND, "{:?}", seen.slowest);
-    assert_eq!(seen.ok, LIMIT, "exactly the limit admitted, never more");
+    assert!(seen.ok <= LIMIT, "over-admitted: {} of {LIMIT}", seen.ok);
+    if seen.errors == 0 {
+        assert_eq!(seen.ok, LIMIT, "without errors, exactly the limit");
+    }
     assert!(seen.over > 0, "the load went past the limit");
     assert_eq!(cluster.node_for_key(domain).port, dst.port);
 }

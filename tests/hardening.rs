@@ -256,6 +256,30 @@ async fn hot_reload_follows_a_replaced_config_directory() {
     until_rpu(&c, 4).await;
 }
 
+/// The same when the configured path is a file whose directory is replaced.
+#[tokio::test]
+async fn hot_reload_follows_a_configured_file_whose_directory_is_replaced() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("limits");
+    std::fs::create_dir(&dir).unwrap();
+    std::fs::write(dir.join("l.yaml"), limits(1)).unwrap();
+    let s = TestServer::start_at(
+        tempfile::tempdir().unwrap(),
+        Some(dir.join("l.yaml")),
+        &[],
+        Arc::new(SystemClock),
+    )
+    .await;
+    let c = s.client().await;
+    until_rpu(&c, 1).await;
+    std::fs::rename(&dir, root.path().join("old")).unwrap();
+    std::fs::create_dir(&dir).unwrap();
+    std::fs::write(dir.join("l.yaml"), limits(2)).unwrap();
+    until_rpu(&c, 2).await;
+    std::fs::write(dir.join("l.yaml"), limits(3)).unwrap();
+    until_rpu(&c, 3).await;
+}
+
 /// Defect 7: symlinks were followed without remembering directories: a `loop -> .` read every
 /// file twice (and failed with "duplicate domain"), a few self-links made start-up take
 /// minutes.

@@ -20,9 +20,9 @@ const MAX_DELAY: Duration = Duration::from_millis(400);
 /// result, unless the content is unchanged from `fingerprint` (the last good load). The watch
 /// ends when the returned task is aborted or the runtime stops.
 ///
-/// A configured directory is followed by path, not by inode: its parent is watched too, and
-/// when the path names another directory than before (`mv limits old; mkdir limits`), the
-/// watch moves to the new one and says so in the log.
+/// A watched directory (a configured one, or a configured file's) is followed by path, not by
+/// inode: its parent is watched too, and when the path names another directory than before
+/// (`mv limits old; mkdir limits`), the watch moves to the new one and says so in the log.
 pub fn spawn<F>(
     paths: Vec<PathBuf>,
     mut fingerprint: u64,
@@ -45,17 +45,16 @@ where
         let (target, mode) = watch_target(path);
         watcher.watch(&target, mode)?;
         tracing::debug!(path = %target.display(), "watching config");
-        if mode == RecursiveMode::Recursive
-            && let Some(parent) = parent_of(path)
+        // The watched directory's own parent, to notice the directory being replaced.
+        if let Some(parent) = parent_of(&target)
             && let Err(err) = watcher.watch(&parent, RecursiveMode::NonRecursive)
         {
             tracing::warn!(path = %parent.display(), %err, "cannot watch the config directory's parent; replacing the directory itself will not be noticed");
         }
         watched.push(Watched {
-            path: path.clone(),
+            identity: identity(&target),
             target,
             mode,
-            identity: identity(path),
         });
     }
 
@@ -104,41 +103,37 @@ fn parent_of(path: &Path) -> Option<PathBuf> {
     absolute.parent().map(Path::to_owned)
 }
 
-/// One configured path and the watch that covers it.
+/// The directory watched for one configured path: the path itself, or a file's directory.
 struct Watched {
-    path: PathBuf,
     target: PathBuf,
     mode: RecursiveMode,
     identity: Option<(u64, u64)>,
 }
 
 impl Watched {
-    /// Moves the watch when the configured directory was replaced (or has come back).
+    /// Moves the watch when the watched directory was replaced (or has come back): the watch
+    /// follows the path, not the directory it named when it was set.
     fn follow(&mut self, watcher: &mut RecommendedWatcher) {
-        if self.mode != RecursiveMode::Recursive {
-            return; // a file is watched through its directory, which is not replaced here
-        }
-        let now = identity(&self.path);
+        let now = identity(&self.target);
         if now == self.identity {
             return;
         }
         let _ = watcher.unwatch(&self.target);
         match now {
             None => {
-                tracing::warn!(path = %self.path.display(), "config directory is gone; the previous config stays in force until it is back");
+                tracing::warn!(path = %self.target.display(), "config directory is gone; the previous config stays in force until it is back");
             }
-            Some(_) => match watcher.watch(&self.path, RecursiveMode::Recursive) {
+            Some(_) => match watcher.watch(&self.target, self.mode) {
                 Ok(()) => {
-                    tracing::info!(path = %self.path.display(), "config directory was replaced; watching the new one");
+                    tracing::info!(path = %self.target.display(), "config directory was replaced; watching the new one");
                 }
                 Err(err) => {
-                    tracing::error!(path = %self.path.display(), %err, "cannot watch the replaced config directory");
+                    tracing::error!(path = %self.target.display(), %err, "cannot watch the replaced config directory");
                     return; // try again on the next event
                 }
             },
         }
         self.identity = now;
-        self.target = self.path.clone();
     }
 }
 
