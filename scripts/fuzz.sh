@@ -18,7 +18,7 @@ status=0
 for t in $TARGETS; do
   out=fuzz/out/$t
   rm -rf "$out"; mkdir -p fuzz/out
-  (cd fuzz && cargo afl fuzz -V "$FUZZ_SECONDS" -i "seeds/$t" -o "out/$t" "target/release/$t") >"fuzz/out.$t.log" 2>&1 || true
+  (cd fuzz && cargo afl fuzz -V "$FUZZ_SECONDS" -i "seeds/$t" -o "out/$t" "target/release/$t") >"fuzz/out/$t.log" 2>&1 || true
   stats=$out/default/fuzzer_stats
   execs=$(awk -F: '/^execs_done/ {gsub(/ /,"",$2); print $2}' "$stats" 2>/dev/null || echo "?")
   paths=$(awk -F: '/^corpus_count/ {gsub(/ /,"",$2); print $2}' "$stats" 2>/dev/null || echo "?")
@@ -32,7 +32,6 @@ for t in $TARGETS; do
     status=1
   fi
   echo "$t: ${FUZZ_SECONDS}s, $execs executions, $paths corpus entries, $crashes crashes"
-  rm -f "fuzz/out.$t.log"
 done
 [ "$status" = 0 ] || echo "crashing inputs were kept in fuzz/regressions/: run make test to replay them"
 exit "$status"
