@@ -410,3 +410,64 @@ async fn sentinel_reaches_a_password_protected_master() {
         "counted on the master"
     );
 }
+
+/// Defect 10, the other half: the master Sentinel names was reached without TLS whatever the
+/// settings said. Here the master speaks only TLS; the sentinel itself is plain.
+#[tokio::test]
+async fn sentinel_reaches_a_tls_only_master() {
+    let certs_dir = tempfile::tempdir().unwrap();
+    let certs = make_certs(certs_dir.path());
+    let master = RedisProc::start_tls(&certs);
+    let path = |f: &str| certs.join(f).display().to_string();
+    let sentinel_dir = tempfile::tempdir().unwrap();
+    let conf = sentinel_dir.path().join("sentinel.conf");
+    let sentinel_port = free_port();
+    std::fs::write(
+        &conf,
+        format!(
+            "port {sentinel_port}\nbind 127.0.0.1\n\
+             tls-replication yes\ntls-cert-file {}\ntls-key-file {}\ntls-ca-cert-file {}\n\
+             tls-auth-clients no\n\
+             sentinel monitor main 127.0.0.1 {} 1\n",
+            path("server.crt"),
+            path("server.key"),
+            path("ca.crt"),
+            master.port
+        ),
+    )
+    .unwrap();
+    let _sentinel = RedisProc::start_sentinel(sentinel_port, &conf);
+    let sentinel_url = format!("redis://127.0.0.1:{sentinel_port}");
+    let prefix = unique_prefix();
+    let ca = path("ca.crt");
+    let s = TestServer::start_with(
+        &[("f.yaml", &limits(2))],
+        &[
+            "--backend",
+            "redis",
+            "--redis-sentinel-nodes",
+            &sentinel_url,
+            "--redis-sentinel-master",
+            "main",
+            "--redis-tls",
+            "--redis-tls-ca",
+            &ca,
+            "--redis-key-prefix",
+            &prefix,
+            "--redis-timeout",
+            "2s",
+        ],
+        Arc::new(SystemClock),
+    )
+    .await;
+    let mut c = s.client().await;
+    for _ in 0..2 {
+        assert!(is_ok(&call(&mut c, request("d", &[&[("k", "v")]])).await));
+    }
+    assert!(is_over(&call(&mut c, request("d", &[&[("k", "v")]])).await));
+    assert_eq!(
+        keys_with_ttl(&master, &prefix).len(),
+        1,
+        "counted on the master"
+    );
+}
