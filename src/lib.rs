@@ -51,6 +51,8 @@ pub struct Listeners {
     pub grpc: TcpListener,
     /// For HTTP.
     pub http: TcpListener,
+    /// More listeners serving the same HTTP endpoints (`--debug-addr`, `--metrics-addr`).
+    pub extra_http: Vec<TcpListener>,
 }
 
 /// Why the service could not start or stopped abnormally.
@@ -233,6 +235,21 @@ pub async fn run_with_clock(
         serving,
         backend,
     });
+    let extra: Vec<_> = listeners
+        .extra_http
+        .into_iter()
+        .map(|l| {
+            tracing::info!(http = ?l.local_addr().ok(), "serving HTTP endpoints here too");
+            let serve =
+                axum::serve(l, router(http_state.clone())).with_graceful_shutdown(stopped());
+            tokio::spawn(async move {
+                if let Err(e) = serve.await {
+                    tracing::error!(error = %e, "HTTP server failed");
+                }
+            })
+        })
+        .collect();
+    tasks.extend(extra);
     let http = axum::serve(listeners.http, router(http_state)).with_graceful_shutdown(stopped());
     tracing::info!(grpc = ?grpc_addr, http = ?http_addr, "serving");
 

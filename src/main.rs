@@ -51,7 +51,31 @@ async fn serve(settings: Settings) -> anyhow::Result<()> {
     let http = TcpListener::bind(settings.http_addr)
         .await
         .with_context(|| format!("--http-addr: cannot listen on {}", settings.http_addr))?;
-    run(settings, Listeners { grpc, http }, shutdown_signal()).await?;
+    let mut extra_http = Vec::new();
+    for (flag, addr) in [
+        ("--debug-addr", settings.debug_addr),
+        ("--metrics-addr", settings.metrics_addr),
+    ] {
+        if let Some(addr) = addr {
+            let l = TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("{flag}: cannot listen on {addr}"))?;
+            extra_http.push(l);
+        }
+    }
+    for note in &settings.ignored_env {
+        tracing::warn!("{note}");
+    }
+    run(
+        settings,
+        Listeners {
+            grpc,
+            http,
+            extra_http,
+        },
+        shutdown_signal(),
+    )
+    .await?;
     Ok(())
 }
 

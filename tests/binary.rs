@@ -370,3 +370,109 @@ async fn a_daemon_dies_with_its_test() {
         "still running: {status}"
     );
 }
+
+/// Issue 7: started with exactly the environment of Istio's sample deployment of
+/// envoyproxy/ratelimit (only the ports are moved to free ones, through RATELIMITD_*, which
+/// win) and a config laid out as its ConfigMap mount, the limits hold and are counted in that
+/// Redis; /rlconfig is on the debug port; a ConfigMap update reloads.
+#[tokio::test]
+async fn istio_sample_environment_runs_unchanged() {
+    let redis = common::redis::RedisProc::start(&[]);
+    let data = tempfile::tempdir().unwrap();
+    let config = data.path().join("ratelimit/config");
+    let limits = |rpu: u32| {
+        format!(
+            "domain: ratelimit\ndescriptors:\n  - key: PATH\n    value: \"/productpage\"\n    rate_limit: {{unit: minute, requests_per_unit: {rpu}}}\n  - key: PATH\n    rate_limit: {{unit: minute, requests_per_unit: 100}}\n"
+        )
+    };
+    // kubelet's layout: ..<generation>/config.yaml, ..data -> it, config.yaml -> ..data/config.yaml
+    let swap = |generation: u32, text: &str| {
+        let gen_dir = config.join(format!("..gen{generation}"));
+        std::fs::create_dir_all(&gen_dir).unwrap();
+        std::fs::write(gen_dir.join("config.yaml"), text).unwrap();
+        let tmp = config.join("..data_tmp");
+        std::os::unix::fs::symlink(format!("..gen{generation}"), &tmp).unwrap();
+        std::fs::rename(&tmp, config.join("..data")).unwrap();
+    };
+    std::fs::create_dir_all(&config).unwrap();
+    swap(1, &limits(1));
+    std::os::unix::fs::symlink("..data/config.yaml", config.join("config.yaml")).unwrap();
+
+    let debug = free_port();
+    let mut cmd = Command::new(BIN);
+    cmd.env("REDIS_SOCKET_TYPE", "tcp")
+        .env("REDIS_URL", format!("127.0.0.1:{}", redis.port))
+        .env("USE_STATSD", "false")
+        .env("LOG_LEVEL", "debug")
+        .env("RUNTIME_ROOT", data.path())
+        .env("RUNTIME_SUBDIRECTORY", "ratelimit")
+        .env("RUNTIME_WATCH_ROOT", "false")
+        .env("RUNTIME_IGNOREDOTFILES", "true")
+        .env("RATELIMITD_DEBUG_ADDR", format!("127.0.0.1:{debug}"));
+    let d = Daemon::start(cmd).await;
+    let mut client = d.client().await;
+    let productpage = || request("ratelimit", &[&[("PATH", "/productpage")]]);
+    assert!(is_ok(&call(&mut client, productpage()).await));
+    assert!(is_over(&call(&mut client, productpage()).await));
+    assert!(is_ok(
+        &call(
+            &mut client,
+            request("ratelimit", &[&[("PATH", "/reviews")]])
+        )
+        .await
+    ));
+    let keys = redis.cli(&["--scan", "--pattern", "*ratelimit*PATH*"]);
+    assert_eq!(keys.lines().count(), 2, "counted in that Redis: {keys}");
+
+    let debug_addr: SocketAddr = format!("127.0.0.1:{debug}").parse().unwrap();
+    let (status, dump) = http_get(debug_addr, "/rlconfig").await;
+    assert_eq!(status, 200);
+    assert!(
+        dump.contains("ratelimit.PATH_/productpage: unit=MINUTE requests_per_unit=1"),
+        "{dump}"
+    );
+
+    swap(2, &limits(5));
+    poll(Duration::from_secs(10), || {
+        let mut c = client.clone();
+        async move { is_ok(&call(&mut c, productpage()).await).then_some(()) }
+    })
+    .await;
+    let (exit, stderr) = d.terminate().await;
+    assert!(exit.success());
+    assert!(
+        !stderr.contains("ignored"),
+        "nothing of it is ignored: {stderr}"
+    );
+}
+
+/// Variables of envoyproxy/ratelimit's with no equivalent are logged once as ignored; those
+/// that cannot be honoured stop the service with a usage error.
+#[tokio::test]
+async fn reference_variables_without_an_equivalent_are_reported() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("l.yaml"), LIMITS).unwrap();
+    let mut cmd = Command::new(BIN);
+    cmd.args(["--config", dir.path().to_str().unwrap()])
+        .env("USE_STATSD", "true")
+        .env("EXPIRATION_JITTER_MAX_SECONDS", "300");
+    let d = Daemon::start(cmd).await;
+    let (_, stderr) = d.terminate().await;
+    assert_eq!(
+        stderr.matches("USE_STATSD=true has no equivalent").count(),
+        1,
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("EXPIRATION_JITTER_MAX_SECONDS=300"),
+        "{stderr}"
+    );
+
+    let out = Command::new(BIN)
+        .args(["--config", "x"])
+        .env("BACKEND_TYPE", "memcache")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("BACKEND_TYPE=memcache"));
+}

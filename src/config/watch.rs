@@ -15,6 +15,8 @@ use super::{ConfigError, LoadedConfig, load_paths};
 /// anyway. Together they keep a change in force well within a second.
 const QUIET: Duration = Duration::from_millis(100);
 const MAX_DELAY: Duration = Duration::from_millis(400);
+/// How often the watched directories are checked for having been swapped without an event.
+const CHECK_EVERY: Duration = Duration::from_secs(1);
 
 /// Starts watching `paths`. Each time they change, every file is reloaded and `apply` gets the
 /// result, unless the content is unchanged from `fingerprint` (the last good load). The watch
@@ -60,7 +62,24 @@ where
 
     Ok(tokio::spawn(async move {
         let mut watcher = watcher; // dropping it ends the watch
-        while rx.recv().await.is_some() {
+        // Events say most changes; a symlink swapped higher up (envoyproxy/ratelimit's
+        // RUNTIME_ROOT, say) makes none in what is watched, so the watched directories' identity
+        // is also checked every second.
+        let mut check = tokio::time::interval(CHECK_EVERY);
+        check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                event = rx.recv() => {
+                    if event.is_none() {
+                        return;
+                    }
+                }
+                _ = check.tick() => {
+                    if watched.iter().all(|w| identity(&w.target) == w.identity) {
+                        continue;
+                    }
+                }
+            }
             let deadline = tokio::time::Instant::now() + MAX_DELAY;
             loop {
                 let wait =

@@ -150,6 +150,7 @@ impl TestServer {
             Listeners {
                 grpc: grpc_listener,
                 http: http_listener,
+                extra_http: Vec::new(),
             },
             async {
                 let _ = stopped.await;

@@ -45,6 +45,15 @@ pub struct UrlError {
 /// Percent-encodes `s` for the user information of a URL, keeping `%XX` escapes the user
 /// already wrote.
 fn encode_userinfo(s: &str) -> String {
+    encode(s, b"-._~!$&'()*+,;=")
+}
+
+/// Percent-encodes `s` for a query parameter's value.
+fn encode_query(s: &str) -> String {
+    encode(s, b"-._~")
+}
+
+fn encode(s: &str, keep: &[u8]) -> String {
     let bytes = s.as_bytes();
     let mut out = String::with_capacity(s.len());
     let mut i = 0;
@@ -54,7 +63,7 @@ fn encode_userinfo(s: &str) -> String {
             && bytes.len() > i + 2
             && bytes[i + 1].is_ascii_hexdigit()
             && bytes[i + 2].is_ascii_hexdigit();
-        if b.is_ascii_alphanumeric() || b"-._~!$&'()*+,;=".contains(&b) || escaped {
+        if b.is_ascii_alphanumeric() || keep.contains(&b) || escaped {
             out.push(b as char);
         } else {
             out.push_str(&format!("%{b:02X}"));
@@ -68,6 +77,14 @@ impl RedisUrl {
     /// Parses `redis://…` or `rediss://…`.
     pub fn parse(s: &str) -> Result<RedisUrl, UrlError> {
         let (scheme, after) = match s.split_once("://") {
+            Some((scheme @ ("unix" | "redis+unix"), path)) if path.starts_with('/') => {
+                // A Unix socket: a path, no user information.
+                return Ok(RedisUrl {
+                    scheme: scheme.to_owned(),
+                    userinfo: None,
+                    rest: path.to_owned(),
+                });
+            }
             Some((scheme @ ("redis" | "rediss"), after)) => (scheme, after),
             _ => {
                 return Err(UrlError {
@@ -107,9 +124,11 @@ impl RedisUrl {
         self.scheme == "rediss"
     }
 
-    /// The same URL over TLS (`rediss://`).
+    /// The same URL over TLS (`rediss://`); a Unix socket stays as it is.
     pub fn with_tls(mut self) -> RedisUrl {
-        self.scheme = "rediss".into();
+        if self.scheme == "redis" {
+            self.scheme = "rediss".into();
+        }
         self
     }
 
@@ -140,8 +159,23 @@ impl RedisUrl {
         }
     }
 
-    /// The URL as the Redis client reads it, user information percent-encoded.
+    /// The URL as the Redis client reads it, user information percent-encoded (for a Unix
+    /// socket, as the `user` and `pass` query parameters the client reads there).
     fn for_client(&self) -> String {
+        if self.scheme.ends_with("unix") {
+            let mut s = format!("{}://{}", self.scheme, self.rest);
+            if let Some((user, pass)) = &self.userinfo {
+                let mut sep = if self.rest.contains('?') { '&' } else { '?' };
+                if !user.is_empty() {
+                    s.push_str(&format!("{sep}user={}", encode_query(user)));
+                    sep = '&';
+                }
+                if let Some(p) = pass {
+                    s.push_str(&format!("{sep}pass={}", encode_query(p)));
+                }
+            }
+            return s;
+        }
         match &self.userinfo {
             None => format!("{}://{}", self.scheme, self.rest),
             Some((user, pass)) => {
@@ -523,6 +557,20 @@ mod tests {
             let err = RedisUrl::parse(bad).unwrap_err().to_string();
             assert!(!err.contains("secret"), "{err}");
         }
+    }
+
+    #[test]
+    fn unix_sockets_take_credentials_as_query_parameters() {
+        let u = RedisUrl::parse("unix:///run/redis.sock")
+            .unwrap()
+            .with_default_credentials(&Credentials {
+                username: None,
+                password: Some("a&b=c".into()),
+            })
+            .with_tls();
+        assert_eq!(u.to_string(), "unix://:***@/run/redis.sock");
+        let info = u.for_client().into_connection_info().unwrap();
+        assert_eq!(info.redis_settings().password(), Some("a&b=c"));
     }
 
     #[test]

@@ -7,6 +7,8 @@ use std::time::Duration;
 
 use clap::{CommandFactory, Parser, ValueEnum};
 
+pub mod envoyproxy;
+
 use crate::limiter::fallback::FailureMode;
 use crate::limiter::redis::{Credentials, HashTag, RedisOptions, RedisUrl, Target, TlsFiles};
 use crate::service::{Policies, RequestLimits};
@@ -106,8 +108,14 @@ pub enum LogFormat {
 )]
 pub struct Settings {
     /// Config file or directory (every *.yaml/*.yml inside, dot-files skipped); repeatable.
-    #[arg(long = "config", value_name = "PATH", required = true)]
+    /// Without it (and without RATELIMITD_CONFIG) the service reads envoyproxy/ratelimit's
+    /// RUNTIME_ROOT/RUNTIME_SUBDIRECTORY/RUNTIME_APPDIRECTORY, as that service does.
+    #[arg(long = "config", value_name = "PATH")]
     pub config: Vec<PathBuf>,
+
+    /// envoyproxy/ratelimit variables that were set but change nothing here (logged at start).
+    #[arg(skip)]
+    pub ignored_env: Vec<String>,
 
     /// gRPC listen address (RateLimitService and grpc.health.v1).
     #[arg(long, default_value = "0.0.0.0:8081")]
@@ -129,6 +137,14 @@ pub struct Settings {
     /// HTTP listen address (/healthcheck, /metrics, /rlconfig).
     #[arg(long, default_value = "0.0.0.0:8080")]
     pub http_addr: SocketAddr,
+
+    /// Also serve the HTTP endpoints here (envoyproxy/ratelimit's debug port, DEBUG_PORT).
+    #[arg(long)]
+    pub debug_addr: Option<SocketAddr>,
+
+    /// Also serve the HTTP endpoints here (envoyproxy/ratelimit's PROMETHEUS_ADDR).
+    #[arg(long)]
+    pub metrics_addr: Option<SocketAddr>,
 
     /// Where counters are kept.
     #[arg(long, value_enum, default_value = "memory")]
@@ -320,14 +336,16 @@ impl Settings {
         S: Into<String>,
     {
         let mut args: Vec<String> = args.into_iter().map(Into::into).collect();
-        let given: Vec<String> = args.clone();
+        let on_command_line = |given: &[String], flag: &str| {
+            given
+                .iter()
+                .any(|a| a == flag || a.starts_with(&format!("{flag}=")))
+        };
+        let cli: Vec<String> = args.clone();
         for arg in Settings::command().get_arguments() {
             let Some(long) = arg.get_long() else { continue };
             let flag = format!("--{long}");
-            let on_command_line = given
-                .iter()
-                .any(|a| *a == flag || a.starts_with(&format!("{flag}=")));
-            if on_command_line {
+            if on_command_line(&cli, &flag) {
                 continue;
             }
             let var = format!("RATELIMITD_{}", long.to_uppercase().replace('-', "_"));
@@ -340,7 +358,21 @@ impl Settings {
                 args.push(format!("{flag}={value}"));
             }
         }
-        Settings::try_parse_from(args)?.validate()
+        // envoyproxy/ratelimit's variables fill whatever is still missing.
+        let given: Vec<String> = args.clone();
+        let dropin = !on_command_line(&given, "--config");
+        let translated = envoyproxy::translate(&env, dropin).map_err(|message| {
+            Settings::command().error(clap::error::ErrorKind::ValueValidation, message)
+        })?;
+        for (long, value) in translated.flags {
+            let flag = format!("--{long}");
+            if !on_command_line(&given, &flag) {
+                args.push(format!("{flag}={value}"));
+            }
+        }
+        let mut settings = Settings::try_parse_from(args)?;
+        settings.ignored_env = translated.ignored;
+        settings.validate()
     }
 
     /// The Redis backend's options, or why they are incomplete.
@@ -547,8 +579,13 @@ mod tests {
         assert!(err.to_string().contains("--near-limit-ratio"), "{err}");
         let err = parse(&["--config", "x", "--backend", "etcd"], &[]).unwrap_err();
         assert!(err.to_string().contains("--backend"), "{err}");
-        let err = parse(&[], &[]).unwrap_err();
-        assert!(err.to_string().contains("--config"), "{err}");
+        // Without --config, envoyproxy/ratelimit's runtime directory and defaults.
+        let s = parse(&[], &[]).unwrap();
+        assert_eq!(
+            s.config,
+            vec![PathBuf::from("/srv/runtime_data/current/config")]
+        );
+        assert_eq!(s.debug_addr.map(|a| a.port()), Some(6070));
         let err = parse(&["--config", "x", "--backend", "redis"], &[]).unwrap_err();
         assert!(err.to_string().contains("--redis-url"), "{err}");
         assert_eq!(err.exit_code(), 2);

@@ -1,0 +1,485 @@
+//! envoyproxy/ratelimit's environment, read as our flags, so a deployment of that service
+//! switches by changing only its image.
+//!
+//! Each variable becomes the flag with its meaning; a flag given on the command line or as
+//! `RATELIMITD_<FLAG>` wins. Without `--config` (nor `RATELIMITD_CONFIG`) the service runs as
+//! that service would: the config directory is `RUNTIME_ROOT/RUNTIME_SUBDIRECTORY/
+//! RUNTIME_APPDIRECTORY` and its defaults apply (log level `warn`, the debug port 6070).
+//! `REDIS_URL` selects the Redis backend. A variable of that service with no equivalent here is
+//! reported, once, as ignored; one whose meaning cannot be honoured is an error.
+
+/// Flags (long name without `--`, value) the environment asks for, and what to log about it.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Translated {
+    /// In the order they were derived.
+    pub flags: Vec<(&'static str, String)>,
+    /// Variables that are set but have no equivalent (logged once at start).
+    pub ignored: Vec<String>,
+}
+
+/// The reference's variables that are accepted but change nothing here, with why.
+const IGNORED: &[(&str, &str)] = &[
+    (
+        "REDIS_POOL_SIZE",
+        "one multiplexed connection needs no pool",
+    ),
+    (
+        "REDIS_PIPELINE_WINDOW",
+        "requests are pipelined on one connection",
+    ),
+    (
+        "REDIS_PIPELINE_LIMIT",
+        "requests are pipelined on one connection",
+    ),
+    ("REDIS_POOL_ON_EMPTY_BEHAVIOR", "there is no pool"),
+    (
+        "REDIS_HEALTH_CHECK_ACTIVE_CONNECTION",
+        "Redis is probed every second anyway",
+    ),
+    (
+        "REDIS_STARTUP_INITIAL_INTERVAL",
+        "the service starts without Redis",
+    ),
+    (
+        "REDIS_STARTUP_MAX_INTERVAL",
+        "the service starts without Redis",
+    ),
+    (
+        "REDIS_STARTUP_MAX_ELAPSED_TIME",
+        "the service starts without Redis",
+    ),
+    (
+        "REDIS_TLS_SKIP_HOSTNAME_VERIFICATION",
+        "certificates are always verified",
+    ),
+    (
+        "REDIS_CLUSTER_PIPELINE_PARALLELISM",
+        "one script call per request",
+    ),
+    (
+        "EXPIRATION_JITTER_MAX_SECONDS",
+        "keys expire at their window's end",
+    ),
+    (
+        "STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT",
+        "a rejected request never consumes",
+    ),
+    ("USE_STATSD", "no statsd: metrics are on /metrics"),
+    ("USE_DOG_STATSD", "no statsd: metrics are on /metrics"),
+    ("USE_DOG_STATSD_MOGRIFIERS", "no statsd"),
+    ("STATSD_HOST", "no statsd"),
+    ("STATSD_PORT", "no statsd"),
+    ("EXTRA_TAGS", "no statsd"),
+    ("STATS_FLUSH_INTERVAL", "no statsd"),
+    ("DISABLE_STATS", "metrics are always on /metrics"),
+    ("PROMETHEUS_PATH", "metrics are served at /metrics"),
+    ("PROMETHEUS_MAPPER_YAML", "metric names are fixed"),
+    (
+        "PROMETHEUS_RESPONSE_TIME_AS_MILLISECONDS",
+        "durations are in seconds",
+    ),
+    ("GRPC_MAX_CONNECTION_AGE", "not supported"),
+    ("GRPC_MAX_CONNECTION_AGE_GRACE", "not supported"),
+    (
+        "GRPC_CLIENT_TLS_SAN",
+        "not supported: any certificate from the client CA is accepted",
+    ),
+    (
+        "RUNTIME_WATCH_ROOT",
+        "the config directory is always watched, the root's swaps too",
+    ),
+    (
+        "FORCE_START_WITHOUT_INITIAL_CONFIG",
+        "an invalid first config stops the service",
+    ),
+    (
+        "HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED",
+        "healthy once the first config loaded",
+    ),
+    ("LIMIT_LIMIT_HEADER", "not supported yet"),
+    ("LIMIT_REMAINING_HEADER", "not supported yet"),
+    ("LIMIT_RESET_HEADER", "not supported yet"),
+    ("LIMIT_RESPONSE_HEADERS_ENABLED", "not supported yet"),
+    ("RESPONSE_DYNAMIC_METADATA", "not supported yet"),
+    ("QUOTA_MODE", "not supported: use quota_mode on descriptors"),
+    ("MERGE_DOMAIN_CONFIG", "not supported: one domain per file"),
+    ("TRACING_ENABLED", "not supported"),
+    ("REDIS_PERSECOND", "one Redis for every window"),
+    ("REDIS_PERSECOND_URL", "one Redis for every window"),
+];
+
+/// Variables whose values cannot be honoured at all: refused rather than misread.
+fn refuse(name: &str, value: &str) -> Option<String> {
+    let v = value.trim();
+    match name {
+        "BACKEND_TYPE" if !v.eq_ignore_ascii_case("redis") => Some(format!(
+            "BACKEND_TYPE={v} is not supported (redis, or no REDIS_URL for the in-process backend)"
+        )),
+        "CONFIG_TYPE" if !v.eq_ignore_ascii_case("FILE") => {
+            Some(format!("CONFIG_TYPE={v} is not supported (only FILE)"))
+        }
+        "GRPC_UDS" if !v.is_empty() => {
+            Some("GRPC_UDS is not supported: use GRPC_HOST and GRPC_PORT".into())
+        }
+        "MEMCACHE_HOST_PORT" | "MEMCACHE_SRV" if !v.is_empty() => {
+            Some(format!("{name} is not supported (no memcache backend)"))
+        }
+        _ => None,
+    }
+}
+
+fn truthy(v: &str) -> Result<bool, String> {
+    match v.trim().to_ascii_lowercase().as_str() {
+        "1" | "t" | "true" | "yes" | "on" => Ok(true),
+        "0" | "f" | "false" | "no" | "off" | "" => Ok(false),
+        other => Err(format!("'{other}' is not a boolean")),
+    }
+}
+
+fn address(host: Option<String>, port: Option<String>, default_port: u16) -> String {
+    let host = host
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "0.0.0.0".into());
+    let port = port.unwrap_or_else(|| default_port.to_string());
+    if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    }
+}
+
+/// Reads envoyproxy/ratelimit's variables from `env`. `dropin` is true when no config path
+/// was given, so that service's defaults apply too.
+pub fn translate(env: &dyn Fn(&str) -> Option<String>, dropin: bool) -> Result<Translated, String> {
+    let mut t = Translated::default();
+    let var = |name: &str| env(name).map(|v| v.trim().to_owned());
+    let flag = |t: &mut Translated, name: &'static str, value: String| t.flags.push((name, value));
+    let bool_var = |name: &str| -> Result<Option<bool>, String> {
+        var(name)
+            .map(|v| truthy(&v).map_err(|e| format!("{name}: {e}")))
+            .transpose()
+    };
+
+    for (name, _) in IGNORED.iter().chain(
+        [
+            ("BACKEND_TYPE", ""),
+            ("CONFIG_TYPE", ""),
+            ("GRPC_UDS", ""),
+            ("MEMCACHE_HOST_PORT", ""),
+            ("MEMCACHE_SRV", ""),
+        ]
+        .iter(),
+    ) {
+        if let Some(v) = var(name)
+            && let Some(why) = refuse(name, &v)
+        {
+            return Err(why);
+        }
+    }
+
+    if dropin {
+        let root = var("RUNTIME_ROOT").unwrap_or_else(|| "/srv/runtime_data/current".into());
+        let sub = var("RUNTIME_SUBDIRECTORY").unwrap_or_default();
+        let app = var("RUNTIME_APPDIRECTORY").unwrap_or_else(|| "config".into());
+        let dir: std::path::PathBuf = [root, sub, app].iter().filter(|p| !p.is_empty()).collect();
+        flag(&mut t, "config", dir.display().to_string());
+        if bool_var("RUNTIME_IGNOREDOTFILES")? != Some(true) {
+            t.ignored.push(
+                "RUNTIME_IGNOREDOTFILES is false: dot-files and dot-directories are skipped anyway"
+                    .into(),
+            );
+        }
+    }
+
+    if var("HOST").is_some() || var("PORT").is_some() {
+        flag(&mut t, "http-addr", address(var("HOST"), var("PORT"), 8080));
+    }
+    if var("GRPC_HOST").is_some() || var("GRPC_PORT").is_some() {
+        flag(
+            &mut t,
+            "grpc-addr",
+            address(var("GRPC_HOST"), var("GRPC_PORT"), 8081),
+        );
+    }
+    if dropin || var("DEBUG_HOST").is_some() || var("DEBUG_PORT").is_some() {
+        flag(
+            &mut t,
+            "debug-addr",
+            address(var("DEBUG_HOST"), var("DEBUG_PORT"), 6070),
+        );
+    }
+    if bool_var("USE_PROMETHEUS")? == Some(true) {
+        let addr = var("PROMETHEUS_ADDR").unwrap_or_else(|| ":9090".into());
+        let addr = match addr.strip_prefix(':') {
+            Some(port) => format!("0.0.0.0:{port}"),
+            None => addr,
+        };
+        flag(&mut t, "metrics-addr", addr);
+    }
+    match var("LOG_LEVEL") {
+        Some(level) => {
+            let level = match level.to_ascii_lowercase().as_str() {
+                "warning" => "warn".to_owned(),
+                "fatal" | "panic" => "error".to_owned(),
+                other => other.to_owned(),
+            };
+            flag(&mut t, "log-level", level);
+        }
+        None if dropin => flag(&mut t, "log-level", "warn".into()),
+        None => {}
+    }
+    if let Some(format) = var("LOG_FORMAT") {
+        flag(&mut t, "log-format", format.to_ascii_lowercase());
+    }
+    if let Some(r) = var("NEAR_LIMIT_RATIO") {
+        flag(&mut t, "near-limit-ratio", r);
+    }
+    if let Some(s) = bool_var("SHADOW_MODE")? {
+        flag(&mut t, "shadow-mode", s.to_string());
+    }
+    if let Some(b) = var("LOCAL_CACHE_SIZE_IN_BYTES") {
+        flag(&mut t, "local-cache-bytes", b);
+    }
+    if let Some(p) = var("CACHE_KEY_PREFIX") {
+        flag(&mut t, "redis-key-prefix", p);
+    }
+    if let Some(timeout) = var("REDIS_TIMEOUT") {
+        flag(&mut t, "redis-timeout", timeout);
+    }
+
+    // gRPC TLS.
+    if bool_var("GRPC_SERVER_USE_TLS")? == Some(true) {
+        let cert =
+            var("GRPC_SERVER_TLS_CERT").ok_or("GRPC_SERVER_USE_TLS needs GRPC_SERVER_TLS_CERT")?;
+        let key =
+            var("GRPC_SERVER_TLS_KEY").ok_or("GRPC_SERVER_USE_TLS needs GRPC_SERVER_TLS_KEY")?;
+        flag(&mut t, "grpc-tls-cert", cert);
+        flag(&mut t, "grpc-tls-key", key);
+        if let Some(ca) = var("GRPC_CLIENT_TLS_CACERT").filter(|c| !c.is_empty()) {
+            flag(&mut t, "grpc-tls-client-ca", ca);
+        }
+    }
+
+    // Redis.
+    if let Some(url) = var("REDIS_URL").filter(|u| !u.is_empty()) {
+        let tls = bool_var("REDIS_TLS")?.unwrap_or(false);
+        let unix = var("REDIS_SOCKET_TYPE")
+            .unwrap_or_else(|| "unix".into())
+            .eq_ignore_ascii_case("unix");
+        let scheme = if tls { "rediss" } else { "redis" };
+        let node = |hostport: &str| {
+            if unix {
+                format!("unix://{hostport}")
+            } else {
+                format!("{scheme}://{hostport}")
+            }
+        };
+        flag(&mut t, "backend", "redis".into());
+        match var("REDIS_TYPE")
+            .unwrap_or_else(|| "SINGLE".into())
+            .to_ascii_uppercase()
+            .as_str()
+        {
+            "SINGLE" => flag(&mut t, "redis-url", node(&url)),
+            "CLUSTER" => {
+                let nodes: Vec<String> = url.split(',').map(|n| node(n.trim())).collect();
+                flag(&mut t, "redis-cluster-nodes", nodes.join(","));
+            }
+            "SENTINEL" => {
+                let mut parts = url.split(',').map(str::trim);
+                let master = parts.next().unwrap_or_default().to_owned();
+                let auth = var("REDIS_SENTINEL_AUTH").filter(|a| !a.is_empty());
+                let sentinels: Vec<String> = parts
+                    .map(|hostport| match &auth {
+                        Some(a) if a.contains(':') => format!("{scheme}://{a}@{hostport}"),
+                        Some(a) => format!("{scheme}://:{a}@{hostport}"),
+                        None => format!("{scheme}://{hostport}"),
+                    })
+                    .collect();
+                if master.is_empty() || sentinels.is_empty() {
+                    return Err(
+                        "REDIS_TYPE=SENTINEL needs REDIS_URL=<master name>,<host:port>[,…]".into(),
+                    );
+                }
+                flag(&mut t, "redis-sentinel-master", master);
+                flag(&mut t, "redis-sentinel-nodes", sentinels.join(","));
+                if tls {
+                    flag(&mut t, "redis-tls", "true".into());
+                }
+            }
+            other => {
+                return Err(format!(
+                    "REDIS_TYPE={other} is not one of SINGLE, CLUSTER, SENTINEL"
+                ));
+            }
+        }
+        if let Some(auth) = var("REDIS_AUTH").filter(|a| !a.is_empty()) {
+            match auth.split_once(':') {
+                Some((user, pass)) => {
+                    flag(&mut t, "redis-username", user.to_owned());
+                    flag(&mut t, "redis-password", pass.to_owned());
+                }
+                None => flag(&mut t, "redis-password", auth),
+            }
+        }
+        for (name, to) in [
+            ("REDIS_TLS_CACERT", "redis-tls-ca"),
+            ("REDIS_TLS_CLIENT_CERT", "redis-tls-cert"),
+            ("REDIS_TLS_CLIENT_KEY", "redis-tls-key"),
+        ] {
+            if let Some(v) = var(name).filter(|v| !v.is_empty()) {
+                flag(&mut t, to, v);
+            }
+        }
+    }
+
+    for (name, why) in IGNORED {
+        if let Some(v) = var(name) {
+            // A variable set to what this service does anyway is not worth a line.
+            let harmless = matches!(
+                (*name, truthy(&v)),
+                (
+                    "USE_STATSD"
+                        | "USE_DOG_STATSD"
+                        | "DISABLE_STATS"
+                        | "REDIS_PERSECOND"
+                        | "TRACING_ENABLED"
+                        | "LIMIT_RESPONSE_HEADERS_ENABLED"
+                        | "RESPONSE_DYNAMIC_METADATA"
+                        | "QUOTA_MODE"
+                        | "MERGE_DOMAIN_CONFIG",
+                    Ok(false)
+                )
+            ) || matches!(*name, "RUNTIME_WATCH_ROOT" | "REDIS_POOL_SIZE");
+            if !harmless {
+                t.ignored.push(format!(
+                    "{name}={v} has no equivalent here and is ignored ({why})"
+                ));
+            }
+        }
+    }
+    Ok(t)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn run(vars: &[(&str, &str)], dropin: bool) -> Result<Translated, String> {
+        let env: HashMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        translate(&|k| env.get(k).cloned(), dropin)
+    }
+
+    fn flags(t: &Translated) -> Vec<(&str, &str)> {
+        t.flags.iter().map(|(k, v)| (*k, v.as_str())).collect()
+    }
+
+    #[test]
+    fn istio_sample_environment() {
+        let t = run(
+            &[
+                ("REDIS_SOCKET_TYPE", "tcp"),
+                ("REDIS_URL", "redis:6379"),
+                ("USE_STATSD", "false"),
+                ("LOG_LEVEL", "debug"),
+                ("RUNTIME_ROOT", "/data"),
+                ("RUNTIME_SUBDIRECTORY", "ratelimit"),
+                ("RUNTIME_WATCH_ROOT", "false"),
+                ("RUNTIME_IGNOREDOTFILES", "true"),
+            ],
+            true,
+        )
+        .unwrap();
+        assert_eq!(
+            flags(&t),
+            vec![
+                ("config", "/data/ratelimit/config"),
+                ("debug-addr", "0.0.0.0:6070"),
+                ("log-level", "debug"),
+                ("backend", "redis"),
+                ("redis-url", "redis://redis:6379"),
+            ]
+        );
+        assert!(t.ignored.is_empty(), "{:?}", t.ignored);
+    }
+
+    #[test]
+    fn defaults_apply_only_as_a_drop_in() {
+        let t = run(&[], true).unwrap();
+        assert_eq!(flags(&t)[0], ("config", "/srv/runtime_data/current/config"));
+        assert!(flags(&t).contains(&("log-level", "warn")));
+        assert!(run(&[], false).unwrap().flags.is_empty());
+    }
+
+    #[test]
+    fn every_redis_shape() {
+        let t = run(
+            &[
+                ("REDIS_SOCKET_TYPE", "tcp"),
+                ("REDIS_TYPE", "cluster"),
+                ("REDIS_URL", "a:1, b:2"),
+                ("REDIS_TLS", "true"),
+                ("REDIS_AUTH", "user:p/w"),
+                ("REDIS_TLS_CACERT", "/ca.pem"),
+            ],
+            false,
+        )
+        .unwrap();
+        assert!(flags(&t).contains(&("redis-cluster-nodes", "rediss://a:1,rediss://b:2")));
+        assert!(flags(&t).contains(&("redis-username", "user")));
+        assert!(flags(&t).contains(&("redis-password", "p/w")));
+        assert!(flags(&t).contains(&("redis-tls-ca", "/ca.pem")));
+        let t = run(
+            &[
+                ("REDIS_SOCKET_TYPE", "tcp"),
+                ("REDIS_TYPE", "SENTINEL"),
+                ("REDIS_URL", "main,s1:26379,s2:26379"),
+                ("REDIS_SENTINEL_AUTH", "spw"),
+                ("REDIS_AUTH", "mpw"),
+            ],
+            false,
+        )
+        .unwrap();
+        assert!(flags(&t).contains(&("redis-sentinel-master", "main")));
+        assert!(flags(&t).contains(&(
+            "redis-sentinel-nodes",
+            "redis://:spw@s1:26379,redis://:spw@s2:26379"
+        )));
+        assert!(flags(&t).contains(&("redis-password", "mpw")));
+        let t = run(&[("REDIS_URL", "/var/run/r.sock")], false).unwrap();
+        assert!(flags(&t).contains(&("redis-url", "unix:///var/run/r.sock")));
+    }
+
+    #[test]
+    fn unsupported_values_are_refused_and_the_rest_reported() {
+        assert!(
+            run(&[("BACKEND_TYPE", "memcache")], false)
+                .unwrap_err()
+                .contains("BACKEND_TYPE")
+        );
+        assert!(
+            run(&[("CONFIG_TYPE", "GRPC_XDS_SOTW")], false)
+                .unwrap_err()
+                .contains("CONFIG_TYPE")
+        );
+        assert!(run(&[("REDIS_URL", "x"), ("REDIS_TYPE", "ring")], false).is_err());
+        let t = run(
+            &[
+                ("USE_STATSD", "true"),
+                ("EXPIRATION_JITTER_MAX_SECONDS", "60"),
+            ],
+            false,
+        )
+        .unwrap();
+        assert_eq!(t.ignored.len(), 2, "{:?}", t.ignored);
+        assert!(
+            run(&[("SHADOW_MODE", "maybe")], false)
+                .unwrap_err()
+                .contains("SHADOW_MODE")
+        );
+    }
+}
