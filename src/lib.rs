@@ -211,6 +211,7 @@ pub async fn run_with_clock(
         .add_service(RateLimitServiceServer::new(GrpcService::new(
             limiter.clone(),
             metrics.clone(),
+            settings.response_headers,
         )));
     let grpc: std::pin::Pin<Box<dyn Future<Output = Result<(), tonic::transport::Error>> + Send>> =
         match settings.grpc_tls() {
@@ -234,6 +235,7 @@ pub async fn run_with_clock(
         metrics,
         serving,
         backend,
+        headers: settings.response_headers,
     });
     let extra: Vec<_> = listeners
         .extra_http

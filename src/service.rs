@@ -87,6 +87,8 @@ pub struct ReportedLimit {
     pub requests_per_unit: u64,
     /// The configured unit (not multiplied).
     pub unit: Unit,
+    /// The window: unit × `unit_multiplier`.
+    pub window: Duration,
 }
 
 /// The answer for one descriptor.
@@ -103,6 +105,12 @@ pub struct Status {
 }
 
 impl Status {
+    /// The status of a descriptor no limit applies to (for tests of what reads statuses).
+    #[doc(hidden)]
+    pub fn unlimited_for_tests() -> Status {
+        Status::unlimited()
+    }
+
     fn unlimited() -> Status {
         Status {
             code: Code::Ok,
@@ -120,6 +128,29 @@ pub struct Response {
     pub overall: Code,
     /// One status per descriptor, in request order.
     pub statuses: Vec<Status>,
+    /// With `--response-dynamic-metadata`: the `metadata` of the config nodes of the
+    /// descriptors that passed, merged (as envoyproxy/ratelimit merges them: nested mappings
+    /// merge, otherwise the first descriptor's value stays), possibly empty. `None` when off.
+    pub metadata: Option<serde_json::Map<String, serde_json::Value>>,
+}
+
+/// Merges `src` into `dest`: mappings present in both merge recursively; any other key
+/// already in `dest` keeps its value.
+fn merge_metadata(
+    dest: &mut serde_json::Map<String, serde_json::Value>,
+    src: &serde_json::Map<String, serde_json::Value>,
+) {
+    for (k, v) in src {
+        match (dest.get_mut(k), v) {
+            (Some(serde_json::Value::Object(d)), serde_json::Value::Object(s)) => {
+                merge_metadata(d, s)
+            }
+            (Some(_), _) => {}
+            (None, _) => {
+                dest.insert(k.clone(), v.clone());
+            }
+        }
+    }
 }
 
 /// Why a request got no decision.
@@ -142,6 +173,8 @@ pub struct Policies {
     pub near_limit_ratio: f64,
     /// Answer OK overall whatever the limits say (statuses still report them).
     pub global_shadow_mode: bool,
+    /// Return the passed descriptors' config `metadata` with each response.
+    pub dynamic_metadata: bool,
 }
 
 impl Default for Policies {
@@ -150,6 +183,7 @@ impl Default for Policies {
             request_limits: RequestLimits::default(),
             near_limit_ratio: 0.8,
             global_shadow_mode: false,
+            dynamic_metadata: false,
         }
     }
 }
@@ -171,6 +205,8 @@ struct Applied<'s> {
     reported: ReportedLimit,
     enforcement: Enforcement,
     rule: Arc<String>,
+    /// The config node's `metadata`, if any.
+    metadata: Option<&'s serde_json::Value>,
     /// The rule label carries request values (`detailed_metric`, `value_to_metric`).
     rule_has_values: bool,
     name: Option<&'s Arc<str>>,
@@ -292,6 +328,7 @@ impl RateLimiter {
         let unlimited = || Response {
             overall: Code::Ok,
             statuses: vec![Status::unlimited(); req.descriptors.len()],
+            metadata: self.policies.dynamic_metadata.then(serde_json::Map::new),
         };
         let Some(domain) = snapshot.domain(req.domain) else {
             return Ok(unlimited());
@@ -318,7 +355,15 @@ impl RateLimiter {
         } else {
             Code::OverLimit
         };
-        Ok(Response { overall, statuses })
+        let metadata = self
+            .policies
+            .dynamic_metadata
+            .then(|| passed_metadata(&applied, &statuses));
+        Ok(Response {
+            overall,
+            statuses,
+            metadata,
+        })
     }
 
     /// One status per descriptor: the most restrictive of its limits (an enforced over first,
@@ -405,6 +450,25 @@ impl RateLimiter {
     }
 }
 
+/// The merged `metadata` of the limited descriptors that passed, in request order.
+fn passed_metadata(
+    applied: &[Applied<'_>],
+    statuses: &[Status],
+) -> serde_json::Map<String, serde_json::Value> {
+    let mut merged = serde_json::Map::new();
+    let mut seen = Vec::new();
+    for a in applied {
+        if statuses[a.descriptor].code != Code::Ok || seen.contains(&a.descriptor) {
+            continue;
+        }
+        seen.push(a.descriptor);
+        if let Some(serde_json::Value::Object(m)) = a.metadata {
+            merge_metadata(&mut merged, m);
+        }
+    }
+    merged
+}
+
 /// Merges hits on the same counter (a request may carry the same descriptor twice, or two
 /// descriptors may share a counter), so each counter is checked once with the sum of its hits:
 /// checked separately, both would fit and both would be committed, over-admitting. Returns the
@@ -478,9 +542,11 @@ fn applicable<'s>(
                     name: None,
                     requests_per_unit: o.requests_per_unit,
                     unit: o.unit,
+                    window: Duration::from_secs(o.unit.seconds()),
                 },
                 enforcement: Enforcement::Enforce,
                 rule,
+                metadata: None,
                 rule_has_values,
                 name: None,
                 replaces: &[],
@@ -509,6 +575,7 @@ fn applicable<'s>(
                 reported: reported(rule),
                 enforcement,
                 rule: matched.rule.clone(),
+                metadata: matched.node.metadata.as_ref(),
                 rule_has_values: matched.rule_has_values,
                 name: rule.name.as_ref(),
                 replaces: &rule.replaces,
@@ -528,5 +595,6 @@ fn reported(rule: &LimitRule) -> ReportedLimit {
         name: rule.name.clone(),
         requests_per_unit: rule.requests_per_unit,
         unit: rule.unit,
+        window: Duration::from_secs(rule.window_seconds()),
     }
 }

@@ -4,6 +4,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use envoy_types::pb::envoy::config::core::v3::HeaderValue;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
     Code as PbCode, DescriptorStatus, RateLimit, rate_limit::Unit as PbUnit,
@@ -12,7 +13,11 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::R
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use envoy_types::pb::envoy::r#type::v3::RateLimitUnit;
 use envoy_types::pb::google::protobuf::Duration as PbDuration;
+use envoy_types::pb::google::protobuf::value::Kind;
+use envoy_types::pb::google::protobuf::{ListValue, Struct, Value};
 use tonic::{Request, Response, Status};
+
+use super::headers::{self, HeaderMode};
 
 use crate::config::Unit;
 use crate::metrics::{ErrorLabels, Metrics};
@@ -22,13 +27,97 @@ use crate::service::{self, Code, Descriptor, LimitOverride, RateLimiter, Service
 pub struct GrpcService {
     limiter: Arc<RateLimiter>,
     metrics: Arc<Metrics>,
+    headers: HeaderMode,
 }
 
 impl GrpcService {
-    /// Serves `limiter`, recording timings in `metrics`.
-    pub fn new(limiter: Arc<RateLimiter>, metrics: Arc<Metrics>) -> Self {
-        Self { limiter, metrics }
+    /// Serves `limiter`, recording timings in `metrics`, adding `headers` to responses.
+    pub fn new(limiter: Arc<RateLimiter>, metrics: Arc<Metrics>, headers: HeaderMode) -> Self {
+        Self {
+            limiter,
+            metrics,
+            headers,
+        }
     }
+}
+
+/// Seconds since the Unix epoch, for the reference headers' reset.
+pub fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+fn json_to_value(v: &serde_json::Value) -> Value {
+    Value {
+        kind: Some(match v {
+            serde_json::Value::Null => Kind::NullValue(0),
+            serde_json::Value::Bool(b) => Kind::BoolValue(*b),
+            serde_json::Value::Number(n) => Kind::NumberValue(n.as_f64().unwrap_or_default()),
+            serde_json::Value::String(s) => Kind::StringValue(s.clone()),
+            serde_json::Value::Array(a) => Kind::ListValue(ListValue {
+                values: a.iter().map(json_to_value).collect(),
+            }),
+            serde_json::Value::Object(o) => Kind::StructValue(json_to_struct(o)),
+        }),
+    }
+}
+
+fn json_to_struct(o: &serde_json::Map<String, serde_json::Value>) -> Struct {
+    Struct {
+        fields: o
+            .iter()
+            .map(|(k, v)| (k.clone(), json_to_value(v)))
+            .collect(),
+    }
+}
+
+/// The dynamic metadata envoyproxy/ratelimit returns: the domain, each descriptor (entries as
+/// `key=value`, its override and hits), the request's hits, and the merged `metadata` of the
+/// descriptors that passed.
+pub fn dynamic_metadata(
+    req: &RateLimitRequest,
+    metadata: Option<&serde_json::Map<String, serde_json::Value>>,
+) -> serde_json::Value {
+    use serde_json::json;
+    let descriptors: Vec<serde_json::Value> = req
+        .descriptors
+        .iter()
+        .map(|d| {
+            let mut o = serde_json::Map::new();
+            let entries: Vec<String> = d
+                .entries
+                .iter()
+                .map(|e| format!("{}={}", e.key, e.value))
+                .collect();
+            o.insert("entries".into(), json!(entries));
+            if let Some(l) = &d.limit {
+                let unit = RateLimitUnit::try_from(l.unit)
+                    .map_or_else(|_| l.unit.to_string(), |u| u.as_str_name().to_owned());
+                o.insert(
+                    "limit".into(),
+                    json!(format!(
+                        "requests_per_unit:{} unit:{unit}",
+                        l.requests_per_unit
+                    )),
+                );
+            }
+            if let Some(h) = &d.hits_addend {
+                o.insert("hitsAddend".into(), json!(h.value as f64));
+            }
+            serde_json::Value::Object(o)
+        })
+        .collect();
+    let mut fields = serde_json::Map::new();
+    fields.insert("domain".into(), json!(req.domain));
+    fields.insert("descriptors".into(), json!(descriptors));
+    if req.hits_addend != 0 {
+        fields.insert("hitsAddend".into(), json!(req.hits_addend as f64));
+    }
+    if let Some(m) = metadata.filter(|m| !m.is_empty()) {
+        fields.insert("metadata".into(), serde_json::Value::Object(m.clone()));
+    }
+    serde_json::Value::Object(fields)
 }
 
 fn override_unit(unit: i32) -> Option<Unit> {
@@ -103,9 +192,32 @@ fn pb_code(code: Code) -> i32 {
     }
 }
 
-/// Converts a decision to Envoy's response.
-pub fn to_response(resp: service::Response) -> RateLimitResponse {
+/// Converts a decision to Envoy's response, with the headers `headers` asks for and, when
+/// the decision carries it, dynamic metadata.
+pub fn to_response(
+    req: &RateLimitRequest,
+    resp: service::Response,
+    headers: HeaderMode,
+    now_s: u64,
+) -> RateLimitResponse {
+    let response_headers_to_add = headers::headers(headers, &resp, now_s)
+        .into_iter()
+        .map(|(key, value)| HeaderValue {
+            key: key.to_owned(),
+            value,
+            raw_value: Vec::new(),
+        })
+        .collect();
+    let dynamic_metadata =
+        resp.metadata
+            .is_some()
+            .then(|| match dynamic_metadata(req, resp.metadata.as_ref()) {
+                serde_json::Value::Object(o) => json_to_struct(&o),
+                _ => Struct::default(),
+            });
     RateLimitResponse {
+        response_headers_to_add,
+        dynamic_metadata,
         overall_code: pb_code(resp.overall),
         statuses: resp
             .statuses
@@ -169,7 +281,12 @@ impl RateLimitService for GrpcService {
         let result = match to_request(req) {
             Err(message) => Err(Status::invalid_argument(message)),
             Ok(req) => match self.limiter.should_rate_limit(&req).await {
-                Ok(resp) => Ok(Response::new(to_response(resp))),
+                Ok(resp) => Ok(Response::new(to_response(
+                    request.get_ref(),
+                    resp,
+                    self.headers,
+                    unix_now(),
+                ))),
                 Err(ServiceError::InvalidArgument(m)) => Err(Status::invalid_argument(m)),
                 // Clients get a short, stable message; what happened goes to the log.
                 Err(ServiceError::Backend(e)) if e.is_transient() => {

@@ -1,13 +1,20 @@
-//! The HTTP side port: `/healthcheck`, `/metrics` (Prometheus text) and `/rlconfig`.
+//! The HTTP side port: `/healthcheck`, `/metrics` (Prometheus text), `/rlconfig` and
+//! `POST /json` (the RateLimitService in proto3 JSON, as envoyproxy/ratelimit serves it).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use axum::Router;
+use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
-use axum::routing::get;
+use axum::routing::{get, post};
+
+use super::grpc::{to_request, to_response, unix_now};
+use super::headers::HeaderMode;
+use super::json::{parse_request, response_json};
+use crate::service::{Code, ServiceError};
 
 use crate::limiter::Backend;
 use crate::metrics::Metrics;
@@ -23,6 +30,8 @@ pub struct HttpState {
     pub serving: Arc<AtomicBool>,
     /// The backend, for its reachability.
     pub backend: Arc<dyn Backend>,
+    /// Headers added to `/json` answers, as to gRPC ones.
+    pub headers: HeaderMode,
 }
 
 /// The HTTP routes.
@@ -31,6 +40,7 @@ pub fn router(state: Arc<HttpState>) -> Router {
         .route("/healthcheck", get(healthcheck))
         .route("/metrics", get(metrics))
         .route("/rlconfig", get(rlconfig))
+        .route("/json", post(json_decide))
         .with_state(state)
 }
 
@@ -63,4 +73,55 @@ async fn rlconfig(State(state): State<Arc<HttpState>>) -> impl IntoResponse {
         [(header::CONTENT_TYPE, "text/plain; charset=utf-8")],
         state.limiter.snapshot().dump(),
     )
+}
+
+/// `POST /json`: 200 when OK, 429 when over the limit, 400 with a message for a malformed
+/// request, 503 or 500 when the backend could not decide.
+async fn json_decide(State(state): State<Arc<HttpState>>, body: Bytes) -> axum::response::Response {
+    let text = |status: StatusCode, message: String| {
+        (
+            status,
+            [(header::CONTENT_TYPE, "text/plain; charset=utf-8")],
+            message + "\n",
+        )
+            .into_response()
+    };
+    let req = match parse_request(&body) {
+        Ok(r) => r,
+        Err(e) => return text(StatusCode::BAD_REQUEST, e.to_string()),
+    };
+    let decided = match to_request(&req) {
+        Err(message) => return text(StatusCode::BAD_REQUEST, message),
+        Ok(r) => state.limiter.should_rate_limit(&r).await,
+    };
+    match decided {
+        Ok(resp) => {
+            let status = match resp.overall {
+                Code::Ok => StatusCode::OK,
+                Code::OverLimit => StatusCode::TOO_MANY_REQUESTS,
+            };
+            let out = to_response(&req, resp, state.headers, unix_now());
+            (
+                status,
+                [(header::CONTENT_TYPE, "application/json")],
+                response_json(&out).to_string(),
+            )
+                .into_response()
+        }
+        Err(ServiceError::InvalidArgument(m)) => text(StatusCode::BAD_REQUEST, m),
+        Err(ServiceError::Backend(e)) if e.is_transient() => {
+            tracing::warn!(error = %e, "backend unavailable");
+            text(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "rate limit backend unavailable".into(),
+            )
+        }
+        Err(ServiceError::Backend(e)) => {
+            tracing::error!(error = %e, "backend failed");
+            text(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "rate limit backend error".into(),
+            )
+        }
+    }
 }

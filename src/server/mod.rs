@@ -1,5 +1,7 @@
 //! Protocol front ends: gRPC (Envoy's RateLimitService and health) and HTTP (operations).
 
 pub mod grpc;
+pub mod headers;
 pub mod http;
+pub mod json;
 pub mod tls;

@@ -96,11 +96,9 @@ const IGNORED: &[(&str, &str)] = &[
         "HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED",
         "healthy once the first config loaded",
     ),
-    ("LIMIT_LIMIT_HEADER", "not supported yet"),
-    ("LIMIT_REMAINING_HEADER", "not supported yet"),
-    ("LIMIT_RESET_HEADER", "not supported yet"),
-    ("LIMIT_RESPONSE_HEADERS_ENABLED", "not supported yet"),
-    ("RESPONSE_DYNAMIC_METADATA", "not supported yet"),
+    ("LIMIT_LIMIT_HEADER", "header names are fixed"),
+    ("LIMIT_REMAINING_HEADER", "header names are fixed"),
+    ("LIMIT_RESET_HEADER", "header names are fixed"),
     ("QUOTA_MODE", "not supported: use quota_mode on descriptors"),
     ("MERGE_DOMAIN_CONFIG", "not supported: one domain per file"),
     ("TRACING_ENABLED", "not supported"),
@@ -237,6 +235,12 @@ pub fn translate(env: &dyn Fn(&str) -> Option<String>, dropin: bool) -> Result<T
     if let Some(s) = bool_var("SHADOW_MODE")? {
         flag(&mut t, "shadow-mode", s.to_string());
     }
+    if bool_var("LIMIT_RESPONSE_HEADERS_ENABLED")? == Some(true) {
+        flag(&mut t, "response-headers", "reference".into());
+    }
+    if let Some(m) = bool_var("RESPONSE_DYNAMIC_METADATA")? {
+        flag(&mut t, "response-dynamic-metadata", m.to_string());
+    }
     if let Some(b) = var("LOCAL_CACHE_SIZE_IN_BYTES") {
         flag(&mut t, "local-cache-bytes", b);
     }
@@ -344,8 +348,6 @@ pub fn translate(env: &dyn Fn(&str) -> Option<String>, dropin: bool) -> Result<T
                         | "DISABLE_STATS"
                         | "REDIS_PERSECOND"
                         | "TRACING_ENABLED"
-                        | "LIMIT_RESPONSE_HEADERS_ENABLED"
-                        | "RESPONSE_DYNAMIC_METADATA"
                         | "QUOTA_MODE"
                         | "MERGE_DOMAIN_CONFIG",
                     Ok(false)
@@ -405,6 +407,25 @@ mod tests {
             ]
         );
         assert!(t.ignored.is_empty(), "{:?}", t.ignored);
+    }
+
+    #[test]
+    fn headers_and_metadata() {
+        let t = run(
+            &[
+                ("LIMIT_RESPONSE_HEADERS_ENABLED", "true"),
+                ("RESPONSE_DYNAMIC_METADATA", "true"),
+            ],
+            false,
+        )
+        .unwrap();
+        assert_eq!(
+            flags(&t),
+            vec![
+                ("response-headers", "reference"),
+                ("response-dynamic-metadata", "true")
+            ]
+        );
     }
 
     #[test]

@@ -11,6 +11,7 @@ pub mod envoyproxy;
 
 use crate::limiter::fallback::FailureMode;
 use crate::limiter::redis::{Credentials, HashTag, RedisOptions, RedisUrl, Target, TlsFiles};
+pub use crate::server::headers::HeaderMode;
 use crate::service::{Policies, RequestLimits};
 
 /// Where counters are kept.
@@ -165,6 +166,15 @@ pub struct Settings {
     /// Answer OK overall whatever the limits say (statuses and metrics still report them).
     #[arg(long, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
     pub shadow_mode: bool,
+
+    /// Rate-limit headers for Envoy to add to the client's response.
+    #[arg(long, value_enum, default_value = "off")]
+    pub response_headers: HeaderMode,
+
+    /// Return the config `metadata` of the descriptors that passed (and the request's
+    /// descriptors) in each response's dynamic_metadata, as envoyproxy/ratelimit does.
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub response_dynamic_metadata: bool,
 
     /// Most descriptors in one request.
     #[arg(long, default_value_t = 64)]
@@ -501,6 +511,7 @@ impl Settings {
             },
             near_limit_ratio: self.near_limit_ratio,
             global_shadow_mode: self.shadow_mode,
+            dynamic_metadata: self.response_dynamic_metadata,
         }
     }
 }

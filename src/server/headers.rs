@@ -1,0 +1,251 @@
+//! Rate-limit headers for Envoy to add to the client's response (`--response-headers`), from
+//! the statuses of a decision. Every mode reports the most restrictive status: an enforced
+//! limit that is over, else the one with the fewest hits left; with any mode on, an
+//! OVER_LIMIT answer also carries `Retry-After`.
+
+use std::time::Duration;
+
+use crate::service::{Code, Response, Status};
+
+/// Which headers to write.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum HeaderMode {
+    /// None.
+    Off,
+    /// `X-RateLimit-Limit`, `-Remaining`, `-Reset`, as Envoy's DRAFT_VERSION_03 writes them.
+    Draft03,
+    /// `RateLimit-Policy` and `RateLimit` (draft-ietf-httpapi-ratelimit-headers).
+    Ietf,
+    /// envoyproxy/ratelimit's own `RateLimit-Limit`, `-Remaining`, `-Reset`
+    /// (`LIMIT_RESPONSE_HEADERS_ENABLED=true`).
+    Reference,
+}
+
+/// The most restrictive limited status: the last one over (as envoyproxy/ratelimit picks it),
+/// else the first with the fewest hits left.
+fn most_restrictive(statuses: &[Status]) -> Option<usize> {
+    let mut best: Option<usize> = None;
+    for (i, s) in statuses.iter().enumerate() {
+        if s.limit.is_none() {
+            continue;
+        }
+        best = match best {
+            None => Some(i),
+            Some(_) if s.code == Code::OverLimit => Some(i),
+            Some(b) if statuses[b].code == Code::OverLimit => Some(b),
+            Some(b) if s.remaining < statuses[b].remaining => Some(i),
+            keep => keep,
+        };
+    }
+    best
+}
+
+fn secs_ceil(d: Duration) -> u64 {
+    d.as_secs() + u64::from(d.subsec_nanos() > 0)
+}
+
+/// A Structured Field string: quoted, with `\` and `"` escaped and anything else outside
+/// printable ASCII dropped.
+fn sf_string(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() + 2);
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' | '\\' => {
+                out.push('\\');
+                out.push(c);
+            }
+            ' '..='~' => out.push(c),
+            _ => {}
+        }
+    }
+    out.push('"');
+    out
+}
+
+/// The headers `mode` asks for on `resp`; `now_s` is the Unix time in seconds (the reference
+/// mode's reset is the end of the limit's unit, aligned to the epoch, as that service
+/// computes it).
+pub fn headers(mode: HeaderMode, resp: &Response, now_s: u64) -> Vec<(&'static str, String)> {
+    let Some(m) = (mode != HeaderMode::Off)
+        .then(|| most_restrictive(&resp.statuses))
+        .flatten()
+    else {
+        return Vec::new();
+    };
+    let min = &resp.statuses[m];
+    let limit = min.limit.as_ref().expect("a limited status");
+    let reset = min.reset.unwrap_or_default();
+    let mut out = Vec::with_capacity(4);
+    match mode {
+        HeaderMode::Off => {}
+        HeaderMode::Reference => {
+            let unit = limit.unit.seconds();
+            out.push(("RateLimit-Limit", limit.requests_per_unit.to_string()));
+            out.push(("RateLimit-Remaining", min.remaining.to_string()));
+            out.push(("RateLimit-Reset", (unit - now_s % unit).to_string()));
+        }
+        HeaderMode::Draft03 => {
+            let mut value = limit.requests_per_unit.to_string();
+            for s in &resp.statuses {
+                let Some(l) = &s.limit else { continue };
+                value.push_str(&format!(
+                    ", {};w={}",
+                    l.requests_per_unit,
+                    l.window.as_secs()
+                ));
+                if let Some(name) = &l.name {
+                    value.push_str(&format!(";name={}", sf_string(name)));
+                }
+            }
+            out.push(("X-RateLimit-Limit", value));
+            out.push(("X-RateLimit-Remaining", min.remaining.to_string()));
+            out.push(("X-RateLimit-Reset", reset.as_secs().to_string()));
+        }
+        HeaderMode::Ietf => {
+            let mut names: Vec<String> = Vec::new();
+            let mut policies = Vec::new();
+            for (i, s) in resp.statuses.iter().enumerate() {
+                let Some(l) = &s.limit else { continue };
+                let mut name = l
+                    .name
+                    .as_deref()
+                    .map_or(format!("descriptor{i}"), str::to_owned);
+                if names.contains(&name) {
+                    name = format!("{name}-{i}");
+                }
+                policies.push(format!(
+                    "{};q={};w={}",
+                    sf_string(&name),
+                    l.requests_per_unit,
+                    l.window.as_secs()
+                ));
+                names.push(name);
+            }
+            let min_name = resp.statuses[..m]
+                .iter()
+                .filter(|s| s.limit.is_some())
+                .count();
+            out.push(("RateLimit-Policy", policies.join(", ")));
+            out.push((
+                "RateLimit",
+                format!(
+                    "{};r={};t={}",
+                    sf_string(&names[min_name]),
+                    min.remaining,
+                    secs_ceil(reset)
+                ),
+            ));
+        }
+    }
+    if resp.overall == Code::OverLimit {
+        out.push(("Retry-After", secs_ceil(reset).max(1).to_string()));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Unit;
+    use crate::service::ReportedLimit;
+    use std::sync::Arc;
+
+    fn status(
+        rpu: u64,
+        unit: Unit,
+        remaining: u64,
+        reset_ms: u64,
+        over: bool,
+        name: Option<&str>,
+    ) -> Status {
+        Status {
+            code: if over { Code::OverLimit } else { Code::Ok },
+            limit: Some(ReportedLimit {
+                name: name.map(Arc::from),
+                requests_per_unit: rpu,
+                unit,
+                window: Duration::from_secs(unit.seconds()),
+            }),
+            remaining,
+            reset: Some(Duration::from_millis(reset_ms)),
+        }
+    }
+
+    fn response(statuses: Vec<Status>) -> Response {
+        let overall = if statuses.iter().any(|s| s.code == Code::OverLimit) {
+            Code::OverLimit
+        } else {
+            Code::Ok
+        };
+        Response {
+            overall,
+            statuses,
+            metadata: None,
+        }
+    }
+
+    fn get(h: &[(&str, String)], name: &str) -> Option<String> {
+        h.iter().find(|(k, _)| *k == name).map(|(_, v)| v.clone())
+    }
+
+    #[test]
+    fn draft03_as_envoy_writes_it() {
+        let r = response(vec![status(10, Unit::Minute, 7, 42_500, false, None)]);
+        let h = headers(HeaderMode::Draft03, &r, 0);
+        assert_eq!(get(&h, "X-RateLimit-Limit").unwrap(), "10, 10;w=60");
+        assert_eq!(get(&h, "X-RateLimit-Remaining").unwrap(), "7");
+        assert_eq!(get(&h, "X-RateLimit-Reset").unwrap(), "42");
+        assert_eq!(get(&h, "Retry-After"), None);
+
+        let r = response(vec![
+            Status::unlimited_for_tests(),
+            status(100, Unit::Hour, 50, 1_000, false, Some("hourly")),
+            status(10, Unit::Second, 0, 300, true, None),
+        ]);
+        let h = headers(HeaderMode::Draft03, &r, 0);
+        assert_eq!(
+            get(&h, "X-RateLimit-Limit").unwrap(),
+            "10, 100;w=3600;name=\"hourly\", 10;w=1"
+        );
+        assert_eq!(get(&h, "X-RateLimit-Remaining").unwrap(), "0");
+        assert_eq!(get(&h, "Retry-After").unwrap(), "1", "at least one second");
+    }
+
+    #[test]
+    fn ietf_structured_fields() {
+        let r = response(vec![
+            status(100, Unit::Minute, 50, 30_000, false, Some("burst")),
+            status(1000, Unit::Day, 20, 86_000_000, false, Some("daily")),
+        ]);
+        let h = headers(HeaderMode::Ietf, &r, 0);
+        assert_eq!(
+            get(&h, "RateLimit-Policy").unwrap(),
+            "\"burst\";q=100;w=60, \"daily\";q=1000;w=86400"
+        );
+        assert_eq!(get(&h, "RateLimit").unwrap(), "\"daily\";r=20;t=86000");
+    }
+
+    #[test]
+    fn reference_resets_at_the_end_of_the_unit() {
+        let r = response(vec![status(5, Unit::Minute, 4, 1_000, false, None)]);
+        let h = headers(HeaderMode::Reference, &r, 1_800_000_015);
+        assert_eq!(
+            h,
+            vec![
+                ("RateLimit-Limit", "5".to_string()),
+                ("RateLimit-Remaining", "4".to_string()),
+                ("RateLimit-Reset", "45".to_string()),
+            ]
+        );
+        assert!(headers(HeaderMode::Off, &r, 0).is_empty());
+        assert!(
+            headers(
+                HeaderMode::Reference,
+                &response(vec![Status::unlimited_for_tests()]),
+                0
+            )
+            .is_empty()
+        );
+    }
+}
