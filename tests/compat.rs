@@ -152,6 +152,48 @@ async fn the_example_limits_load_and_limit() {
     assert!(is_over(
         &call(&mut c, request("edge", &[&[("path", "/login")]])).await
     ));
+    // The descriptors of the example's generic_key and header_value_match actions.
+    let r = call(
+        &mut c,
+        request("edge", &[&[("generic_key", "edge")], &[("header_match", "post")]]),
+    )
+    .await;
+    assert_eq!((rpu_of(&r, 0), rpu_of(&r, 1)), (Some(1000), Some(60)));
+}
+
+/// The Istio manifests' ConfigMap holds a valid config, and the Deployment runs this image with
+/// the environment of Istio's sample (read by the drop-in), mounting the ConfigMap as a
+/// directory.
+#[test]
+fn the_istio_manifests_carry_a_valid_config_and_the_drop_in_environment() {
+    let text = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/envoy/istio-ratelimit.yaml"),
+    )
+    .unwrap();
+    let docs: Vec<serde_json::Value> = text
+        .split("\n---\n")
+        .map(|d| serde_saphyr::from_str(d).unwrap())
+        .collect();
+    let kind = |k: &str| docs.iter().find(|d| d["kind"] == k).unwrap_or_else(|| panic!("{k}"));
+    let config = kind("ConfigMap")["data"]["config.yaml"].as_str().unwrap();
+    let domain =
+        ratelimitd::config::compile_file(std::path::Path::new("config.yaml"), config).unwrap();
+    assert_eq!(domain.name.as_str(), "ratelimit");
+    let pod = &kind("Deployment")["spec"]["template"]["spec"];
+    let env = pod["containers"][0]["env"].as_array().unwrap();
+    let var = |n: &str| env.iter().find(|e| e["name"] == n).map(|e| e["value"].clone());
+    assert_eq!(var("RUNTIME_ROOT"), Some("/data".into()));
+    assert_eq!(var("RUNTIME_SUBDIRECTORY"), Some("ratelimit".into()));
+    let mount = &pod["containers"][0]["volumeMounts"][0];
+    assert_eq!(mount["mountPath"], "/data/ratelimit/config");
+    assert!(mount.get("subPath").is_none(), "a subPath mount never updates");
+    let ports: Vec<i64> = kind("Service")["spec"]["ports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["port"].as_i64().unwrap())
+        .collect();
+    assert_eq!(ports, vec![8080, 8081, 6070]);
 }
 
 /// Every YAML example in the README is a valid config (fragments inside a domain).
@@ -173,4 +215,29 @@ fn the_readme_examples_are_valid_configs() {
         checked += 1;
     }
     assert!(checked >= 6, "{checked} examples");
+}
+
+/// docker-compose's Envoy config is the example's, with only the addresses changed; the image
+/// builds what `make build` builds.
+#[test]
+fn the_compose_walkthrough_matches_the_examples() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let yaml = |p: &str| -> serde_json::Value {
+        serde_saphyr::from_str(&std::fs::read_to_string(root.join(p)).unwrap()).unwrap()
+    };
+    let example = yaml("examples/envoy/envoy.yaml");
+    let compose = yaml("examples/compose/envoy.yaml");
+    assert_eq!(
+        example["static_resources"]["listeners"],
+        compose["static_resources"]["listeners"]
+    );
+    let services = yaml("docker-compose.yaml");
+    let volumes = services["services"]["ratelimitd"]["volumes"][0].as_str().unwrap();
+    let host = volumes.split(':').next().unwrap();
+    assert!(root.join(host).is_dir(), "{host}");
+    let dockerfile = std::fs::read_to_string(root.join("Dockerfile")).unwrap();
+    let makefile = std::fs::read_to_string(root.join("Makefile")).unwrap();
+    assert!(dockerfile.contains("cargo build --release"));
+    assert!(makefile.contains("$(CARGO) build --release"));
+    assert!(dockerfile.contains("USER 65532"), "non-root");
 }
