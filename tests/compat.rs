@@ -155,7 +155,10 @@ async fn the_example_limits_load_and_limit() {
     // The descriptors of the example's generic_key and header_value_match actions.
     let r = call(
         &mut c,
-        request("edge", &[&[("generic_key", "edge")], &[("header_match", "post")]]),
+        request(
+            "edge",
+            &[&[("generic_key", "edge")], &[("header_match", "post")]],
+        ),
     )
     .await;
     assert_eq!((rpu_of(&r, 0), rpu_of(&r, 1)), (Some(1000), Some(60)));
@@ -167,26 +170,38 @@ async fn the_example_limits_load_and_limit() {
 #[test]
 fn the_istio_manifests_carry_a_valid_config_and_the_drop_in_environment() {
     let text = std::fs::read_to_string(
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/envoy/istio-ratelimit.yaml"),
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("examples/envoy/istio-ratelimit.yaml"),
     )
     .unwrap();
     let docs: Vec<serde_json::Value> = text
         .split("\n---\n")
         .map(|d| serde_saphyr::from_str(d).unwrap())
         .collect();
-    let kind = |k: &str| docs.iter().find(|d| d["kind"] == k).unwrap_or_else(|| panic!("{k}"));
+    let kind = |k: &str| {
+        docs.iter()
+            .find(|d| d["kind"] == k)
+            .unwrap_or_else(|| panic!("{k}"))
+    };
     let config = kind("ConfigMap")["data"]["config.yaml"].as_str().unwrap();
     let domain =
         ratelimitd::config::compile_file(std::path::Path::new("config.yaml"), config).unwrap();
     assert_eq!(domain.name.as_str(), "ratelimit");
     let pod = &kind("Deployment")["spec"]["template"]["spec"];
     let env = pod["containers"][0]["env"].as_array().unwrap();
-    let var = |n: &str| env.iter().find(|e| e["name"] == n).map(|e| e["value"].clone());
+    let var = |n: &str| {
+        env.iter()
+            .find(|e| e["name"] == n)
+            .map(|e| e["value"].clone())
+    };
     assert_eq!(var("RUNTIME_ROOT"), Some("/data".into()));
     assert_eq!(var("RUNTIME_SUBDIRECTORY"), Some("ratelimit".into()));
     let mount = &pod["containers"][0]["volumeMounts"][0];
     assert_eq!(mount["mountPath"], "/data/ratelimit/config");
-    assert!(mount.get("subPath").is_none(), "a subPath mount never updates");
+    assert!(
+        mount.get("subPath").is_none(),
+        "a subPath mount never updates"
+    );
     let ports: Vec<i64> = kind("Service")["spec"]["ports"]
         .as_array()
         .unwrap()
@@ -232,7 +247,9 @@ fn the_compose_walkthrough_matches_the_examples() {
         compose["static_resources"]["listeners"]
     );
     let services = yaml("docker-compose.yaml");
-    let volumes = services["services"]["ratelimitd"]["volumes"][0].as_str().unwrap();
+    let volumes = services["services"]["ratelimitd"]["volumes"][0]
+        .as_str()
+        .unwrap();
     let host = volumes.split(':').next().unwrap();
     assert!(root.join(host).is_dir(), "{host}");
     let dockerfile = std::fs::read_to_string(root.join("Dockerfile")).unwrap();
