@@ -5,7 +5,8 @@
 # no writable filesystem. A distroless "cc" base works the same and is smaller.
 FROM rust:1.95-bookworm AS build
 WORKDIR /src
-COPY Cargo.toml Cargo.lock ./
+COPY Cargo.toml Cargo.lock build.rs ./
+COPY proto ./proto
 COPY src ./src
 COPY benches ./benches
 RUN cargo build --release --locked --bin ratelimitd

@@ -206,13 +206,18 @@ pub async fn run_with_clock(
 
     let grpc_addr = listeners.grpc.local_addr().ok();
     let http_addr = listeners.http.local_addr().ok();
+    let admin = settings.admin.then(|| {
+        tracing::info!("admin API on the gRPC port");
+        server::admin::AdminServer::new(server::admin::Admin::new(limiter.clone()))
+    });
     let grpc_router = tonic::transport::Server::builder()
         .add_service(health_service)
         .add_service(RateLimitServiceServer::new(GrpcService::new(
             limiter.clone(),
             metrics.clone(),
             settings.response_headers,
-        )));
+        )))
+        .add_optional_service(admin);
     let grpc: std::pin::Pin<Box<dyn Future<Output = Result<(), tonic::transport::Error>> + Send>> =
         match settings.grpc_tls() {
             None => Box::pin(grpc_router.serve_with_incoming_shutdown(

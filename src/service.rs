@@ -450,6 +450,106 @@ impl RateLimiter {
     }
 }
 
+/// One limit's counter as it stands, for the admin API.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CounterView {
+    /// The limit.
+    pub limit: ReportedLimit,
+    /// How it counts.
+    pub algorithm: Algorithm,
+    /// Hits counted now (token bucket: tokens taken out of its capacity).
+    pub used: u64,
+    /// Hits still available now.
+    pub remaining: u64,
+    /// Until the counter is fully available again.
+    pub reset: Duration,
+}
+
+impl RateLimiter {
+    /// The hits (of 0) naming the counters of one descriptor, with their limits.
+    fn counters_of(
+        &self,
+        domain: &str,
+        entries: &[(&str, &str)],
+    ) -> Result<Vec<(ReportedLimit, Hit)>, ServiceError> {
+        let req = Request {
+            domain,
+            descriptors: vec![Descriptor {
+                entries: entries.to_vec(),
+                limit_override: None,
+                hits_addend: Some(0),
+            }],
+            hits_addend: 0,
+        };
+        self.validate(&req)?;
+        let snapshot = self.config.load_full();
+        let Some(domain) = snapshot.domain(domain) else {
+            return Ok(Vec::new());
+        };
+        Ok(applicable(domain, &req, &self.override_rule)
+            .into_iter()
+            .map(|mut a| {
+                let hit = Hit {
+                    key: a.key.take().expect("each key is used once"),
+                    limit: a.limit,
+                    hits: 0,
+                    enforcement: a.enforcement,
+                };
+                (a.reported, hit)
+            })
+            .collect())
+    }
+
+    /// Every limit that applies to a descriptor, with its counter as it stands. Consumes
+    /// nothing.
+    pub async fn inspect(
+        &self,
+        domain: &str,
+        entries: &[(&str, &str)],
+    ) -> Result<Vec<CounterView>, ServiceError> {
+        let counters = self.counters_of(domain, entries)?;
+        if counters.is_empty() {
+            return Ok(Vec::new());
+        }
+        let hits: Vec<Hit> = counters.iter().map(|(_, h)| h.clone()).collect();
+        let outcome = self.backend.decide(&hits).await?;
+        Ok(counters
+            .into_iter()
+            .zip(outcome.verdicts)
+            .map(|((limit, hit), v)| {
+                let capacity = match hit.limit.algorithm {
+                    Algorithm::TokenBucket => hit.limit.burst,
+                    _ => hit.limit.requests_per_unit,
+                };
+                CounterView {
+                    limit,
+                    algorithm: hit.limit.algorithm,
+                    used: capacity.saturating_sub(v.remaining),
+                    remaining: v.remaining,
+                    reset: v.reset,
+                }
+            })
+            .collect())
+    }
+
+    /// Resets every counter of a descriptor; returns how many were held.
+    pub async fn reset(
+        &self,
+        domain: &str,
+        entries: &[(&str, &str)],
+    ) -> Result<usize, ServiceError> {
+        let hits: Vec<Hit> = self
+            .counters_of(domain, entries)?
+            .into_iter()
+            .map(|(_, h)| h)
+            .collect();
+        if hits.is_empty() {
+            return Ok(0);
+        }
+        Ok(self.backend.reset(&hits).await?)
+    }
+}
+
 /// The merged `metadata` of the limited descriptors that passed, in request order.
 fn passed_metadata(
     applied: &[Applied<'_>],

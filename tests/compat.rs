@@ -257,4 +257,8 @@ fn the_compose_walkthrough_matches_the_examples() {
     assert!(dockerfile.contains("cargo build --release"));
     assert!(makefile.contains("$(CARGO) build --release"));
     assert!(dockerfile.contains("USER 65532"), "non-root");
+    // Everything the build reads is copied in.
+    for input in ["build.rs", "proto", "src", "benches", "Cargo.lock"] {
+        assert!(dockerfile.contains(input), "{input}");
+    }
 }

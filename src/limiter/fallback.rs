@@ -99,6 +99,15 @@ impl Backend for Fallback {
         })
     }
 
+    /// Resets the shared counters, and the local ones the `local` mode may have kept.
+    fn reset<'a>(&'a self, hits: &'a [Hit]) -> BoxFuture<'a, Result<usize, BackendError>> {
+        Box::pin(async move {
+            let local = self.local.reset_now(hits);
+            let shared = self.primary.reset(hits).await?;
+            Ok(shared.max(local))
+        })
+    }
+
     fn is_up(&self) -> bool {
         self.primary.is_up()
     }

@@ -241,9 +241,31 @@ impl MemoryBackend {
     }
 }
 
+impl MemoryBackend {
+    /// Forgets the counters of `hits`; returns how many were held.
+    pub fn reset_now(&self, hits: &[Hit]) -> usize {
+        let mut removed = 0;
+        for hit in hits {
+            let key = hit.key.as_bytes();
+            let mut shard = self.shards[self.shard_of(key)].lock();
+            let held = shard.entries.get_key_value(key).map(|(k, _)| k.clone());
+            if let Some(k) = held {
+                let freed = shard.remove(&k);
+                self.metrics.bytes.dec_by(freed as i64);
+                removed += 1;
+            }
+        }
+        removed
+    }
+}
+
 impl Backend for MemoryBackend {
     fn decide<'a>(&'a self, hits: &'a [Hit]) -> BoxFuture<'a, Result<Outcome, BackendError>> {
         Box::pin(std::future::ready(Ok(self.decide_now(hits))))
+    }
+
+    fn reset<'a>(&'a self, hits: &'a [Hit]) -> BoxFuture<'a, Result<usize, BackendError>> {
+        Box::pin(std::future::ready(Ok(self.reset_now(hits))))
     }
 }
 

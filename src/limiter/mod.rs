@@ -124,6 +124,10 @@ pub trait Backend: Send + Sync + 'static {
     /// Checks every hit and commits them all or none.
     fn decide<'a>(&'a self, hits: &'a [Hit]) -> BoxFuture<'a, Result<Outcome, BackendError>>;
 
+    /// Forgets the counters of `hits` (each limit is fully available again); returns how
+    /// many were held. For the admin API.
+    fn reset<'a>(&'a self, hits: &'a [Hit]) -> BoxFuture<'a, Result<usize, BackendError>>;
+
     /// Whether the store is reachable, as far as the backend knows (for health and metrics).
     fn is_up(&self) -> bool {
         true

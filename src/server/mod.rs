@@ -1,5 +1,6 @@
 //! Protocol front ends: gRPC (Envoy's RateLimitService and health) and HTTP (operations).
 
+pub mod admin;
 pub mod grpc;
 pub mod headers;
 pub mod http;

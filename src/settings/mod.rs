@@ -167,6 +167,11 @@ pub struct Settings {
     #[arg(long, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
     pub shadow_mode: bool,
 
+    /// Serve the admin API (inspect and reset counters) on the gRPC port. Off by default:
+    /// anyone who can reach the port could reset limits.
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub admin: bool,
+
     /// Rate-limit headers for Envoy to add to the client's response.
     #[arg(long, value_enum, default_value = "off")]
     pub response_headers: HeaderMode,

@@ -84,6 +84,15 @@ impl OverLimitCache {
         shard.bytes += cost;
     }
 
+    /// Forgets what is known of `key`.
+    pub fn remove(&self, key: &[u8]) {
+        let mut shard = self.shard(key).lock();
+        if let Some((k, _)) = shard.entries.get_key_value(key) {
+            let k = k.clone();
+            shard.remove(&k);
+        }
+    }
+
     /// If `hits` on `key` are known to be over at `now`, until when.
     pub fn over_until(&self, key: &[u8], hits: u64, now: Instant) -> Option<Instant> {
         let shard = self.shard(key).lock();

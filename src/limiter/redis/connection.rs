@@ -454,6 +454,15 @@ impl Conn {
         invocation.invoke_async(&mut live).await
     }
 
+    /// DEL of one key; how many keys it removed.
+    pub async fn del(&self, key: &[u8], timeout: Duration) -> RedisResult<usize> {
+        let mut live = self.live(timeout).await?;
+        redis::cmd("DEL")
+            .arg(key)
+            .query_async::<usize>(&mut live)
+            .await
+    }
+
     /// PING, to learn whether Redis is reachable without touching any counter.
     pub async fn ping(&self, timeout: Duration) -> RedisResult<()> {
         let mut live = self.live(timeout).await?;

@@ -452,6 +452,40 @@ impl Backend for RedisBackend {
         })
     }
 
+    fn reset<'a>(&'a self, hits: &'a [Hit]) -> BoxFuture<'a, Result<usize, BackendError>> {
+        Box::pin(async move {
+            let mut removed = 0;
+            // One DEL per key: with per-descriptor hash tags they may live in different slots.
+            for hit in hits {
+                if let Some(cache) = &self.cache {
+                    cache.remove(hit.key.as_bytes());
+                }
+                let result = tokio::time::timeout(
+                    self.opts.timeout,
+                    self.conn.del(&self.redis_key(hit), self.opts.timeout),
+                )
+                .await;
+                match result {
+                    Ok(Ok(n)) => removed += n,
+                    Ok(Err(e)) => {
+                        let (kind, _) = classify(&e);
+                        return Err(BackendError::Unavailable {
+                            kind,
+                            detail: format!("redis: {e}"),
+                        });
+                    }
+                    Err(_) => {
+                        return Err(BackendError::Unavailable {
+                            kind: "timeout",
+                            detail: "redis did not answer in time".into(),
+                        });
+                    }
+                }
+            }
+            Ok(removed)
+        })
+    }
+
     fn is_up(&self) -> bool {
         RedisBackend::is_up(self)
     }
