@@ -382,7 +382,7 @@ async fn istio_sample_environment_runs_unchanged() {
     let config = data.path().join("ratelimit/config");
     let limits = |rpu: u32| {
         format!(
-            "domain: ratelimit\ndescriptors:\n  - key: PATH\n    value: \"/productpage\"\n    rate_limit: {{unit: minute, requests_per_unit: {rpu}}}\n  - key: PATH\n    rate_limit: {{unit: minute, requests_per_unit: 100}}\n"
+            "domain: ratelimit\ndescriptors:\n  - key: PATH\n    value: \"/productpage\"\n    rate_limit: {{unit: hour, requests_per_unit: {rpu}}}\n  - key: PATH\n    rate_limit: {{unit: hour, requests_per_unit: 100}}\n"
         )
     };
     // kubelet's layout: ..<generation>/config.yaml, ..data -> it, config.yaml -> ..data/config.yaml
@@ -428,7 +428,7 @@ async fn istio_sample_environment_runs_unchanged() {
     let (status, dump) = http_get(debug_addr, "/rlconfig").await;
     assert_eq!(status, 200);
     assert!(
-        dump.contains("ratelimit.PATH_/productpage: unit=MINUTE requests_per_unit=1"),
+        dump.contains("ratelimit.PATH_/productpage: unit=HOUR requests_per_unit=1"),
         "{dump}"
     );
 

@@ -39,7 +39,7 @@ fn with_hits(
     req
 }
 
-const QUOTAS: &str = "domain: q\ndescriptors:\n  - key: a\n    quota_mode: true\n    rate_limit: {unit: minute, requests_per_unit: 2}\n  - key: b\n    quota_mode: true\n    rate_limit: {unit: minute, requests_per_unit: 2}\n";
+const QUOTAS: &str = "domain: q\ndescriptors:\n  - key: a\n    quota_mode: true\n    rate_limit: {unit: hour, requests_per_unit: 2}\n  - key: b\n    quota_mode: true\n    rate_limit: {unit: hour, requests_per_unit: 2}\n";
 
 /// Defect 1: with per-descriptor hash tags a rejected request refunded every limit of the
 /// groups that passed, including quota limits that were over and had consumed nothing.
