@@ -410,6 +410,38 @@ mod tests {
     }
 
     #[test]
+    fn listeners_and_logging() {
+        let t = run(
+            &[
+                ("USE_PROMETHEUS", "true"),
+                ("HOST", "::"),
+                ("PORT", "9080"),
+                ("GRPC_PORT", "9081"),
+                ("LOG_LEVEL", "WARNING"),
+                ("LOG_FORMAT", "JSON"),
+                ("GRPC_SERVER_USE_TLS", "true"),
+                ("GRPC_SERVER_TLS_CERT", "/c.pem"),
+                ("GRPC_SERVER_TLS_KEY", "/k.pem"),
+            ],
+            false,
+        )
+        .unwrap();
+        let f = flags(&t);
+        for want in [
+            ("metrics-addr", "0.0.0.0:9090"),
+            ("http-addr", "[::]:9080"),
+            ("grpc-addr", "0.0.0.0:9081"),
+            ("log-level", "warn"),
+            ("log-format", "json"),
+            ("grpc-tls-cert", "/c.pem"),
+            ("grpc-tls-key", "/k.pem"),
+        ] {
+            assert!(f.contains(&want), "{want:?} in {f:?}");
+        }
+        assert!(!f.iter().any(|(k, _)| *k == "debug-addr"), "not a drop-in");
+    }
+
+    #[test]
     fn headers_and_metadata() {
         let t = run(
             &[
