@@ -214,6 +214,18 @@ struct Applied<'s> {
     key: Option<CounterKey>,
 }
 
+impl Applied<'_> {
+    /// The hit of `hits` on this limit's counter (its key moves into the hit).
+    fn take_hit(&mut self, hits: u64) -> Hit {
+        Hit {
+            key: self.key.take().expect("each key is used once"),
+            limit: self.limit,
+            hits,
+            enforcement: self.enforcement,
+        }
+    }
+}
+
 const OVERRIDE_INDEX: u16 = u16::MAX;
 
 /// The metric rule of a request's `limit` override on a descriptor the config does not know:
@@ -339,14 +351,10 @@ impl RateLimiter {
         }
         let default_hits = req.hits_addend.max(1);
         let (hits, origin) = merge(applied.iter_mut().map(|a| {
-            Hit {
-                key: a.key.take().expect("each key is used once"),
-                limit: a.limit,
-                hits: req.descriptors[a.descriptor]
-                    .hits_addend
-                    .unwrap_or(default_hits),
-                enforcement: a.enforcement,
-            }
+            let hits = req.descriptors[a.descriptor]
+                .hits_addend
+                .unwrap_or(default_hits);
+            a.take_hit(hits)
         }));
         let outcome = self.backend.decide(&hits).await?;
         let statuses = self.statuses(&domain.name, req, &applied, &origin, &hits, &outcome);
@@ -489,12 +497,7 @@ impl RateLimiter {
         Ok(applicable(domain, &req, &self.override_rule)
             .into_iter()
             .map(|mut a| {
-                let hit = Hit {
-                    key: a.key.take().expect("each key is used once"),
-                    limit: a.limit,
-                    hits: 0,
-                    enforcement: a.enforcement,
-                };
+                let hit = a.take_hit(0);
                 (a.reported, hit)
             })
             .collect())

@@ -13,9 +13,10 @@ use super::{ConfigError, Snapshot, compile_file};
 const MAX_DEPTH: usize = 8;
 
 /// A file or directory's identity, whatever path (or symlink) reached it.
-type Identity = (u64, u64);
+pub(super) type Identity = (u64, u64);
 
-fn identity(meta: &std::fs::Metadata) -> Identity {
+/// (device, inode) of what `meta` describes.
+pub(super) fn identity(meta: &std::fs::Metadata) -> Identity {
     use std::os::unix::fs::MetadataExt;
     (meta.dev(), meta.ino())
 }

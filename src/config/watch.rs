@@ -9,6 +9,7 @@ use notify::{EventKind, RecommendedWatcher, RecursiveMode, Watcher};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
+use super::load::{self, Identity};
 use super::{ConfigError, LoadedConfig, load_paths};
 
 /// Quiet time after the last event before reloading; a burst longer than `MAX_DELAY` reloads
@@ -111,10 +112,9 @@ where
     }))
 }
 
-/// (device, inode) of what `path` names now, following symlinks; `None` if nothing.
-fn identity(path: &Path) -> Option<(u64, u64)> {
-    use std::os::unix::fs::MetadataExt;
-    std::fs::metadata(path).ok().map(|m| (m.dev(), m.ino()))
+/// The identity of what `path` names now, following symlinks; `None` if nothing.
+fn identity(path: &Path) -> Option<Identity> {
+    std::fs::metadata(path).ok().map(|m| load::identity(&m))
 }
 
 fn parent_of(path: &Path) -> Option<PathBuf> {
@@ -126,7 +126,7 @@ fn parent_of(path: &Path) -> Option<PathBuf> {
 struct Watched {
     target: PathBuf,
     mode: RecursiveMode,
-    identity: Option<(u64, u64)>,
+    identity: Option<Identity>,
 }
 
 impl Watched {

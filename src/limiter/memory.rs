@@ -50,10 +50,11 @@ fn cost(key: &[u8], state: &State) -> u64 {
 }
 
 impl Shard {
-    fn remove(&mut self, key: &Arc<[u8]>) -> u64 {
-        match self.entries.remove(key) {
-            Some(e) => {
-                self.by_expiry.remove(&(e.expires_at, key.clone()));
+    /// Drops the counter of `key`, if held; returns the bytes freed.
+    fn remove(&mut self, key: &[u8]) -> u64 {
+        match self.entries.remove_entry(key) {
+            Some((key, e)) => {
+                self.by_expiry.remove(&(e.expires_at, key));
                 self.bytes -= e.bytes;
                 e.bytes
             }
@@ -199,9 +200,10 @@ impl MemoryBackend {
         let limit = &hit.limit;
         let mut delta = -(shard.expire(now, EXPIRE_PER_COMMIT) as i64);
         let key_bytes = hit.key.as_bytes();
-        // The shared key (a refcount, no copy) of a counter already held, else a new one.
-        let key = match shard.entries.get_key_value(key_bytes) {
-            Some((k, _)) => k.clone(),
+        // The shared key (a refcount, no copy) of a counter already held, else a new one, not
+        // in the expiry index yet.
+        let (key, indexed) = match shard.entries.get_key_value(key_bytes) {
+            Some((k, e)) => (k.clone(), Some(e.expires_at)),
             None => {
                 let key = Arc::<[u8]>::from(key_bytes);
                 shard.entries.insert(
@@ -212,22 +214,23 @@ impl MemoryBackend {
                         bytes: 0,
                     },
                 );
-                shard.by_expiry.insert((0, key.clone()));
-                key
+                (key, None)
             }
         };
         let entry = shard.entries.get_mut(key_bytes).expect("held");
         if !entry.state.is(limit.algorithm) {
             entry.state = State::new(limit.algorithm);
         }
-        let (was_expiring, was_bytes) = (entry.expires_at, entry.bytes);
+        let was_bytes = entry.bytes;
         entry.state.commit(limit, now, hit.hits);
         entry.expires_at = entry.state.expires_at(limit);
         entry.bytes = cost(&key, &entry.state);
         let (expires_at, bytes) = (entry.expires_at, entry.bytes);
-        // Most commits (a fixed window's) change neither: nothing to reindex.
-        if expires_at != was_expiring {
-            shard.by_expiry.remove(&(was_expiring, key.clone()));
+        // Most commits (a fixed window's) move no expiry: nothing to reindex.
+        if indexed != Some(expires_at) {
+            if let Some(was) = indexed {
+                shard.by_expiry.remove(&(was, key.clone()));
+            }
             shard.by_expiry.insert((expires_at, key.clone()));
         }
         shard.bytes = shard.bytes - was_bytes + bytes;
@@ -248,9 +251,8 @@ impl MemoryBackend {
         for hit in hits {
             let key = hit.key.as_bytes();
             let mut shard = self.shards[self.shard_of(key)].lock();
-            let held = shard.entries.get_key_value(key).map(|(k, _)| k.clone());
-            if let Some(k) = held {
-                let freed = shard.remove(&k);
+            if shard.entries.contains_key(key) {
+                let freed = shard.remove(key);
                 self.metrics.bytes.dec_by(freed as i64);
                 removed += 1;
             }

@@ -5,7 +5,8 @@ use std::sync::Arc;
 
 use tonic::{Request, Response, Status};
 
-use crate::service::{RateLimiter, ServiceError};
+use super::grpc::to_status;
+use crate::service::RateLimiter;
 
 /// Code generated from the proto at build time.
 #[allow(missing_docs, clippy::all)]
@@ -28,20 +29,6 @@ impl Admin {
     }
 }
 
-fn status(e: ServiceError) -> Status {
-    match e {
-        ServiceError::InvalidArgument(m) => Status::invalid_argument(m),
-        ServiceError::Backend(e) if e.is_transient() => {
-            tracing::warn!(error = %e, "admin: backend unavailable");
-            Status::unavailable("rate limit backend unavailable")
-        }
-        ServiceError::Backend(e) => {
-            tracing::error!(error = %e, "admin: backend failed");
-            Status::internal("rate limit backend error")
-        }
-    }
-}
-
 fn entries(req: &CounterRequest) -> Vec<(&str, &str)> {
     req.entries
         .iter()
@@ -60,7 +47,7 @@ impl pb::admin_server::Admin for Admin {
             .limiter
             .inspect(&req.domain, &entries(req))
             .await
-            .map_err(status)?;
+            .map_err(to_status)?;
         let counters = views
             .into_iter()
             .map(|v| Counter {
@@ -86,7 +73,7 @@ impl pb::admin_server::Admin for Admin {
             .limiter
             .reset(&req.domain, &entries(req))
             .await
-            .map_err(status)?;
+            .map_err(to_status)?;
         tracing::info!(domain = %req.domain, counters = reset, "admin: counters reset");
         Ok(Response::new(ResetResponse {
             reset: u32::try_from(reset).unwrap_or(u32::MAX),

@@ -41,6 +41,22 @@ impl GrpcService {
     }
 }
 
+/// The gRPC status of a request that got no decision. Clients get a short, stable message;
+/// what happened goes to the log.
+pub fn to_status(e: ServiceError) -> Status {
+    match e {
+        ServiceError::InvalidArgument(m) => Status::invalid_argument(m),
+        ServiceError::Backend(e) if e.is_transient() => {
+            tracing::warn!(error = %e, "backend unavailable");
+            Status::unavailable("rate limit backend unavailable")
+        }
+        ServiceError::Backend(e) => {
+            tracing::error!(error = %e, "backend failed");
+            Status::internal("rate limit backend error")
+        }
+    }
+}
+
 /// Seconds since the Unix epoch, for the reference headers' reset.
 pub fn unix_now() -> u64 {
     std::time::SystemTime::now()
@@ -287,16 +303,7 @@ impl RateLimitService for GrpcService {
                     self.headers,
                     unix_now(),
                 ))),
-                Err(ServiceError::InvalidArgument(m)) => Err(Status::invalid_argument(m)),
-                // Clients get a short, stable message; what happened goes to the log.
-                Err(ServiceError::Backend(e)) if e.is_transient() => {
-                    tracing::warn!(error = %e, "backend unavailable");
-                    Err(Status::unavailable("rate limit backend unavailable"))
-                }
-                Err(ServiceError::Backend(e)) => {
-                    tracing::error!(error = %e, "backend failed");
-                    Err(Status::internal("rate limit backend error"))
-                }
+                Err(e) => Err(to_status(e)),
             },
         };
         self.metrics

@@ -11,10 +11,10 @@ use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::{get, post};
 
-use super::grpc::{to_request, to_response, unix_now};
+use super::grpc::{to_request, to_response, to_status, unix_now};
 use super::headers::HeaderMode;
 use super::json::{parse_request, response_json};
-use crate::service::{Code, ServiceError};
+use crate::service::Code;
 
 use crate::limiter::Backend;
 use crate::metrics::Metrics;
@@ -108,20 +108,15 @@ async fn json_decide(State(state): State<Arc<HttpState>>, body: Bytes) -> axum::
             )
                 .into_response()
         }
-        Err(ServiceError::InvalidArgument(m)) => text(StatusCode::BAD_REQUEST, m),
-        Err(ServiceError::Backend(e)) if e.is_transient() => {
-            tracing::warn!(error = %e, "backend unavailable");
-            text(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "rate limit backend unavailable".into(),
-            )
-        }
-        Err(ServiceError::Backend(e)) => {
-            tracing::error!(error = %e, "backend failed");
-            text(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "rate limit backend error".into(),
-            )
+        // The same short messages (and logging) as the gRPC answer, with HTTP's codes.
+        Err(e) => {
+            let status = to_status(e);
+            let code = match status.code() {
+                tonic::Code::InvalidArgument => StatusCode::BAD_REQUEST,
+                tonic::Code::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+                _ => StatusCode::INTERNAL_SERVER_ERROR,
+            };
+            text(code, status.message().to_owned())
         }
     }
 }

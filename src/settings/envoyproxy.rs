@@ -106,6 +106,15 @@ const IGNORED: &[(&str, &str)] = &[
     ("REDIS_PERSECOND_URL", "one Redis for every window"),
 ];
 
+/// The variables [`refuse`] judges.
+const REFUSED: [&str; 5] = [
+    "BACKEND_TYPE",
+    "CONFIG_TYPE",
+    "GRPC_UDS",
+    "MEMCACHE_HOST_PORT",
+    "MEMCACHE_SRV",
+];
+
 /// Variables whose values cannot be honoured at all: refused rather than misread.
 fn refuse(name: &str, value: &str) -> Option<String> {
     let v = value.trim();
@@ -158,16 +167,7 @@ pub fn translate(env: &dyn Fn(&str) -> Option<String>, dropin: bool) -> Result<T
             .transpose()
     };
 
-    for (name, _) in IGNORED.iter().chain(
-        [
-            ("BACKEND_TYPE", ""),
-            ("CONFIG_TYPE", ""),
-            ("GRPC_UDS", ""),
-            ("MEMCACHE_HOST_PORT", ""),
-            ("MEMCACHE_SRV", ""),
-        ]
-        .iter(),
-    ) {
+    for name in REFUSED {
         if let Some(v) = var(name)
             && let Some(why) = refuse(name, &v)
         {

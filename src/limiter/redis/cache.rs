@@ -26,10 +26,10 @@ struct Shard {
 }
 
 impl Shard {
-    fn remove(&mut self, key: &Arc<[u8]>) {
-        if let Some((until, _)) = self.entries.remove(key) {
-            self.by_expiry.remove(&(until, key.clone()));
+    fn remove(&mut self, key: &[u8]) {
+        if let Some((key, (until, _))) = self.entries.remove_entry(key) {
             self.bytes -= key.len() as u64 + ENTRY_OVERHEAD;
+            self.by_expiry.remove(&(until, key));
         }
     }
 
@@ -70,10 +70,7 @@ impl OverLimitCache {
     pub fn insert(&self, key: &[u8], until: Instant, hits: u64) {
         let cost = key.len() as u64 + ENTRY_OVERHEAD;
         let mut shard = self.shard(key).lock();
-        if let Some((k, _)) = shard.entries.get_key_value(key) {
-            let k = k.clone();
-            shard.remove(&k);
-        }
+        shard.remove(key);
         if !shard.make_room(cost, self.shard_budget) {
             return; // a key larger than a whole shard's budget: not cached
         }
@@ -86,11 +83,7 @@ impl OverLimitCache {
 
     /// Forgets what is known of `key`.
     pub fn remove(&self, key: &[u8]) {
-        let mut shard = self.shard(key).lock();
-        if let Some((k, _)) = shard.entries.get_key_value(key) {
-            let k = k.clone();
-            shard.remove(&k);
-        }
+        self.shard(key).lock().remove(key);
     }
 
     /// If `hits` on `key` are known to be over at `now`, until when.

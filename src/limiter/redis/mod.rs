@@ -261,46 +261,58 @@ impl RedisBackend {
         inv
     }
 
-    async fn call(&self, inv: &redis::ScriptInvocation<'_>) -> Result<Vec<i64>, BackendError> {
-        let started = Instant::now();
-        let result =
-            tokio::time::timeout(self.opts.timeout, self.conn.invoke(inv, self.opts.timeout)).await;
-        self.metrics
-            .backend_duration
-            .observe(started.elapsed().as_secs_f64());
-        let err = match result {
-            Ok(Ok(v)) => {
-                self.breaker.on_success();
-                self.set_up(true);
-                return Ok(v);
-            }
+    /// Runs `op` within the call budget. A failure becomes a [`BackendError`], counted by kind;
+    /// a connection the error says is dead is dropped.
+    async fn bounded<T>(
+        &self,
+        op: impl std::future::Future<Output = redis::RedisResult<T>>,
+    ) -> Result<T, BackendError> {
+        match tokio::time::timeout(self.opts.timeout, op).await {
+            Ok(Ok(v)) => Ok(v),
             Ok(Err(e)) => {
                 self.conn.on_error(&e).await;
                 let (kind, transient) = classify(&e);
                 self.metrics.backend_error(kind);
                 let detail = format!("redis: {e}");
-                if !transient {
-                    // Redis answered: it is up, and a bug must not open the circuit.
-                    return Err(BackendError::Internal { kind, detail });
-                }
-                if !matches!(kind, "timeout" | "connection" | "busy") {
-                    // Redis answered (TRYAGAIN mid-migration, a failover in progress, AUTH):
-                    // calling it again costs no timeout, so the circuit stays closed.
-                    return Err(BackendError::Unavailable { kind, detail });
-                }
-                BackendError::Unavailable { kind, detail }
+                Err(if transient {
+                    BackendError::Unavailable { kind, detail }
+                } else {
+                    BackendError::Internal { kind, detail }
+                })
             }
             Err(_) => {
                 self.metrics.backend_error("timeout");
-                BackendError::Unavailable {
+                Err(BackendError::Unavailable {
                     kind: "timeout",
                     detail: format!("redis did not answer within {:?}", self.opts.timeout),
-                }
+                })
             }
-        };
-        self.breaker.on_failure();
-        self.set_up(false);
-        Err(err)
+        }
+    }
+
+    async fn call(&self, inv: &redis::ScriptInvocation<'_>) -> Result<Vec<i64>, BackendError> {
+        let started = Instant::now();
+        let result = self.bounded(self.conn.invoke(inv, self.opts.timeout)).await;
+        self.metrics
+            .backend_duration
+            .observe(started.elapsed().as_secs_f64());
+        match result {
+            Ok(v) => {
+                self.breaker.on_success();
+                self.set_up(true);
+                Ok(v)
+            }
+            Err(e) => {
+                // Only a Redis that cannot be reached or is stuck opens the circuit. One that
+                // answered (TRYAGAIN mid-migration, a failover in progress, AUTH, a script
+                // error) costs no timeout when called again, and a bug must not open it.
+                if e.is_transient() && matches!(e.kind(), "timeout" | "connection" | "busy") {
+                    self.breaker.on_failure();
+                    self.set_up(false);
+                }
+                Err(e)
+            }
+        }
     }
 
     async fn decide_remote(&self, hits: &[Hit]) -> Result<Outcome, BackendError> {
@@ -463,27 +475,9 @@ impl Backend for RedisBackend {
                 if let Some(cache) = &self.cache {
                     cache.remove(hit.key.as_bytes());
                 }
-                let result = tokio::time::timeout(
-                    self.opts.timeout,
-                    self.conn.del(&self.redis_key(hit), self.opts.timeout),
-                )
-                .await;
-                match result {
-                    Ok(Ok(n)) => removed += n,
-                    Ok(Err(e)) => {
-                        let (kind, _) = classify(&e);
-                        return Err(BackendError::Unavailable {
-                            kind,
-                            detail: format!("redis: {e}"),
-                        });
-                    }
-                    Err(_) => {
-                        return Err(BackendError::Unavailable {
-                            kind: "timeout",
-                            detail: "redis did not answer in time".into(),
-                        });
-                    }
-                }
+                removed += self
+                    .bounded(self.conn.del(&self.redis_key(hit), self.opts.timeout))
+                    .await?;
             }
             Ok(removed)
         })
