@@ -5,7 +5,7 @@ mod common;
 
 use common::*;
 use ratelimitd::server::admin::pb::admin_client::AdminClient;
-use ratelimitd::server::admin::pb::{CounterRequest, Entry};
+use ratelimitd::server::admin::pb::{Counter, CounterRequest, Entry};
 
 const LIMITS: &str = "domain: a
 descriptors:
@@ -27,6 +27,17 @@ fn counter_request(key: &str, value: &str) -> CounterRequest {
     }
 }
 
+type Admin = AdminClient<tonic::transport::Channel>;
+
+async fn counters(admin: &mut Admin, key: &str, value: &str) -> Vec<Counter> {
+    admin
+        .get_counters(counter_request(key, value))
+        .await
+        .unwrap()
+        .into_inner()
+        .counters
+}
+
 async fn inspect_and_reset_counters(kind: Kind) {
     let s = start(kind, &[("a.yaml", LIMITS)], &["--admin"]).await;
     let mut c = s.client().await;
@@ -39,12 +50,7 @@ async fn inspect_and_reset_counters(kind: Kind) {
         ));
     }
     for _ in 0..2 {
-        let counters = admin
-            .get_counters(counter_request("k", "v"))
-            .await
-            .unwrap()
-            .into_inner()
-            .counters;
+        let counters = counters(&mut admin, "k", "v").await;
         let seen: Vec<(&str, &str, u64, u64)> = counters
             .iter()
             .map(|c| (c.name.as_str(), c.algorithm.as_str(), c.used, c.remaining))
@@ -60,12 +66,7 @@ async fn inspect_and_reset_counters(kind: Kind) {
                 .all(|c| c.reset_ms > 0 && c.window_seconds == 3600)
         );
     }
-    let bucket = admin
-        .get_counters(counter_request("b", "v"))
-        .await
-        .unwrap()
-        .into_inner()
-        .counters;
+    let bucket = counters(&mut admin, "b", "v").await;
     assert_eq!((bucket[0].used, bucket[0].remaining), (3, 1));
 
     let reset = admin
@@ -75,12 +76,7 @@ async fn inspect_and_reset_counters(kind: Kind) {
         .into_inner()
         .reset;
     assert_eq!(reset, 2);
-    let counters = admin
-        .get_counters(counter_request("k", "v"))
-        .await
-        .unwrap()
-        .into_inner()
-        .counters;
+    let counters = counters(&mut admin, "k", "v").await;
     assert!(counters.iter().all(|c| c.used == 0), "{counters:?}");
     for _ in 0..5 {
         assert!(is_ok(&call(&mut c, request("a", &[&[("k", "v")]])).await));

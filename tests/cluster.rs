@@ -3,13 +3,11 @@
 
 mod common;
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::redis::*;
 use common::*;
 use envoy_types::pb::google::protobuf::UInt64Value;
-use ratelimitd::limiter::SystemClock;
 
 /// Answers come within the Redis timeout plus a margin for a debug build on a busy machine.
 const TIMEOUT_MS: u64 = 200;
@@ -17,20 +15,9 @@ const ANSWER_BOUND: Duration = Duration::from_millis(TIMEOUT_MS + 300);
 
 async fn server(cluster: &RedisCluster, yaml: &str, extra: &[&str]) -> TestServer {
     let urls = cluster.urls();
-    let prefix = unique_prefix();
+    let target = [&["--redis-cluster-nodes", urls.as_str()], extra].concat();
     let timeout = format!("{TIMEOUT_MS}ms");
-    let mut flags = vec![
-        "--backend",
-        "redis",
-        "--redis-cluster-nodes",
-        &urls,
-        "--redis-key-prefix",
-        &prefix,
-        "--redis-timeout",
-        &timeout,
-    ];
-    flags.extend_from_slice(extra);
-    TestServer::start_with(&[("c.yaml", yaml)], &flags, Arc::new(SystemClock)).await
+    redis_server(&[("c.yaml", yaml)], &target, &unique_prefix(), &timeout).await
 }
 
 fn used(c: &mut Client, domain: &str) -> impl std::future::Future<Output = u64> {

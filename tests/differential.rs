@@ -150,21 +150,10 @@ async fn servers(seed: u64) -> Vec<(String, TestServer)> {
     )];
     for tag in ["domain", "descriptor"] {
         let prefix = format!("{}{seed}:", unique_prefix());
-        let flags = [
-            "--backend",
-            "redis",
-            "--redis-url",
-            redis.as_str(),
-            "--redis-key-prefix",
-            prefix.as_str(),
-            "--redis-hash-tag",
-            tag,
-            "--redis-timeout",
-            "2s",
-        ];
+        let target = ["--redis-url", redis.as_str(), "--redis-hash-tag", tag];
         out.push((
             format!("redis, {tag} tags"),
-            TestServer::start_with(&files, &flags, Arc::new(SystemClock)).await,
+            redis_server(&files, &target, &prefix, "2s").await,
         ));
     }
     out

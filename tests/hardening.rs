@@ -15,19 +15,8 @@ use ratelimitd::limiter::redis::slot;
 
 async fn redis_backed(redis: &RedisProc, files: &[(&str, &str)], extra: &[&str]) -> TestServer {
     let url = redis.url();
-    let prefix = unique_prefix();
-    let mut flags = vec![
-        "--backend",
-        "redis",
-        "--redis-url",
-        &url,
-        "--redis-key-prefix",
-        &prefix,
-        "--redis-timeout",
-        "2s",
-    ];
-    flags.extend_from_slice(extra);
-    TestServer::start_with(files, &flags, Arc::new(SystemClock)).await
+    let target = [&["--redis-url", url.as_str()], extra].concat();
+    redis_server(files, &target, &unique_prefix(), "2s").await
 }
 
 fn with_hits(
@@ -358,57 +347,45 @@ async fn backend_errors_reach_clients_as_short_stable_statuses() {
     );
 }
 
-/// Defect 10: Sentinel could not reach a password-protected master (NOAUTH on every call).
-/// Master and sentinel here have different passwords.
-#[tokio::test]
-async fn sentinel_reaches_a_password_protected_master() {
-    let master = RedisProc::start(&["--requirepass", "master/pass"]);
-    let sentinel_dir = tempfile::tempdir().unwrap();
-    let conf = sentinel_dir.path().join("sentinel.conf");
-    let sentinel_port = free_port();
-    std::fs::write(
-        &conf,
-        format!(
-            "port {sentinel_port}\nbind 127.0.0.1\n\
-             sentinel monitor main 127.0.0.1 {} 1\n\
-             sentinel auth-pass main master/pass\n",
-            master.port
-        ),
-    )
-    .unwrap();
-    let _sentinel =
-        RedisProc::start_sentinel_with(sentinel_port, &conf, &["--requirepass", "sentinel-pass"]);
-    let sentinel_url = format!("redis://:sentinel-pass@127.0.0.1:{sentinel_port}");
+/// Starts ratelimitd on the Sentinel at `sentinel_url` (master `main`) with `flags`, and checks
+/// that a limit of 2 holds and is counted on `master`.
+async fn counts_on_the_master(master: &RedisProc, sentinel_url: &str, flags: &[&str]) {
     let prefix = unique_prefix();
-    let s = TestServer::start_with(
-        &[("f.yaml", &limits(2))],
+    let target = [
         &[
-            "--backend",
-            "redis",
             "--redis-sentinel-nodes",
-            &sentinel_url,
+            sentinel_url,
             "--redis-sentinel-master",
             "main",
-            "--redis-password",
-            "master/pass",
-            "--redis-key-prefix",
-            &prefix,
-            "--redis-timeout",
-            "2s",
         ],
-        Arc::new(SystemClock),
-    )
-    .await;
+        flags,
+    ]
+    .concat();
+    let s = redis_server(&[("f.yaml", &limits(2))], &target, &prefix, "2s").await;
     let mut c = s.client().await;
     for _ in 0..2 {
         assert!(is_ok(&call(&mut c, request("d", &[&[("k", "v")]])).await));
     }
     assert!(is_over(&call(&mut c, request("d", &[&[("k", "v")]])).await));
     assert_eq!(
-        keys_with_ttl(&master, &prefix).len(),
+        keys_with_ttl(master, &prefix).len(),
         1,
         "counted on the master"
     );
+}
+
+/// Defect 10: Sentinel could not reach a password-protected master (NOAUTH on every call).
+/// Master and sentinel here have different passwords.
+#[tokio::test]
+async fn sentinel_reaches_a_password_protected_master() {
+    let master = RedisProc::start(&["--requirepass", "master/pass"]);
+    let sentinel = RedisProc::start_sentinel(
+        master.port,
+        "sentinel auth-pass main master/pass\n",
+        &["--requirepass", "sentinel-pass"],
+    );
+    let sentinel_url = format!("redis://:sentinel-pass@127.0.0.1:{}", sentinel.port);
+    counts_on_the_master(&master, &sentinel_url, &["--redis-password", "master/pass"]).await;
 }
 
 /// Defect 10, the other half: the master Sentinel names was reached without TLS whatever the
@@ -419,55 +396,22 @@ async fn sentinel_reaches_a_tls_only_master() {
     let certs = make_certs(certs_dir.path());
     let master = RedisProc::start_tls(&certs);
     let path = |f: &str| certs.join(f).display().to_string();
-    let sentinel_dir = tempfile::tempdir().unwrap();
-    let conf = sentinel_dir.path().join("sentinel.conf");
-    let sentinel_port = free_port();
-    std::fs::write(
-        &conf,
-        format!(
-            "port {sentinel_port}\nbind 127.0.0.1\n\
-             tls-replication yes\ntls-cert-file {}\ntls-key-file {}\ntls-ca-cert-file {}\n\
-             tls-auth-clients no\n\
-             sentinel monitor main 127.0.0.1 {} 1\n",
+    let sentinel = RedisProc::start_sentinel(
+        master.port,
+        &format!(
+            "tls-replication yes\ntls-cert-file {}\ntls-key-file {}\ntls-ca-cert-file {}\n\
+             tls-auth-clients no\n",
             path("server.crt"),
             path("server.key"),
             path("ca.crt"),
-            master.port
         ),
-    )
-    .unwrap();
-    let _sentinel = RedisProc::start_sentinel(sentinel_port, &conf);
-    let sentinel_url = format!("redis://127.0.0.1:{sentinel_port}");
-    let prefix = unique_prefix();
+        &[],
+    );
     let ca = path("ca.crt");
-    let s = TestServer::start_with(
-        &[("f.yaml", &limits(2))],
-        &[
-            "--backend",
-            "redis",
-            "--redis-sentinel-nodes",
-            &sentinel_url,
-            "--redis-sentinel-master",
-            "main",
-            "--redis-tls",
-            "--redis-tls-ca",
-            &ca,
-            "--redis-key-prefix",
-            &prefix,
-            "--redis-timeout",
-            "2s",
-        ],
-        Arc::new(SystemClock),
+    counts_on_the_master(
+        &master,
+        &sentinel.url(),
+        &["--redis-tls", "--redis-tls-ca", &ca],
     )
     .await;
-    let mut c = s.client().await;
-    for _ in 0..2 {
-        assert!(is_ok(&call(&mut c, request("d", &[&[("k", "v")]])).await));
-    }
-    assert!(is_over(&call(&mut c, request("d", &[&[("k", "v")]])).await));
-    assert_eq!(
-        keys_with_ttl(&master, &prefix).len(),
-        1,
-        "counted on the master"
-    );
 }

@@ -4,13 +4,12 @@
 
 mod common;
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::redis::*;
 use common::*;
 use envoy_types::pb::google::protobuf::UInt64Value;
-use ratelimitd::limiter::{Algorithm, SystemClock};
+use ratelimitd::limiter::Algorithm;
 
 fn algorithms_yaml(domain: &str, rpu: u32) -> String {
     let mut y = format!("domain: {domain}\ndescriptors:\n");
@@ -30,20 +29,6 @@ async fn instances(target: &[&str], files: &[(&str, &str)], extra: &[&str]) -> V
         out.push(redis_server(files, &[target, extra].concat(), &prefix, "2s").await);
     }
     out
-}
-
-/// A Redis-backed server: `target` picks the Redis (plus any other flags), under `prefix`,
-/// with a per-call `timeout`.
-async fn redis_server(
-    files: &[(&str, &str)],
-    target: &[&str],
-    prefix: &str,
-    timeout: &str,
-) -> TestServer {
-    let mut flags = vec!["--backend", "redis", "--redis-key-prefix", prefix];
-    flags.extend_from_slice(&["--redis-timeout", timeout]);
-    flags.extend_from_slice(target);
-    TestServer::start_with(files, &flags, Arc::new(SystemClock)).await
 }
 
 async fn clients(servers: &[TestServer]) -> Vec<Client> {
@@ -571,22 +556,12 @@ async fn sentinel_finds_the_master_and_follows_a_failover() {
     let mut master = RedisProc::start(&[]);
     let master_addr = master.port.to_string();
     let replica = RedisProc::start(&["--replicaof", "127.0.0.1", &master_addr]);
-    let sentinel_dir = tempfile::tempdir().unwrap();
-    let conf = sentinel_dir.path().join("sentinel.conf");
-    let sentinel_port = free_port();
-    std::fs::write(
-        &conf,
-        format!(
-            "port {sentinel_port}\nbind 127.0.0.1\n\
-             sentinel monitor main 127.0.0.1 {} 1\n\
-             sentinel down-after-milliseconds main 400\n\
-             sentinel failover-timeout main 2000\n",
-            master.port
-        ),
-    )
-    .unwrap();
-    let _sentinel = RedisProc::start_sentinel(sentinel_port, &conf);
-    let sentinel_url = format!("redis://127.0.0.1:{sentinel_port}");
+    let sentinel = RedisProc::start_sentinel(
+        master.port,
+        "sentinel down-after-milliseconds main 400\nsentinel failover-timeout main 2000\n",
+        &[],
+    );
+    let sentinel_url = sentinel.url();
     let prefix = unique_prefix();
     let target = [
         "--redis-sentinel-nodes",

@@ -43,6 +43,18 @@ async fn tls_call(addr: std::net::SocketAddr, ca: &Path, identity: Option<&Path>
     Some(is_ok(r.get_ref()))
 }
 
+/// A fresh CA with server and client certificates (the directory lives as long as the guard).
+fn new_certs() -> (tempfile::TempDir, std::path::PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let certs = make_certs(dir.path());
+    (dir, certs)
+}
+
+/// Polls until a TLS client trusting `ca` (with `identity`) gets an answer; returns it.
+async fn first_answer(addr: std::net::SocketAddr, ca: &Path, identity: Option<&Path>) -> bool {
+    poll(Duration::from_secs(10), || tls_call(addr, ca, identity)).await
+}
+
 async fn tls_server(certs: &Path, dir: &Path, mutual: bool) -> TestServer {
     for f in ["server.crt", "server.key"] {
         std::fs::copy(certs.join(f), dir.join(f)).unwrap();
@@ -65,15 +77,10 @@ async fn tls_server(certs: &Path, dir: &Path, mutual: bool) -> TestServer {
 
 #[tokio::test]
 async fn grpc_over_tls_and_plain_text_is_refused() {
-    let tmp = tempfile::tempdir().unwrap();
-    let certs = make_certs(tmp.path());
+    let (_tmp, certs) = new_certs();
     let files = tempfile::tempdir().unwrap();
     let s = tls_server(&certs, files.path(), false).await;
-    let answered = poll(Duration::from_secs(10), || async {
-        tls_call(s.grpc, &certs.join("ca.crt"), None).await
-    })
-    .await;
-    assert!(answered);
+    assert!(first_answer(s.grpc, &certs.join("ca.crt"), None).await);
     let plain = async {
         let mut c = Client::connect(format!("http://{}", s.grpc)).await.ok()?;
         c.should_rate_limit(request("d", &[&[("k", "v")]]))
@@ -92,18 +99,12 @@ async fn grpc_over_tls_and_plain_text_is_refused() {
 
 #[tokio::test]
 async fn mutual_tls_requires_a_client_certificate_from_the_ca() {
-    let tmp = tempfile::tempdir().unwrap();
-    let certs = make_certs(tmp.path());
-    let other = tempfile::tempdir().unwrap();
-    let stranger = make_certs(other.path());
+    let (_tmp, certs) = new_certs();
+    let (_other, stranger) = new_certs();
     let files = tempfile::tempdir().unwrap();
     let s = tls_server(&certs, files.path(), true).await;
     let ca = certs.join("ca.crt");
-    let answered = poll(Duration::from_secs(10), || async {
-        tls_call(s.grpc, &ca, Some(&certs)).await
-    })
-    .await;
-    assert!(answered);
+    assert!(first_answer(s.grpc, &ca, Some(&certs)).await);
     assert_eq!(
         tls_call(s.grpc, &ca, None).await,
         None,
@@ -118,17 +119,11 @@ async fn mutual_tls_requires_a_client_certificate_from_the_ca() {
 
 #[tokio::test]
 async fn a_renewed_certificate_is_served_without_a_restart() {
-    let tmp = tempfile::tempdir().unwrap();
-    let old = make_certs(tmp.path());
-    let tmp2 = tempfile::tempdir().unwrap();
-    let new = make_certs(tmp2.path());
+    let (_tmp, old) = new_certs();
+    let (_tmp2, new) = new_certs();
     let files = tempfile::tempdir().unwrap();
     let s = tls_server(&old, files.path(), false).await;
-    let answered = poll(Duration::from_secs(10), || async {
-        tls_call(s.grpc, &old.join("ca.crt"), None).await
-    })
-    .await;
-    assert!(answered);
+    assert!(first_answer(s.grpc, &old.join("ca.crt"), None).await);
     // A broken renewal is refused and the old certificate keeps serving.
     std::fs::write(files.path().join("server.crt"), "not a certificate").unwrap();
     poll(Duration::from_secs(10), || async {
@@ -146,9 +141,6 @@ async fn a_renewed_certificate_is_served_without_a_restart() {
         std::fs::copy(new.join(f), &aside).unwrap();
         std::fs::rename(&aside, files.path().join(f)).unwrap();
     }
-    poll(Duration::from_secs(10), || async {
-        tls_call(s.grpc, &new.join("ca.crt"), None).await
-    })
-    .await;
+    first_answer(s.grpc, &new.join("ca.crt"), None).await;
     assert_eq!(tls_call(s.grpc, &old.join("ca.crt"), None).await, None);
 }

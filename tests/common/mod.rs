@@ -68,6 +68,20 @@ impl Kind {
     }
 }
 
+/// A Redis-backed server: `target` picks the Redis (plus any other flags), under `prefix`,
+/// with a per-call `timeout`.
+pub async fn redis_server(
+    files: &[(&str, &str)],
+    target: &[&str],
+    prefix: &str,
+    timeout: &str,
+) -> TestServer {
+    let mut flags = vec!["--backend", "redis", "--redis-key-prefix", prefix];
+    flags.extend_from_slice(&["--redis-timeout", timeout]);
+    flags.extend_from_slice(target);
+    TestServer::start_with(files, &flags, Arc::new(SystemClock)).await
+}
+
 /// A server on `kind` with `files` and extra flags.
 pub async fn start(kind: Kind, files: &[(&str, &str)], extra: &[&str]) -> TestServer {
     let mut flags = kind.flags();

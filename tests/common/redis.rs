@@ -64,20 +64,28 @@ impl RedisProc {
         Self::start_with(port, extra, None)
     }
 
-    /// A Sentinel reading `conf` (which must be writable: Sentinel rewrites it).
-    pub fn start_sentinel(port: u16, conf: &std::path::Path) -> RedisProc {
-        Self::start_sentinel_with(port, conf, &[])
-    }
-
-    /// A Sentinel with extra arguments (e.g. `--requirepass` for its own clients).
-    pub fn start_sentinel_with(port: u16, conf: &std::path::Path, extra: &[&str]) -> RedisProc {
-        let mut args = vec![conf.display().to_string(), "--sentinel".into()];
+    /// A Sentinel on a free port monitoring the master on `master_port` as `main` (quorum 1),
+    /// with `conf` lines added after the monitor line (`sentinel auth-pass main …`, `tls-*`)
+    /// and `extra` arguments (e.g. `--requirepass` for its own clients). Its config file
+    /// lives in its own directory (Sentinel rewrites it).
+    pub fn start_sentinel(master_port: u16, conf: &str, extra: &[&str]) -> RedisProc {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("sentinel.conf");
+        let port = free_port();
+        std::fs::write(
+            &file,
+            format!(
+                "port {port}\nbind 127.0.0.1\nsentinel monitor main 127.0.0.1 {master_port} 1\n{conf}"
+            ),
+        )
+        .unwrap();
+        let mut args = vec![file.display().to_string(), "--sentinel".into()];
         args.extend(extra.iter().map(|s| s.to_string()));
         let mut p = RedisProc {
             port,
             args,
             child: None,
-            dir: tempfile::tempdir().unwrap(),
+            dir,
             tls_ca: None,
         };
         p.spawn();
@@ -377,70 +385,46 @@ pub fn make_certs(dir: &std::path::Path) -> PathBuf {
         "-subj",
         "/CN=ratelimitd-test-ca",
     ]);
-    run(&[
-        "req",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-keyout",
-        "server.key",
-        "-out",
-        "server.csr",
-        "-subj",
+    // A key and a certificate signed by the CA, v3 (webpki refuses v1) with `ext`.
+    let signed = |name: &str, subject: &str, ext: &str| {
+        std::fs::write(certs.join(format!("{name}.cnf")), ext).unwrap();
+        let (key, csr, crt, cnf) = (
+            format!("{name}.key"),
+            format!("{name}.csr"),
+            format!("{name}.crt"),
+            format!("{name}.cnf"),
+        );
+        run(&[
+            "req", "-newkey", "rsa:2048", "-nodes", "-keyout", &key, "-out", &csr, "-subj", subject,
+        ]);
+        run(&[
+            "x509",
+            "-req",
+            "-in",
+            &csr,
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            &crt,
+            "-days",
+            "2",
+            "-extfile",
+            &cnf,
+        ]);
+    };
+    signed(
+        "server",
         "/CN=127.0.0.1",
-    ]);
-    std::fs::write(
-        certs.join("ext.cnf"),
         "subjectAltName=IP:127.0.0.1,DNS:localhost\n",
-    )
-    .unwrap();
-    run(&[
-        "x509",
-        "-req",
-        "-in",
-        "server.csr",
-        "-CA",
-        "ca.crt",
-        "-CAkey",
-        "ca.key",
-        "-CAcreateserial",
-        "-out",
-        "server.crt",
-        "-days",
-        "2",
-        "-extfile",
-        "ext.cnf",
-    ]);
-    // A client certificate from the same CA, for mutual TLS (v3, as webpki requires).
-    std::fs::write(certs.join("client.cnf"), "extendedKeyUsage=clientAuth\n").unwrap();
-    run(&[
-        "req",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-keyout",
-        "client.key",
-        "-out",
-        "client.csr",
-        "-subj",
+    );
+    // For mutual TLS.
+    signed(
+        "client",
         "/CN=ratelimitd-test-client",
-    ]);
-    run(&[
-        "x509",
-        "-req",
-        "-in",
-        "client.csr",
-        "-CA",
-        "ca.crt",
-        "-CAkey",
-        "ca.key",
-        "-CAcreateserial",
-        "-out",
-        "client.crt",
-        "-days",
-        "2",
-        "-extfile",
-        "client.cnf",
-    ]);
+        "extendedKeyUsage=clientAuth\n",
+    );
     certs
 }
