@@ -89,9 +89,11 @@ struct Daemon {
 }
 
 impl Daemon {
-    /// Starts `cmd` (the binary with its config and flags) and waits until HTTP accepts. The
-    /// process dies with the `Daemon` (a failing test included) or, should the test process
-    /// itself be killed, with the test process.
+    /// Starts `cmd` (the binary with its config and flags) and waits until it serves: its
+    /// `/healthcheck` answers 200, which comes after the config is loaded and watched (the
+    /// socket accepts connections as soon as it is bound, before either). The process dies
+    /// with the `Daemon` (a failing test included) or, should the test process itself be
+    /// killed, with the test process.
     async fn start(mut cmd: Command) -> Daemon {
         let (grpc, http) = (free_port(), free_port());
         let child = cmd
@@ -105,7 +107,13 @@ impl Daemon {
         // Owned before waiting, so a daemon that never comes up is killed too.
         let d = Daemon { child, grpc, http };
         poll(Duration::from_secs(20), || async move {
-            tokio::net::TcpStream::connect(http).await.ok().map(|_| ())
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            let mut stream = tokio::net::TcpStream::connect(http).await.ok()?;
+            let req = "GET /healthcheck HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n";
+            stream.write_all(req.as_bytes()).await.ok()?;
+            let mut answer = Vec::new();
+            stream.read_to_end(&mut answer).await.ok()?;
+            answer.starts_with(b"HTTP/1.1 200").then_some(())
         })
         .await;
         d

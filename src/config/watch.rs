@@ -24,8 +24,8 @@ const CHECK_EVERY: Duration = Duration::from_secs(1);
 /// ends when the returned task is aborted or the runtime stops.
 ///
 /// A watched directory (a configured one, or a configured file's) is followed by path, not by
-/// inode: its parent is watched too, and when the path names another directory than before
-/// (`mv limits old; mkdir limits`), the watch moves to the new one and says so in the log.
+/// inode: every second its identity is checked, and when the path names another directory than
+/// before (`mv limits old; mkdir limits`), the watch moves to the new one and says so in the log.
 pub fn spawn<F>(
     paths: Vec<PathBuf>,
     mut fingerprint: u64,
@@ -35,6 +35,7 @@ where
     F: Fn(Result<LoadedConfig, ConfigError>) + Send + 'static,
 {
     let (tx, mut rx) = mpsc::unbounded_channel::<()>();
+    let settle = tx.clone();
     let mut watcher: RecommendedWatcher =
         notify::recommended_watcher(move |event: notify::Result<notify::Event>| match event {
             Ok(e) if matches!(e.kind, EventKind::Access(_)) => {}
@@ -48,12 +49,6 @@ where
         let (target, mode) = watch_target(path);
         watcher.watch(&target, mode)?;
         tracing::debug!(path = %target.display(), "watching config");
-        // The watched directory's own parent, to notice the directory being replaced.
-        if let Some(parent) = parent_of(&target)
-            && let Err(err) = watcher.watch(&parent, RecursiveMode::NonRecursive)
-        {
-            tracing::warn!(path = %parent.display(), %err, "cannot watch the config directory's parent; replacing the directory itself will not be noticed");
-        }
         watched.push(Watched {
             identity: identity(&target),
             target,
@@ -61,11 +56,19 @@ where
         });
     }
 
+    // A change between the caller's load and these watches made no event: reload once now
+    // (nothing is applied if the files are as loaded).
+    let _ = settle.send(());
+    drop(settle);
+
     Ok(tokio::spawn(async move {
         let mut watcher = watcher; // dropping it ends the watch
-        // Events say most changes; a symlink swapped higher up (envoyproxy/ratelimit's
-        // RUNTIME_ROOT, say) makes none in what is watched, so the watched directories' identity
-        // is also checked every second.
+        // Events say most changes. A watched directory replaced (`mv limits old; mkdir
+        // limits`) or a symlink swapped higher up (envoyproxy/ratelimit's RUNTIME_ROOT) makes
+        // none in what is watched, so the watched directories' identity is checked every
+        // second. (Watching their parents as well was tried: a busy parent such as /tmp reloaded
+        // the config at its own pace, re-logging a bad config's error each time, and the
+        // directory's own events were then sometimes not delivered at all.)
         let mut check = tokio::time::interval(CHECK_EVERY);
         check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -115,11 +118,6 @@ where
 /// The identity of what `path` names now, following symlinks; `None` if nothing.
 fn identity(path: &Path) -> Option<Identity> {
     std::fs::metadata(path).ok().map(|m| load::identity(&m))
-}
-
-fn parent_of(path: &Path) -> Option<PathBuf> {
-    let absolute = std::path::absolute(path).ok()?;
-    absolute.parent().map(Path::to_owned)
 }
 
 /// The directory watched for one configured path: the path itself, or a file's directory.
