@@ -29,6 +29,10 @@ struct Args {
     rate: Option<f64>,
     report_every: Option<Duration>,
     allow_errors: bool,
+    /// Zipf exponent over the client keys; `None` cycles through them uniformly.
+    zipf: Option<f64>,
+    /// The Zipf distribution's cumulative weights, built once from `keys` and `zipf`.
+    cdf: Vec<f64>,
 }
 
 fn parse_args() -> Args {
@@ -43,6 +47,8 @@ fn parse_args() -> Args {
         rate: None,
         report_every: None,
         allow_errors: false,
+        zipf: None,
+        cdf: Vec::new(),
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -67,8 +73,23 @@ fn parse_args() -> Args {
                 ))
             }
             "--allow-errors" => args.allow_errors = true,
+            "--zipf" => args.zipf = Some(value().parse().expect("--zipf")),
             other => panic!("unknown flag {other}"),
         }
+    }
+    if let Some(s) = args.zipf {
+        let weights: Vec<f64> = (1..=args.keys.max(1))
+            .map(|k| 1.0 / (k as f64).powf(s))
+            .collect();
+        let total: f64 = weights.iter().sum();
+        let mut acc = 0.0;
+        args.cdf = weights
+            .iter()
+            .map(|w| {
+                acc += w / total;
+                acc
+            })
+            .collect();
     }
     let host = args.target.trim_start_matches("http://");
     assert!(
@@ -85,13 +106,26 @@ fn entry(key: &str, value: String) -> Entry {
     }
 }
 
+/// The client key of the `n`th request: Zipf-distributed when asked (a SplitMix64 hash of `n`
+/// picks a point of the cumulative weights), else cycling through all keys.
+fn client_key(args: &Args, n: u64) -> u64 {
+    if args.cdf.is_empty() {
+        return n % args.keys.max(1);
+    }
+    let mut z = n.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    let u = (z ^ (z >> 31)) as f64 / u64::MAX as f64;
+    args.cdf.partition_point(|&c| c < u).min(args.cdf.len() - 1) as u64
+}
+
 /// Two descriptors per request: a per-client limit and a per-route limit.
-fn request(domain: &str, n: u64, keys: u64) -> RateLimitRequest {
+fn request(domain: &str, n: u64, client: u64) -> RateLimitRequest {
     RateLimitRequest {
         domain: domain.into(),
         descriptors: vec![
             RateLimitDescriptor {
-                entries: vec![entry("client", format!("c{}", n % keys))],
+                entries: vec![entry("client", format!("c{client}"))],
                 ..Default::default()
             },
             RateLimitDescriptor {
@@ -148,7 +182,7 @@ async fn worker(
         }
         n = n.wrapping_add(1);
         let result = client
-            .should_rate_limit(request(&args.domain, n, args.keys))
+            .should_rate_limit(request(&args.domain, n, client_key(args, n)))
             .await;
         if sent < measure_from {
             continue;
@@ -245,8 +279,14 @@ async fn main() {
     let count = total.latencies_us.len() as f64;
     let secs = args.duration.as_secs_f64();
     println!(
-        "loadgen: {} connections, {} concurrent, {:.0} s, 2 descriptors/request, {} client keys",
-        args.connections, args.concurrency, secs, args.keys
+        "loadgen: {} connections, {} concurrent, {:.0} s, 2 descriptors/request, {} client keys{}",
+        args.connections,
+        args.concurrency,
+        secs,
+        args.keys,
+        args.zipf
+            .map(|s| format!(" (Zipf {s})"))
+            .unwrap_or_default()
     );
     println!(
         "requests: {:.0} ({:.0}/s)  ok {}  over_limit {}  errors {}",

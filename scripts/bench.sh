@@ -1,96 +1,168 @@
 #!/usr/bin/env bash
-# `make bench`: throughput and latency of a release ratelimitd on loopback, driven by the
-# project's load generator (benches/loadgen.rs), on the memory backend and on a standalone
-# redis-server this script starts; then redis-benchmark running the very same Lua script with
-# the same two keys per call, measured in the same run: the ceiling the service can approach.
-# Prints the machine's core count with the results. Loopback only; bounded durations.
-# Tunables: DURATION (s), CONCURRENCY, CONNECTIONS, BACKENDS ("memory redis").
+# `make bench`: ratelimitd against its baselines, all measured in one run on this machine.
+#
+# Servers, each driven in turn by the same client:
+#   bare     a tonic RateLimitService that does no work (benches/baseline.rs --mode noop)
+#   memory   ratelimitd, memory backend
+#   naive    a tonic RLS doing one EVALSHA (INCRBY + EXPIRE per key) per request
+#   redis    ratelimitd, Redis backend (standalone redis-server started here)
+# and redis-benchmark running ratelimitd's own script, one call per request: the Redis ceiling.
+#
+# Headline: h2load (Debian's nghttp2-client, a neutral HTTP/2 client) sending the bench domain's
+# two-descriptor request, closed loop, then paced at half of the server's own peak for latency.
+# Key distributions: the project's loadgen (one hot key, 10k uniform keys, Zipf over 10k).
+# CPU per request comes from /proc (utime + stime) of the server and of redis-server.
+# Loopback only; every duration is bounded. Tunables: DURATION (s), CLIENTS, STREAMS, SERVERS.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DURATION=${DURATION:-10}
-CONCURRENCY=${CONCURRENCY:-64}
-CONNECTIONS=${CONNECTIONS:-4}
-BACKENDS=${BACKENDS:-memory redis}
+CLIENTS=${CLIENTS:-16}
+STREAMS=${STREAMS:-32}
+SERVERS=${SERVERS:-bare memory naive redis}
+DISTS=${DISTS:-hot uniform zipf}
 
+command -v h2load >/dev/null || { echo "bench: h2load missing: apt-get install nghttp2-client" >&2; exit 1; }
 cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+HZ=$(getconf CLK_TCK)
 
 cargo build --release --quiet
-cargo bench --bench loadgen --no-run --quiet 2>/dev/null || cargo bench --bench loadgen --no-run
-echo "machine: $(nproc) cores ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)), $(redis-server --version | cut -d' ' -f1-3)"
-echo "load: $CONCURRENCY concurrent calls over $CONNECTIONS connections, ${DURATION}s, 2 descriptors per request"
-
+cargo bench --bench loadgen --no-run --quiet 2>/dev/null
+cargo bench --bench baseline --no-run --quiet 2>/dev/null
+bench_bin() { find target/release/deps -maxdepth 1 -type f -executable -name "$1-*" -printf '%T@ %p\n' | sort -n | tail -1 | cut -d' ' -f2; }
+LOADGEN=$(bench_bin loadgen)
+BASELINE=$(bench_bin baseline)
+WORK=$(mktemp -d)
 pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
+cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$WORK"; }
 trap cleanup EXIT
+
+echo "machine: $(nproc) cores ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)), $(redis-server --version | cut -d' ' -f1-3), $(h2load --version | head -1)"
+echo "h2load: -c$CLIENTS -m$STREAMS, ${DURATION}s per run, the same 2-descriptor request (bench domain)"
 
 REDIS_PORT=$(free_port)
 redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save "" --appendonly no >/dev/null &
-pids+=($!)
+REDIS_PID=$!
+pids+=("$REDIS_PID")
 for _ in $(seq 100); do redis-cli -p "$REDIS_PORT" ping >/dev/null 2>&1 && break; sleep 0.05; done
+"$BASELINE" --write-request "$WORK/request.bin"
 
-run_service() {
-  local backend=$1; shift
-  local grpc http
-  grpc=127.0.0.1:$(free_port); http=127.0.0.1:$(free_port)
-  ./target/release/ratelimitd --config benches/limits.yaml --grpc-addr "$grpc" --http-addr "$http" \
-    --log-level warn --backend "$backend" "$@" &
-  local server=$!
-  pids+=($server)
-  for _ in $(seq 100); do
-    kill -0 "$server" 2>/dev/null || { echo "bench: ratelimitd did not start" >&2; exit 1; }
-    curl -sf "http://$http/healthcheck" >/dev/null 2>&1 && break
-    sleep 0.1
+SERVER_PID=
+GRPC=
+start_server() {
+  local name=$1
+  GRPC=127.0.0.1:$(free_port)
+  local http=127.0.0.1:$(free_port)
+  case $name in
+    bare) "$BASELINE" --mode noop --addr "$GRPC" & ;;
+    naive) "$BASELINE" --mode evalsha --addr "$GRPC" --redis "redis://127.0.0.1:$REDIS_PORT" & ;;
+    memory) ./target/release/ratelimitd --config benches/limits.yaml --grpc-addr "$GRPC" \
+      --http-addr "$http" --log-level warn --backend memory & ;;
+    redis) ./target/release/ratelimitd --config benches/limits.yaml --grpc-addr "$GRPC" \
+      --http-addr "$http" --log-level warn --backend redis \
+      --redis-url "redis://127.0.0.1:$REDIS_PORT" --redis-timeout 1s & ;;
+  esac
+  SERVER_PID=$!
+  pids+=("$SERVER_PID")
+  for _ in $(seq 200); do
+    kill -0 "$SERVER_PID" 2>/dev/null || { echo "bench: $name did not start" >&2; exit 1; }
+    (exec 3<>"/dev/tcp/${GRPC%:*}/${GRPC#*:}") 2>/dev/null && return 0
+    sleep 0.05
   done
-  echo "--- ratelimitd, $backend backend"
-  local before after out
-  before=$(cpu_ticks "$server")
-  out=$(cargo bench --quiet --bench loadgen -- --target "http://$grpc" \
-    --duration "$DURATION" --warmup 0 --concurrency "$CONCURRENCY" --connections "$CONNECTIONS")
-  after=$(cpu_ticks "$server")
-  echo "$out"
-  # Server CPU per request: throughput per core, whatever else shares the machine.
-  local requests
-  requests=$(echo "$out" | awk '/^requests:/ {print $2}')
-  awk -v t=$((after - before)) -v hz="$(getconf CLK_TCK)" -v n="$requests" -v rss="$(ps -o rss= -p "$server")" \
-    'BEGIN { s = t / hz; printf "server: %.2f CPU-s for %d requests = %.1f us/request = %.0f requests per core-second; rss %d MiB\n", s, n, s * 1e6 / n, n / s, rss / 1024 }'
-  kill "$server"; wait "$server" 2>/dev/null || true
+  echo "bench: $name did not listen" >&2; exit 1
+}
+stop_server() { kill "$SERVER_PID" 2>/dev/null || true; wait "$SERVER_PID" 2>/dev/null || true; }
+
+# Runs h2load against $GRPC; prints "req/s p50_ms p99_ms server_us redis_us" for the run.
+# Extra arguments go to h2load (e.g. --rps).
+h2run() {
+  local log=$WORK/h2.log
+  rm -f "$log"
+  local s0 r0 s1 r1 out
+  s0=$(cpu_ticks "$SERVER_PID"); r0=$(cpu_ticks "$REDIS_PID")
+  out=$(h2load -c"$CLIENTS" -m"$STREAMS" -t1 -D "$DURATION" --warm-up-time=1 "$@" \
+    -d "$WORK/request.bin" -H 'content-type: application/grpc' -H 'te: trailers' \
+    --log-file="$log" "http://$GRPC/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit")
+  s1=$(cpu_ticks "$SERVER_PID"); r1=$(cpu_ticks "$REDIS_PID")
+  local ok
+  ok=$(echo "$out" | awk '/status codes:/ {print $3}')
+  # Each line of the log: start time, HTTP status, elapsed microseconds.
+  local n p50 p99
+  n=$(wc -l <"$log")
+  read -r p50 p99 < <(cut -f3 "$log" | sort -n | awk -v n="$n" \
+    'NR == int(n * 0.50) + 1 {p50 = $1} NR == int(n * 0.99) + 1 {p99 = $1} END {printf "%.2f %.2f\n", p50 / 1000, p99 / 1000}')
+  # CPU ticks cover the warm-up second too: count its requests in by rate.
+  awk -v n="$n" -v d="$DURATION" -v s=$((s1 - s0)) -v r=$((r1 - r0)) -v hz="$HZ" -v p50="$p50" -v p99="$p99" -v ok="$ok" \
+    'BEGIN { total = n * (d + 1) / d; printf "%.0f %s %s %.1f %.1f %s\n", n / d, p50, p99, s / hz * 1e6 / total, r / hz * 1e6 / total, ok }'
 }
 
-for backend in $BACKENDS; do
-  case $backend in
-    memory) run_service memory ;;
-    redis) run_service redis --redis-url "redis://127.0.0.1:$REDIS_PORT" --redis-timeout 1s ;;
-  esac
+declare -A RPS P50 P99 SCPU RCPU HP50 HP99 HRPS
+for name in $SERVERS; do
+  start_server "$name"
+  h2load -c1 -n 2000 -d "$WORK/request.bin" -H 'content-type: application/grpc' -H 'te: trailers' \
+    "http://$GRPC/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit" >/dev/null  # warm
+  read -r RPS[$name] P50[$name] P99[$name] SCPU[$name] RCPU[$name] ok < <(h2run)
+  [ "$ok" -gt 0 ] || { echo "bench: $name answered no 2xx" >&2; exit 1; }
+  half=$(( ${RPS[$name]} / 2 / CLIENTS ))
+  read -r HRPS[$name] HP50[$name] HP99[$name] _ _ _ < <(h2run --rps="$half")
+  stop_server
+  [ "$name" = naive ] && redis-cli -p "$REDIS_PORT" flushall >/dev/null
 done
 
-if [[ " $BACKENDS " == *" redis "* ]]; then
-  # The same script and arguments ratelimitd sends for one request of benches/limits.yaml:
-  # a sliding_window client counter (10 000 distinct clients) and a fixed_window route counter.
-  sha=$(redis-cli -p "$REDIS_PORT" SCRIPT LOAD "$(cat src/limiter/redis/script.lua)")
-  requests=$((DURATION * 40000))
-  echo "--- Redis MEMORY USAGE of one full counter (limit 100 per 60 s, 100 single-hit requests)"
-  for algo in f s w b; do
-    key="ratelimit:{edge}:remote_address:10.0.0.1:${algo}60000000:0"
-    # Fill it with 100 requests; if a minute boundary fell inside (the 101st is admitted), again.
-    for attempt in 1 2; do
-      redis-cli -p "$REDIS_PORT" DEL "$key" >/dev/null
-      for i in $(seq 100); do
-        redis-cli -p "$REDIS_PORT" EVALSHA "$sha" 1 "$key" decide "$(printf '%016x.%x' $RANDOM$RANDOM "$i")" 0 \
-          "$algo" 100 60000000 100 1 E >/dev/null
-      done
-      admitted=$(redis-cli -p "$REDIS_PORT" EVALSHA "$sha" 1 "$key" decide x 0 "$algo" 100 60000000 100 1 E | head -1)
-      [ "$admitted" = 0 ] && break  # the 101st request is refused: full
-    done
-    case $algo in f) name=fixed_window;; s) name=sliding_window;; w) name=sliding_log;; b) name=token_bucket;; esac
-    printf '%-15s %5s bytes  (full: %s; key %s, ttl %s ms)\n' "$name" \
-      "$(redis-cli -p "$REDIS_PORT" MEMORY USAGE "$key" SAMPLES 0)" "$([ "$admitted" = 0 ] && echo yes || echo NO)" \
-      "$(redis-cli -p "$REDIS_PORT" TYPE "$key")" "$(redis-cli -p "$REDIS_PORT" PTTL "$key")"
-  done
-  echo "--- redis-benchmark, EVALSHA of script.lua with the same 2 keys per call, $CONCURRENCY clients"
-  redis-benchmark -p "$REDIS_PORT" -c "$CONCURRENCY" -n "$requests" -r 10000 --precision 3 \
-    EVALSHA "$sha" 2 "ratelimit:{bench}:client:c__rand_int__:s1000000:0" \
-    "ratelimit:{bench}:route:/api/__rand_int__:f1000000:0" \
-    decide bench 0 s 1000000 1000000 1000000 1 E f 100000000 1000000 100000000 1 E \
-    | tr '\r' '\n' | grep -A4 "Summary:" | grep -v "^ *$"
+# redis-benchmark: ratelimitd's script with the request's two keys, one call per request.
+sha=$(redis-cli -p "$REDIS_PORT" SCRIPT LOAD "$(cat src/limiter/redis/script.lua)")
+rb_args=(EVALSHA "$sha" 2 "ratelimit:{bench}:client:c1:s1000000:0" "ratelimit:{bench}:route:/api/1:f1000000:0"
+  decide 1 bench 0 2 s 1000000 1000000 1000000 1 E f 100000000 1000000 100000000 1 E)
+redis-cli -p "$REDIS_PORT" "${rb_args[@]}" >/dev/null || { echo "bench: redis-benchmark's script call fails" >&2; exit 1; }
+r0=$(cpu_ticks "$REDIS_PID")
+rb=$(redis-benchmark -p "$REDIS_PORT" -c 32 -n $((DURATION * 30000)) --csv "${rb_args[@]}" | tail -1)
+r1=$(cpu_ticks "$REDIS_PID")
+RB_RPS=$(echo "$rb" | awk -F'"' '{printf "%.0f", $4}')
+RB_RCPU=$(awk -v r=$((r1 - r0)) -v hz="$HZ" -v n=$((DURATION * 30000)) 'BEGIN {printf "%.1f", r / hz * 1e6 / n}')
+
+echo
+printf '%-44s %9s %8s %8s %9s %9s %10s\n' "server (h2load closed loop)" "req/s" "p50 ms" "p99 ms" "server us" "redis us" "p99@half"
+for name in $SERVERS; do
+  case $name in
+    bare) label="bare tonic RLS (no work)";; memory) label="ratelimitd, memory backend";;
+    naive) label="naive: one EVALSHA per request";; redis) label="ratelimitd, Redis backend";;
+  esac
+  printf '%-44s %9s %8s %8s %9s %9s %7s ms\n' "$label" "${RPS[$name]}" "${P50[$name]}" "${P99[$name]}" \
+    "${SCPU[$name]}" "${RCPU[$name]}" "${HP99[$name]}"
+done
+printf '%-44s %9s %8s %8s %9s %9s\n' "redis-benchmark, ratelimitd's script, -c 32" "$RB_RPS" - - - "$RB_RCPU"
+echo
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.2f", a / b; else printf "n/a" }'; }
+if [[ " $SERVERS " == *" memory "* && " $SERVERS " == *" bare "* ]]; then
+  echo "memory server CPU/req vs bare tonic:          $(ratio "${SCPU[memory]}" "${SCPU[bare]}")x   (target <= 1.15)"
 fi
+if [[ " $SERVERS " == *" redis "* ]]; then
+  echo "redis throughput vs redis-benchmark:          $(ratio "${RPS[redis]}" "$RB_RPS")x   (target >= 1.0)"
+  if [[ " $SERVERS " == *" naive "* ]]; then
+    echo "redis: Redis CPU/req vs naive server's:       $(ratio "${RCPU[redis]}" "${RCPU[naive]}")x   (target <= 0.5)"
+    echo "redis: server CPU/req vs naive server's:      $(ratio "${SCPU[redis]}" "${SCPU[naive]}")x   (target <= 1.0)"
+  fi
+fi
+for name in memory redis; do
+  [[ " $SERVERS " == *" $name "* ]] && echo "$name: p99 at half of peak (${HRPS[$name]} req/s): ${HP99[$name]} ms   (target < 2)"
+done
+
+# Key distributions through the project's loadgen (checks every answer; errors fail the run).
+echo
+printf '%-34s %9s %8s %8s %9s %9s\n' "loadgen, 64 calls over 4 connections" "req/s" "p50 ms" "p99 ms" "server us" "redis us"
+for name in memory redis; do
+  [[ " $SERVERS " == *" $name "* ]] || continue
+  start_server "$name"
+  for dist in $DISTS; do
+    case $dist in hot) flags=(--keys 1);; uniform) flags=(--keys 10000);; zipf) flags=(--keys 10000 --zipf 1.0);; esac
+    s0=$(cpu_ticks "$SERVER_PID"); r0=$(cpu_ticks "$REDIS_PID")
+    out=$("$LOADGEN" --target "http://$GRPC" --duration "$DURATION" --warmup 0 --concurrency 64 --connections 4 "${flags[@]}")
+    s1=$(cpu_ticks "$SERVER_PID"); r1=$(cpu_ticks "$REDIS_PID")
+    n=$(echo "$out" | awk '/^requests:/ {print $2}')
+    p50=$(echo "$out" | awk '/^latency/ {for (i = 1; i <= NF; i++) if ($i == "p50") print $(i + 1)}')
+    p99=$(echo "$out" | awk '/^latency/ {for (i = 1; i <= NF; i++) if ($i == "p99") print $(i + 1)}')
+    awk -v l="$name, $dist" -v n="$n" -v d="$DURATION" -v s=$((s1 - s0)) -v r=$((r1 - r0)) -v hz="$HZ" -v p50="$p50" -v p99="$p99" \
+      'BEGIN { printf "%-34s %9.0f %8s %8s %9.1f %9.1f\n", l, n / d, p50, p99, s / hz * 1e6 / n, r / hz * 1e6 / n }'
+  done
+  stop_server
+done

@@ -5,10 +5,10 @@
 #![forbid(unsafe_code)]
 
 pub mod config;
+pub mod engine;
 pub mod limiter;
 pub mod metrics;
 pub mod server;
-pub mod service;
 pub mod settings;
 
 use std::future::Future;
@@ -23,14 +23,14 @@ use tonic::transport::server::TcpIncoming;
 use tonic_health::ServingStatus;
 
 use crate::config::{ConfigError, load_paths};
+use crate::engine::Engine;
 use crate::limiter::fallback::Fallback;
-use crate::limiter::redis::RedisBackend;
+use crate::limiter::redis::{RedisBackend, SetupError};
 use crate::limiter::{Backend, Clock, MemoryBackend, SystemClock};
 use crate::metrics::{LoadResult, Metrics};
 use crate::server::grpc::GrpcService;
 use crate::server::http::{HttpState, router};
-use crate::service::RateLimiter;
-use crate::settings::{BackendKind, Settings};
+use crate::settings::{BackendOptions, Options};
 
 /// gRPC health service names reported SERVING: the default, the name envoyproxy/ratelimit
 /// registers (so existing probes keep working) and the service's full name.
@@ -58,33 +58,36 @@ pub struct Listeners {
 /// Why the service could not start or stopped abnormally.
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
-    /// The settings are inconsistent (e.g. `--backend redis` without an address).
-    #[error("{0}")]
-    Settings(String),
+    /// The Redis client refused its options.
+    #[error(transparent)]
+    Redis(#[from] SetupError),
     /// The first config load failed.
     #[error(transparent)]
     Config(#[from] ConfigError),
     /// The config could not be watched.
     #[error("cannot watch the config paths")]
     Watch(#[from] notify::Error),
-    /// A server failed.
-    #[error("{0}")]
-    Serve(String),
+    /// The gRPC server failed.
+    #[error("gRPC server: {0}")]
+    Grpc(#[from] tonic::transport::Error),
+    /// The HTTP server failed.
+    #[error("HTTP server: {0}")]
+    Http(#[from] std::io::Error),
 }
 
 /// Runs the service until `shutdown` resolves, then stops accepting, lets in-flight calls
-/// finish (up to `settings.shutdown_grace`) and returns.
+/// finish (up to `options.shutdown_grace`) and returns.
 pub async fn run(
-    settings: Settings,
+    options: Options,
     listeners: Listeners,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), RunError> {
-    run_with_clock(settings, listeners, shutdown, Arc::new(SystemClock)).await
+    run_with_clock(options, listeners, shutdown, Arc::new(SystemClock)).await
 }
 
 /// [`run`] with the memory backend reading time from `clock`.
 pub async fn run_with_clock(
-    settings: Settings,
+    options: Options,
     listeners: Listeners,
     shutdown: impl Future<Output = ()> + Send + 'static,
     clock: Arc<dyn Clock>,
@@ -94,7 +97,7 @@ pub async fn run_with_clock(
     let _ = rustls::crypto::ring::default_provider().install_default();
     let metrics = Arc::new(Metrics::new());
     let loaded =
-        load_paths(&settings.config).inspect_err(|_| metrics.config_load(LoadResult::error))?;
+        load_paths(&options.config).inspect_err(|_| metrics.config_load(LoadResult::error))?;
     metrics.config_load(LoadResult::success);
     metrics
         .config_rules
@@ -111,7 +114,7 @@ pub async fn run_with_clock(
         let config = config.clone();
         let metrics = metrics.clone();
         config::watch::spawn(
-            settings.config.clone(),
+            options.config.clone(),
             loaded.fingerprint,
             move |result| match result {
                 Ok(loaded) => {
@@ -137,7 +140,7 @@ pub async fn run_with_clock(
     // The memory backend is the backend itself, or Redis's `local` fallback.
     let memory = Arc::new(MemoryBackend::bounded(
         clock,
-        settings.memory_max_bytes,
+        options.memory_max_bytes,
         metrics.memory.clone(),
     ));
     let mut tasks = vec![{
@@ -150,28 +153,30 @@ pub async fn run_with_clock(
             }
         })
     }];
-    let backend: Arc<dyn Backend> = match settings.backend {
-        BackendKind::Memory => memory,
-        BackendKind::Redis => {
-            let options = settings.redis_options().map_err(RunError::Settings)?;
-            tracing::info!(target = ?options.target, hash_tag = ?options.hash_tag, failure_mode = settings.failure_mode().as_str(), "redis backend");
-            let redis =
-                Arc::new(RedisBackend::new(options, metrics.clone()).map_err(RunError::Settings)?);
+    let backend: Arc<dyn Backend> = match options.backend {
+        BackendOptions::Memory => memory,
+        BackendOptions::Redis {
+            redis,
+            failure_mode,
+        } => {
+            tracing::info!(target = ?redis.target, hash_tag = ?options.keys.hash_tag(), failure_mode = failure_mode.as_str(), pipeline = redis.pipeline, max_batch = redis.max_batch, "redis backend");
+            let redis = Arc::new(RedisBackend::new(*redis, metrics.backend.clone())?);
             tasks.push(redis.spawn_probe(PROBE_EVERY));
             Arc::new(Fallback::new(
                 redis,
-                settings.failure_mode(),
+                failure_mode,
                 memory,
-                metrics.clone(),
+                metrics.backend.clone(),
             ))
         }
     };
 
-    let limiter = Arc::new(RateLimiter::new(
+    let engine = Arc::new(Engine::new(
         config,
         backend.clone(),
-        metrics.clone(),
-        settings.policies(),
+        options.keys,
+        metrics.decisions.clone(),
+        options.engine,
     ));
     let serving = Arc::new(AtomicBool::new(true));
     let (health, health_service) = tonic_health::server::health_reporter();
@@ -206,28 +211,25 @@ pub async fn run_with_clock(
 
     let grpc_addr = listeners.grpc.local_addr().ok();
     let http_addr = listeners.http.local_addr().ok();
-    let admin = settings.admin.then(|| {
+    let admin = options.admin.then(|| {
         tracing::info!("admin API on the gRPC port");
-        server::admin::AdminServer::new(server::admin::Admin::new(limiter.clone()))
+        server::admin::AdminServer::new(server::admin::Admin::new(engine.clone()))
     });
     let grpc_router = tonic::transport::Server::builder()
         .add_service(health_service)
         .add_service(RateLimitServiceServer::new(GrpcService::new(
-            limiter.clone(),
+            engine.clone(),
             metrics.clone(),
-            settings.response_headers,
+            options.response_headers,
         )))
         .add_optional_service(admin);
     let grpc: std::pin::Pin<Box<dyn Future<Output = Result<(), tonic::transport::Error>> + Send>> =
-        match settings.grpc_tls() {
+        match options.grpc_tls {
             None => Box::pin(grpc_router.serve_with_incoming_shutdown(
                 TcpIncoming::from(listeners.grpc).with_nodelay(Some(true)),
                 stopped(),
             )),
-            Some(files) => {
-                let config = files
-                    .load()
-                    .map_err(|e| RunError::Settings(format!("--grpc-tls-*: {e}")))?;
+            Some(settings::GrpcTls { files, config }) => {
                 tracing::info!(mutual = files.client_ca.is_some(), "gRPC over TLS");
                 let (incoming, tls_tasks) =
                     server::tls::incoming(listeners.grpc, files, config, metrics.clone());
@@ -236,11 +238,11 @@ pub async fn run_with_clock(
             }
         };
     let http_state = Arc::new(HttpState {
-        limiter,
+        engine,
         metrics,
         serving,
         backend,
-        headers: settings.response_headers,
+        headers: options.response_headers,
     });
     let extra: Vec<_> = listeners
         .extra_http
@@ -260,13 +262,13 @@ pub async fn run_with_clock(
     let http = axum::serve(listeners.http, router(http_state)).with_graceful_shutdown(stopped());
     tracing::info!(grpc = ?grpc_addr, http = ?http_addr, "serving");
 
-    let grace = settings.shutdown_grace;
+    let grace = options.shutdown_grace;
     let servers = async { tokio::join!(grpc, http) };
     let result = tokio::select! {
         (g, h) = servers => match (g, h) {
             (Ok(()), Ok(())) => Ok(()),
-            (Err(e), _) => Err(RunError::Serve(format!("gRPC server: {e}"))),
-            (_, Err(e)) => Err(RunError::Serve(format!("HTTP server: {e}"))),
+            (Err(e), _) => Err(RunError::Grpc(e)),
+            (_, Err(e)) => Err(RunError::Http(e)),
         },
         _ = async {
             stopped().await;

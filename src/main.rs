@@ -4,7 +4,7 @@ use std::io::IsTerminal;
 use std::process::ExitCode;
 
 use anyhow::Context;
-use ratelimitd::settings::{LogFormat, Settings};
+use ratelimitd::settings::{LogFormat, Options, Settings};
 use ratelimitd::{Listeners, run};
 use tokio::net::TcpListener;
 use tracing_subscriber::EnvFilter;
@@ -43,7 +43,7 @@ async fn shutdown_signal() {
     let _ = ctrl_c.await;
 }
 
-async fn serve(settings: Settings) -> anyhow::Result<()> {
+async fn serve(settings: Settings, options: Options) -> anyhow::Result<()> {
     init_logging(&settings)?;
     let grpc = TcpListener::bind(settings.grpc_addr)
         .await
@@ -67,7 +67,7 @@ async fn serve(settings: Settings) -> anyhow::Result<()> {
         tracing::warn!("{note}");
     }
     run(
-        settings,
+        options,
         Listeners {
             grpc,
             http,
@@ -84,6 +84,7 @@ fn main() -> ExitCode {
         Ok(s) => s,
         Err(e) => e.exit(),
     };
+    let options = settings.resolve().unwrap_or_else(|e| e.to_clap().exit());
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(r) => r,
         Err(e) => {
@@ -91,7 +92,7 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(serve(settings)) {
+    match runtime.block_on(serve(settings, options)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("ratelimitd: {e:#}");

@@ -83,6 +83,56 @@ pub struct MemoryMetrics {
     pub evictions: Counter,
 }
 
+/// What a backend records: its calls' errors and durations, whether its store answers, the
+/// over-limit cache's hits and the failure mode's decisions. A cheap clone of shared counters.
+#[derive(Clone)]
+pub struct BackendMetrics {
+    /// `ratelimit_backend_errors_total{kind}`: failed backend calls.
+    pub errors: Family<KindLabels, Counter>,
+    /// `ratelimit_backend_duration_seconds`: one backend round trip (one script call).
+    pub duration: Histogram,
+    /// `ratelimit_backend_up`: 1 while the backend is reachable.
+    pub up: Gauge,
+    /// `ratelimit_local_cache_hits_total`: requests answered by the over-limit cache.
+    pub local_cache_hits: Counter,
+    /// `ratelimit_failure_mode_decisions_total{mode}`: requests decided by the failure mode.
+    pub failure_mode_decisions: Family<ModeLabels, Counter>,
+    /// `ratelimit_redis_batch_requests`: requests decided by one script call.
+    pub batch_requests: Histogram,
+}
+
+impl Default for BackendMetrics {
+    fn default() -> Self {
+        let up = Gauge::default();
+        up.set(1);
+        BackendMetrics {
+            errors: Family::default(),
+            duration: Histogram::new([
+                0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05,
+                0.1, 0.25, 1.0,
+            ]),
+            up,
+            local_cache_hits: Counter::default(),
+            failure_mode_decisions: Family::default(),
+            batch_requests: Histogram::new([1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0]),
+        }
+    }
+}
+
+impl BackendMetrics {
+    /// Counts a failed backend call.
+    pub fn error(&self, kind: &'static str) {
+        self.errors.get_or_create(&KindLabels { kind }).inc();
+    }
+
+    /// Counts a request decided by the failure mode `mode`.
+    pub fn failure_mode(&self, mode: &'static str) {
+        self.failure_mode_decisions
+            .get_or_create(&ModeLabels { mode })
+            .inc();
+    }
+}
+
 /// The service's metrics and the registry that exports them.
 pub struct Metrics {
     registry: Registry,
@@ -98,16 +148,8 @@ pub struct Metrics {
     pub grpc_errors: Family<ErrorLabels, Counter>,
     /// `ratelimit_requests_in_flight`: ShouldRateLimit calls being handled now.
     pub in_flight: Gauge,
-    /// `ratelimit_backend_errors_total{kind}`: failed backend calls.
-    pub backend_errors: Family<KindLabels, Counter>,
-    /// `ratelimit_backend_duration_seconds`: one backend round trip (one script call).
-    pub backend_duration: Histogram,
-    /// `ratelimit_backend_up`: 1 while the backend is reachable.
-    pub backend_up: Gauge,
-    /// `ratelimit_local_cache_hits_total`: requests answered by the over-limit cache.
-    pub local_cache_hits: Counter,
-    /// `ratelimit_failure_mode_decisions_total{mode}`: requests decided by the failure mode.
-    pub failure_mode_decisions: Family<ModeLabels, Counter>,
+    /// What the backends record.
+    pub backend: BackendMetrics,
     /// The memory backend's bytes and evictions.
     pub memory: MemoryMetrics,
     /// `ratelimit_tls_reloads_total{result}`: reloads of the gRPC listener's TLS files.
@@ -157,39 +199,36 @@ impl Metrics {
             "ShouldRateLimit calls answered with a gRPC error, by code",
             grpc_errors.clone(),
         );
-        let backend_errors = Family::<KindLabels, Counter>::default();
+        let backend = BackendMetrics::default();
         registry.register(
             "ratelimit_backend_errors",
             "Failed backend calls by kind",
-            backend_errors.clone(),
+            backend.errors.clone(),
         );
-        let backend_duration = Histogram::new([
-            0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1,
-            0.25, 1.0,
-        ]);
         registry.register(
             "ratelimit_backend_duration_seconds",
             "Backend round trip (one script call)",
-            backend_duration.clone(),
+            backend.duration.clone(),
         );
-        let backend_up = Gauge::default();
-        backend_up.set(1);
         registry.register(
             "ratelimit_backend_up",
             "1 while the backend is reachable",
-            backend_up.clone(),
+            backend.up.clone(),
         );
-        let local_cache_hits = Counter::default();
         registry.register(
             "ratelimit_local_cache_hits",
             "Requests answered by the over-limit cache without a backend call",
-            local_cache_hits.clone(),
+            backend.local_cache_hits.clone(),
         );
-        let failure_mode_decisions = Family::<ModeLabels, Counter>::default();
         registry.register(
             "ratelimit_failure_mode_decisions",
             "Requests decided by the failure mode while the backend was unavailable",
-            failure_mode_decisions.clone(),
+            backend.failure_mode_decisions.clone(),
+        );
+        registry.register(
+            "ratelimit_redis_batch_requests",
+            "Requests decided together in one Redis script call (coalesced under load)",
+            backend.batch_requests.clone(),
         );
         let in_flight = Gauge::default();
         registry.register(
@@ -218,11 +257,7 @@ impl Metrics {
             tls_reloads,
             memory,
             in_flight,
-            backend_errors,
-            backend_duration,
-            backend_up,
-            local_cache_hits,
-            failure_mode_decisions,
+            backend,
             registry,
             decisions,
             config_loads,
@@ -242,13 +277,6 @@ impl Metrics {
     /// Counts a reload of the gRPC listener's TLS files.
     pub fn tls_reload(&self, result: LoadResult) {
         self.tls_reloads.get_or_create(&LoadLabels { result }).inc();
-    }
-
-    /// Counts a failed backend call.
-    pub fn backend_error(&self, kind: &'static str) {
-        self.backend_errors
-            .get_or_create(&KindLabels { kind })
-            .inc();
     }
 
     /// The Prometheus text exposition of every metric.

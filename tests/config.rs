@@ -7,7 +7,7 @@ use std::path::Path;
 
 use common::fixtures;
 use ratelimitd::config::*;
-use ratelimitd::limiter::Algorithm;
+use ratelimitd::limiter::{Algorithm, KeyFormat};
 
 fn fixture(rel: &str) -> Option<Domain> {
     let path = fixtures()?.join(rel);
@@ -21,10 +21,10 @@ fn yaml(text: &str) -> Result<Domain, ConfigError> {
 
 /// (rule label, first limit's rpu, unit) for a descriptor, or None when no limit applies.
 fn limit_of(domain: &Domain, entries: &[(&str, &str)]) -> Option<(String, u64, Unit)> {
-    let m = domain.resolve(entries)?;
-    match m.node.policy.as_ref()? {
-        Policy::Unlimited => Some((m.rule.to_string(), u64::MAX, Unit::Second)),
-        Policy::Limits(l) => Some((m.rule.to_string(), l[0].requests_per_unit, l[0].unit)),
+    let m = domain.resolve(entries, &KeyFormat::default())?;
+    match m.node.limits.as_ref()? {
+        NodeLimits::Unlimited => Some((m.rule.to_string(), u64::MAX, Unit::Second)),
+        NodeLimits::Limits(l) => Some((m.rule.to_string(), l[0].requests_per_unit, l[0].unit)),
     }
 }
 
@@ -72,8 +72,8 @@ fn basic_config_behaves_as_its_comments_say() {
         limit_of(&d, &[("key3", "x")]).map(|l| l.2),
         Some(Unit::Hour)
     );
-    let m = d.resolve(&[("key4", "x")]).unwrap();
-    let Some(Policy::Limits(l)) = &m.node.policy else {
+    let m = d.resolve(&[("key4", "x")], &KeyFormat::default()).unwrap();
+    let Some(NodeLimits::Limits(l)) = &m.node.limits else {
         panic!()
     };
     assert_eq!(l[0].name.as_deref(), Some("key4_rate_limit"));
@@ -99,8 +99,14 @@ fn value_less_keys_count_each_value_apart() {
     let Some(d) = fixture("good/basic_config.yaml") else {
         return;
     };
-    let a = d.resolve(&[("key2", "a")]).unwrap().key;
-    let b = d.resolve(&[("key2", "b")]).unwrap().key;
+    let a = d
+        .resolve(&[("key2", "a")], &KeyFormat::default())
+        .unwrap()
+        .key;
+    let b = d
+        .resolve(&[("key2", "b")], &KeyFormat::default())
+        .unwrap()
+        .key;
     assert_ne!(a, b);
 }
 
@@ -124,8 +130,14 @@ fn wildcards_match_in_file_order_after_exact_values() {
         Some(20)
     );
     // Without share_threshold, each value matching a wildcard has its own counter.
-    let a = d.resolve(&[("wild", "foo1")]).unwrap().key;
-    let b = d.resolve(&[("wild", "foo2")]).unwrap().key;
+    let a = d
+        .resolve(&[("wild", "foo1")], &KeyFormat::default())
+        .unwrap()
+        .key;
+    let b = d
+        .resolve(&[("wild", "foo2")], &KeyFormat::default())
+        .unwrap()
+        .key;
     assert_ne!(a, b);
 }
 
@@ -134,7 +146,7 @@ fn share_threshold_counts_every_matching_value_together() {
     let Some(d) = fixture("good/share_threshold.yaml") else {
         return;
     };
-    let key = |e: &[(&str, &str)]| d.resolve(e).unwrap().key;
+    let key = |e: &[(&str, &str)]| d.resolve(e, &KeyFormat::default()).unwrap().key;
     assert_eq!(key(&[("files", "files/a")]), key(&[("files", "files/b")]));
     assert_eq!(
         key(&[("nested", "parent"), ("files", "nested/a")]),
@@ -190,16 +202,30 @@ fn shadow_quota_and_replaces_are_read() {
     let Some(d) = fixture("good/shadowmode_config.yaml") else {
         return;
     };
-    assert!(d.resolve(&[("key2", "x")]).unwrap().node.shadow_mode);
-    assert!(!d.resolve(&[("key2", "value2")]).unwrap().node.shadow_mode);
+    assert!(
+        d.resolve(&[("key2", "x")], &KeyFormat::default())
+            .unwrap()
+            .node
+            .shadow_mode
+    );
+    assert!(
+        !d.resolve(&[("key2", "value2")], &KeyFormat::default())
+            .unwrap()
+            .node
+            .shadow_mode
+    );
     let Some(d) = fixture("good/example.yaml") else {
         return;
     };
-    let m = d.resolve(&[("service", "service_1")]).unwrap();
+    let m = d
+        .resolve(&[("service", "service_1")], &KeyFormat::default())
+        .unwrap();
     assert!(m.node.quota_mode);
     assert!(m.node.metadata.is_some());
-    let m = d.resolve(&[("category", "account")]).unwrap();
-    let Some(Policy::Limits(l)) = &m.node.policy else {
+    let m = d
+        .resolve(&[("category", "account")], &KeyFormat::default())
+        .unwrap();
+    let Some(NodeLimits::Limits(l)) = &m.node.limits else {
         panic!()
     };
     assert_eq!(&*l[0].replaces[1], "fake_name");
@@ -302,15 +328,15 @@ fn extensions_parse_and_dump() {
         "domain: ext\ndescriptors:\n  - key: api\n    rate_limits:\n      - {unit: second, requests_per_unit: 10, algorithm: token_bucket, burst: 20}\n      - {unit: Day, requests_per_unit: 1000, name: daily}\n  - key: slow\n    rate_limit: {unit: second, unit_multiplier: 30, requests_per_unit: 5, algorithm: SLIDING_LOG}\n",
     )
     .unwrap();
-    let m = d.resolve(&[("api", "k")]).unwrap();
-    let Some(Policy::Limits(l)) = &m.node.policy else {
+    let m = d.resolve(&[("api", "k")], &KeyFormat::default()).unwrap();
+    let Some(NodeLimits::Limits(l)) = &m.node.limits else {
         panic!()
     };
     assert_eq!(l.len(), 2);
     assert_eq!((l[0].algorithm, l[0].burst), (Algorithm::TokenBucket, 20));
     assert_eq!((l[1].unit, l[1].burst), (Unit::Day, 1000));
-    let m = d.resolve(&[("slow", "k")]).unwrap();
-    let Some(Policy::Limits(l)) = &m.node.policy else {
+    let m = d.resolve(&[("slow", "k")], &KeyFormat::default()).unwrap();
+    let Some(NodeLimits::Limits(l)) = &m.node.limits else {
         panic!()
     };
     assert_eq!(l[0].window_seconds(), 30);
@@ -452,10 +478,22 @@ fn each_validation_error_names_its_field_and_line() {
 #[test]
 fn keys_are_injective_over_hostile_values() {
     let d = yaml("domain: d\ndescriptors:\n  - key: a\n    descriptors:\n      - key: b\n        rate_limit: {unit: second, requests_per_unit: 1}\n  - key: a_b\n    descriptors:\n      - key: b\n        rate_limit: {unit: second, requests_per_unit: 1}\n").unwrap();
-    let k1 = d.resolve(&[("a", "x_b"), ("b", "y")]).unwrap().key;
-    let k2 = d.resolve(&[("a", "x"), ("b", "b_y")]).unwrap().key;
-    let k3 = d.resolve(&[("a_b", "x"), ("b", "y")]).unwrap().key;
-    let k4 = d.resolve(&[("a", "x\0\0\0\x01b"), ("b", "")]).unwrap().key;
+    let k1 = d
+        .resolve(&[("a", "x_b"), ("b", "y")], &KeyFormat::default())
+        .unwrap()
+        .key;
+    let k2 = d
+        .resolve(&[("a", "x"), ("b", "b_y")], &KeyFormat::default())
+        .unwrap()
+        .key;
+    let k3 = d
+        .resolve(&[("a_b", "x"), ("b", "y")], &KeyFormat::default())
+        .unwrap()
+        .key;
+    let k4 = d
+        .resolve(&[("a", "x\0\0\0\x01b"), ("b", "")], &KeyFormat::default())
+        .unwrap()
+        .key;
     let keys = [k1, k2, k3, k4];
     for i in 0..keys.len() {
         for j in i + 1..keys.len() {

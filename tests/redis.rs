@@ -132,6 +132,70 @@ async fn all_or_nothing_holds_under_concurrency_on_a_cluster() {
     all_or_nothing_under_concurrency(&["--redis-cluster-nodes", &urls]).await;
 }
 
+/// Requests in flight share script calls (with one call in flight at a time, concurrent
+/// requests must queue behind it), yet every decision is the one separate calls would give:
+/// exactly the limit admitted, each request all-or-nothing on its own, on every algorithm.
+/// `--redis-max-batch 1` (one call per request) gives the same decisions.
+async fn coalesced_calls_decide_as_separate_calls_would(target: &[&str]) {
+    let mut yaml = algorithms_yaml("co", 30);
+    yaml += "  - key: roomy\n    rate_limit: {unit: hour, requests_per_unit: 100000}\n";
+    for (batch, coalesced) in [("64", true), ("1", false)] {
+        let flags = [
+            target,
+            &["--redis-pipeline", "1", "--redis-max-batch", batch],
+        ]
+        .concat();
+        let servers = instances(&flags, &[("co.yaml", &yaml)], &[]).await;
+        let clients = clients(&servers).await;
+        for (n, a) in Algorithm::ALL.into_iter().enumerate() {
+            let key = a.as_str();
+            let admitted = admitted_of(&clients, 120, |i| {
+                // The same hot key for all; a distinct roomy value every fourth request.
+                let roomy = format!("r{}", i % 4);
+                request("co", &[&[(key, "hot")], &[("roomy", &roomy)]])
+            })
+            .await;
+            assert_eq!(admitted, 30, "{a}, max batch {batch}");
+            let mut c = clients[0].clone();
+            let mut roomy_used = 0;
+            for r in 0..4 {
+                let resp = call(&mut c, check_only("co", "roomy", &format!("r{r}"))).await;
+                roomy_used += 100_000 - resp.statuses[0].limit_remaining;
+            }
+            let expected = 30 * (1 + n as u32);
+            assert_eq!(roomy_used, expected, "{a}: rejected requests took nothing");
+        }
+        let mut calls = 0.0;
+        let mut requests = 0.0;
+        for s in &servers {
+            let (_, text) = s.http_get("/metrics").await;
+            calls += metric(&text, "ratelimit_redis_batch_requests_count");
+            requests += metric(&text, "ratelimit_redis_batch_requests_sum");
+        }
+        assert!(requests >= 4.0 * 120.0, "{requests} requests");
+        if coalesced {
+            assert!(
+                calls < requests,
+                "{calls} calls for {requests} requests: none coalesced"
+            );
+        } else {
+            assert_eq!(calls, requests, "max batch 1 makes one call per request");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn coalesced_calls_decide_as_separate_calls_would_on_standalone() {
+    let url = shared_standalone().url();
+    coalesced_calls_decide_as_separate_calls_would(&["--redis-url", &url]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn coalesced_calls_decide_as_separate_calls_would_on_a_cluster() {
+    let urls = shared_cluster().urls();
+    coalesced_calls_decide_as_separate_calls_would(&["--redis-cluster-nodes", &urls]).await;
+}
+
 /// Moves the slot of `{tag}` to another master while traffic flows: MOVED and ASK are
 /// followed, nothing is lost or double counted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

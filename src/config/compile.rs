@@ -10,7 +10,7 @@ use serde_saphyr::{Location, Spanned};
 
 use super::schema::{RawDescriptor, RawFile, RawLimit};
 use super::{
-    ConfigError, Domain, KeyNodes, Level, LimitRule, Node, Policy, Unit, Wildcard, is_wildcard,
+    ConfigError, Domain, KeyNodes, Level, LimitRule, Node, NodeLimits, Unit, Wildcard, is_wildcard,
 };
 use crate::limiter::Algorithm;
 
@@ -145,7 +145,7 @@ impl Compiler<'_> {
             ));
         }
 
-        let policy = match (raw.rate_limit, raw.rate_limits) {
+        let limits = match (raw.rate_limit, raw.rate_limits) {
             (Some(_), Some(list)) => {
                 return Err(self.err(
                     Some(&list.referenced),
@@ -153,7 +153,7 @@ impl Compiler<'_> {
                     "use either rate_limit or rate_limits, not both",
                 ));
             }
-            (Some(one), None) => Some(self.policy(
+            (Some(one), None) => Some(self.node_limits(
                 one.value,
                 one.referenced,
                 &format!("{field}.rate_limit"),
@@ -170,14 +170,14 @@ impl Compiler<'_> {
                 }
                 let mut limits = Vec::with_capacity(list.value.len());
                 for (j, item) in list.value.into_iter().enumerate() {
-                    match self.policy(
+                    match self.node_limits(
                         item.value,
                         item.referenced,
                         &format!("{list_field}[{j}]"),
                         true,
                     )? {
-                        Policy::Limits(mut l) => limits.append(&mut l),
-                        Policy::Unlimited => unreachable!("refused inside rate_limits"),
+                        NodeLimits::Limits(mut l) => limits.append(&mut l),
+                        NodeLimits::Unlimited => unreachable!("refused inside rate_limits"),
                     }
                 }
                 // A limit's counter is (algorithm, window, ordinal among those alike).
@@ -191,7 +191,7 @@ impl Compiler<'_> {
                         .count();
                     limits[j].ordinal = u16::try_from(alike).unwrap_or(u16::MAX);
                 }
-                Some(Policy::Limits(limits))
+                Some(NodeLimits::Limits(limits))
             }
             (None, None) => None,
         };
@@ -204,7 +204,7 @@ impl Compiler<'_> {
         Ok(Node {
             key,
             value,
-            policy,
+            limits,
             shadow_mode: raw.shadow_mode.unwrap_or(false),
             detailed_metric: raw.detailed_metric.unwrap_or(false),
             share_threshold,
@@ -217,13 +217,13 @@ impl Compiler<'_> {
         })
     }
 
-    fn policy(
+    fn node_limits(
         &self,
         raw: RawLimit,
         at: Location,
         field: &str,
         in_list: bool,
-    ) -> Result<Policy, ConfigError> {
+    ) -> Result<NodeLimits, ConfigError> {
         let sub = |name: &str| format!("{field}.{name}");
         if let Some(unlimited) = &raw.unlimited
             && unlimited.value
@@ -253,7 +253,7 @@ impl Compiler<'_> {
             if let Some((name, Some(at))) = extension.into_iter().find(|(_, at)| at.is_some()) {
                 return Err(self.err(Some(&at), &sub(name), "has no meaning when unlimited"));
             }
-            return Ok(Policy::Unlimited);
+            return Ok(NodeLimits::Unlimited);
         }
 
         let unit = match &raw.unit {
@@ -338,7 +338,7 @@ impl Compiler<'_> {
             }
             replaces.push(Arc::from(replaced));
         }
-        Ok(Policy::Limits(vec![LimitRule {
+        Ok(NodeLimits::Limits(vec![LimitRule {
             name,
             replaces,
             unit,

@@ -1,5 +1,5 @@
 //! Descriptor matching: walks a domain's tree one entry at a time and, when the last entry
-//! lands on a node with a policy, returns that node with the counter key and metric label.
+//! lands on a node with limits (or `unlimited`), returns that node with the counter key and metric label.
 //!
 //! Per level: exact value first, then wildcard values in file order, then the value-less key.
 //! More or fewer entries than the tree's depth at that point means no limit.
@@ -8,15 +8,17 @@ use std::borrow::Cow;
 use std::sync::Arc;
 
 use super::{Domain, Node};
-use crate::limiter::CounterKey;
+use smallvec::SmallVec;
 
-/// A descriptor that landed on a node with a policy.
+use crate::limiter::key::{CounterKey, KeyFormat};
+
+/// A descriptor that landed on a node with limits (or `unlimited`).
 #[derive(Debug)]
 pub struct Matched<'s> {
-    /// The node (its `policy` is set).
+    /// The node (its `limits` are set).
     pub node: &'s Node,
-    /// The domain and each entry's key and counted value; the caller appends the limit's
-    /// identity. A wildcard with `share_threshold` counts under its pattern, every other node
+    /// The domain and each entry's key and counted value, in `keys`' format; the caller
+    /// appends each limit's identity. A wildcard with `share_threshold` counts under its pattern, every other node
     /// under the request's value.
     pub key: CounterKey,
     /// The metric `rule` label: the config path, with request values only where the config asks
@@ -28,10 +30,15 @@ pub struct Matched<'s> {
 }
 
 impl Domain {
-    /// Resolves a descriptor's entries to the node whose policy applies, if any.
-    pub fn resolve<'s>(&'s self, entries: &[(&str, &str)]) -> Option<Matched<'s>> {
+    /// Resolves a descriptor's entries to the node whose limits apply, if any.
+    pub fn resolve<'s>(
+        &'s self,
+        entries: &[(&str, &str)],
+        keys: &KeyFormat,
+    ) -> Option<Matched<'s>> {
         let mut level = &self.root;
-        let mut path: Vec<&'s Node> = Vec::with_capacity(entries.len());
+        // Trees deeper than 8 are rare: no allocation for the walk itself.
+        let mut path: SmallVec<[&'s Node; 8]> = SmallVec::new();
         for &(key, value) in entries {
             let nodes = level.keys.get(key)?;
             let node = nodes
@@ -49,9 +56,9 @@ impl Domain {
             level = &node.children;
         }
         let leaf = *path.last()?;
-        leaf.policy.as_ref()?;
+        leaf.limits.as_ref()?;
 
-        let key = CounterKey::new(
+        let key = keys.descriptor_key(
             &self.name,
             path.iter().zip(entries).map(|(node, &(k, v))| {
                 let counted = match &node.value {

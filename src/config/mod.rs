@@ -131,7 +131,7 @@ impl LimitRule {
 
 /// What a descriptor node does when a request's last entry lands on it.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Policy {
+pub enum NodeLimits {
     /// `unlimited: true`: matched, never limited, not counted.
     Unlimited,
     /// One or more limits, all applied (`rate_limit` or the `rate_limits` extension).
@@ -146,7 +146,7 @@ pub struct Node {
     /// The configured value: exact, a wildcard pattern, or none (any value).
     pub value: Option<String>,
     /// The limit applied when a descriptor ends here.
-    pub policy: Option<Policy>,
+    pub limits: Option<NodeLimits>,
     /// Counted and reported, never rejects.
     pub shadow_mode: bool,
     /// Metric labels carry the request's values (every entry's).
@@ -275,9 +275,9 @@ impl Snapshot {
         let mut n = 0;
         for domain in self.domains.values() {
             domain.root.visit(&mut |node| {
-                n += match &node.policy {
-                    Some(Policy::Limits(l)) => l.len(),
-                    Some(Policy::Unlimited) => 1,
+                n += match &node.limits {
+                    Some(NodeLimits::Limits(l)) => l.len(),
+                    Some(NodeLimits::Unlimited) => 1,
                     None => 0,
                 }
             });
@@ -291,12 +291,12 @@ impl Snapshot {
         for domain in self.domains.values() {
             domain.root.visit(&mut |node| {
                 let full = format!("{}.{}", domain.name, node.path);
-                match &node.policy {
-                    Some(Policy::Unlimited) => lines.push(format!(
+                match &node.limits {
+                    Some(NodeLimits::Unlimited) => lines.push(format!(
                         "{full}: unlimited, shadow_mode: {}",
                         node.shadow_mode
                     )),
-                    Some(Policy::Limits(limits)) => {
+                    Some(NodeLimits::Limits(limits)) => {
                         for l in limits {
                             let mut line = format!(
                                 "{full}: unit={} requests_per_unit={}",

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use super::{Backend, BackendError, BoxFuture, Hit, MemoryBackend, Outcome, Verdict, admits};
-use crate::metrics::{Metrics, ModeLabels};
+use crate::metrics::BackendMetrics;
 
 /// The answer while Redis cannot be reached.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -35,7 +35,7 @@ pub struct Fallback {
     primary: Arc<dyn Backend>,
     mode: FailureMode,
     local: Arc<MemoryBackend>,
-    metrics: Arc<Metrics>,
+    metrics: BackendMetrics,
 }
 
 impl Fallback {
@@ -44,7 +44,7 @@ impl Fallback {
         primary: Arc<dyn Backend>,
         mode: FailureMode,
         local: Arc<MemoryBackend>,
-        metrics: Arc<Metrics>,
+        metrics: BackendMetrics,
     ) -> Self {
         Fallback {
             primary,
@@ -55,12 +55,7 @@ impl Fallback {
     }
 
     fn degrade(&self, hits: &[Hit], err: BackendError) -> Result<Outcome, BackendError> {
-        self.metrics
-            .failure_mode_decisions
-            .get_or_create(&ModeLabels {
-                mode: self.mode.as_str(),
-            })
-            .inc();
+        self.metrics.failure_mode(self.mode.as_str());
         tracing::debug!(error = %err, mode = self.mode.as_str(), "backend unavailable; failure mode decides");
         let all = |over: bool| -> Vec<Verdict> {
             hits.iter()

@@ -7,12 +7,85 @@
 
 use super::Limit;
 
-/// An encoded counter key with the boundaries the Redis backend uses for hash tags.
+/// What a key's Redis Cluster hash tag covers.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum HashTag {
+    /// The domain: one slot per domain, so one script call decides a whole request.
+    #[default]
+    Domain,
+    /// The domain and the descriptor's entries: spreads a busy domain over the cluster.
+    Descriptor,
+}
+
+/// The one place a counter's key is built, final bytes included:
+/// `<prefix>{<escaped domain>}:<k>:<v>…:<limit identity>` (or, per descriptor,
+/// `<prefix>{<domain>:<k>:<v>…}:<limit identity>`). Every backend stores the key as it is.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct KeyFormat {
+    prefix: Box<[u8]>,
+    tag: HashTag,
+}
+
+/// A key prefix that would move the hash tag.
+#[derive(Debug, thiserror::Error)]
+#[error("key prefix '{0}' must not contain '{{' or '}}' (it would move the hash tag)")]
+pub struct PrefixError(pub String);
+
+impl KeyFormat {
+    /// Keys starting with `prefix`, hash-tagged as `tag` says.
+    pub fn new(prefix: &str, tag: HashTag) -> Result<KeyFormat, PrefixError> {
+        if prefix.contains(['{', '}']) {
+            return Err(PrefixError(prefix.to_owned()));
+        }
+        Ok(KeyFormat {
+            prefix: prefix.as_bytes().into(),
+            tag,
+        })
+    }
+
+    /// What the hash tag covers.
+    pub fn hash_tag(&self) -> HashTag {
+        self.tag
+    }
+
+    /// The key of a descriptor's (key, counted value) entries in `domain`, without a limit
+    /// identity yet (see [`CounterKey::with_limit`]).
+    pub fn descriptor_key<'a>(
+        &self,
+        domain: &str,
+        entries: impl IntoIterator<Item = (&'a str, &'a str)>,
+    ) -> CounterKey {
+        let mut bytes = Vec::with_capacity(self.prefix.len() + domain.len() + 64);
+        bytes.extend_from_slice(&self.prefix);
+        bytes.push(b'{');
+        let tag_start = bytes.len();
+        push_escaped(&mut bytes, domain.as_bytes());
+        let mut tag_end = bytes.len();
+        if self.tag == HashTag::Domain {
+            bytes.push(b'}');
+        }
+        for (k, v) in entries {
+            bytes.push(b':');
+            push_escaped(&mut bytes, k.as_bytes());
+            bytes.push(b':');
+            push_escaped(&mut bytes, v.as_bytes());
+        }
+        if self.tag == HashTag::Descriptor {
+            tag_end = bytes.len();
+            bytes.push(b'}');
+        }
+        CounterKey {
+            bytes,
+            tag: (tag_start as u32, tag_end as u32),
+        }
+    }
+}
+
+/// A counter's key: final bytes, and where its hash tag's content lies.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct CounterKey {
     bytes: Vec<u8>,
-    domain_end: usize,
-    descriptor_end: usize,
+    tag: (u32, u32),
 }
 
 fn safe(b: u8) -> bool {
@@ -46,23 +119,9 @@ fn push_decimal(buf: &mut Vec<u8>, mut n: u64) {
 }
 
 impl CounterKey {
-    /// The key of a descriptor's entries in `domain` (without a limit identity yet).
+    /// The key of a descriptor in `domain` with the default format (no prefix, domain tag).
     pub fn new<'a>(domain: &str, entries: impl IntoIterator<Item = (&'a str, &'a str)>) -> Self {
-        let mut bytes = Vec::with_capacity(64);
-        push_escaped(&mut bytes, domain.as_bytes());
-        let domain_end = bytes.len();
-        for (k, v) in entries {
-            bytes.push(b':');
-            push_escaped(&mut bytes, k.as_bytes());
-            bytes.push(b':');
-            push_escaped(&mut bytes, v.as_bytes());
-        }
-        let descriptor_end = bytes.len();
-        CounterKey {
-            bytes,
-            domain_end,
-            descriptor_end,
-        }
+        KeyFormat::default().descriptor_key(domain, entries)
     }
 
     /// Appends the identity of one limit: algorithm, window and `ordinal` (which of the
@@ -71,42 +130,38 @@ impl CounterKey {
     /// Limits differing in any of these never share state; a changed `requests_per_unit`
     /// keeps its count across a reload.
     pub fn with_limit(mut self, limit: &Limit, ordinal: u16) -> Self {
+        self.push_limit(limit, ordinal);
+        self
+    }
+
+    /// [`CounterKey::with_limit`] on a copy, reserving exactly what the identity needs.
+    pub fn for_limit(&self, limit: &Limit, ordinal: u16) -> Self {
+        let mut bytes = Vec::with_capacity(self.bytes.len() + 28);
+        bytes.extend_from_slice(&self.bytes);
+        let mut key = CounterKey {
+            bytes,
+            tag: self.tag,
+        };
+        key.push_limit(limit, ordinal);
+        key
+    }
+
+    fn push_limit(&mut self, limit: &Limit, ordinal: u16) {
         self.bytes.push(b':');
         self.bytes.push(limit.algorithm.tag());
         push_decimal(&mut self.bytes, limit.window_us);
         self.bytes.push(b':');
         push_decimal(&mut self.bytes, ordinal as u64);
-        self
     }
 
-    /// The whole key.
+    /// The whole key, as stored.
     pub fn as_bytes(&self) -> &[u8] {
         &self.bytes
     }
 
-    /// The escaped domain (never empty for a valid request, never contains braces).
-    pub fn domain_part(&self) -> &[u8] {
-        &self.bytes[..self.domain_end]
-    }
-
-    /// The escaped domain and entries: what all limits of one descriptor share.
-    pub fn descriptor_part(&self) -> &[u8] {
-        &self.bytes[..self.descriptor_end]
-    }
-
-    /// The key split at `at` (a boundary above), for placing a hash tag around the head.
-    pub fn split_at(&self, at: usize) -> (&[u8], &[u8]) {
-        self.bytes.split_at(at)
-    }
-
-    /// Length of the domain part.
-    pub fn domain_len(&self) -> usize {
-        self.domain_end
-    }
-
-    /// Length of the descriptor part.
-    pub fn descriptor_len(&self) -> usize {
-        self.descriptor_end
+    /// The hash tag's content (between the braces): what decides the cluster slot.
+    pub fn tag(&self) -> &[u8] {
+        &self.bytes[self.tag.0 as usize..self.tag.1 as usize]
     }
 }
 
@@ -124,36 +179,54 @@ mod tests {
         }
     }
 
-    #[test]
-    fn keys_are_readable_and_brace_free() {
-        let limit = Limit {
+    fn limit() -> Limit {
+        Limit {
             algorithm: Algorithm::SlidingWindow,
             requests_per_unit: 1,
             window_us: 1_000_000,
             burst: 1,
-        };
-        let k = CounterKey::new("edge", [("path", "/a b:{c}\n")]).with_limit(&limit, 0);
+        }
+    }
+
+    #[test]
+    fn keys_are_readable_and_carry_exactly_our_tag() {
+        let entries = [("path", "/a b:{c}\n")];
+        let k = CounterKey::new("edge", entries).with_limit(&limit(), 0);
         assert_eq!(
             String::from_utf8_lossy(k.as_bytes()),
-            "edge:path:/a%20b%3A%7Bc%7D%0A:s1000000:0"
+            "{edge}:path:/a%20b%3A%7Bc%7D%0A:s1000000:0"
         );
-        assert_eq!(k.domain_part(), b"edge");
-        assert_eq!(k.descriptor_part(), b"edge:path:/a%20b%3A%7Bc%7D%0A");
+        assert_eq!(k.tag(), b"edge");
+        let per_descriptor = KeyFormat::new("rl:", HashTag::Descriptor).unwrap();
+        let k = per_descriptor
+            .descriptor_key("edge", entries)
+            .for_limit(&limit(), 3);
+        assert_eq!(
+            String::from_utf8_lossy(k.as_bytes()),
+            "rl:{edge:path:/a%20b%3A%7Bc%7D%0A}:s1000000:3"
+        );
+        assert_eq!(k.tag(), b"edge:path:/a%20b%3A%7Bc%7D%0A");
+        assert!(KeyFormat::new("rl{x}:", HashTag::Domain).is_err());
     }
 
     proptest::proptest! {
         #[test]
-        fn injective_and_never_braced(
+        fn injective_with_exactly_one_tag(
             a in proptest::collection::vec((".{0,5}", ".{0,5}"), 0..4),
             b in proptest::collection::vec((".{0,5}", ".{0,5}"), 0..4),
             da in ".{1,4}",
             db in ".{1,4}",
+            per_descriptor: bool,
         ) {
-            let ka = CounterKey::new(&da, a.iter().map(|(k, v)| (k.as_str(), v.as_str())));
-            let kb = CounterKey::new(&db, b.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+            let tag = if per_descriptor { HashTag::Descriptor } else { HashTag::Domain };
+            let format = KeyFormat::new("p:", tag).unwrap();
+            let ka = format.descriptor_key(&da, a.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+            let kb = format.descriptor_key(&db, b.iter().map(|(k, v)| (k.as_str(), v.as_str())));
             proptest::prop_assert_eq!(ka.as_bytes() == kb.as_bytes(), a == b && da == db);
-            let braced = ka.as_bytes().iter().any(|c| b"{}".contains(c));
-            proptest::prop_assert!(!braced, "a brace in {:?}", ka);
+            let braces: Vec<usize> = ka.as_bytes().iter().enumerate()
+                .filter(|(_, c)| b"{}".contains(c)).map(|(i, _)| i).collect();
+            proptest::prop_assert_eq!(braces.len(), 2, "{:?}", ka);
+            proptest::prop_assert_eq!(&ka.as_bytes()[braces[0] + 1..braces[1]], ka.tag());
         }
     }
 }

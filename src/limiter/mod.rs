@@ -14,7 +14,7 @@ use std::time::Duration;
 
 pub use algorithm::Algorithm;
 pub use clock::{Clock, ManualClock, SystemClock};
-pub use key::CounterKey;
+pub use key::{CounterKey, HashTag, KeyFormat};
 pub use memory::MemoryBackend;
 
 /// One limit as the backend applies it: how many units of hits per window, by which algorithm.

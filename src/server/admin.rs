@@ -6,7 +6,7 @@ use std::sync::Arc;
 use tonic::{Request, Response, Status};
 
 use super::grpc::to_status;
-use crate::service::RateLimiter;
+use crate::engine::Engine;
 
 /// Code generated from the proto at build time.
 #[allow(missing_docs, clippy::all)]
@@ -17,15 +17,15 @@ pub mod pb {
 pub use pb::admin_server::AdminServer;
 use pb::{Counter, CounterRequest, CounterResponse, ResetResponse};
 
-/// The admin service over a [`RateLimiter`].
+/// The admin service over an [`Engine`].
 pub struct Admin {
-    limiter: Arc<RateLimiter>,
+    engine: Arc<Engine>,
 }
 
 impl Admin {
-    /// Serves `limiter`'s counters.
-    pub fn new(limiter: Arc<RateLimiter>) -> Self {
-        Admin { limiter }
+    /// Serves `engine`'s counters.
+    pub fn new(engine: Arc<Engine>) -> Self {
+        Admin { engine }
     }
 }
 
@@ -44,7 +44,7 @@ impl pb::admin_server::Admin for Admin {
     ) -> Result<Response<CounterResponse>, Status> {
         let req = request.get_ref();
         let views = self
-            .limiter
+            .engine
             .inspect(&req.domain, &entries(req))
             .await
             .map_err(to_status)?;
@@ -70,7 +70,7 @@ impl pb::admin_server::Admin for Admin {
     ) -> Result<Response<ResetResponse>, Status> {
         let req = request.get_ref();
         let reset = self
-            .limiter
+            .engine
             .reset(&req.domain, &entries(req))
             .await
             .map_err(to_status)?;

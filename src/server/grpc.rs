@@ -20,21 +20,21 @@ use tonic::{Request, Response, Status};
 use super::headers::{self, HeaderMode};
 
 use crate::config::Unit;
+use crate::engine::{self, Code, Descriptor, Engine, EngineError, LimitOverride};
 use crate::metrics::{ErrorLabels, Metrics};
-use crate::service::{self, Code, Descriptor, LimitOverride, RateLimiter, ServiceError};
 
-/// The gRPC front end of a [`RateLimiter`].
+/// The gRPC front end of an [`Engine`].
 pub struct GrpcService {
-    limiter: Arc<RateLimiter>,
+    engine: Arc<Engine>,
     metrics: Arc<Metrics>,
     headers: HeaderMode,
 }
 
 impl GrpcService {
-    /// Serves `limiter`, recording timings in `metrics`, adding `headers` to responses.
-    pub fn new(limiter: Arc<RateLimiter>, metrics: Arc<Metrics>, headers: HeaderMode) -> Self {
+    /// Serves `engine`, recording timings in `metrics`, adding `headers` to responses.
+    pub fn new(engine: Arc<Engine>, metrics: Arc<Metrics>, headers: HeaderMode) -> Self {
         Self {
-            limiter,
+            engine,
             metrics,
             headers,
         }
@@ -43,14 +43,14 @@ impl GrpcService {
 
 /// The gRPC status of a request that got no decision. Clients get a short, stable message;
 /// what happened goes to the log.
-pub fn to_status(e: ServiceError) -> Status {
+pub fn to_status(e: EngineError) -> Status {
     match e {
-        ServiceError::InvalidArgument(m) => Status::invalid_argument(m),
-        ServiceError::Backend(e) if e.is_transient() => {
+        EngineError::InvalidArgument(m) => Status::invalid_argument(m),
+        EngineError::Backend(e) if e.is_transient() => {
             tracing::warn!(error = %e, "backend unavailable");
             Status::unavailable("rate limit backend unavailable")
         }
-        ServiceError::Backend(e) => {
+        EngineError::Backend(e) => {
             tracing::error!(error = %e, "backend failed");
             Status::internal("rate limit backend error")
         }
@@ -188,8 +188,8 @@ fn descriptor(i: usize, d: &RateLimitDescriptor) -> Result<Descriptor<'_>, Strin
 }
 
 /// Converts a request (no copies of strings).
-pub fn to_request(req: &RateLimitRequest) -> Result<service::Request<'_>, String> {
-    Ok(service::Request {
+pub fn to_request(req: &RateLimitRequest) -> Result<engine::Request<'_>, String> {
+    Ok(engine::Request {
         domain: &req.domain,
         descriptors: req
             .descriptors
@@ -212,7 +212,7 @@ fn pb_code(code: Code) -> i32 {
 /// the decision carries it, dynamic metadata.
 pub fn to_response(
     req: &RateLimitRequest,
-    resp: service::Response,
+    resp: engine::Response,
     headers: HeaderMode,
     now_s: u64,
 ) -> RateLimitResponse {
@@ -296,7 +296,7 @@ impl RateLimitService for GrpcService {
         let req = request.get_ref();
         let result = match to_request(req) {
             Err(message) => Err(Status::invalid_argument(message)),
-            Ok(req) => match self.limiter.should_rate_limit(&req).await {
+            Ok(req) => match self.engine.should_rate_limit(&req).await {
                 Ok(resp) => Ok(Response::new(to_response(
                     request.get_ref(),
                     resp,

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use crate::service::{Code, Response, Status};
+use crate::engine::{Code, Response, Status};
 
 /// Which headers to write.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -148,7 +148,7 @@ pub fn headers(mode: HeaderMode, resp: &Response, now_s: u64) -> Vec<(&'static s
 mod tests {
     use super::*;
     use crate::config::Unit;
-    use crate::service::ReportedLimit;
+    use crate::engine::ReportedLimit;
     use std::sync::Arc;
 
     fn status(

@@ -14,16 +14,16 @@ use axum::routing::{get, post};
 use super::grpc::{to_request, to_response, to_status, unix_now};
 use super::headers::HeaderMode;
 use super::json::{parse_request, response_json};
-use crate::service::Code;
+use crate::engine::Code;
 
+use crate::engine::Engine;
 use crate::limiter::Backend;
 use crate::metrics::Metrics;
-use crate::service::RateLimiter;
 
 /// What the HTTP handlers read.
 pub struct HttpState {
     /// The decision engine (for its config snapshot).
-    pub limiter: Arc<RateLimiter>,
+    pub engine: Arc<Engine>,
     /// Metrics to export.
     pub metrics: Arc<Metrics>,
     /// False once shutdown has begun, so load balancers stop sending traffic.
@@ -71,7 +71,7 @@ async fn metrics(State(state): State<Arc<HttpState>>) -> impl IntoResponse {
 async fn rlconfig(State(state): State<Arc<HttpState>>) -> impl IntoResponse {
     (
         [(header::CONTENT_TYPE, "text/plain; charset=utf-8")],
-        state.limiter.snapshot().dump(),
+        state.engine.snapshot().dump(),
     )
 }
 
@@ -92,7 +92,7 @@ async fn json_decide(State(state): State<Arc<HttpState>>, body: Bytes) -> axum::
     };
     let decided = match to_request(&req) {
         Err(message) => return text(StatusCode::BAD_REQUEST, message),
-        Ok(r) => state.limiter.should_rate_limit(&r).await,
+        Ok(r) => state.engine.should_rate_limit(&r).await,
     };
     match decided {
         Ok(resp) => {

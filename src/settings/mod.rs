@@ -9,10 +9,11 @@ use clap::{CommandFactory, Parser, ValueEnum};
 
 pub mod envoyproxy;
 
+use crate::engine::{EngineOptions, RequestLimits};
 use crate::limiter::fallback::FailureMode;
-use crate::limiter::redis::{Credentials, HashTag, RedisOptions, RedisUrl, Target, TlsFiles};
+use crate::limiter::key::{HashTag, KeyFormat, PrefixError};
+use crate::limiter::redis::{Credentials, RedisOptions, RedisUrl, Target, TlsFiles};
 pub use crate::server::headers::HeaderMode;
-use crate::service::{Policies, RequestLimits};
 
 /// Where counters are kept.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -255,6 +256,14 @@ pub struct Settings {
     #[arg(long, value_enum, default_value = "domain")]
     pub redis_hash_tag: HashTagArg,
 
+    /// Redis script calls in flight at once; requests arriving meanwhile share the next call.
+    #[arg(long, default_value_t = 2, value_parser = clap::builder::TypedValueParser::map(clap::value_parser!(u16).range(1..=64), usize::from))]
+    pub redis_pipeline: usize,
+
+    /// Most requests one Redis script call decides (1 turns coalescing off).
+    #[arg(long, default_value_t = 64, value_parser = clap::builder::TypedValueParser::map(clap::value_parser!(u16).range(1..=1024), usize::from))]
+    pub redis_max_batch: usize,
+
     /// Bytes of the local over-limit cache, keys included (0 = off), e.g. 1MiB.
     #[arg(long, default_value = "0", value_parser = parse_bytes)]
     pub local_cache_bytes: u64,
@@ -390,14 +399,63 @@ impl Settings {
         settings.validate()
     }
 
+    /// Resolves and validates the settings into what the service runs with: every
+    /// combination checked, every file the flags name found, the gRPC TLS files loaded.
+    pub fn resolve(&self) -> Result<Options, SettingsError> {
+        let (backend, keys) = match self.backend {
+            BackendKind::Memory => (BackendOptions::Memory, KeyFormat::default()),
+            BackendKind::Redis => (
+                BackendOptions::Redis {
+                    redis: Box::new(self.redis_options()?),
+                    failure_mode: self.failure_mode(),
+                },
+                KeyFormat::new(
+                    &self.redis_key_prefix,
+                    match self.redis_hash_tag {
+                        HashTagArg::Domain => HashTag::Domain,
+                        HashTagArg::Descriptor => HashTag::Descriptor,
+                    },
+                )?,
+            ),
+        };
+        let grpc_tls = match self.grpc_tls() {
+            None => None,
+            Some(files) => {
+                let config = files.load().map_err(SettingsError::GrpcTls)?;
+                Some(GrpcTls { files, config })
+            }
+        };
+        Ok(Options {
+            config: self.config.clone(),
+            backend,
+            keys,
+            engine: EngineOptions {
+                request_limits: RequestLimits {
+                    max_descriptors: self.max_descriptors,
+                    max_entries: self.max_entries,
+                    max_key_bytes: self.max_key_bytes,
+                    max_value_bytes: self.max_value_bytes,
+                },
+                near_limit_ratio: self.near_limit_ratio,
+                global_shadow_mode: self.shadow_mode,
+                dynamic_metadata: self.response_dynamic_metadata,
+            },
+            grpc_tls,
+            response_headers: self.response_headers,
+            admin: self.admin,
+            memory_max_bytes: self.memory_max_bytes,
+            shutdown_grace: self.shutdown_grace,
+        })
+    }
+
     /// The Redis backend's options, or why they are incomplete.
-    pub fn redis_options(&self) -> Result<RedisOptions, String> {
+    fn redis_options(&self) -> Result<RedisOptions, SettingsError> {
         let credentials = Credentials {
             username: self.redis_username.clone(),
             password: self.redis_password.as_ref().map(|s| s.0.clone()),
         };
         if credentials.username.is_some() && credentials.password.is_none() {
-            return Err("--redis-username needs --redis-password".into());
+            return Err(SettingsError::UsernameWithoutPassword);
         }
         let data_node = |url: &RedisUrl| {
             let url = url.with_default_credentials(&credentials);
@@ -417,19 +475,15 @@ impl Settings {
                 master: self
                     .redis_sentinel_master
                     .clone()
-                    .ok_or("--redis-sentinel-nodes needs --redis-sentinel-master")?,
+                    .ok_or(SettingsError::SentinelWithoutMaster)?,
                 master_credentials: credentials.clone(),
                 master_tls: self.redis_tls,
             },
-            (None, true, true) => {
-                return Err("--backend redis needs --redis-url, --redis-cluster-nodes or --redis-sentinel-nodes".into());
-            }
-            _ => {
-                return Err("give only one of --redis-url, --redis-cluster-nodes and --redis-sentinel-nodes".into());
-            }
+            (None, true, true) => return Err(SettingsError::NoRedis),
+            _ => return Err(SettingsError::SeveralRedis),
         };
         if self.redis_tls_cert.is_some() != self.redis_tls_key.is_some() {
-            return Err("--redis-tls-cert and --redis-tls-key go together".into());
+            return Err(SettingsError::RedisTlsPair);
         }
         for (flag, file) in [
             ("--redis-tls-ca", &self.redis_tls_ca),
@@ -437,16 +491,14 @@ impl Settings {
             ("--redis-tls-key", &self.redis_tls_key),
         ] {
             if let Some(file) = file
-                && let Err(e) = std::fs::metadata(file)
+                && let Err(source) = std::fs::metadata(file)
             {
-                return Err(format!("{flag}: {}: {e}", file.display()));
+                return Err(SettingsError::File {
+                    flag,
+                    path: file.clone(),
+                    source,
+                });
             }
-        }
-        if self.redis_key_prefix.contains(['{', '}']) {
-            return Err(format!(
-                "--redis-key-prefix '{}' must not contain '{{' or '}}' (it would move the hash tag)",
-                self.redis_key_prefix
-            ));
         }
         Ok(RedisOptions {
             target,
@@ -456,38 +508,24 @@ impl Settings {
                 key: self.redis_tls_key.clone(),
             },
             timeout: self.redis_timeout,
-            key_prefix: self.redis_key_prefix.clone(),
-            hash_tag: match self.redis_hash_tag {
-                HashTagArg::Domain => HashTag::Domain,
-                HashTagArg::Descriptor => HashTag::Descriptor,
-            },
             local_cache_bytes: self.local_cache_bytes,
+            pipeline: self.redis_pipeline,
+            max_batch: self.redis_max_batch,
         })
     }
 
-    /// Checks what no single flag's parser can: combinations, and the Redis options when
-    /// `--backend redis` is chosen. A failure is a usage error (exit 2), like a bad flag.
+    /// Checks what no single flag's parser can: combinations, the Redis options when
+    /// `--backend redis` is chosen, the gRPC TLS files. A failure is a usage error (exit 2),
+    /// like a bad flag.
     pub fn validate(self) -> Result<Settings, clap::Error> {
-        if let Some(files) = self.grpc_tls()
-            && let Err(e) = files.load()
-        {
-            return Err(Settings::command().error(
-                clap::error::ErrorKind::ValueValidation,
-                format!("--grpc-tls-*: {e}"),
-            ));
-        }
-        if self.backend == BackendKind::Redis
-            && let Err(message) = self.redis_options()
-        {
-            return Err(
-                Settings::command().error(clap::error::ErrorKind::ArgumentConflict, message)
-            );
+        if let Err(e) = self.resolve() {
+            return Err(e.to_clap());
         }
         Ok(self)
     }
 
     /// The gRPC listener's TLS files, when TLS is asked for.
-    pub fn grpc_tls(&self) -> Option<crate::server::tls::TlsFiles> {
+    fn grpc_tls(&self) -> Option<crate::server::tls::TlsFiles> {
         Some(crate::server::tls::TlsFiles {
             cert: self.grpc_tls_cert.clone()?,
             key: self.grpc_tls_key.clone()?,
@@ -496,7 +534,7 @@ impl Settings {
     }
 
     /// `--redis-failure-mode` as the limiter's type.
-    pub fn failure_mode(&self) -> FailureMode {
+    fn failure_mode(&self) -> FailureMode {
         match self.redis_failure_mode {
             FailureModeArg::Error => FailureMode::Error,
             FailureModeArg::Allow => FailureMode::Allow,
@@ -504,20 +542,97 @@ impl Settings {
             FailureModeArg::Local => FailureMode::Local,
         }
     }
+}
 
-    /// The decision policies these settings ask for.
-    pub fn policies(&self) -> Policies {
-        Policies {
-            request_limits: RequestLimits {
-                max_descriptors: self.max_descriptors,
-                max_entries: self.max_entries,
-                max_key_bytes: self.max_key_bytes,
-                max_value_bytes: self.max_value_bytes,
-            },
-            near_limit_ratio: self.near_limit_ratio,
-            global_shadow_mode: self.shadow_mode,
-            dynamic_metadata: self.response_dynamic_metadata,
-        }
+/// The settings as the service runs with them: resolved, validated and typed.
+pub struct Options {
+    /// Config files and directories.
+    pub config: Vec<PathBuf>,
+    /// Where counters live.
+    pub backend: BackendOptions,
+    /// How counter keys are built.
+    pub keys: KeyFormat,
+    /// How the engine decides.
+    pub engine: EngineOptions,
+    /// TLS on the gRPC listener.
+    pub grpc_tls: Option<GrpcTls>,
+    /// Rate-limit headers added to responses.
+    pub response_headers: HeaderMode,
+    /// Serve the admin API.
+    pub admin: bool,
+    /// Bound of the memory backend (and the `local` failure mode).
+    pub memory_max_bytes: u64,
+    /// How long in-flight calls may finish after shutdown begins.
+    pub shutdown_grace: Duration,
+}
+
+/// The chosen backend.
+pub enum BackendOptions {
+    /// The embedded memory backend.
+    Memory,
+    /// Redis, and what to answer while it is unavailable.
+    Redis {
+        /// Where and how to reach it.
+        redis: Box<RedisOptions>,
+        /// What to answer while it is unavailable.
+        failure_mode: FailureMode,
+    },
+}
+
+/// The gRPC listener's TLS: its files (watched for renewals) and their first load.
+pub struct GrpcTls {
+    /// The files.
+    pub files: crate::server::tls::TlsFiles,
+    /// The server config they gave at start.
+    pub config: std::sync::Arc<rustls::ServerConfig>,
+}
+
+/// Settings that are individually valid but do not fit together, or name missing files.
+#[derive(Debug, thiserror::Error)]
+pub enum SettingsError {
+    /// A user without a password.
+    #[error("--redis-username needs --redis-password")]
+    UsernameWithoutPassword,
+    /// `--backend redis` with no Redis.
+    #[error("--backend redis needs --redis-url, --redis-cluster-nodes or --redis-sentinel-nodes")]
+    NoRedis,
+    /// Two Redis shapes at once.
+    #[error("give only one of --redis-url, --redis-cluster-nodes and --redis-sentinel-nodes")]
+    SeveralRedis,
+    /// Sentinels without the master's name.
+    #[error("--redis-sentinel-nodes needs --redis-sentinel-master")]
+    SentinelWithoutMaster,
+    /// Half a client certificate.
+    #[error("--redis-tls-cert and --redis-tls-key go together")]
+    RedisTlsPair,
+    /// A file a flag names cannot be read.
+    #[error("{flag}: {}: {source}", path.display())]
+    File {
+        /// The flag.
+        flag: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// A key prefix with braces.
+    #[error("--redis-key-prefix: {0}")]
+    KeyPrefix(#[from] PrefixError),
+    /// The gRPC TLS files do not load.
+    #[error("--grpc-tls-*: {0}")]
+    GrpcTls(crate::server::tls::TlsError),
+}
+
+impl SettingsError {
+    /// As a usage error (exit 2), like a bad flag.
+    pub fn to_clap(&self) -> clap::Error {
+        let kind = match self {
+            SettingsError::GrpcTls(_) | SettingsError::File { .. } => {
+                clap::error::ErrorKind::ValueValidation
+            }
+            _ => clap::error::ErrorKind::ArgumentConflict,
+        };
+        Settings::command().error(kind, self.to_string())
     }
 }
 
@@ -543,7 +658,10 @@ mod tests {
         assert_eq!(s.grpc_addr.port(), 8081);
         assert_eq!(s.http_addr.port(), 8080);
         assert_eq!(s.backend, BackendKind::Memory);
-        assert_eq!(s.policies().request_limits, RequestLimits::default());
+        assert_eq!(
+            s.resolve().unwrap().engine.request_limits,
+            RequestLimits::default()
+        );
     }
 
     #[test]

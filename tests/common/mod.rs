@@ -160,7 +160,7 @@ impl TestServer {
         let http = http_listener.local_addr().unwrap();
         let (stop, stopped) = oneshot::channel::<()>();
         let task = tokio::spawn(run_with_clock(
-            settings,
+            settings.resolve().expect("options"),
             Listeners {
                 grpc: grpc_listener,
                 http: http_listener,

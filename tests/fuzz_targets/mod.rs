@@ -9,11 +9,11 @@ use arc_swap::ArcSwap;
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use prost::Message;
 use ratelimitd::config::{Snapshot, compile_file};
-use ratelimitd::limiter::redis::{HashTag, RedisBackend, RedisOptions, RedisUrl, Target, TlsFiles};
-use ratelimitd::limiter::{Algorithm, CounterKey, Enforcement, Hit, Limit, MemoryBackend};
+use ratelimitd::engine::{Engine, EngineOptions};
+use ratelimitd::limiter::redis::RedisUrl;
+use ratelimitd::limiter::{Algorithm, CounterKey, HashTag, KeyFormat, Limit, MemoryBackend};
 use ratelimitd::metrics::Metrics;
 use ratelimitd::server::grpc::to_request;
-use ratelimitd::service::{Policies, RateLimiter};
 
 /// A fuzz target: takes any bytes, panics only on a bug.
 pub type FuzzTarget = fn(&[u8]);
@@ -74,15 +74,16 @@ fn runtime() -> &'static tokio::runtime::Runtime {
     })
 }
 
-fn limiter() -> &'static RateLimiter {
-    static L: OnceLock<RateLimiter> = OnceLock::new();
+fn engine() -> &'static Engine {
+    static L: OnceLock<Engine> = OnceLock::new();
     L.get_or_init(|| {
         let domain = compile_file(Path::new("fuzz.yaml"), LIMITS).expect("fuzz limits");
-        RateLimiter::new(
+        Engine::new(
             Arc::new(ArcSwap::from_pointee(Snapshot::new(vec![domain]))),
             Arc::new(MemoryBackend::default()),
-            Arc::new(Metrics::new()),
-            Policies::default(),
+            KeyFormat::default(),
+            Metrics::new().decisions.clone(),
+            EngineOptions::default(),
         )
     })
 }
@@ -96,7 +97,7 @@ pub fn request(data: &[u8]) {
     let Ok(req) = to_request(&req) else {
         return;
     };
-    if let Ok(resp) = runtime().block_on(limiter().should_rate_limit(&req)) {
+    if let Ok(resp) = runtime().block_on(engine().should_rate_limit(&req)) {
         assert_eq!(resp.statuses.len(), req.descriptors.len());
     }
 }
@@ -124,78 +125,52 @@ fn key_of(domain: &str, entries: &[(String, String)]) -> CounterKey {
 }
 
 /// Key building: two inputs (split at 0xFD) give the same key only if they are the same, and
-/// no key contains a brace.
+/// a key's only braces are its hash tag's.
 pub fn key(data: &[u8]) {
     let mut halves = data.splitn(2, |&b| b == 0xFD);
     let a = parts(halves.next().unwrap_or_default());
     let b = parts(halves.next().unwrap_or_default());
     let (ka, kb) = (key_of(&a.0, &a.1), key_of(&b.0, &b.1));
     assert_eq!(ka.as_bytes() == kb.as_bytes(), a == b, "{a:?} / {b:?}");
-    assert!(!ka.as_bytes().iter().any(|c| b"{}".contains(c)));
+    let braces = ka.as_bytes().iter().filter(|c| b"{}".contains(c)).count();
+    assert_eq!(braces, 2, "{:?}", String::from_utf8_lossy(ka.as_bytes()));
 }
 
-fn backend(hash_tag: HashTag) -> RedisBackend {
-    let opts = RedisOptions {
-        target: Target::Standalone(RedisUrl::parse("redis://127.0.0.1:1").expect("url")),
-        tls: TlsFiles::default(),
-        timeout: std::time::Duration::from_millis(100),
-        key_prefix: "rl:".into(),
-        hash_tag,
-        local_cache_bytes: 0,
-    };
-    // Building the (lazy, never used) connection needs a runtime context.
-    let _runtime = runtime().enter();
-    RedisBackend::new(opts, Arc::new(Metrics::new())).expect("backend")
-}
-
-/// Script arguments: the Redis key of any descriptor has exactly one hash tag, ours, around
-/// the escaped domain (or descriptor); and any URL parses or is refused without showing its
-/// password.
+/// Script arguments: the Redis key of any descriptor has exactly one hash tag, ours: around
+/// the escaped domain alone (so the entries never move a request to another slot), or around
+/// the escaped descriptor; and any URL parses or is refused without showing its password.
 pub fn redis_args(data: &[u8]) {
-    static DOMAIN: OnceLock<RedisBackend> = OnceLock::new();
-    static DESCRIPTOR: OnceLock<RedisBackend> = OnceLock::new();
     let (domain, entries) = parts(data);
-    let key = key_of(&domain, &entries);
-    let hit = Hit {
-        key: key.clone().with_limit(
-            &Limit {
-                algorithm: Algorithm::SlidingLog,
-                requests_per_unit: 1,
-                window_us: 1_000_000,
-                burst: 1,
-            },
-            0,
-        ),
-        limit: Limit {
-            algorithm: Algorithm::SlidingLog,
-            requests_per_unit: 1,
-            window_us: 1_000_000,
-            burst: 1,
-        },
-        hits: 1,
-        enforcement: Enforcement::Enforce,
+    let limit = Limit {
+        algorithm: Algorithm::SlidingLog,
+        requests_per_unit: 1,
+        window_us: 1_000_000,
+        burst: 1,
     };
-    for (b, tag) in [
-        (
-            DOMAIN.get_or_init(|| backend(HashTag::Domain)),
-            key.domain_part(),
-        ),
-        (
-            DESCRIPTOR.get_or_init(|| backend(HashTag::Descriptor)),
-            key.descriptor_part(),
-        ),
-    ] {
-        let redis_key = b.redis_key(&hit);
+    let entries = || entries.iter().map(|(k, v)| (k.as_str(), v.as_str()));
+    for tag in [HashTag::Domain, HashTag::Descriptor] {
+        let format = KeyFormat::new("rl:", tag).expect("a prefix without braces");
+        let descriptor = format.descriptor_key(&domain, entries());
+        let key = descriptor.clone().with_limit(&limit, 0);
+        let redis_key = key.as_bytes();
         let open = redis_key.iter().filter(|&&c| c == b'{').count();
         let close = redis_key.iter().filter(|&&c| c == b'}').count();
         assert_eq!(
             (open, close),
             (1, 1),
             "{:?}",
-            String::from_utf8_lossy(&redis_key)
+            String::from_utf8_lossy(redis_key)
         );
-        let expected = [b"rl:{".as_slice(), tag, b"}"].concat();
+        let expected = [b"rl:{".as_slice(), key.tag(), b"}"].concat();
         assert!(redis_key.starts_with(&expected));
+        let alone = format.descriptor_key(&domain, []);
+        match tag {
+            HashTag::Domain => assert_eq!(key.tag(), alone.tag()),
+            HashTag::Descriptor => assert_eq!(
+                key.tag(),
+                &descriptor.as_bytes()[4..descriptor.as_bytes().len() - 1]
+            ),
+        }
     }
 
     // What is shown of a URL never depends on its password: the same URL with another

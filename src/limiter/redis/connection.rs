@@ -13,8 +13,8 @@ use redis::cluster::ClusterClientBuilder;
 use redis::cluster_async::ClusterConnection;
 use redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType};
 use redis::{
-    AsyncConnectionConfig, Client, IntoConnectionInfo, RedisResult, ScriptInvocation,
-    TlsCertificates, TlsMode,
+    AsyncConnectionConfig, Client, IntoConnectionInfo, RedisError, RedisResult, TlsCertificates,
+    TlsMode,
 };
 use tokio::sync::Mutex;
 
@@ -277,6 +277,25 @@ impl TlsFiles {
     }
 }
 
+/// Why a Redis connection could not be set up (before any connection is attempted).
+#[derive(Debug, thiserror::Error)]
+pub enum SetupError {
+    /// A TLS file could not be read or parsed.
+    #[error("redis TLS files: {0}")]
+    Tls(#[from] std::io::Error),
+    /// The client refused a node's address or options.
+    #[error("{node}: {source}")]
+    Client {
+        /// The node (redacted) or node list.
+        node: String,
+        /// The client's reason.
+        source: RedisError,
+    },
+    /// Sentinel without sentinel nodes.
+    #[error("no sentinel nodes")]
+    NoSentinels,
+}
+
 /// A connection to whichever shape was configured. Cheap to share.
 #[derive(Clone)]
 pub enum Conn {
@@ -319,14 +338,15 @@ pub struct SentinelConn {
 impl Conn {
     /// Builds the connection for `target` without connecting. `timeout` bounds each attempt
     /// and each response.
-    pub fn new(target: &Target, tls: &TlsFiles, timeout: Duration) -> Result<Conn, String> {
-        let certs = tls.certificates().map_err(|e| e.to_string())?;
-        let client_for = |url: &RedisUrl| -> Result<Client, String> {
+    pub fn new(target: &Target, tls: &TlsFiles, timeout: Duration) -> Result<Conn, SetupError> {
+        let certs = tls.certificates()?;
+        let failed = |node: String| move |source| SetupError::Client { node, source };
+        let client_for = |url: &RedisUrl| -> Result<Client, SetupError> {
             match &certs {
                 Some(c) => Client::build_with_tls(url.for_client(), c.clone()),
                 None => Client::open(url.for_client()),
             }
-            .map_err(|e| format!("{url}: {e}"))
+            .map_err(failed(url.to_string()))
         };
         match target {
             Target::Standalone(url) => {
@@ -337,7 +357,7 @@ impl Conn {
                     .set_min_delay(Duration::from_millis(10))
                     .set_max_delay(Duration::from_millis(200));
                 let manager = ConnectionManager::new_lazy_with_config(client_for(url)?, config)
-                    .map_err(|e| format!("{url}: {e}"))?;
+                    .map_err(failed(url.to_string()))?;
                 Ok(Conn::Standalone(manager))
             }
             Target::Cluster(nodes) => {
@@ -353,7 +373,7 @@ impl Conn {
                 if let Some(c) = &certs {
                     builder = builder.certs(c.clone());
                 }
-                let client = builder.build().map_err(|e| format!("cluster nodes: {e}"))?;
+                let client = builder.build().map_err(failed("cluster nodes".into()))?;
                 Ok(Conn::Cluster(Arc::new(Lazy {
                     slot: Mutex::new(None),
                     connect: Box::new(move || {
@@ -373,13 +393,13 @@ impl Conn {
                     let info = url
                         .for_client()
                         .into_connection_info()
-                        .map_err(|e| format!("{url}: {e}"))?;
+                        .map_err(failed(url.to_string()))?;
                     addrs.push(info.addr().clone());
                 }
-                let first = nodes.first().ok_or("no sentinel nodes")?;
+                let first = nodes.first().ok_or(SetupError::NoSentinels)?;
                 let mut builder =
                     SentinelClientBuilder::new(addrs, master.as_str(), SentinelServerType::Master)
-                        .map_err(|e| format!("sentinel nodes: {e}"))?;
+                        .map_err(failed("sentinel nodes".into()))?;
                 // The sentinels' own credentials and TLS come from their URLs.
                 if let Some((user, pass)) = &first.userinfo {
                     if !user.is_empty() {
@@ -408,9 +428,7 @@ impl Conn {
                         builder = builder.set_client_to_redis_certificates(c.clone());
                     }
                 }
-                let client = builder
-                    .build()
-                    .map_err(|e| format!("sentinel nodes: {e}"))?;
+                let client = builder.build().map_err(failed("sentinel nodes".into()))?;
                 Ok(Conn::Sentinel(Arc::new(SentinelConn {
                     client: Mutex::new(client),
                     conn: Mutex::new(None),
@@ -444,14 +462,14 @@ impl Conn {
         }
     }
 
-    /// Runs a script invocation (EVALSHA, loading the script on NOSCRIPT).
-    pub async fn invoke(
+    /// Sends one command and reads its reply.
+    pub async fn query<T: redis::FromRedisValue>(
         &self,
-        invocation: &ScriptInvocation<'_>,
+        cmd: &redis::Cmd,
         timeout: Duration,
-    ) -> RedisResult<Vec<i64>> {
+    ) -> RedisResult<T> {
         let mut live = self.live(timeout).await?;
-        invocation.invoke_async(&mut live).await
+        cmd.query_async(&mut live).await
     }
 
     /// DEL of one key; how many keys it removed.

@@ -9,70 +9,66 @@
 //! mode may over-reject for one round trip (a concurrent request can see the consumed-then-
 //! refunded hits); it never over-admits.
 
+mod batch;
 mod breaker;
 mod cache;
 pub mod connection;
 
-use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use futures_util::future::join_all;
-use redis::{RedisError, Script};
+use redis::RedisError;
+use smallvec::SmallVec;
+use tokio::sync::oneshot;
 
+pub use self::batch::BatchOptions;
+use self::batch::{Batcher, CallError, LimitArgs, Mode, Part, Reply};
 use self::breaker::Breaker;
 use self::cache::OverLimitCache;
-pub use self::connection::{Conn, Credentials, RedisUrl, Target, TlsFiles};
+pub use self::connection::{Conn, Credentials, RedisUrl, SetupError, Target, TlsFiles};
 use super::{Backend, BackendError, BoxFuture, Enforcement, Hit, Outcome, Verdict, admits};
-use crate::metrics::Metrics;
+use crate::metrics::BackendMetrics;
 
-/// The script, loaded once per process and per Redis (EVALSHA; reloaded on NOSCRIPT).
+/// The script, loaded once per process and per Redis (EVALSHA; EVAL after NOSCRIPT).
 pub const SCRIPT: &str = include_str!("script.lua");
 
-/// What a key's hash tag covers.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum HashTag {
-    /// The domain: one slot per domain, exact all-or-nothing in one call.
-    Domain,
-    /// The descriptor: spreads a domain over the cluster; refunds across slots.
-    Descriptor,
-}
-
-/// Everything the Redis backend needs.
+/// Everything the Redis backend needs (keys come built: see [`crate::limiter::key`]).
 #[derive(Clone, Debug)]
 pub struct RedisOptions {
     /// Where Redis is.
     pub target: Target,
     /// TLS files for `rediss://`.
     pub tls: TlsFiles,
-    /// Budget for one call, including cluster redirections and retries.
+    /// Budget for one request's calls, queueing, redirections and retries included.
     pub timeout: Duration,
-    /// Prepended to every key; must not contain `{` or `}`.
-    pub key_prefix: String,
-    /// What the hash tag covers.
-    pub hash_tag: HashTag,
     /// Bytes of the over-limit cache, keys included; 0 turns it off.
     pub local_cache_bytes: u64,
+    /// Script calls in flight at once on the connection (per process).
+    pub pipeline: usize,
+    /// Most requests one script call carries.
+    pub max_batch: usize,
 }
 
 /// Counters in Redis.
 pub struct RedisBackend {
     conn: Conn,
-    script: Script,
+    batcher: Batcher,
     opts: RedisOptions,
     cache: Option<OverLimitCache>,
     breaker: Breaker,
-    metrics: Arc<Metrics>,
+    metrics: BackendMetrics,
     nonce_base: u64,
     nonce: AtomicU64,
     up: AtomicBool,
 }
 
-/// One script call's share of a request.
+/// One script call's share of a request: the indices of its hits, all in one slot.
 struct Group {
-    hits: Vec<usize>,
+    slot: u16,
+    hits: SmallVec<[usize; 8]>,
 }
 
 /// CRC16 (XMODEM) of the hash tag, mod 16384: the Redis Cluster slot.
@@ -120,17 +116,21 @@ fn classify(err: &RedisError) -> (&'static str, bool) {
 
 impl RedisBackend {
     /// Prepares the backend without connecting (Redis may be down at start).
-    pub fn new(opts: RedisOptions, metrics: Arc<Metrics>) -> Result<RedisBackend, String> {
-        if opts.key_prefix.contains(['{', '}']) {
-            return Err(format!(
-                "--redis-key-prefix '{}' must not contain '{{' or '}}' (it would move the hash tag)",
-                opts.key_prefix
-            ));
-        }
+    pub fn new(opts: RedisOptions, metrics: BackendMetrics) -> Result<RedisBackend, SetupError> {
         let conn = Conn::new(&opts.target, &opts.tls, opts.timeout)?;
+        let batcher = Batcher::new(
+            conn.clone(),
+            matches!(opts.target, Target::Cluster(_)),
+            BatchOptions {
+                pipeline: opts.pipeline,
+                max_requests: opts.max_batch,
+                timeout: opts.timeout,
+            },
+            metrics.clone(),
+        );
         Ok(RedisBackend {
             conn,
-            script: Script::new(SCRIPT),
+            batcher,
             cache: (opts.local_cache_bytes > 0)
                 .then(|| OverLimitCache::new(opts.local_cache_bytes)),
             breaker: Breaker::new(),
@@ -149,7 +149,7 @@ impl RedisBackend {
 
     fn set_up(&self, up: bool) {
         self.up.store(up, Ordering::Relaxed);
-        self.metrics.backend_up.set(up as i64);
+        self.metrics.up.set(up as i64);
     }
 
     /// Pings Redis every `every` so health and metrics tell the truth without traffic, and a
@@ -181,88 +181,102 @@ impl RedisBackend {
         })
     }
 
-    /// The Redis key of a hit: `<prefix>{<tag>}<rest>`.
-    pub fn redis_key(&self, hit: &Hit) -> Vec<u8> {
-        let at = match self.opts.hash_tag {
-            HashTag::Domain => hit.key.domain_len(),
-            HashTag::Descriptor => hit.key.descriptor_len(),
-        };
-        let (tag, rest) = hit.key.split_at(at);
-        let mut key = Vec::with_capacity(self.opts.key_prefix.len() + hit.key.as_bytes().len() + 2);
-        key.extend_from_slice(self.opts.key_prefix.as_bytes());
-        key.push(b'{');
-        key.extend_from_slice(tag);
-        key.push(b'}');
-        key.extend_from_slice(rest);
-        key
-    }
-
-    fn groups(&self, hits: &[Hit]) -> Vec<Group> {
-        if self.opts.hash_tag == HashTag::Domain {
-            return vec![Group {
-                hits: (0..hits.len()).collect(),
-            }];
-        }
-        let mut by_slot: HashMap<u16, Vec<usize>> = HashMap::new();
-        let mut order = Vec::new();
+    /// The request's hits by cluster slot (of each key's hash tag), in order of appearance.
+    /// With the domain as the tag, every hit of a request lands in one group.
+    fn groups(hits: &[Hit]) -> SmallVec<[Group; 2]> {
+        let mut groups: SmallVec<[Group; 2]> = SmallVec::new();
         for (i, hit) in hits.iter().enumerate() {
-            let s = slot(hit.key.descriptor_part());
-            by_slot
-                .entry(s)
-                .or_insert_with(|| {
-                    order.push(s);
-                    Vec::new()
-                })
-                .push(i);
+            let s = slot(hit.key.tag());
+            match groups.iter_mut().find(|g| g.slot == s) {
+                Some(g) => g.hits.push(i),
+                None => groups.push(Group {
+                    slot: s,
+                    hits: SmallVec::from_slice(&[i]),
+                }),
+            }
         }
-        order
-            .into_iter()
-            .map(|s| Group {
-                hits: by_slot.remove(&s).unwrap_or_default(),
-            })
-            .collect()
+        groups
     }
 
-    /// The script call for `group`. For a refund, `consumed[i]` says whether the decide took
-    /// hit `i` (it did not when that limit was over): only what was taken is given back.
+    /// Submits `group`'s share of a request to the batcher. For a refund, `consumed[i]` says
+    /// whether the decide took hit `i` (it did not when that limit was over): only what was
+    /// taken is given back.
     #[allow(clippy::too_many_arguments)]
-    fn invocation<'s>(
-        &'s self,
+    fn submit(
+        &self,
         hits: &[Hit],
         group: &Group,
-        mode: &str,
-        nonce: &str,
+        mode: Mode,
+        nonce: ([u8; 33], u8),
         at: i64,
         soft_quota: bool,
         consumed: Option<&[bool]>,
-    ) -> redis::ScriptInvocation<'s> {
-        let mut inv = self.script.prepare_invoke();
-        inv.arg(mode).arg(nonce).arg(at);
+    ) -> oneshot::Receiver<Result<Reply, CallError>> {
+        let (reply, answer) = oneshot::channel();
+        let bytes = group
+            .hits
+            .iter()
+            .map(|&i| hits[i].key.as_bytes().len())
+            .sum();
+        let mut part = Part {
+            mode,
+            slot: group.slot,
+            nonce: nonce.0,
+            nonce_len: nonce.1,
+            at,
+            keys: Vec::with_capacity(bytes),
+            key_ends: SmallVec::new(),
+            limits: SmallVec::new(),
+            reply,
+        };
         for &i in &group.hits {
             let hit = &hits[i];
-            let taken = match consumed {
-                Some(c) if !c[i] => 0,
-                _ => hit.hits,
-            };
+            part.keys.extend_from_slice(hit.key.as_bytes());
+            part.key_ends.push(part.keys.len() as u32);
             let l = &hit.limit;
-            let enforcement = match hit.enforcement {
-                Enforcement::Enforce => "E",
-                Enforcement::Quota if !soft_quota => "Q",
-                Enforcement::Quota | Enforcement::Shadow => "S",
-            };
-            inv.key(self.redis_key(hit))
-                .arg(std::str::from_utf8(&[l.algorithm.tag()]).unwrap_or("f"))
-                .arg(l.requests_per_unit)
-                .arg(l.window_us)
-                .arg(l.burst)
-                .arg(taken)
-                .arg(enforcement);
+            part.limits.push(LimitArgs {
+                algorithm: l.algorithm.tag(),
+                requests_per_unit: l.requests_per_unit,
+                window_us: l.window_us,
+                burst: l.burst,
+                hits: match consumed {
+                    Some(c) if !c[i] => 0,
+                    _ => hit.hits,
+                },
+                enforcement: match hit.enforcement {
+                    Enforcement::Enforce => b'E',
+                    Enforcement::Quota if !soft_quota => b'Q',
+                    Enforcement::Quota | Enforcement::Shadow => b'S',
+                },
+            });
         }
-        inv
+        self.batcher.submit(part);
+        answer
     }
 
-    /// Runs `op` within the call budget. A failure becomes a [`BackendError`], counted by kind;
-    /// a connection the error says is dead is dropped.
+    /// A failed Redis operation as a [`BackendError`], counted by kind.
+    fn redis_error(&self, e: &RedisError) -> BackendError {
+        let (kind, transient) = classify(e);
+        self.metrics.error(kind);
+        let detail = format!("redis: {e}");
+        if transient {
+            BackendError::Unavailable { kind, detail }
+        } else {
+            BackendError::Internal { kind, detail }
+        }
+    }
+
+    fn timeout_error(&self) -> BackendError {
+        self.metrics.error("timeout");
+        BackendError::Unavailable {
+            kind: "timeout",
+            detail: format!("redis did not answer within {:?}", self.opts.timeout),
+        }
+    }
+
+    /// Runs `op` within the call budget (for the admin reset's direct commands). A failure
+    /// becomes a [`BackendError`], counted by kind; a connection the error says is dead is
+    /// dropped.
     async fn bounded<T>(
         &self,
         op: impl std::future::Future<Output = redis::RedisResult<T>>,
@@ -271,70 +285,93 @@ impl RedisBackend {
             Ok(Ok(v)) => Ok(v),
             Ok(Err(e)) => {
                 self.conn.on_error(&e).await;
-                let (kind, transient) = classify(&e);
-                self.metrics.backend_error(kind);
-                let detail = format!("redis: {e}");
-                Err(if transient {
-                    BackendError::Unavailable { kind, detail }
-                } else {
-                    BackendError::Internal { kind, detail }
-                })
+                Err(self.redis_error(&e))
             }
-            Err(_) => {
-                self.metrics.backend_error("timeout");
-                Err(BackendError::Unavailable {
-                    kind: "timeout",
-                    detail: format!("redis did not answer within {:?}", self.opts.timeout),
-                })
-            }
+            Err(_) => Err(self.timeout_error()),
         }
     }
 
-    async fn call(&self, inv: &redis::ScriptInvocation<'_>) -> Result<Vec<i64>, BackendError> {
-        let started = Instant::now();
-        let result = self.bounded(self.conn.invoke(inv, self.opts.timeout)).await;
-        self.metrics
-            .backend_duration
-            .observe(started.elapsed().as_secs_f64());
-        match result {
-            Ok(v) => {
+    /// Waits for a submitted part's reply, within what is left of the request's budget.
+    async fn answer(
+        &self,
+        answer: oneshot::Receiver<Result<Reply, CallError>>,
+        deadline: tokio::time::Instant,
+    ) -> Result<Reply, BackendError> {
+        let result = match tokio::time::timeout_at(deadline, answer).await {
+            Ok(Ok(Ok(reply))) => Ok(reply),
+            Ok(Ok(Err(CallError::Redis(e)))) => Err(self.redis_error(&e)),
+            Ok(Ok(Err(CallError::Timeout))) | Err(_) => Err(self.timeout_error()),
+            Ok(Ok(Err(CallError::Reply(detail)))) => {
+                self.metrics.error("reply");
+                Err(BackendError::Internal {
+                    kind: "reply",
+                    detail,
+                })
+            }
+            Ok(Ok(Err(CallError::Closed))) | Ok(Err(_)) => {
+                self.metrics.error("closed");
+                Err(BackendError::Unavailable {
+                    kind: "closed",
+                    detail: "the redis backend is shutting down".into(),
+                })
+            }
+        };
+        match &result {
+            Ok(_) => {
                 self.breaker.on_success();
                 self.set_up(true);
-                Ok(v)
             }
-            Err(e) => {
-                // Only a Redis that cannot be reached or is stuck opens the circuit. One that
-                // answered (TRYAGAIN mid-migration, a failover in progress, AUTH, a script
-                // error) costs no timeout when called again, and a bug must not open it.
-                if e.is_transient() && matches!(e.kind(), "timeout" | "connection" | "busy") {
-                    self.breaker.on_failure();
-                    self.set_up(false);
-                }
-                Err(e)
+            // Only a Redis that cannot be reached or is stuck opens the circuit. One that
+            // answered (TRYAGAIN mid-migration, a failover in progress, AUTH, a script
+            // error) costs no timeout when called again, and a bug must not open it.
+            Err(e) if e.is_transient() && matches!(e.kind(), "timeout" | "connection" | "busy") => {
+                self.breaker.on_failure();
+                self.set_up(false);
             }
+            Err(_) => {}
         }
+        result
+    }
+
+    fn next_nonce(&self) -> ([u8; 33], u8) {
+        let mut buf = [0u8; 33];
+        let mut len = push_hex(&mut buf, 0, self.nonce_base);
+        buf[len] = b'.';
+        len = push_hex(
+            &mut buf,
+            len + 1,
+            self.nonce.fetch_add(1, Ordering::Relaxed),
+        );
+        (buf, len as u8)
     }
 
     async fn decide_remote(&self, hits: &[Hit]) -> Result<Outcome, BackendError> {
         if !self.breaker.allow() {
-            self.metrics.backend_error("circuit_open");
+            self.metrics.error("circuit_open");
             return Err(BackendError::Unavailable {
                 kind: "circuit_open",
                 detail: "redis circuit open after repeated failures".into(),
             });
         }
-        let nonce = format!(
-            "{:x}.{:x}",
-            self.nonce_base,
-            self.nonce.fetch_add(1, Ordering::Relaxed)
-        );
-        let groups = self.groups(hits);
+        let deadline = tokio::time::Instant::now() + self.opts.timeout;
+        let nonce = self.next_nonce();
+        let groups = Self::groups(hits);
         let soft_quota = groups.len() > 1;
-        let invocations: Vec<_> = groups
+        let answers: SmallVec<[_; 2]> = groups
             .iter()
-            .map(|g| self.invocation(hits, g, "decide", &nonce, 0, soft_quota, None))
+            .map(|g| self.submit(hits, g, Mode::Decide, nonce, 0, soft_quota, None))
             .collect();
-        let results = join_all(invocations.iter().map(|inv| self.call(inv))).await;
+        let results: SmallVec<[_; 2]> = if answers.len() == 1 {
+            let only = answers.into_iter().next().expect("one group");
+            let mut results = SmallVec::new();
+            results.push(self.answer(only, deadline).await);
+            results
+        } else {
+            join_all(answers.into_iter().map(|a| self.answer(a, deadline)))
+                .await
+                .into_iter()
+                .collect()
+        };
 
         let mut verdicts = vec![
             Verdict {
@@ -344,11 +381,12 @@ impl RedisBackend {
             };
             hits.len()
         ];
-        let mut committed: Vec<(usize, i64)> = Vec::new(); // (group, time of decide)
+        let mut committed: SmallVec<[(usize, i64); 2]> = SmallVec::new(); // (group, time)
         let mut first_error = None;
         for (g, result) in results.into_iter().enumerate() {
             match result {
-                Ok(reply) if reply.len() == 2 + 3 * groups[g].hits.len() => {
+                Ok(reply) => {
+                    let reply = reply.values();
                     if reply[0] == 1 {
                         committed.push((g, reply[1]));
                     }
@@ -361,17 +399,6 @@ impl RedisBackend {
                         };
                     }
                 }
-                Ok(reply) => {
-                    self.metrics.backend_error("reply");
-                    first_error.get_or_insert(BackendError::Internal {
-                        kind: "reply",
-                        detail: format!(
-                            "unexpected script reply of {} values for {} limits",
-                            reply.len(),
-                            groups[g].hits.len()
-                        ),
-                    });
-                }
                 Err(e) => {
                     first_error.get_or_insert(e);
                 }
@@ -383,21 +410,20 @@ impl RedisBackend {
             // over limit, shadow or quota, took nothing); never over-admit, may over-reject
             // briefly.
             let consumed: Vec<bool> = verdicts.iter().map(|v| !v.over).collect();
-            let refunds: Vec<_> = committed
-                .iter()
-                .map(|&(g, at)| {
-                    self.invocation(
-                        hits,
-                        &groups[g],
-                        "refund",
-                        &nonce,
-                        at,
-                        soft_quota,
-                        Some(&consumed),
-                    )
-                })
-                .collect();
-            for result in join_all(refunds.iter().map(|inv| self.call(inv))).await {
+            let deadline = tokio::time::Instant::now() + self.opts.timeout;
+            let refunds = committed.iter().map(|&(g, at)| {
+                let answer = self.submit(
+                    hits,
+                    &groups[g],
+                    Mode::Refund,
+                    nonce,
+                    at,
+                    soft_quota,
+                    Some(&consumed),
+                );
+                self.answer(answer, deadline)
+            });
+            for result in join_all(refunds).await {
                 if let Err(e) = result {
                     tracing::warn!(error = %e, "refund failed; the hits stay counted until their window ends");
                 }
@@ -476,7 +502,7 @@ impl Backend for RedisBackend {
                     cache.remove(hit.key.as_bytes());
                 }
                 removed += self
-                    .bounded(self.conn.del(&self.redis_key(hit), self.opts.timeout))
+                    .bounded(self.conn.del(hit.key.as_bytes(), self.opts.timeout))
                     .await?;
             }
             Ok(removed)
@@ -488,42 +514,19 @@ impl Backend for RedisBackend {
     }
 }
 
+/// Writes `n` in lower-case hex at `buf[at..]`; returns where it ends.
+fn push_hex(buf: &mut [u8], at: usize, n: u64) -> usize {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let digits = (16 - n.leading_zeros() as usize / 4).max(1);
+    for d in 0..digits {
+        buf[at + d] = HEX[((n >> (4 * (digits - 1 - d))) & 15) as usize];
+    }
+    at + digits
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn options(prefix: &str) -> RedisOptions {
-        RedisOptions {
-            target: Target::Standalone(RedisUrl::parse("redis://127.0.0.1:1").unwrap()),
-            tls: TlsFiles::default(),
-            timeout: Duration::from_millis(100),
-            key_prefix: prefix.into(),
-            hash_tag: HashTag::Domain,
-            local_cache_bytes: 0,
-        }
-    }
-
-    #[tokio::test]
-    async fn a_prefix_with_braces_is_refused_and_keys_carry_our_tag() {
-        let metrics = Arc::new(Metrics::new());
-        let err = RedisBackend::new(options("rl{x}:"), metrics.clone())
-            .err()
-            .unwrap();
-        assert!(err.contains("--redis-key-prefix"), "{err}");
-        let backend = RedisBackend::new(options("rl:"), metrics).unwrap();
-        let hit = Hit {
-            key: super::super::CounterKey::new("edge", [("k", "{v}")]),
-            limit: super::super::Limit {
-                algorithm: super::super::Algorithm::FixedWindow,
-                requests_per_unit: 1,
-                window_us: 1_000_000,
-                burst: 1,
-            },
-            hits: 1,
-            enforcement: Enforcement::Enforce,
-        };
-        assert_eq!(backend.redis_key(&hit), b"rl:{edge}:k:%7Bv%7D".to_vec());
-    }
 
     #[test]
     fn slots_match_redis() {
@@ -531,5 +534,14 @@ mod tests {
         assert_eq!(slot(b"foo"), 12182);
         assert_eq!(slot(b"edge"), slot(b"edge"));
         assert_eq!(slot(b"123456789"), 0x31C3, "the CRC16-XMODEM check value");
+    }
+
+    #[test]
+    fn nonces_are_hex() {
+        for n in [0u64, 9, 0xabc, u64::MAX] {
+            let mut buf = [0u8; 33];
+            let end = push_hex(&mut buf, 0, n);
+            assert_eq!(&buf[..end], format!("{n:x}").as_bytes());
+        }
     }
 }

@@ -6,7 +6,12 @@
 -- is safe. The math mirrors src/limiter/algorithm.rs (the memory backend); Lua numbers are
 -- doubles, exact for microsecond timestamps and for counts below 2^53.
 --
--- KEYS[i]    the counter of limit i. All keys share one hash tag, so one cluster slot.
+-- One call decides the requests coalesced into it, one after another, each all-or-nothing on
+-- its own, exactly as if each had been its own call at the same instant: coalescing changes no
+-- decision, it only spares Redis a script call (and the client a round trip) per request.
+--
+-- KEYS       the counters of request 1's limits, then request 2's, and so on. All keys of one call
+--            share one cluster slot (standalone Redis: any keys).
 --            fixed_window: string count, expires at the window end
 --            sliding_window: hash {s = window start, p = previous count, c = current count}
 --            sliding_log: sorted set, one member per admitted request and limit, scored by its time
@@ -15,21 +20,26 @@
 --              a request carries (a member per hit let one request block Redis for seconds)
 --            token_bucket: string GCRA theoretical arrival time (µs)
 -- ARGV[1]    "decide" or "refund"
--- ARGV[2]    nonce unique to the request (names sliding_log members, so refunds can find them)
+-- ARGV[2]    how many requests this call carries
+-- then per request:
+--   nonce    unique to the request (names sliding_log members, so refunds can find them)
 --            refund: the hits of a limit are the hits its decide CONSUMED (0 for one that was
 --            over), so a refund never gives back what was never taken
--- ARGV[3]    decide: ignored; refund: the decide's time (µs), as returned by decide
--- ARGV[4..]  6 per limit: algorithm (f|s|w|b), requests_per_unit, window (µs), burst, hits,
+--   at       decide: ignored; refund: the decide's time (µs), as returned by decide
+--   n        how many limits (and KEYS) the request has
+--   6 per limit: algorithm (f|s|w|b), requests_per_unit, window (µs), burst, hits,
 --            enforcement (E: over rejects; Q: rejects only if every Q is over; S: never rejects)
 --
--- decide returns {admitted, now, then per limit: over, remaining, reset (µs)}. Nothing is
--- written unless the request is admitted; then every limit that fits is consumed and every key
--- written gets an expiry. refund undoes an admitted decide of the same KEYS and ARGV.
+-- decide returns, per request, {admitted, now, then per limit: over, remaining, reset (µs)},
+-- all requests' replies concatenated. Nothing is written for a request unless it is admitted;
+-- then every limit that fits is consumed and every key written gets an expiry. refund undoes an
+-- admitted decide of the same KEYS and ARGV and returns {1, now} per request.
 
 local mode = ARGV[1]
-local nonce = ARGV[2]
 local FIELDS = 6
-local n = #KEYS
+-- The request being decided: its nonce, its first KEYS index - 1, its first limit's ARGV
+-- index - 1, and how many limits it has. Set by the loop at the end.
+local nonce, k0, a0, n = '', 0, 0, 0
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
@@ -47,7 +57,7 @@ local function expire_at_us(key, at_us)
 end
 
 local function limit(i)
-  local b = 3 + (i - 1) * FIELDS
+  local b = a0 + (i - 1) * FIELDS
   return ARGV[b + 1], tonumber(ARGV[b + 2]), tonumber(ARGV[b + 3]), tonumber(ARGV[b + 4]),
     tonumber(ARGV[b + 5]), ARGV[b + 6]
 end
@@ -95,10 +105,9 @@ local function log_wait(key, to_free, w)
   return w
 end
 
-if mode == 'refund' then
-  local at = tonumber(ARGV[3])
+local function refund(at)
   for i = 1, n do
-    local key = KEYS[i]
+    local key = KEYS[k0 + i]
     local algo, rpu, w, burst, hits = limit(i)
     if hits > 0 then
       local start = at - (at % w)
@@ -133,128 +142,146 @@ if mode == 'refund' then
       end
     end
   end
-  return {1, now}
 end
 
--- decide: check every limit (reads only; pruning the log changes no count).
-local over, remaining, reset, state = {}, {}, {}, {}
-for i = 1, n do
-  local key = KEYS[i]
-  local algo, rpu, w, burst, hits = limit(i)
-  local start = now - (now % w)
-  local o, rem, rst = true, 0, w
-  if algo == 'f' then
-    local count = tonumber(redis.call('GET', key) or '0')
-    local after = count + hits
-    o = rpu == 0 or after > rpu
-    if not o then rem = rpu - after end
-    rst = start + w - now
-  elseif algo == 's' then
-    local h = redis.call('HMGET', key, 's', 'p', 'c')
-    local s, p, c = tonumber(h[1] or '-1'), tonumber(h[2] or '0'), tonumber(h[3] or '0')
-    if s ~= start then
-      if s == start - w then p = c else p = 0 end
-      c = 0
-    end
-    state[i] = {p, c, s ~= start}
-    local e = now - start
-    local faded = p * (w - e) -- the previous window's weight, times w
-    local room = rpu - c - hits
-    o = rpu == 0 or faded > room * w
-    if not o then
-      rem = room - math.ceil(faded / w)
-      if c + hits > 0 then rst = 2 * w - e elseif p > 0 then rst = w - e else rst = 0 end
-    elseif rpu > 0 and hits <= rpu then
-      local r = rpu - hits
-      if c <= r then
-        rst = math.max(1, (w - math.floor((r - c) * w / math.max(p, 1))) - e)
-      else
-        rst = (w - e) + (w - math.floor(r * w / c))
-      end
-    end
-  elseif algo == 'w' then
-    local count = log_total(key, now - w)
-    local after = count + hits
-    o = rpu == 0 or after > rpu
-    if not o then
-      rem = rpu - after
-      if hits > 0 then
-        rst = w
-      else
-        local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
-        if newest[2] and tonumber(newest[2]) > 0 then
-          rst = tonumber(newest[2]) + w - now
-        else
-          rst = 0
-        end
-      end
-    elseif rpu > 0 and hits <= rpu then
-      rst = log_wait(key, after - rpu, w)
-    end
-  elseif algo == 'b' then
-    if rpu > 0 then
-      local interval = w / rpu
-      local cap = burst * interval
-      local tat = math.max(tonumber(redis.call('GET', key) or '0'), now)
-      local new_tat = tat + hits * interval
-      o = new_tat - now > cap + 0.001
-      if not o then
-        rem = math.floor((cap - (new_tat - now)) / interval + 0.000001)
-        rst = math.ceil(new_tat - now - 0.001)
-        state[i] = new_tat
-      elseif hits <= burst then
-        rst = math.ceil(new_tat - now - cap - 0.001)
-      end
-    end
-  else
-    return redis.error_reply('ratelimitd: unknown algorithm ' .. tostring(algo))
-  end
-  over[i], remaining[i], reset[i] = o, rem, rst
-end
-
--- All-or-nothing: an enforced limit over, or every quota limit over, rejects the request.
-local admitted, quota_seen, quota_all_over = true, false, true
-for i = 1, n do
-  local enforcement = ARGV[3 + i * FIELDS]
-  if enforcement == 'E' and over[i] then admitted = false end
-  if enforcement == 'Q' then
-    quota_seen = true
-    if not over[i] then quota_all_over = false end
-  end
-end
-if quota_seen and quota_all_over then admitted = false end
-
-if admitted then
+-- Decides the current request and appends its reply to `out`.
+local function decide(out)
+  -- Check every limit (reads only; pruning the log changes no count).
+  local over, remaining, reset, state = {}, {}, {}, {}
   for i = 1, n do
-    local key = KEYS[i]
+    local key = KEYS[k0 + i]
     local algo, rpu, w, burst, hits = limit(i)
-    if not over[i] and hits > 0 then
-      local start = now - (now % w)
-      if algo == 'f' then
-        -- A key that existed already expires at this window's end; only a new one needs it.
-        if redis.call('INCRBY', key, hits) == hits then expire_at_us(key, start + w) end
-      elseif algo == 's' then
-        if state[i][3] then -- new key or a new window: rewrite it, with its new expiry
-          redis.call('HSET', key, 's', start, 'p', state[i][1], 'c', state[i][2] + hits)
-          expire_at_us(key, start + 2 * w)
+    local start = now - (now % w)
+    local o, rem, rst = true, 0, w
+    if algo == 'f' then
+      local count = tonumber(redis.call('GET', key) or '0')
+      local after = count + hits
+      o = rpu == 0 or after > rpu
+      if not o then rem = rpu - after end
+      rst = start + w - now
+    elseif algo == 's' then
+      local h = redis.call('HMGET', key, 's', 'p', 'c')
+      local s, p, c = tonumber(h[1] or '-1'), tonumber(h[2] or '0'), tonumber(h[3] or '0')
+      if s ~= start then
+        if s == start - w then p = c else p = 0 end
+        c = 0
+      end
+      state[i] = {p, c, s ~= start}
+      local e = now - start
+      local faded = p * (w - e) -- the previous window's weight, times w
+      local room = rpu - c - hits
+      o = rpu == 0 or faded > room * w
+      if not o then
+        rem = room - math.ceil(faded / w)
+        if c + hits > 0 then rst = 2 * w - e elseif p > 0 then rst = w - e else rst = 0 end
+      elseif rpu > 0 and hits <= rpu then
+        local r = rpu - hits
+        if c <= r then
+          rst = math.max(1, (w - math.floor((r - c) * w / math.max(p, 1))) - e)
         else
-          redis.call('HINCRBY', key, 'c', hits)
+          rst = (w - e) + (w - math.floor(r * w / c))
         end
-      elseif algo == 'w' then
-        redis.call('ZADD', key, now, member(i, hits))
-        redis.call('ZINCRBY', key, -hits, '#')
-        expire_at_us(key, now + w + 1)
-      elseif algo == 'b' then
-        redis.call('SET', key, string.format('%.3f', state[i]), 'PXAT', expiry_ms(state[i] + 1))
+      end
+    elseif algo == 'w' then
+      local count = log_total(key, now - w)
+      local after = count + hits
+      o = rpu == 0 or after > rpu
+      if not o then
+        rem = rpu - after
+        if hits > 0 then
+          rst = w
+        else
+          local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
+          if newest[2] and tonumber(newest[2]) > 0 then
+            rst = tonumber(newest[2]) + w - now
+          else
+            rst = 0
+          end
+        end
+      elseif rpu > 0 and hits <= rpu then
+        rst = log_wait(key, after - rpu, w)
+      end
+    elseif algo == 'b' then
+      if rpu > 0 then
+        local interval = w / rpu
+        local cap = burst * interval
+        local tat = math.max(tonumber(redis.call('GET', key) or '0'), now)
+        local new_tat = tat + hits * interval
+        o = new_tat - now > cap + 0.001
+        if not o then
+          rem = math.floor((cap - (new_tat - now)) / interval + 0.000001)
+          rst = math.ceil(new_tat - now - 0.001)
+          state[i] = new_tat
+        elseif hits <= burst then
+          rst = math.ceil(new_tat - now - cap - 0.001)
+        end
+      end
+    else
+      error('ratelimitd: unknown algorithm ' .. tostring(algo))
+    end
+    over[i], remaining[i], reset[i] = o, rem, rst
+  end
+
+  -- All-or-nothing: an enforced limit over, or every quota limit over, rejects the request.
+  local admitted, quota_seen, quota_all_over = true, false, true
+  for i = 1, n do
+    local enforcement = ARGV[a0 + i * FIELDS]
+    if enforcement == 'E' and over[i] then admitted = false end
+    if enforcement == 'Q' then
+      quota_seen = true
+      if not over[i] then quota_all_over = false end
+    end
+  end
+  if quota_seen and quota_all_over then admitted = false end
+
+  if admitted then
+    for i = 1, n do
+      local key = KEYS[k0 + i]
+      local algo, rpu, w, burst, hits = limit(i)
+      if not over[i] and hits > 0 then
+        local start = now - (now % w)
+        if algo == 'f' then
+          -- A key that existed already expires at this window's end; only a new one needs it.
+          if redis.call('INCRBY', key, hits) == hits then expire_at_us(key, start + w) end
+        elseif algo == 's' then
+          if state[i][3] then -- new key or a new window: rewrite it, with its new expiry
+            redis.call('HSET', key, 's', start, 'p', state[i][1], 'c', state[i][2] + hits)
+            expire_at_us(key, start + 2 * w)
+          else
+            redis.call('HINCRBY', key, 'c', hits)
+          end
+        elseif algo == 'w' then
+          redis.call('ZADD', key, now, member(i, hits))
+          redis.call('ZINCRBY', key, -hits, '#')
+          expire_at_us(key, now + w + 1)
+        elseif algo == 'b' then
+          redis.call('SET', key, string.format('%.3f', state[i]), 'PXAT', expiry_ms(state[i] + 1))
+        end
       end
     end
   end
+
+  out[#out + 1] = admitted and 1 or 0
+  out[#out + 1] = now
+  for i = 1, n do
+    out[#out + 1] = over[i] and 1 or 0
+    out[#out + 1] = remaining[i]
+    out[#out + 1] = reset[i]
+  end
 end
 
-local out = {admitted and 1 or 0, now}
-for i = 1, n do
-  out[#out + 1] = over[i] and 1 or 0
-  out[#out + 1] = remaining[i]
-  out[#out + 1] = reset[i]
+local out = {}
+local p = 3
+for _ = 1, tonumber(ARGV[2]) do
+  nonce, n, a0 = ARGV[p], tonumber(ARGV[p + 2]), p + 2
+  if mode == 'refund' then
+    refund(tonumber(ARGV[p + 1]))
+    out[#out + 1] = 1
+    out[#out + 1] = now
+  else
+    decide(out)
+  end
+  k0 = k0 + n
+  p = p + 3 + n * FIELDS
 end
 return out

@@ -1,0 +1,247 @@
+//! The decision engine, independent of the wire protocol. One request's path:
+//!
+//! 1. [`request::validate`]: bounds and required fields, else `INVALID_ARGUMENT`.
+//! 2. [`resolve::resolve`] (pure): the snapshot in force and the request give every applicable
+//!    limit and one [`Hit`](crate::limiter::Hit) per distinct counter, its key built once in its
+//!    final form by the [`KeyFormat`].
+//! 3. The backend decides all hits at once, all-or-nothing.
+//! 4. [`report::statuses`]: verdicts back into per-descriptor statuses; one metric per limit.
+
+pub mod report;
+pub mod request;
+pub mod resolve;
+
+use std::collections::HashSet;
+use std::sync::{Arc, OnceLock};
+
+use arc_swap::ArcSwap;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+
+pub use self::report::{Code, CounterView, ReportedLimit, Response, Status};
+pub use self::request::{Descriptor, EngineError, LimitOverride, Request, RequestLimits};
+pub use self::resolve::OVERRIDE_RULE;
+use self::resolve::{Applied, Resolved, resolve};
+use crate::config::Snapshot;
+use crate::limiter::key::KeyFormat;
+use crate::limiter::{Algorithm, Backend};
+use crate::metrics::{Decision, DecisionLabels};
+
+/// How the engine decides, beyond the config.
+#[derive(Clone, Copy, Debug)]
+pub struct EngineOptions {
+    /// Size bounds on requests.
+    pub request_limits: RequestLimits,
+    /// Fraction of a limit past which a decision counts as `near_limit`.
+    pub near_limit_ratio: f64,
+    /// Answer OK overall whatever the limits say (statuses still report them).
+    pub global_shadow_mode: bool,
+    /// Return the passed descriptors' config `metadata` with each response.
+    pub dynamic_metadata: bool,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        EngineOptions {
+            request_limits: RequestLimits::default(),
+            near_limit_ratio: 0.8,
+            global_shadow_mode: false,
+            dynamic_metadata: false,
+        }
+    }
+}
+
+/// The metric rule standing for every further label once [`MAX_VALUE_RULES`] are in use.
+pub const OVERFLOW_RULE: &str = "_other";
+/// Distinct rule labels carrying request values (`detailed_metric`, `value_to_metric`) the
+/// metrics keep; later ones are counted under [`OVERFLOW_RULE`], so clients cannot grow
+/// `/metrics` without bound even where the config asks for their values.
+pub const MAX_VALUE_RULES: usize = 1000;
+
+/// The set of value-carrying rule labels in use, capped at [`MAX_VALUE_RULES`].
+#[derive(Default)]
+struct ValueRules {
+    seen: parking_lot::Mutex<HashSet<Arc<String>>>,
+    overflow: OnceLock<Arc<String>>,
+}
+
+impl ValueRules {
+    /// `rule` if it is (or may become) one of the kept labels, else the overflow label.
+    fn label(&self, rule: &Arc<String>) -> Arc<String> {
+        let mut seen = self.seen.lock();
+        if seen.contains(rule) || (seen.len() < MAX_VALUE_RULES && seen.insert(rule.clone())) {
+            return rule.clone();
+        }
+        self.overflow
+            .get_or_init(|| Arc::new(OVERFLOW_RULE.to_owned()))
+            .clone()
+    }
+}
+
+/// The decision engine shared by every front end (gRPC, `/json`, the admin API).
+pub struct Engine {
+    config: Arc<ArcSwap<Snapshot>>,
+    backend: Arc<dyn Backend>,
+    keys: KeyFormat,
+    decisions: Family<DecisionLabels, Counter>,
+    options: EngineOptions,
+    value_rules: ValueRules,
+    override_rule: Arc<String>,
+}
+
+impl Engine {
+    /// An engine reading rules from `config`, keying counters as `keys` says, counting in
+    /// `backend` and recording each limit's decision in `decisions`.
+    pub fn new(
+        config: Arc<ArcSwap<Snapshot>>,
+        backend: Arc<dyn Backend>,
+        keys: KeyFormat,
+        decisions: Family<DecisionLabels, Counter>,
+        options: EngineOptions,
+    ) -> Engine {
+        Engine {
+            config,
+            backend,
+            keys,
+            decisions,
+            options,
+            value_rules: ValueRules::default(),
+            override_rule: Arc::new(OVERRIDE_RULE.to_owned()),
+        }
+    }
+
+    /// The snapshot in force.
+    pub fn snapshot(&self) -> Arc<Snapshot> {
+        self.config.load_full()
+    }
+
+    /// Decides a request: all-or-nothing across its descriptors.
+    pub async fn should_rate_limit(&self, req: &Request<'_>) -> Result<Response, EngineError> {
+        request::validate(req, &self.options.request_limits)?;
+        let snapshot = self.config.load();
+        let Resolved {
+            domain,
+            applied,
+            hits,
+        } = resolve(&snapshot, req, &self.keys, &self.override_rule);
+        let Some(domain) = domain.filter(|_| !hits.is_empty()) else {
+            return Ok(Response {
+                overall: Code::Ok,
+                statuses: vec![Status::unlimited(); req.descriptors.len()],
+                metadata: self.options.dynamic_metadata.then(serde_json::Map::new),
+            });
+        };
+        let outcome = self.backend.decide(&hits).await?;
+        let statuses = report::statuses(
+            req.descriptors.len(),
+            &applied,
+            &hits,
+            &outcome,
+            self.options.near_limit_ratio,
+            |a, decision| self.record(domain, a, decision),
+        );
+        let overall = if outcome.admitted || self.options.global_shadow_mode {
+            Code::Ok
+        } else {
+            Code::OverLimit
+        };
+        let metadata = self
+            .options
+            .dynamic_metadata
+            .then(|| report::passed_metadata(&applied, &statuses));
+        Ok(Response {
+            overall,
+            statuses,
+            metadata,
+        })
+    }
+
+    fn record(&self, domain: &Arc<String>, a: &Applied<'_>, decision: Decision) {
+        let rule = if a.rule_has_values {
+            self.value_rules.label(&a.rule)
+        } else {
+            a.rule.clone()
+        };
+        self.decisions
+            .get_or_create(&DecisionLabels {
+                domain: domain.clone(),
+                rule,
+                decision,
+            })
+            .inc();
+    }
+
+    /// The hits (of 0) naming the counters of one descriptor, with their limits.
+    fn counters_of(
+        &self,
+        domain: &str,
+        entries: &[(&str, &str)],
+    ) -> Result<Vec<(ReportedLimit, crate::limiter::Hit)>, EngineError> {
+        let req = Request {
+            domain,
+            descriptors: vec![Descriptor {
+                entries: entries.to_vec(),
+                limit_override: None,
+                hits_addend: Some(0),
+            }],
+            hits_addend: 0,
+        };
+        request::validate(&req, &self.options.request_limits)?;
+        let snapshot = self.config.load();
+        let Resolved { applied, hits, .. } =
+            resolve(&snapshot, &req, &self.keys, &self.override_rule);
+        Ok(applied
+            .into_iter()
+            .map(|a| (a.reported, hits[a.hit].clone()))
+            .collect())
+    }
+
+    /// Every limit that applies to a descriptor, with its counter as it stands. Consumes
+    /// nothing.
+    pub async fn inspect(
+        &self,
+        domain: &str,
+        entries: &[(&str, &str)],
+    ) -> Result<Vec<CounterView>, EngineError> {
+        let counters = self.counters_of(domain, entries)?;
+        if counters.is_empty() {
+            return Ok(Vec::new());
+        }
+        let hits: Vec<_> = counters.iter().map(|(_, h)| h.clone()).collect();
+        let outcome = self.backend.decide(&hits).await?;
+        Ok(counters
+            .into_iter()
+            .zip(outcome.verdicts)
+            .map(|((limit, hit), v)| {
+                let capacity = match hit.limit.algorithm {
+                    Algorithm::TokenBucket => hit.limit.burst,
+                    _ => hit.limit.requests_per_unit,
+                };
+                CounterView {
+                    limit,
+                    algorithm: hit.limit.algorithm,
+                    used: capacity.saturating_sub(v.remaining),
+                    remaining: v.remaining,
+                    reset: v.reset,
+                }
+            })
+            .collect())
+    }
+
+    /// Resets every counter of a descriptor; returns how many were held.
+    pub async fn reset(
+        &self,
+        domain: &str,
+        entries: &[(&str, &str)],
+    ) -> Result<usize, EngineError> {
+        let hits: Vec<_> = self
+            .counters_of(domain, entries)?
+            .into_iter()
+            .map(|(_, h)| h)
+            .collect();
+        if hits.is_empty() {
+            return Ok(0);
+        }
+        Ok(self.backend.reset(&hits).await?)
+    }
+}

@@ -1,0 +1,207 @@
+//! The report step: verdicts back into per-descriptor statuses, the overall code and the
+//! passed descriptors' metadata, with one decision per applied limit for the metrics.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::resolve::Applied;
+use crate::config::Unit;
+use crate::limiter::{Algorithm, Enforcement, Hit, Outcome, Verdict, quota_rejects};
+use crate::metrics::Decision;
+
+/// Whether a descriptor (or the request) is within its limits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Code {
+    /// Within limits (or not limited at all).
+    Ok,
+    /// Over a limit.
+    OverLimit,
+}
+
+/// The limit reported for a descriptor.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReportedLimit {
+    /// `rate_limit.name`, if configured.
+    pub name: Option<Arc<str>>,
+    /// Hits per unit.
+    pub requests_per_unit: u64,
+    /// The configured unit (not multiplied).
+    pub unit: Unit,
+    /// The window: unit × `unit_multiplier`.
+    pub window: Duration,
+}
+
+/// The answer for one descriptor.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Status {
+    /// OK or OVER_LIMIT.
+    pub code: Code,
+    /// The most restrictive limit that applied; `None` when none did.
+    pub limit: Option<ReportedLimit>,
+    /// Hits left under that limit.
+    pub remaining: u64,
+    /// Time until the limit resets (or the request would fit).
+    pub reset: Option<Duration>,
+}
+
+impl Status {
+    /// The status of a descriptor no limit applies to (for tests of what reads statuses).
+    #[doc(hidden)]
+    pub fn unlimited_for_tests() -> Status {
+        Status::unlimited()
+    }
+
+    pub(super) fn unlimited() -> Status {
+        Status {
+            code: Code::Ok,
+            limit: None,
+            remaining: 0,
+            reset: None,
+        }
+    }
+}
+
+/// The answer for a request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Response {
+    /// OVER_LIMIT if any enforced limit is exceeded.
+    pub overall: Code,
+    /// One status per descriptor, in request order.
+    pub statuses: Vec<Status>,
+    /// With `--response-dynamic-metadata`: the `metadata` of the config nodes of the
+    /// descriptors that passed, merged (as envoyproxy/ratelimit merges them: nested mappings
+    /// merge, otherwise the first descriptor's value stays), possibly empty. `None` when off.
+    pub metadata: Option<serde_json::Map<String, serde_json::Value>>,
+}
+
+/// Merges `src` into `dest`: mappings present in both merge recursively; any other key
+/// already in `dest` keeps its value.
+fn merge_metadata(
+    dest: &mut serde_json::Map<String, serde_json::Value>,
+    src: &serde_json::Map<String, serde_json::Value>,
+) {
+    for (k, v) in src {
+        match (dest.get_mut(k), v) {
+            (Some(serde_json::Value::Object(d)), serde_json::Value::Object(s)) => {
+                merge_metadata(d, s)
+            }
+            (Some(_), _) => {}
+            (None, _) => {
+                dest.insert(k.clone(), v.clone());
+            }
+        }
+    }
+}
+
+/// One limit's counter as it stands, for the admin API.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CounterView {
+    /// The limit.
+    pub limit: ReportedLimit,
+    /// How it counts.
+    pub algorithm: Algorithm,
+    /// Hits counted now (token bucket: tokens taken out of its capacity).
+    pub used: u64,
+    /// Hits still available now.
+    pub remaining: u64,
+    /// Until the counter is fully available again.
+    pub reset: Duration,
+}
+
+/// One status per descriptor of a request with `descriptors` descriptors: the most
+/// restrictive of its limits (an enforced over first, then the fewest hits left). Calls
+/// `decided` once per applied limit with its metric decision.
+pub fn statuses(
+    descriptors: usize,
+    applied: &[Applied<'_>],
+    hits: &[Hit],
+    outcome: &Outcome,
+    near_limit_ratio: f64,
+    mut decided: impl FnMut(&Applied<'_>, Decision),
+) -> Vec<Status> {
+    let quota_rejects = quota_rejects(hits, |i| outcome.verdicts[i].over);
+    let mut best: Vec<Option<(bool, u64, usize)>> = vec![None; descriptors];
+    for (k, a) in applied.iter().enumerate() {
+        let (hit, v) = (&hits[a.hit], &outcome.verdicts[a.hit]);
+        let rejects = v.over
+            && match a.enforcement {
+                Enforcement::Enforce => true,
+                Enforcement::Quota => quota_rejects,
+                Enforcement::Shadow => false,
+            };
+        let remaining = if v.over {
+            0
+        } else if outcome.admitted {
+            v.remaining
+        } else {
+            // Nothing was consumed: what the verdict counted for this request is still there.
+            v.remaining.saturating_add(hit.hits)
+        };
+        decided(
+            a,
+            decision(hit, a.enforcement, v, remaining, near_limit_ratio),
+        );
+        let slot = &mut best[a.descriptor];
+        let better = match slot {
+            None => true,
+            Some((r, rem, _)) => (rejects && !*r) || (rejects == *r && remaining < *rem),
+        };
+        if better {
+            *slot = Some((rejects, remaining, k));
+        }
+    }
+    best.into_iter()
+        .map(|b| match b {
+            None => Status::unlimited(),
+            Some((rejects, remaining, k)) => Status {
+                code: if rejects { Code::OverLimit } else { Code::Ok },
+                limit: Some(applied[k].reported.clone()),
+                remaining,
+                reset: Some(outcome.verdicts[applied[k].hit].reset),
+            },
+        })
+        .collect()
+}
+
+fn decision(
+    hit: &Hit,
+    enforcement: Enforcement,
+    v: &Verdict,
+    remaining: u64,
+    near_limit_ratio: f64,
+) -> Decision {
+    let rpu = hit.limit.requests_per_unit;
+    if v.over {
+        if enforcement == Enforcement::Shadow {
+            Decision::shadow_mode
+        } else {
+            Decision::over_limit
+        }
+    } else {
+        let threshold = (rpu as f64 * near_limit_ratio).floor() as u64;
+        if rpu.saturating_sub(remaining) > threshold {
+            Decision::near_limit
+        } else {
+            Decision::within_limit
+        }
+    }
+}
+
+/// The merged `metadata` of the limited descriptors that passed, in request order.
+pub(super) fn passed_metadata(
+    applied: &[Applied<'_>],
+    statuses: &[Status],
+) -> serde_json::Map<String, serde_json::Value> {
+    let mut merged = serde_json::Map::new();
+    let mut seen = Vec::new();
+    for a in applied {
+        if statuses[a.descriptor].code != Code::Ok || seen.contains(&a.descriptor) {
+            continue;
+        }
+        seen.push(a.descriptor);
+        if let Some(serde_json::Value::Object(m)) = a.metadata {
+            merge_metadata(&mut merged, m);
+        }
+    }
+    merged
+}

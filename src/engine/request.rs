@@ -1,0 +1,122 @@
+//! What the engine is asked: a request's types, their bounds and validation.
+
+use crate::config::Unit;
+use crate::limiter::BackendError;
+
+/// Bounds on request size; anything larger is refused as `INVALID_ARGUMENT`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RequestLimits {
+    /// Descriptors per request.
+    pub max_descriptors: usize,
+    /// Entries per descriptor.
+    pub max_entries: usize,
+    /// Bytes per entry key.
+    pub max_key_bytes: usize,
+    /// Bytes per entry value.
+    pub max_value_bytes: usize,
+}
+
+impl Default for RequestLimits {
+    fn default() -> Self {
+        RequestLimits {
+            max_descriptors: 64,
+            max_entries: 32,
+            max_key_bytes: 4096,
+            max_value_bytes: 4096,
+        }
+    }
+}
+
+/// A limit supplied by the request itself (Envoy's `limit` override on a descriptor).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LimitOverride {
+    /// Hits per unit.
+    pub requests_per_unit: u64,
+    /// The unit.
+    pub unit: Unit,
+}
+
+/// One descriptor of a request.
+#[derive(Clone, Debug, Default)]
+pub struct Descriptor<'a> {
+    /// (key, value) pairs, outermost first.
+    pub entries: Vec<(&'a str, &'a str)>,
+    /// Replaces the configured limit when present.
+    pub limit_override: Option<LimitOverride>,
+    /// Hits for this descriptor; `Some(0)` checks without consuming.
+    pub hits_addend: Option<u64>,
+}
+
+/// A request: a domain and its descriptors.
+#[derive(Clone, Debug, Default)]
+pub struct Request<'a> {
+    /// The config domain.
+    pub domain: &'a str,
+    /// Descriptors, each decided and reported in order.
+    pub descriptors: Vec<Descriptor<'a>>,
+    /// Hits for descriptors without their own; 0 means 1.
+    pub hits_addend: u64,
+}
+
+/// Why a request got no decision.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// The request is malformed; retrying it will not help.
+    #[error("{0}")]
+    InvalidArgument(String),
+    /// The backend could not decide.
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+}
+
+/// Checks a request against `bounds`: an `InvalidArgument` naming the first offending field.
+pub fn validate(req: &Request<'_>, bounds: &RequestLimits) -> Result<(), EngineError> {
+    let invalid = |m: String| Err(EngineError::InvalidArgument(m));
+    if req.domain.is_empty() {
+        return invalid("domain must not be empty".into());
+    }
+    if req.descriptors.is_empty() {
+        return invalid("descriptors must not be empty".into());
+    }
+    if req.descriptors.len() > bounds.max_descriptors {
+        return invalid(format!(
+            "{} descriptors exceed the maximum of {}",
+            req.descriptors.len(),
+            bounds.max_descriptors
+        ));
+    }
+    for (i, d) in req.descriptors.iter().enumerate() {
+        if d.entries.is_empty() {
+            return invalid(format!("descriptors[{i}] has no entries"));
+        }
+        if d.entries.len() > bounds.max_entries {
+            return invalid(format!(
+                "descriptors[{i}] has {} entries, more than the maximum of {}",
+                d.entries.len(),
+                bounds.max_entries
+            ));
+        }
+        for (j, (k, v)) in d.entries.iter().enumerate() {
+            if k.is_empty() {
+                return invalid(format!(
+                    "descriptors[{i}].entries[{j}].key must not be empty"
+                ));
+            }
+            if k.len() > bounds.max_key_bytes {
+                return invalid(format!(
+                    "descriptors[{i}].entries[{j}].key is {} bytes, more than the maximum of {}",
+                    k.len(),
+                    bounds.max_key_bytes
+                ));
+            }
+            if v.len() > bounds.max_value_bytes {
+                return invalid(format!(
+                    "descriptors[{i}].entries[{j}].value is {} bytes, more than the maximum of {}",
+                    v.len(),
+                    bounds.max_value_bytes
+                ));
+            }
+        }
+    }
+    Ok(())
+}

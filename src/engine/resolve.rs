@@ -1,0 +1,289 @@
+//! The pure step: (snapshot, request) → the hits the backend decides, with what the report
+//! needs to turn verdicts back into per-descriptor statuses. No I/O, no metrics, no clock.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::report::ReportedLimit;
+use super::request::Request;
+use crate::config::{LimitRule, NodeLimits, Snapshot};
+use crate::limiter::key::KeyFormat;
+use crate::limiter::{Algorithm, Enforcement, Hit, Limit};
+
+/// The metric rule of a request's `limit` override on a descriptor the config does not know:
+/// a constant, since the entries are the client's.
+pub const OVERRIDE_RULE: &str = "_override";
+
+/// The ordinal of an override's counter, apart from every configured limit's.
+const OVERRIDE_ORDINAL: u16 = u16::MAX;
+
+/// One limit that applies to one descriptor.
+pub struct Applied<'s> {
+    /// The descriptor's index in the request.
+    pub descriptor: usize,
+    /// The limit as reported in the status.
+    pub reported: ReportedLimit,
+    /// What an over verdict does to the request.
+    pub enforcement: Enforcement,
+    /// The metric `rule` label.
+    pub rule: Arc<String>,
+    /// The rule label carries request values (`detailed_metric`, `value_to_metric`).
+    pub rule_has_values: bool,
+    /// The config node's `metadata`, if any.
+    pub metadata: Option<&'s serde_json::Value>,
+    /// The merged hit this limit's counter is decided in: an index into [`Resolved::hits`].
+    pub hit: usize,
+}
+
+/// A request resolved against a snapshot.
+#[derive(Default)]
+pub struct Resolved<'s> {
+    /// The domain's name as the config spells it; `None` for an unknown domain.
+    pub domain: Option<&'s Arc<String>>,
+    /// Every applicable limit, in request order.
+    pub applied: Vec<Applied<'s>>,
+    /// One hit per distinct counter, what the backend decides.
+    pub hits: Vec<Hit>,
+}
+
+/// (applied index, name, replaces) of a limit that has a name or replaces others.
+type Named<'s> = (usize, Option<&'s Arc<str>>, &'s [Arc<str>]);
+
+/// Resolves `req` against `snapshot`: every limit that applies to each descriptor (its own
+/// `limit` override, else the limits of the node its entries land on, minus those another
+/// applicable limit `replaces`), and one hit per distinct counter, keyed in `keys`' format.
+/// An unknown domain, or descriptors no limit applies to, resolve to nothing.
+pub fn resolve<'s>(
+    snapshot: &'s Snapshot,
+    req: &Request<'_>,
+    keys: &KeyFormat,
+    override_rule: &Arc<String>,
+) -> Resolved<'s> {
+    let Some(domain) = snapshot.domain(req.domain) else {
+        return Resolved::default();
+    };
+    let default_hits = req.hits_addend.max(1);
+    let mut applied = Vec::new();
+    let mut hits: Vec<Hit> = Vec::new();
+    // Limits that take part in `replaces`: rare, so the common request allocates nothing.
+    let mut named: Vec<Named<'s>> = Vec::new();
+    for (i, d) in req.descriptors.iter().enumerate() {
+        let hits_addend = d.hits_addend.unwrap_or(default_hits);
+        if let Some(o) = d.limit_override {
+            let limit = Limit {
+                algorithm: Algorithm::FixedWindow,
+                requests_per_unit: o.requests_per_unit,
+                window_us: o.unit.seconds() * 1_000_000,
+                burst: o.requests_per_unit,
+            };
+            // The metric label comes from the config, never from the request's entries: the
+            // node the descriptor matches, else a constant.
+            let (rule, rule_has_values) = match domain.resolve(&d.entries, keys) {
+                Some(m) => (m.rule, m.rule_has_values),
+                None => (override_rule.clone(), false),
+            };
+            applied.push(Applied {
+                descriptor: i,
+                reported: ReportedLimit {
+                    name: None,
+                    requests_per_unit: o.requests_per_unit,
+                    unit: o.unit,
+                    window: Duration::from_secs(o.unit.seconds()),
+                },
+                enforcement: Enforcement::Enforce,
+                rule,
+                rule_has_values,
+                metadata: None,
+                hit: usize::MAX,
+            });
+            hits.push(Hit {
+                key: keys
+                    .descriptor_key(req.domain, d.entries.iter().copied())
+                    .with_limit(&limit, OVERRIDE_ORDINAL),
+                limit,
+                hits: hits_addend,
+                enforcement: Enforcement::Enforce,
+            });
+            continue;
+        }
+        let Some(matched) = domain.resolve(&d.entries, keys) else {
+            continue;
+        };
+        let Some(NodeLimits::Limits(rules)) = &matched.node.limits else {
+            continue; // unlimited
+        };
+        let enforcement = if matched.node.shadow_mode {
+            Enforcement::Shadow
+        } else if matched.node.quota_mode {
+            Enforcement::Quota
+        } else {
+            Enforcement::Enforce
+        };
+        let mut base = Some(matched.key);
+        for (r, rule) in rules.iter().enumerate() {
+            let limit = rule.limit();
+            // The descriptor's key goes to its last limit as it is; the others get copies.
+            let key = if r + 1 == rules.len() {
+                base.take()
+                    .expect("the last limit takes the key")
+                    .with_limit(&limit, rule.ordinal)
+            } else {
+                base.as_ref()
+                    .expect("kept for the last limit")
+                    .for_limit(&limit, rule.ordinal)
+            };
+            if rule.name.is_some() || !rule.replaces.is_empty() {
+                named.push((applied.len(), rule.name.as_ref(), &rule.replaces));
+            }
+            applied.push(Applied {
+                descriptor: i,
+                reported: reported(rule),
+                enforcement,
+                rule: matched.rule.clone(),
+                rule_has_values: matched.rule_has_values,
+                metadata: matched.node.metadata.as_ref(),
+                hit: usize::MAX,
+            });
+            hits.push(Hit {
+                key,
+                limit,
+                hits: hits_addend,
+                enforcement,
+            });
+        }
+    }
+    // `replaces`: a limit named by another applicable limit's `replaces` does not apply.
+    if named.iter().any(|(_, _, r)| !r.is_empty()) {
+        let replaced: Vec<&Arc<str>> = named.iter().flat_map(|(_, _, r)| r.iter()).collect();
+        let mut keep = vec![true; applied.len()];
+        for (a, name, _) in &named {
+            if name.is_some_and(|n| replaced.contains(&n)) {
+                keep[*a] = false;
+            }
+        }
+        let mut k = keep.iter();
+        applied.retain(|_| *k.next().expect("one flag per limit"));
+        let mut k = keep.iter();
+        hits.retain(|_| *k.next().expect("one flag per hit"));
+    }
+    let hits = merge(&mut applied, hits);
+    Resolved {
+        domain: Some(&domain.name),
+        applied,
+        hits,
+    }
+}
+
+/// Merges hits on the same counter (a request may carry the same descriptor twice, or two
+/// descriptors may share a counter), so each counter is checked once with the sum of its hits:
+/// checked separately, both would fit and both would be committed, over-admitting. Sets each
+/// applied limit's `hit` to its merged hit. `applied[i]` came with `hits[i]`.
+fn merge(applied: &mut [Applied<'_>], hits: Vec<Hit>) -> Vec<Hit> {
+    let mut merged: Vec<Hit> = Vec::with_capacity(hits.len());
+    for (a, hit) in applied.iter_mut().zip(hits) {
+        match merged.iter().position(|m| m.key == hit.key) {
+            Some(m) => {
+                let into = &mut merged[m];
+                into.hits = into.hits.saturating_add(hit.hits);
+                // The same key can carry different limits only through request overrides:
+                // keep the stricter.
+                into.limit.requests_per_unit = into
+                    .limit
+                    .requests_per_unit
+                    .min(hit.limit.requests_per_unit);
+                into.limit.burst = into.limit.burst.min(hit.limit.burst);
+                into.enforcement = stricter(into.enforcement, hit.enforcement);
+                a.hit = m;
+            }
+            None => {
+                a.hit = merged.len();
+                merged.push(hit);
+            }
+        }
+    }
+    merged
+}
+
+fn stricter(a: Enforcement, b: Enforcement) -> Enforcement {
+    let rank = |e| match e {
+        Enforcement::Enforce => 2,
+        Enforcement::Quota => 1,
+        Enforcement::Shadow => 0,
+    };
+    if rank(a) >= rank(b) { a } else { b }
+}
+
+fn reported(rule: &LimitRule) -> ReportedLimit {
+    ReportedLimit {
+        name: rule.name.clone(),
+        requests_per_unit: rule.requests_per_unit,
+        unit: rule.unit,
+        window: Duration::from_secs(rule.window_seconds()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+    use crate::config::compile_file;
+    use crate::engine::request::Descriptor;
+
+    fn snapshot(yaml: &str) -> Snapshot {
+        Snapshot::new(vec![compile_file(Path::new("t.yaml"), yaml).unwrap()])
+    }
+
+    fn request<'a>(descriptors: &[&[(&'a str, &'a str)]]) -> Request<'a> {
+        Request {
+            domain: "d",
+            descriptors: descriptors
+                .iter()
+                .map(|e| Descriptor {
+                    entries: e.to_vec(),
+                    ..Default::default()
+                })
+                .collect(),
+            hits_addend: 0,
+        }
+    }
+
+    #[test]
+    fn resolving_is_pure_and_merges_shared_counters() {
+        let s = snapshot(
+            "domain: d
+descriptors:
+  - key: a
+    rate_limits:
+      - {unit: second, requests_per_unit: 3}
+      - {unit: minute, requests_per_unit: 5, algorithm: sliding_window}
+  - key: b
+    rate_limit: {unlimited: true}
+",
+        );
+        let keys = KeyFormat::new("p:", crate::limiter::key::HashTag::Domain).unwrap();
+        let rule = Arc::new(OVERRIDE_RULE.to_owned());
+        let req = request(&[&[("a", "1")], &[("b", "x")], &[("a", "1")], &[("c", "y")]]);
+        let r = resolve(&s, &req, &keys, &rule);
+        // Two limits for each `a` descriptor, both descriptors sharing the two counters.
+        assert_eq!(r.applied.len(), 4);
+        assert_eq!(r.hits.len(), 2);
+        assert_eq!(r.hits.iter().map(|h| h.hits).collect::<Vec<_>>(), [2, 2]);
+        assert_eq!(
+            r.applied
+                .iter()
+                .map(|a| (a.descriptor, a.hit))
+                .collect::<Vec<_>>(),
+            [(0, 0), (0, 1), (2, 0), (2, 1)]
+        );
+        assert_eq!(r.hits[0].key.as_bytes(), b"p:{d}:a:1:f1000000:0");
+        assert_eq!(r.hits[1].key.as_bytes(), b"p:{d}:a:1:s60000000:0");
+        // The same inputs give the same hits: nothing but the arguments decides them.
+        let again = resolve(&s, &req, &keys, &rule);
+        assert_eq!(again.hits.len(), 2);
+        assert_eq!(again.hits[1].key, r.hits[1].key);
+        // An unknown domain resolves to nothing.
+        let other = Request { domain: "x", ..req };
+        assert!(resolve(&s, &other, &keys, &rule).hits.is_empty());
+    }
+}

@@ -1,0 +1,319 @@
+//! Coalescing: the requests in flight share script calls.
+//!
+//! Every request's share of a script call (a [`Part`]) goes to one worker task. The worker
+//! sends a part at once while fewer than `pipeline` calls are in flight, so an idle service
+//! adds no wait. Under load the calls in flight are full, parts queue, and the next call
+//! carries every queued part of its slot (up to `max_requests`): one script call and one round
+//! trip for many requests. The script decides a call's parts one after another, each
+//! all-or-nothing on its own, exactly as separate calls at the same instant would: no decision
+//! changes. A part whose caller has given up (its call budget spent) is dropped before it is
+//! sent, so a request answered with an error is never counted later.
+
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures_util::stream::{FuturesUnordered, StreamExt};
+use redis::{Cmd, RedisError};
+use smallvec::SmallVec;
+use tokio::sync::{mpsc, oneshot};
+
+use super::SCRIPT;
+use super::connection::Conn;
+use crate::metrics::BackendMetrics;
+
+/// What a call does to its parts' counters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// Check every limit, commit all or none (per part).
+    Decide,
+    /// Give back what an admitted decide took.
+    Refund,
+}
+
+impl Mode {
+    fn arg(self) -> &'static str {
+        match self {
+            Mode::Decide => "decide",
+            Mode::Refund => "refund",
+        }
+    }
+}
+
+/// One limit of a part, as the script takes it.
+#[derive(Clone, Copy, Debug)]
+pub struct LimitArgs {
+    /// f, s, w or b.
+    pub algorithm: u8,
+    /// Hits per window (token bucket: refill per window).
+    pub requests_per_unit: u64,
+    /// Window in µs.
+    pub window_us: u64,
+    /// Token bucket capacity.
+    pub burst: u64,
+    /// Hits to add (refund: to give back).
+    pub hits: u64,
+    /// E, Q or S.
+    pub enforcement: u8,
+}
+
+/// One request's share of a script call: keys of one slot, and what to do with them.
+pub struct Part {
+    /// Decide or refund.
+    pub mode: Mode,
+    /// The keys' cluster slot (ignored on a standalone Redis).
+    pub slot: u16,
+    /// Names the request's sliding_log members.
+    pub nonce: [u8; 33],
+    /// Length of `nonce`.
+    pub nonce_len: u8,
+    /// Refund: the decide's time (µs).
+    pub at: i64,
+    /// Every key's bytes, back to back.
+    pub keys: Vec<u8>,
+    /// Where each key ends in `keys`.
+    pub key_ends: SmallVec<[u32; 8]>,
+    /// One per key.
+    pub limits: SmallVec<[LimitArgs; 8]>,
+    /// Where the answer goes.
+    pub reply: oneshot::Sender<Result<Reply, CallError>>,
+}
+
+impl Part {
+    /// Values the script returns for this part.
+    fn reply_len(&self) -> usize {
+        match self.mode {
+            Mode::Decide => 2 + 3 * self.limits.len(),
+            Mode::Refund => 2,
+        }
+    }
+}
+
+/// A part's slice of its call's reply.
+#[derive(Debug)]
+pub struct Reply {
+    values: Arc<Vec<i64>>,
+    range: Range<usize>,
+}
+
+impl Reply {
+    /// `{admitted, now, then per limit: over, remaining, reset}` (refund: `{1, now}`).
+    pub fn values(&self) -> &[i64] {
+        &self.values[self.range.clone()]
+    }
+}
+
+/// Why a call gave a part no reply.
+#[derive(Clone, Debug)]
+pub enum CallError {
+    /// Redis refused or failed the call.
+    Redis(RedisError),
+    /// No answer within the call budget.
+    Timeout,
+    /// The script's reply did not have the expected shape.
+    Reply(String),
+    /// The worker is gone (the backend is shutting down).
+    Closed,
+}
+
+/// How calls are coalesced.
+#[derive(Clone, Copy, Debug)]
+pub struct BatchOptions {
+    /// Script calls in flight at once (pipelined on the connection).
+    pub pipeline: usize,
+    /// Most requests one call carries.
+    pub max_requests: usize,
+    /// Budget of one call.
+    pub timeout: Duration,
+}
+
+/// The handle requests submit their parts to; the worker starts on first use.
+pub struct Batcher {
+    tx: std::sync::OnceLock<mpsc::UnboundedSender<Part>>,
+    conn: Conn,
+    by_slot: bool,
+    options: BatchOptions,
+    metrics: BackendMetrics,
+}
+
+impl Batcher {
+    /// Coalesces calls on `conn`; `by_slot`: only parts of one cluster slot share a call.
+    pub fn new(conn: Conn, by_slot: bool, options: BatchOptions, metrics: BackendMetrics) -> Self {
+        Batcher {
+            tx: std::sync::OnceLock::new(),
+            conn,
+            by_slot,
+            options,
+            metrics,
+        }
+    }
+
+    /// Queues `part`; its reply arrives on the receiver its `reply` sender belongs to.
+    pub fn submit(&self, part: Part) {
+        let tx = self.tx.get_or_init(|| {
+            let (tx, rx) = mpsc::unbounded_channel();
+            tokio::spawn(run(
+                rx,
+                self.conn.clone(),
+                self.by_slot,
+                self.options,
+                self.metrics.clone(),
+            ));
+            tx
+        });
+        if let Err(mpsc::error::SendError(part)) = tx.send(part) {
+            let _ = part.reply.send(Err(CallError::Closed));
+        }
+    }
+}
+
+async fn run(
+    mut rx: mpsc::UnboundedReceiver<Part>,
+    conn: Conn,
+    by_slot: bool,
+    options: BatchOptions,
+    metrics: BackendMetrics,
+) {
+    let mut in_flight = FuturesUnordered::new();
+    let mut queued: Vec<Part> = Vec::new();
+    loop {
+        tokio::select! {
+            biased;
+            Some(()) = in_flight.next(), if !in_flight.is_empty() => {}
+            part = rx.recv(), if in_flight.len() < options.pipeline.max(1) => {
+                let Some(part) = part else { break };
+                queued.push(part);
+                while queued.len() < options.max_requests.max(1) {
+                    match rx.try_recv() {
+                        Ok(p) => queued.push(p),
+                        Err(_) => break,
+                    }
+                }
+                for call in calls(&mut queued, by_slot) {
+                    in_flight.push(send(conn.clone(), call, options.timeout, metrics.clone()));
+                }
+            }
+        }
+    }
+    // The backend is gone: let the calls in flight answer their callers.
+    while in_flight.next().await.is_some() {}
+}
+
+/// Splits the queued parts into calls: one per mode (and per slot when `by_slot`), in order.
+fn calls(queued: &mut Vec<Part>, by_slot: bool) -> Vec<Vec<Part>> {
+    let mut calls: Vec<Vec<Part>> = Vec::new();
+    for part in queued.drain(..) {
+        // A caller that gave up was answered with an error: never count its request later.
+        if part.reply.is_closed() {
+            continue;
+        }
+        let same = |c: &Vec<Part>| c[0].mode == part.mode && (!by_slot || c[0].slot == part.slot);
+        match calls.iter_mut().find(|c| same(c)) {
+            Some(c) => c.push(part),
+            None => calls.push(vec![part]),
+        }
+    }
+    calls
+}
+
+/// The script call of `parts`: EVALSHA, or EVAL with the source after NOSCRIPT.
+fn command(parts: &[Part], by_source: bool) -> Cmd {
+    let keys: usize = parts.iter().map(|p| p.key_ends.len()).sum();
+    let bytes: usize = parts
+        .iter()
+        .map(|p| p.keys.len() + 64 * p.limits.len())
+        .sum();
+    let mut cmd = Cmd::with_capacity(5 + keys * 7 + 3 * parts.len(), bytes + 128);
+    if by_source {
+        cmd.arg("EVAL").arg(SCRIPT);
+    } else {
+        cmd.arg("EVALSHA").arg(script_hash());
+    }
+    cmd.arg(keys);
+    for p in parts {
+        let mut from = 0;
+        for &end in &p.key_ends {
+            cmd.arg(&p.keys[from..end as usize]);
+            from = end as usize;
+        }
+    }
+    cmd.arg(parts[0].mode.arg()).arg(parts.len());
+    for p in parts {
+        cmd.arg(&p.nonce[..p.nonce_len as usize])
+            .arg(p.at)
+            .arg(p.limits.len());
+        for l in &p.limits {
+            cmd.arg(&[l.algorithm][..])
+                .arg(l.requests_per_unit)
+                .arg(l.window_us)
+                .arg(l.burst)
+                .arg(l.hits)
+                .arg(&[l.enforcement][..]);
+        }
+    }
+    cmd
+}
+
+/// The script's SHA1, as EVALSHA names it (computed once).
+fn script_hash() -> &'static str {
+    static HASH: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    HASH.get_or_init(|| redis::Script::new(SCRIPT).get_hash().to_owned())
+}
+
+async fn send(conn: Conn, parts: Vec<Part>, timeout: Duration, metrics: BackendMetrics) {
+    metrics.batch_requests.observe(parts.len() as f64);
+    let started = Instant::now();
+    let attempt = |by_source: bool| {
+        let cmd = command(&parts, by_source);
+        let conn = &conn;
+        async move {
+            match tokio::time::timeout(timeout, conn.query::<Vec<i64>>(&cmd, timeout)).await {
+                Ok(Ok(v)) => Ok(v),
+                Ok(Err(e)) => Err(CallError::Redis(e)),
+                Err(_) => Err(CallError::Timeout),
+            }
+        }
+    };
+    let mut result = attempt(false).await;
+    if let Err(CallError::Redis(e)) = &result
+        && e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript)
+    {
+        // EVAL routes like EVALSHA and leaves the script cached on that node.
+        let left = timeout.saturating_sub(started.elapsed());
+        result = if left.is_zero() {
+            Err(CallError::Timeout)
+        } else {
+            attempt(true).await
+        };
+    }
+    metrics.duration.observe(started.elapsed().as_secs_f64());
+    let expected: usize = parts.iter().map(Part::reply_len).sum();
+    let result = match result {
+        Ok(values) if values.len() == expected => Ok(Arc::new(values)),
+        Ok(values) => Err(CallError::Reply(format!(
+            "unexpected script reply of {} values for {} requests ({} expected)",
+            values.len(),
+            parts.len(),
+            expected
+        ))),
+        Err(e) => {
+            if let CallError::Redis(e) = &e {
+                conn.on_error(e).await;
+            }
+            Err(e)
+        }
+    };
+    let mut from = 0;
+    for part in parts {
+        let len = part.reply_len();
+        let reply = match &result {
+            Ok(values) => Ok(Reply {
+                values: values.clone(),
+                range: from..from + len,
+            }),
+            Err(e) => Err(e.clone()),
+        };
+        from += len;
+        let _ = part.reply.send(reply);
+    }
+}
