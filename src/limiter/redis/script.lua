@@ -105,6 +105,58 @@ local function log_wait(key, to_free, w)
   return w
 end
 
+-- Counters read once per call: a call's requests often share keys (a hot route, one client's
+-- burst), so fixed_window, sliding_window and token_bucket state is read on first use, kept
+-- here while the call's requests are decided in order, and written once at the end. Each
+-- request still sees every earlier request's commits, so decisions are those of separate calls.
+-- (sliding_log writes a member per request and is read and written directly.)
+local cache, order = {}, {}
+
+local function cached(key, load)
+  local st = cache[key]
+  if not st then
+    st = load(key)
+    cache[key] = st
+    order[#order + 1] = key
+  end
+  return st
+end
+
+local function load_f(key)
+  return {algo = 'f', count = tonumber(redis.call('GET', key) or '0'), delta = 0}
+end
+
+local function load_s(key)
+  local h = redis.call('HMGET', key, 's', 'p', 'c')
+  return {algo = 's', s = tonumber(h[1] or '-1'), p = tonumber(h[2] or '0'),
+    c = tonumber(h[3] or '0'), delta = 0, rolled = false}
+end
+
+local function load_b(key)
+  return {algo = 'b', tat = tonumber(redis.call('GET', key) or '0'), dirty = false}
+end
+
+local function flush()
+  for _, key in ipairs(order) do
+    local st = cache[key]
+    if st.algo == 'f' then
+      -- A key that existed already expires at this window's end; only a new one needs it.
+      if st.delta > 0 and redis.call('INCRBY', key, st.delta) == st.delta then
+        expire_at_us(key, st.start + st.w)
+      end
+    elseif st.algo == 's' then
+      if st.rolled and st.delta > 0 then -- a new key or window: rewrite it, with its expiry
+        redis.call('HSET', key, 's', st.s, 'p', st.p, 'c', st.c)
+        expire_at_us(key, st.s + 2 * st.w)
+      elseif st.delta > 0 then
+        redis.call('HINCRBY', key, 'c', st.delta)
+      end
+    elseif st.algo == 'b' and st.dirty then
+      redis.call('SET', key, string.format('%.3f', st.tat), 'PXAT', expiry_ms(st.tat + 1))
+    end
+  end
+end
+
 local function refund(at)
   for i = 1, n do
     local key = KEYS[k0 + i]
@@ -154,19 +206,20 @@ local function decide(out)
     local start = now - (now % w)
     local o, rem, rst = true, 0, w
     if algo == 'f' then
-      local count = tonumber(redis.call('GET', key) or '0')
-      local after = count + hits
+      local st = cached(key, load_f)
+      state[i] = st
+      local after = st.count + hits
       o = rpu == 0 or after > rpu
       if not o then rem = rpu - after end
       rst = start + w - now
     elseif algo == 's' then
-      local h = redis.call('HMGET', key, 's', 'p', 'c')
-      local s, p, c = tonumber(h[1] or '-1'), tonumber(h[2] or '0'), tonumber(h[3] or '0')
-      if s ~= start then
-        if s == start - w then p = c else p = 0 end
-        c = 0
+      local st = cached(key, load_s)
+      state[i] = st
+      if st.s ~= start then
+        if st.s == start - w then st.p = st.c else st.p = 0 end
+        st.c, st.s, st.rolled = 0, start, true
       end
-      state[i] = {p, c, s ~= start}
+      local p, c = st.p, st.c
       local e = now - start
       local faded = p * (w - e) -- the previous window's weight, times w
       local room = rpu - c - hits
@@ -205,13 +258,15 @@ local function decide(out)
       if rpu > 0 then
         local interval = w / rpu
         local cap = burst * interval
-        local tat = math.max(tonumber(redis.call('GET', key) or '0'), now)
+        local st = cached(key, load_b)
+      state[i] = st
+      local tat = math.max(st.tat, now)
         local new_tat = tat + hits * interval
         o = new_tat - now > cap + 0.001
         if not o then
           rem = math.floor((cap - (new_tat - now)) / interval + 0.000001)
           rst = math.ceil(new_tat - now - 0.001)
-          state[i] = new_tat
+          st.next = new_tat
         elseif hits <= burst then
           rst = math.ceil(new_tat - now - cap - 0.001)
         end
@@ -239,23 +294,18 @@ local function decide(out)
       local key = KEYS[k0 + i]
       local algo, rpu, w, burst, hits = limit(i)
       if not over[i] and hits > 0 then
-        local start = now - (now % w)
+        local st = state[i]
         if algo == 'f' then
-          -- A key that existed already expires at this window's end; only a new one needs it.
-          if redis.call('INCRBY', key, hits) == hits then expire_at_us(key, start + w) end
+          st.count, st.delta = st.count + hits, st.delta + hits
+          st.start, st.w = now - (now % w), w
         elseif algo == 's' then
-          if state[i][3] then -- new key or a new window: rewrite it, with its new expiry
-            redis.call('HSET', key, 's', start, 'p', state[i][1], 'c', state[i][2] + hits)
-            expire_at_us(key, start + 2 * w)
-          else
-            redis.call('HINCRBY', key, 'c', hits)
-          end
+          st.c, st.delta, st.w = st.c + hits, st.delta + hits, w
         elseif algo == 'w' then
           redis.call('ZADD', key, now, member(i, hits))
           redis.call('ZINCRBY', key, -hits, '#')
           expire_at_us(key, now + w + 1)
         elseif algo == 'b' then
-          redis.call('SET', key, string.format('%.3f', state[i]), 'PXAT', expiry_ms(state[i] + 1))
+          st.tat, st.dirty = st.next, true
         end
       end
     end
@@ -284,4 +334,5 @@ for _ = 1, tonumber(ARGV[2]) do
   k0 = k0 + n
   p = p + 3 + n * FIELDS
 end
+flush()
 return out
