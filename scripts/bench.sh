@@ -112,7 +112,7 @@ done
 # redis-benchmark: ratelimitd's script with the request's two keys, one call per request.
 sha=$(redis-cli -p "$REDIS_PORT" SCRIPT LOAD "$(cat src/limiter/redis/script.lua)")
 rb_args=(EVALSHA "$sha" 2 "ratelimit:{bench}:client:c1:s1000000:0" "ratelimit:{bench}:route:/api/1:f1000000:0"
-  decide 1 bench 0 2 s 1000000 1000000 1000000 1 E f 100000000 1000000 100000000 1 E)
+  decide 1 2 1 s 1000000 1000000 1000000 2 f 100000000 1000000 100000000 bench 0 2 1 1 E 2 1 E)
 redis-cli -p "$REDIS_PORT" "${rb_args[@]}" >/dev/null || { echo "bench: redis-benchmark's script call fails" >&2; exit 1; }
 r0=$(cpu_ticks "$REDIS_PID")
 rb=$(redis-benchmark -p "$REDIS_PORT" -c 32 -n $((DURATION * 30000)) --csv "${rb_args[@]}" | tail -1)

@@ -9,6 +9,7 @@
 //! changes. A part whose caller has given up (its call budget spent) is dropped before it is
 //! sent, so a request answered with an error is never counted later.
 
+use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -216,37 +217,68 @@ fn calls(queued: &mut Vec<Part>, by_slot: bool) -> Vec<Vec<Part>> {
     calls
 }
 
-/// The script call of `parts`: EVALSHA, or EVAL with the source after NOSCRIPT.
+/// The script call of `parts`: EVALSHA, or EVAL with the source after NOSCRIPT. Each distinct
+/// key is sent once and each distinct (key, limit) counter once; requests name their counters
+/// by number (see script.lua).
 fn command(parts: &[Part], by_source: bool) -> Cmd {
-    let keys: usize = parts.iter().map(|p| p.key_ends.len()).sum();
-    let bytes: usize = parts
-        .iter()
-        .map(|p| p.keys.len() + 64 * p.limits.len())
-        .sum();
-    let mut cmd = Cmd::with_capacity(5 + keys * 7 + 3 * parts.len(), bytes + 128);
+    // Keys → KEYS index, (key, algorithm, requests_per_unit, window, burst) → counter number,
+    // both 1-based as Lua counts.
+    let limits_in: usize = parts.iter().map(|p| p.limits.len()).sum();
+    let mut keys: Vec<&[u8]> = Vec::with_capacity(limits_in);
+    let mut key_index: HashMap<&[u8], usize> = HashMap::with_capacity(limits_in);
+    let mut counters: Vec<(usize, &LimitArgs)> = Vec::with_capacity(limits_in);
+    let mut counter_index: HashMap<(usize, u8, u64, u64, u64), usize> =
+        HashMap::with_capacity(limits_in);
+    let mut limits: Vec<usize> = Vec::with_capacity(limits_in); // every part's limits' counter numbers, in order
+    for p in parts {
+        let mut from = 0;
+        for (end, l) in p.key_ends.iter().zip(&p.limits) {
+            let key = &p.keys[from..*end as usize];
+            from = *end as usize;
+            let k = *key_index.entry(key).or_insert_with(|| {
+                keys.push(key);
+                keys.len()
+            });
+            let identity = (k, l.algorithm, l.requests_per_unit, l.window_us, l.burst);
+            let c = *counter_index.entry(identity).or_insert_with(|| {
+                counters.push((k, l));
+                counters.len()
+            });
+            limits.push(c);
+        }
+    }
+    let key_bytes: usize = keys.iter().map(|k| k.len()).sum();
+    let args = 6
+        + keys.len()
+        + 5 * counters.len()
+        + parts.iter().map(|p| 3 + 3 * p.limits.len()).sum::<usize>();
+    let mut cmd = Cmd::with_capacity(args, key_bytes + 16 * args + 128);
     if by_source {
         cmd.arg("EVAL").arg(SCRIPT);
     } else {
         cmd.arg("EVALSHA").arg(script_hash());
     }
-    cmd.arg(keys);
-    for p in parts {
-        let mut from = 0;
-        for &end in &p.key_ends {
-            cmd.arg(&p.keys[from..end as usize]);
-            from = end as usize;
-        }
+    cmd.arg(keys.len());
+    for key in &keys {
+        cmd.arg(*key);
     }
-    cmd.arg(parts[0].mode.arg()).arg(parts.len());
+    cmd.arg(parts[0].mode.arg())
+        .arg(parts.len())
+        .arg(counters.len());
+    for (k, l) in &counters {
+        cmd.arg(*k)
+            .arg(&[l.algorithm][..])
+            .arg(l.requests_per_unit)
+            .arg(l.window_us)
+            .arg(l.burst);
+    }
+    let mut counter = limits.iter();
     for p in parts {
         cmd.arg(&p.nonce[..p.nonce_len as usize])
             .arg(p.at)
             .arg(p.limits.len());
         for l in &p.limits {
-            cmd.arg(&[l.algorithm][..])
-                .arg(l.requests_per_unit)
-                .arg(l.window_us)
-                .arg(l.burst)
+            cmd.arg(*counter.next().expect("one counter per limit"))
                 .arg(l.hits)
                 .arg(&[l.enforcement][..]);
         }
@@ -315,5 +347,72 @@ async fn send(conn: Conn, parts: Vec<Part>, timeout: Duration, metrics: BackendM
         };
         from += len;
         let _ = part.reply.send(reply);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn part(keys: &[&[u8]], rpu: u64) -> Part {
+        let mut p = Part {
+            mode: Mode::Decide,
+            slot: 0,
+            nonce: [b'n'; 33],
+            nonce_len: 2,
+            at: 0,
+            keys: Vec::new(),
+            key_ends: SmallVec::new(),
+            limits: SmallVec::new(),
+            reply: oneshot::channel().0,
+        };
+        for key in keys {
+            p.keys.extend_from_slice(key);
+            p.key_ends.push(p.keys.len() as u32);
+            p.limits.push(LimitArgs {
+                algorithm: b'f',
+                requests_per_unit: rpu,
+                window_us: 1_000_000,
+                burst: rpu,
+                hits: 1,
+                enforcement: b'E',
+            });
+        }
+        p
+    }
+
+    fn args(cmd: &Cmd) -> Vec<String> {
+        cmd.args_iter()
+            .map(|a| match a {
+                redis::Arg::Simple(b) => String::from_utf8_lossy(b).into_owned(),
+                _ => "<cursor>".into(),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn keys_and_counters_go_once_per_call_and_requests_name_them() {
+        // Two requests on the same keys, a third on one of them under another limit (as across
+        // a reload): two keys, three counters.
+        let parts = [
+            part(&[b"{d}:a", b"{d}:b"], 5),
+            part(&[b"{d}:a", b"{d}:b"], 5),
+            part(&[b"{d}:a"], 7),
+        ];
+        let got = args(&command(&parts, false));
+        #[rustfmt::skip]
+        let expected = [
+            "EVALSHA", script_hash(), "2", "{d}:a", "{d}:b", "decide", "3", "3",
+            // counters: key, algorithm, requests_per_unit, window, burst
+            "1", "f", "5", "1000000", "5",
+            "2", "f", "5", "1000000", "5",
+            "1", "f", "7", "1000000", "7",
+            // requests: nonce, at, n, then counter, hits, enforcement per limit
+            "nn", "0", "2", "1", "1", "E", "2", "1", "E",
+            "nn", "0", "2", "1", "1", "E", "2", "1", "E",
+            "nn", "0", "1", "3", "1", "E",
+        ];
+        assert_eq!(got, expected);
+        assert_eq!(args(&command(&parts, true))[..2], ["EVAL", SCRIPT]);
     }
 }

@@ -10,8 +10,8 @@
 -- its own, exactly as if each had been its own call at the same instant: coalescing changes no
 -- decision, it only spares Redis a script call (and the client a round trip) per request.
 --
--- KEYS       the counters of request 1's limits, then request 2's, and so on. All keys of one call
---            share one cluster slot (standalone Redis: any keys).
+-- KEYS       every distinct counter of the call, once. All share one cluster slot (standalone
+--            Redis: any keys).
 --            fixed_window: string count, expires at the window end
 --            sliding_window: hash {s = window start, p = previous count, c = current count}
 --            sliding_log: sorted set, one member per admitted request and limit, scored by its time
@@ -21,14 +21,20 @@
 --            token_bucket: string GCRA theoretical arrival time (µs)
 -- ARGV[1]    "decide" or "refund"
 -- ARGV[2]    how many requests this call carries
+-- ARGV[3]    how many counters: C
+-- then per counter c (C times; the same key may come twice with different limits, e.g. from
+-- requests on either side of a config reload), its key being KEYS[k] with k from the first field:
+--   k, algorithm (f|s|w|b), requests_per_unit, window (µs), burst
 -- then per request:
 --   nonce    unique to the request (names sliding_log members, so refunds can find them)
---            refund: the hits of a limit are the hits its decide CONSUMED (0 for one that was
---            over), so a refund never gives back what was never taken
 --   at       decide: ignored; refund: the decide's time (µs), as returned by decide
---   n        how many limits (and KEYS) the request has
---   6 per limit: algorithm (f|s|w|b), requests_per_unit, window (µs), burst, hits,
---            enforcement (E: over rejects; Q: rejects only if every Q is over; S: never rejects)
+--   n        how many limits the request has
+--   3 per limit: its counter c (1..C), hits, enforcement (E: over rejects; Q: rejects only if
+--            every Q is over; S: never rejects). refund: the hits a limit's decide CONSUMED (0
+--            for one that was over), so a refund never gives back what was never taken.
+--
+-- Limits are sent once per counter and keys once per call, not once per request: parsing
+-- arguments was most of what Redis spent on a coalesced request.
 --
 -- decide returns, per request, {admitted, now, then per limit: over, remaining, reset (µs)},
 -- all requests' replies concatenated. Nothing is written for a request unless it is admitted;
@@ -36,10 +42,15 @@
 -- admitted decide of the same KEYS and ARGV and returns {1, now} per request.
 
 local mode = ARGV[1]
-local FIELDS = 6
--- The request being decided: its nonce, its first KEYS index - 1, its first limit's ARGV
--- index - 1, and how many limits it has. Set by the loop at the end.
-local nonce, k0, a0, n = '', 0, 0, 0
+local FIELDS = 3
+-- The call's counters: key, algorithm, requests_per_unit, window, burst.
+local c_key, c_algo, c_rpu, c_w, c_burst = {}, {}, {}, {}, {}
+-- The request being decided: its nonce, how many limits it has, and per limit its counter,
+-- hits and enforcement (reused from request to request: only 1..n are read).
+local nonce, n = '', 0
+local l_c, l_hits, l_enf = {}, {}, {}
+-- Per limit of the current request: the check's verdict, and the counter state it read.
+local over, remaining, reset, state = {}, {}, {}, {}
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
@@ -56,10 +67,10 @@ local function expire_at_us(key, at_us)
   redis.call('PEXPIREAT', key, expiry_ms(at_us))
 end
 
+-- Limit i of the current request: key, algorithm, requests_per_unit, window, burst, hits.
 local function limit(i)
-  local b = a0 + (i - 1) * FIELDS
-  return ARGV[b + 1], tonumber(ARGV[b + 2]), tonumber(ARGV[b + 3]), tonumber(ARGV[b + 4]),
-    tonumber(ARGV[b + 5]), ARGV[b + 6]
+  local c = l_c[i]
+  return c_key[c], c_algo[c], c_rpu[c], c_w[c], c_burst[c], l_hits[i]
 end
 
 local function member(i, hits)
@@ -159,8 +170,7 @@ end
 
 local function refund(at)
   for i = 1, n do
-    local key = KEYS[k0 + i]
-    local algo, rpu, w, burst, hits = limit(i)
+    local key, algo, rpu, w, burst, hits = limit(i)
     if hits > 0 then
       local start = at - (at % w)
       if algo == 'f' then
@@ -199,10 +209,8 @@ end
 -- Decides the current request and appends its reply to `out`.
 local function decide(out)
   -- Check every limit (reads only; pruning the log changes no count).
-  local over, remaining, reset, state = {}, {}, {}, {}
   for i = 1, n do
-    local key = KEYS[k0 + i]
-    local algo, rpu, w, burst, hits = limit(i)
+    local key, algo, rpu, w, burst, hits = limit(i)
     local start = now - (now % w)
     local o, rem, rst = true, 0, w
     if algo == 'f' then
@@ -280,7 +288,7 @@ local function decide(out)
   -- All-or-nothing: an enforced limit over, or every quota limit over, rejects the request.
   local admitted, quota_seen, quota_all_over = true, false, true
   for i = 1, n do
-    local enforcement = ARGV[a0 + i * FIELDS]
+    local enforcement = l_enf[i]
     if enforcement == 'E' and over[i] then admitted = false end
     if enforcement == 'Q' then
       quota_seen = true
@@ -291,8 +299,7 @@ local function decide(out)
 
   if admitted then
     for i = 1, n do
-      local key = KEYS[k0 + i]
-      local algo, rpu, w, burst, hits = limit(i)
+      local key, algo, rpu, w, burst, hits = limit(i)
       if not over[i] and hits > 0 then
         local st = state[i]
         if algo == 'f' then
@@ -320,10 +327,20 @@ local function decide(out)
   end
 end
 
+local p = 4
+for c = 1, tonumber(ARGV[3]) do
+  c_key[c], c_algo[c], c_rpu[c], c_w[c], c_burst[c] = KEYS[tonumber(ARGV[p])], ARGV[p + 1],
+    tonumber(ARGV[p + 2]), tonumber(ARGV[p + 3]), tonumber(ARGV[p + 4])
+  p = p + 5
+end
 local out = {}
-local p = 3
 for _ = 1, tonumber(ARGV[2]) do
-  nonce, n, a0 = ARGV[p], tonumber(ARGV[p + 2]), p + 2
+  nonce, n = ARGV[p], tonumber(ARGV[p + 2])
+  local b = p + 3
+  for i = 1, n do
+    l_c[i], l_hits[i], l_enf[i] = tonumber(ARGV[b]), tonumber(ARGV[b + 1]), ARGV[b + 2]
+    b = b + FIELDS
+  end
   if mode == 'refund' then
     refund(tonumber(ARGV[p + 1]))
     out[#out + 1] = 1
@@ -331,8 +348,7 @@ for _ = 1, tonumber(ARGV[2]) do
   else
     decide(out)
   end
-  k0 = k0 + n
-  p = p + 3 + n * FIELDS
+  p = b
 end
 flush()
 return out
