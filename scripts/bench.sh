@@ -96,7 +96,7 @@ h2run() {
     'BEGIN { total = n * (d + 1) / d; printf "%.0f %s %s %.1f %.1f %s\n", n / d, p50, p99, s / hz * 1e6 / total, r / hz * 1e6 / total, ok }'
 }
 
-declare -A RPS P50 P99 SCPU RCPU HP50 HP99 HRPS
+declare -A RPS P50 P99 SCPU RCPU HP50 HP99 HRPS HALF_P99
 for name in $SERVERS; do
   start_server "$name"
   h2load -c1 -n 2000 -d "$WORK/request.bin" -H 'content-type: application/grpc' -H 'te: trailers' \
@@ -144,25 +144,37 @@ if [[ " $SERVERS " == *" redis "* ]]; then
   fi
 fi
 for name in memory redis; do
-  [[ " $SERVERS " == *" $name "* ]] && echo "$name: p99 at half of peak (${HRPS[$name]} req/s): ${HP99[$name]} ms   (target < 2)"
+  [[ " $SERVERS " == *" $name "* ]] && echo "$name: p99 at half of peak (h2load --rps, ${HRPS[$name]} req/s): ${HP99[$name]} ms"
 done
 
 # Key distributions through the project's loadgen (checks every answer; errors fail the run).
 echo
-printf '%-34s %9s %8s %8s %9s %9s\n' "loadgen, 64 calls over 4 connections" "req/s" "p50 ms" "p99 ms" "server us" "redis us"
+printf '%-44s %9s %8s %8s %9s %9s\n' "loadgen, 64 calls over 4 connections" "req/s" "p50 ms" "p99 ms" "server us" "redis us"
 for name in memory redis; do
   [[ " $SERVERS " == *" $name "* ]] || continue
   start_server "$name"
-  for dist in $DISTS; do
-    case $dist in hot) flags=(--keys 1);; uniform) flags=(--keys 10000);; zipf) flags=(--keys 10000 --zipf 1.0);; esac
+  peak=0
+  for dist in $DISTS half; do
+    case $dist in
+      hot) flags=(--keys 1);; uniform) flags=(--keys 10000);; zipf) flags=(--keys 10000 --zipf 1.0);;
+      # Open loop at half of the best closed-loop rate above: the latency target's setting.
+      half) [ "$peak" -gt 0 ] || continue; flags=(--keys 10000 --rate $((peak / 2))); dist="uniform, paced at $((peak / 2))/s";;
+    esac
     s0=$(cpu_ticks "$SERVER_PID"); r0=$(cpu_ticks "$REDIS_PID")
     out=$("$LOADGEN" --target "http://$GRPC" --duration "$DURATION" --warmup 0 --concurrency 64 --connections 4 "${flags[@]}")
     s1=$(cpu_ticks "$SERVER_PID"); r1=$(cpu_ticks "$REDIS_PID")
     n=$(echo "$out" | awk '/^requests:/ {print $2}')
     p50=$(echo "$out" | awk '/^latency/ {for (i = 1; i <= NF; i++) if ($i == "p50") print $(i + 1)}')
     p99=$(echo "$out" | awk '/^latency/ {for (i = 1; i <= NF; i++) if ($i == "p99") print $(i + 1)}')
+    rate=$(awk -v n="$n" -v d="$DURATION" 'BEGIN {printf "%d", n / d}')
+    if [[ $dist == *paced* ]]; then HALF_P99[$name]=$p99; elif [ "$rate" -gt "$peak" ]; then peak=$rate; fi
     awk -v l="$name, $dist" -v n="$n" -v d="$DURATION" -v s=$((s1 - s0)) -v r=$((r1 - r0)) -v hz="$HZ" -v p50="$p50" -v p99="$p99" \
-      'BEGIN { printf "%-34s %9.0f %8s %8s %9.1f %9.1f\n", l, n / d, p50, p99, s / hz * 1e6 / n, r / hz * 1e6 / n }'
+      'BEGIN { printf "%-44s %9.0f %8s %8s %9.1f %9.1f\n", l, n / d, p50, p99, s / hz * 1e6 / n, r / hz * 1e6 / n }'
   done
   stop_server
+done
+for name in memory redis; do
+  if [ -n "${HALF_P99[$name]:-}" ]; then
+    echo "$name: p99 at half of peak (loadgen, open loop): ${HALF_P99[$name]} ms   (target < 2)"
+  fi
 done

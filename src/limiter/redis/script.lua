@@ -41,6 +41,7 @@
 -- then every limit that fits is consumed and every key written gets an expiry. refund undoes an
 -- admitted decide of the same KEYS and ARGV and returns {1, now} per request.
 
+local floor, ceil, max = math.floor, math.ceil, math.max
 local mode = ARGV[1]
 local FIELDS = 3
 -- The call's counters: key, algorithm, requests_per_unit, window, burst.
@@ -49,6 +50,8 @@ local c_key, c_algo, c_rpu, c_w, c_burst = {}, {}, {}, {}, {}
 -- hits and enforcement (reused from request to request: only 1..n are read).
 local nonce, n = '', 0
 local l_c, l_hits, l_enf = {}, {}, {}
+-- The reply so far (`#out` is a search each time: keep the length here).
+local out, out_n = {}, 0
 -- Per limit of the current request: the check's verdict, and the counter state it read.
 local over, remaining, reset, state = {}, {}, {}, {}
 
@@ -58,7 +61,7 @@ local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local function expiry_ms(at_us)
   -- Expiries are in ms and a key lives while now_ms <= at_ms, so expire at the last ms before
   -- `at_us` (window ends are whole seconds) or, for unaligned times, the ms after it.
-  local at_ms = math.ceil(at_us / 1000)
+  local at_ms = ceil(at_us / 1000)
   if at_us % 1000000 == 0 then at_ms = at_ms - 1 end
   return at_ms
 end
@@ -207,7 +210,7 @@ local function refund(at)
 end
 
 -- Decides the current request and appends its reply to `out`.
-local function decide(out)
+local function decide()
   -- Check every limit (reads only; pruning the log changes no count).
   for i = 1, n do
     local key, algo, rpu, w, burst, hits = limit(i)
@@ -233,14 +236,14 @@ local function decide(out)
       local room = rpu - c - hits
       o = rpu == 0 or faded > room * w
       if not o then
-        rem = room - math.ceil(faded / w)
+        rem = room - ceil(faded / w)
         if c + hits > 0 then rst = 2 * w - e elseif p > 0 then rst = w - e else rst = 0 end
       elseif rpu > 0 and hits <= rpu then
         local r = rpu - hits
         if c <= r then
-          rst = math.max(1, (w - math.floor((r - c) * w / math.max(p, 1))) - e)
+          rst = max(1, (w - floor((r - c) * w / max(p, 1))) - e)
         else
-          rst = (w - e) + (w - math.floor(r * w / c))
+          rst = (w - e) + (w - floor(r * w / c))
         end
       end
     elseif algo == 'w' then
@@ -267,16 +270,16 @@ local function decide(out)
         local interval = w / rpu
         local cap = burst * interval
         local st = cached(key, load_b)
-      state[i] = st
-      local tat = math.max(st.tat, now)
+        state[i] = st
+        local tat = max(st.tat, now)
         local new_tat = tat + hits * interval
         o = new_tat - now > cap + 0.001
         if not o then
-          rem = math.floor((cap - (new_tat - now)) / interval + 0.000001)
-          rst = math.ceil(new_tat - now - 0.001)
+          rem = floor((cap - (new_tat - now)) / interval + 0.000001)
+          rst = ceil(new_tat - now - 0.001)
           st.next = new_tat
         elseif hits <= burst then
-          rst = math.ceil(new_tat - now - cap - 0.001)
+          rst = ceil(new_tat - now - cap - 0.001)
         end
       end
     else
@@ -318,13 +321,17 @@ local function decide(out)
     end
   end
 
-  out[#out + 1] = admitted and 1 or 0
-  out[#out + 1] = now
+  local o = out_n
+  out[o + 1] = admitted and 1 or 0
+  out[o + 2] = now
+  o = o + 2
   for i = 1, n do
-    out[#out + 1] = over[i] and 1 or 0
-    out[#out + 1] = remaining[i]
-    out[#out + 1] = reset[i]
+    out[o + 1] = over[i] and 1 or 0
+    out[o + 2] = remaining[i]
+    out[o + 3] = reset[i]
+    o = o + 3
   end
+  out_n = o
 end
 
 local p = 4
@@ -333,7 +340,6 @@ for c = 1, tonumber(ARGV[3]) do
     tonumber(ARGV[p + 2]), tonumber(ARGV[p + 3]), tonumber(ARGV[p + 4])
   p = p + 5
 end
-local out = {}
 for _ = 1, tonumber(ARGV[2]) do
   nonce, n = ARGV[p], tonumber(ARGV[p + 2])
   local b = p + 3
@@ -343,10 +349,11 @@ for _ = 1, tonumber(ARGV[2]) do
   end
   if mode == 'refund' then
     refund(tonumber(ARGV[p + 1]))
-    out[#out + 1] = 1
-    out[#out + 1] = now
+    out[out_n + 1] = 1
+    out[out_n + 2] = now
+    out_n = out_n + 2
   else
-    decide(out)
+    decide()
   end
   p = b
 end
