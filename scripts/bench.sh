@@ -19,6 +19,7 @@ DURATION=${DURATION:-10}
 CLIENTS=${CLIENTS:-16}
 STREAMS=${STREAMS:-32}
 SERVERS=${SERVERS:-bare memory naive redis}
+CALLGRIND=${CALLGRIND:-1}
 DISTS=${DISTS:-hot uniform zipf}
 
 command -v h2load >/dev/null || { echo "bench: h2load missing: apt-get install nghttp2-client" >&2; exit 1; }
@@ -178,3 +179,41 @@ for name in memory redis; do
     echo "$name: p99 at half of peak (loadgen, open loop): ${HALF_P99[$name]} ms   (target < 2)"
   fi
 done
+
+# Instructions per request: the server under callgrind, instrumented only while loadgen runs.
+if [ "$CALLGRIND" = 1 ] && command -v valgrind >/dev/null; then
+  echo
+  echo "callgrind: server instructions per request (loadgen, 8 calls over 2 connections, 5 s)"
+  declare -A INSTR
+  for name in $SERVERS; do
+    port=$(free_port)
+    case $name in
+      bare) cmd=("$BASELINE" --mode noop --addr "127.0.0.1:$port");;
+      naive) cmd=("$BASELINE" --mode evalsha --addr "127.0.0.1:$port" --redis "redis://127.0.0.1:$REDIS_PORT");;
+      memory) cmd=(./target/release/ratelimitd --config benches/limits.yaml --grpc-addr "127.0.0.1:$port"
+        --http-addr "127.0.0.1:$(free_port)" --log-level warn --backend memory);;
+      redis) cmd=(./target/release/ratelimitd --config benches/limits.yaml --grpc-addr "127.0.0.1:$port"
+        --http-addr "127.0.0.1:$(free_port)" --log-level warn --backend redis
+        --redis-url "redis://127.0.0.1:$REDIS_PORT" --redis-timeout 5s);;
+    esac
+    valgrind --tool=callgrind --callgrind-out-file="$WORK/cg.$name.%p" --instr-atstart=no "${cmd[@]}" >/dev/null 2>&1 &
+    SERVER_PID=$!
+    pids+=("$SERVER_PID")
+    for _ in $(seq 300); do (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break; sleep 0.1; done
+    "$LOADGEN" --target "http://127.0.0.1:$port" --duration 2 --warmup 0 --concurrency 8 --connections 2 >/dev/null
+    callgrind_control -i on "$SERVER_PID" >/dev/null 2>&1
+    n=$("$LOADGEN" --target "http://127.0.0.1:$port" --duration 5 --warmup 0 --concurrency 8 --connections 2 | awk '/^requests:/ {print $2}')
+    callgrind_control -i off "$SERVER_PID" >/dev/null 2>&1
+    callgrind_control -d "$SERVER_PID" >/dev/null 2>&1
+    stop_server
+    total=$(cat "$WORK"/cg."$name".*.1 | awk '/^totals:/ {print $2}')
+    INSTR[$name]=$(awk -v t="$total" -v n="$n" 'BEGIN {printf "%.0f", t / n}')
+    printf '%-44s %9s instructions per request (%s requests)\n' "$name" "${INSTR[$name]}" "$n"
+  done
+  if [ -n "${INSTR[memory]:-}" ] && [ -n "${INSTR[bare]:-}" ]; then
+    echo "memory server instructions/req vs bare tonic:  $(ratio "${INSTR[memory]}" "${INSTR[bare]}")x   (target <= 1.15)"
+  fi
+  if [ -n "${INSTR[redis]:-}" ] && [ -n "${INSTR[naive]:-}" ]; then
+    echo "redis server instructions/req vs naive's:      $(ratio "${INSTR[redis]}" "${INSTR[naive]}")x   (target <= 1.0)"
+  fi
+fi
