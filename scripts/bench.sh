@@ -97,7 +97,7 @@ h2run() {
     'BEGIN { total = n * (d + 1) / d; printf "%.0f %s %s %.1f %.1f %s\n", n / d, p50, p99, s / hz * 1e6 / total, r / hz * 1e6 / total, ok }'
 }
 
-declare -A RPS P50 P99 SCPU RCPU HP50 HP99 HRPS HALF_P99
+declare -A RPS P50 P99 SCPU RCPU HP50 HP99 HRPS HALF_P99 HALF_RATE BASE_P99
 for name in $SERVERS; do
   start_server "$name"
   h2load -c1 -n 2000 -d "$WORK/request.bin" -H 'content-type: application/grpc' -H 'te: trailers' \
@@ -159,7 +159,8 @@ for name in memory redis; do
     case $dist in
       hot) flags=(--keys 1);; uniform) flags=(--keys 10000);; zipf) flags=(--keys 10000 --zipf 1.0);;
       # Open loop at half of the best closed-loop rate above: the latency target's setting.
-      half) [ "$peak" -gt 0 ] || continue; flags=(--keys 10000 --rate $((peak / 2))); dist="uniform, paced at $((peak / 2))/s";;
+      half) [ "$peak" -gt 0 ] || continue; HALF_RATE[$name]=$((peak / 2))
+        flags=(--keys 10000 --rate $((peak / 2))); dist="uniform, paced at $((peak / 2))/s";;
     esac
     s0=$(cpu_ticks "$SERVER_PID"); r0=$(cpu_ticks "$REDIS_PID")
     out=$("$LOADGEN" --target "http://$GRPC" --duration "$DURATION" --warmup 0 --concurrency 64 --connections 4 "${flags[@]}")
@@ -174,9 +175,21 @@ for name in memory redis; do
   done
   stop_server
 done
+# The baselines paced at the same rate: the latency floor of this machine for each path.
+for pair in bare:memory naive:redis; do
+  base=${pair%%:*}; name=${pair##*:}
+  [[ " $SERVERS " == *" $base "* && -n "${HALF_RATE[$name]:-}" ]] || continue
+  start_server "$base"
+  out=$("$LOADGEN" --target "http://$GRPC" --duration "$DURATION" --warmup 0 --concurrency 64 --connections 4 --keys 10000 --rate "${HALF_RATE[$name]}")
+  BASE_P99[$name]=$(echo "$out" | awk '/^latency/ {for (i = 1; i <= NF; i++) if ($i == "p99") print $(i + 1)}')
+  n=$(echo "$out" | awk '/^requests:/ {print $2}')
+  printf '%-44s %9.0f %8s %8s\n' "$base, uniform, paced at ${HALF_RATE[$name]}/s" "$(awk -v n="$n" -v d="$DURATION" 'BEGIN {print n / d}')" \
+    "$(echo "$out" | awk '/^latency/ {for (i = 1; i <= NF; i++) if ($i == "p50") print $(i + 1)}')" "${BASE_P99[$name]}"
+  stop_server
+done
 for name in memory redis; do
   if [ -n "${HALF_P99[$name]:-}" ]; then
-    echo "$name: p99 at half of peak (loadgen, open loop): ${HALF_P99[$name]} ms   (target < 2)"
+    echo "$name: p99 at half of peak (loadgen, open loop): ${HALF_P99[$name]} ms   (target < 2; its baseline at that rate: ${BASE_P99[$name]:-n/a} ms)"
   fi
 done
 

@@ -217,6 +217,9 @@ fn calls(queued: &mut Vec<Part>, by_slot: bool) -> Vec<Vec<Part>> {
     calls
 }
 
+/// Up to this many limits in a call, keys and counters are matched by a scan.
+const SCAN_LIMITS: usize = 16;
+
 /// The script call of `parts`: EVALSHA, or EVAL with the source after NOSCRIPT. Each distinct
 /// key is sent once and each distinct (key, limit) counter once; requests name their counters
 /// by number (see script.lua).
@@ -225,25 +228,60 @@ fn command(parts: &[Part], by_source: bool) -> Cmd {
     // both 1-based as Lua counts.
     let limits_in: usize = parts.iter().map(|p| p.limits.len()).sum();
     let mut keys: Vec<&[u8]> = Vec::with_capacity(limits_in);
-    let mut key_index: HashMap<&[u8], usize> = HashMap::with_capacity(limits_in);
+    // A few limits (an idle service's lone request) are matched by a scan; a call of many by
+    // hashing, which costs more to set up than a short scan does.
+    let hashed = limits_in > SCAN_LIMITS;
+    let mut key_index: HashMap<&[u8], usize> = HashMap::new();
     let mut counters: Vec<(usize, &LimitArgs)> = Vec::with_capacity(limits_in);
-    let mut counter_index: HashMap<(usize, u8, u64, u64, u64), usize> =
-        HashMap::with_capacity(limits_in);
+    let mut counter_index: HashMap<(usize, u8, u64, u64, u64), usize> = HashMap::new();
+    if hashed {
+        key_index.reserve(limits_in);
+        counter_index.reserve(limits_in);
+    }
     let mut limits: Vec<usize> = Vec::with_capacity(limits_in); // every part's limits' counter numbers, in order
     for p in parts {
         let mut from = 0;
         for (end, l) in p.key_ends.iter().zip(&p.limits) {
             let key = &p.keys[from..*end as usize];
             from = *end as usize;
-            let k = *key_index.entry(key).or_insert_with(|| {
-                keys.push(key);
-                keys.len()
-            });
+            let k = if hashed {
+                *key_index.entry(key).or_insert_with(|| {
+                    keys.push(key);
+                    keys.len()
+                })
+            } else {
+                match keys.iter().position(|k| *k == key) {
+                    Some(k) => k + 1,
+                    None => {
+                        keys.push(key);
+                        keys.len()
+                    }
+                }
+            };
             let identity = (k, l.algorithm, l.requests_per_unit, l.window_us, l.burst);
-            let c = *counter_index.entry(identity).or_insert_with(|| {
-                counters.push((k, l));
-                counters.len()
-            });
+            let same = |(ck, cl): &(usize, &LimitArgs)| {
+                (
+                    *ck,
+                    cl.algorithm,
+                    cl.requests_per_unit,
+                    cl.window_us,
+                    cl.burst,
+                ) == identity
+            };
+            let c = if hashed {
+                *counter_index.entry(identity).or_insert_with(|| {
+                    counters.push((k, l));
+                    counters.len()
+                })
+            } else {
+                match counters.iter().position(same) {
+                    Some(c) => c + 1,
+                    None => {
+                        counters.push((k, l));
+                        counters.len()
+                    }
+                }
+            };
             limits.push(c);
         }
     }
@@ -414,5 +452,15 @@ mod tests {
         ];
         assert_eq!(got, expected);
         assert_eq!(args(&command(&parts, true))[..2], ["EVAL", SCRIPT]);
+
+        // Past SCAN_LIMITS limits, keys and counters are matched by hashing: the same call.
+        let many: Vec<Part> = (0..10).map(|_| part(&[b"{d}:a", b"{d}:b"], 5)).collect();
+        let got = args(&command(&many, false));
+        assert_eq!(got[2..8], ["2", "{d}:a", "{d}:b", "decide", "10", "2"]);
+        let requests = &got[18..];
+        assert_eq!(requests.len(), 10 * 9);
+        for r in requests.chunks(9) {
+            assert_eq!(r, ["nn", "0", "2", "1", "1", "E", "2", "1", "E"]);
+        }
     }
 }
