@@ -80,11 +80,11 @@ async fn serve(settings: Settings, options: Options) -> anyhow::Result<()> {
 }
 
 fn main() -> ExitCode {
-    let settings = match Settings::parse_with_env(std::env::args(), |k| std::env::var(k).ok()) {
-        Ok(s) => s,
-        Err(e) => e.exit(),
-    };
-    let options = settings.resolve().unwrap_or_else(|e| e.to_clap().exit());
+    let (settings, options) =
+        match Settings::parse_options_with_env(std::env::args(), |k| std::env::var(k).ok()) {
+            Ok(parsed) => parsed,
+            Err(e) => e.exit(),
+        };
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(r) => r,
         Err(e) => {

@@ -160,19 +160,35 @@ fn pb_unit(unit: Unit) -> PbUnit {
     }
 }
 
+/// What an Envoy request asks that this service cannot honour (answered `INVALID_ARGUMENT`,
+/// or 400 on `/json`).
+#[derive(Debug, thiserror::Error)]
+pub enum RequestError {
+    /// `is_negative_hits`: a refund.
+    #[error("descriptors[{0}].is_negative_hits is not supported (refunds are not implemented)")]
+    NegativeHits(usize),
+    /// A `limit` override with an unknown unit.
+    #[error("descriptors[{descriptor}].limit.unit {unit} is not a valid unit")]
+    Unit {
+        /// The descriptor's index.
+        descriptor: usize,
+        /// The unit's number as sent.
+        unit: i32,
+    },
+}
+
 /// Converts one descriptor, refusing what we cannot honour.
-fn descriptor(i: usize, d: &RateLimitDescriptor) -> Result<Descriptor<'_>, String> {
+fn descriptor(i: usize, d: &RateLimitDescriptor) -> Result<Descriptor<'_>, RequestError> {
     if d.is_negative_hits {
-        return Err(format!(
-            "descriptors[{i}].is_negative_hits is not supported (refunds are not implemented)"
-        ));
+        return Err(RequestError::NegativeHits(i));
     }
     let limit_override = match &d.limit {
         None => None,
         Some(o) => Some(LimitOverride {
             requests_per_unit: o.requests_per_unit as u64,
-            unit: override_unit(o.unit).ok_or_else(|| {
-                format!("descriptors[{i}].limit.unit {} is not a valid unit", o.unit)
+            unit: override_unit(o.unit).ok_or(RequestError::Unit {
+                descriptor: i,
+                unit: o.unit,
             })?,
         }),
     };
@@ -188,7 +204,7 @@ fn descriptor(i: usize, d: &RateLimitDescriptor) -> Result<Descriptor<'_>, Strin
 }
 
 /// Converts a request (no copies of strings).
-pub fn to_request(req: &RateLimitRequest) -> Result<engine::Request<'_>, String> {
+pub fn to_request(req: &RateLimitRequest) -> Result<engine::Request<'_>, RequestError> {
     Ok(engine::Request {
         domain: &req.domain,
         descriptors: req
@@ -295,7 +311,7 @@ impl RateLimitService for GrpcService {
         let _done = InFlight(&self.metrics);
         let req = request.get_ref();
         let result = match to_request(req) {
-            Err(message) => Err(Status::invalid_argument(message)),
+            Err(e) => Err(Status::invalid_argument(e.to_string())),
             Ok(req) => match self.engine.should_rate_limit(&req).await {
                 Ok(resp) => Ok(Response::new(to_response(
                     request.get_ref(),

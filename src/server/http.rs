@@ -91,7 +91,7 @@ async fn json_decide(State(state): State<Arc<HttpState>>, body: Bytes) -> axum::
         Err(e) => return text(StatusCode::BAD_REQUEST, e.to_string()),
     };
     let decided = match to_request(&req) {
-        Err(message) => return text(StatusCode::BAD_REQUEST, message),
+        Err(e) => return text(StatusCode::BAD_REQUEST, e.to_string()),
         Ok(r) => state.engine.should_rate_limit(&r).await,
     };
     match decided {

@@ -350,8 +350,35 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
 }
 
 impl Settings {
-    /// Parses `args` (program name first), filling flags missing from them from `env`.
+    /// Parses `args` (program name first), filling flags missing from them from `env`, and
+    /// checks that they resolve (see [`Settings::resolve`]).
     pub fn parse_with_env<I, S>(
+        args: I,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<Settings, clap::Error>
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        Settings::parse_unresolved(args, env)?.validate()
+    }
+
+    /// Parses like [`Settings::parse_with_env`] and resolves once: the settings (for logging
+    /// and listeners) and the options the service runs with.
+    pub fn parse_options_with_env<I, S>(
+        args: I,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<(Settings, Options), clap::Error>
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        let settings = Settings::parse_unresolved(args, env)?;
+        let options = settings.resolve().map_err(|e| e.to_clap())?;
+        Ok((settings, options))
+    }
+
+    fn parse_unresolved<I, S>(
         args: I,
         env: impl Fn(&str) -> Option<String>,
     ) -> Result<Settings, clap::Error>
@@ -396,7 +423,7 @@ impl Settings {
         }
         let mut settings = Settings::try_parse_from(args)?;
         settings.ignored_env = translated.ignored;
-        settings.validate()
+        Ok(settings)
     }
 
     /// Resolves and validates the settings into what the service runs with: every
