@@ -171,12 +171,12 @@ impl Engine {
             .inc();
     }
 
-    /// The hits (of 0) naming the counters of one descriptor, with their limits.
+    /// The hits (of 0) naming the counters of one descriptor, and the limit each reports.
     fn counters_of(
         &self,
         domain: &str,
         entries: &[(&str, &str)],
-    ) -> Result<Vec<(ReportedLimit, crate::limiter::Hit)>, EngineError> {
+    ) -> Result<(Vec<ReportedLimit>, Vec<crate::limiter::Hit>), EngineError> {
         let req = Request {
             domain,
             descriptors: vec![Descriptor {
@@ -190,10 +190,15 @@ impl Engine {
         let snapshot = self.config.load();
         let Resolved { applied, hits, .. } =
             resolve(&snapshot, &req, &self.keys, &self.override_rule);
-        Ok(applied
+        let mut limits: Vec<Option<ReportedLimit>> = vec![None; hits.len()];
+        for a in applied {
+            limits[a.hit].get_or_insert(a.reported);
+        }
+        let limits = limits
             .into_iter()
-            .map(|a| (a.reported, hits[a.hit].clone()))
-            .collect())
+            .map(|l| l.expect("every hit comes from an applied limit"))
+            .collect();
+        Ok((limits, hits))
     }
 
     /// Every limit that applies to a descriptor, with its counter as it stands. Consumes
@@ -203,14 +208,14 @@ impl Engine {
         domain: &str,
         entries: &[(&str, &str)],
     ) -> Result<Vec<CounterView>, EngineError> {
-        let counters = self.counters_of(domain, entries)?;
-        if counters.is_empty() {
+        let (limits, hits) = self.counters_of(domain, entries)?;
+        if hits.is_empty() {
             return Ok(Vec::new());
         }
-        let hits: Vec<_> = counters.iter().map(|(_, h)| h.clone()).collect();
         let outcome = self.backend.decide(&hits).await?;
-        Ok(counters
+        Ok(limits
             .into_iter()
+            .zip(&hits)
             .zip(outcome.verdicts)
             .map(|((limit, hit), v)| {
                 let capacity = match hit.limit.algorithm {
@@ -234,11 +239,7 @@ impl Engine {
         domain: &str,
         entries: &[(&str, &str)],
     ) -> Result<usize, EngineError> {
-        let hits: Vec<_> = self
-            .counters_of(domain, entries)?
-            .into_iter()
-            .map(|(_, h)| h)
-            .collect();
+        let (_, hits) = self.counters_of(domain, entries)?;
         if hits.is_empty() {
             return Ok(0);
         }
