@@ -7,7 +7,7 @@ use std::path::Path;
 
 use common::fixtures;
 use ratelimitd::config::*;
-use ratelimitd::limiter::{Algorithm, KeyFormat};
+use ratelimitd::limiter::{Algorithm, CounterKey, KeyFormat};
 
 fn fixture(rel: &str) -> Option<Domain> {
     let path = fixtures()?.join(rel);
@@ -17,6 +17,14 @@ fn fixture(rel: &str) -> Option<Domain> {
 
 fn yaml(text: &str) -> Result<Domain, ConfigError> {
     compile_file(Path::new("t.yaml"), text)
+}
+
+/// The counter key (default format) a descriptor resolves to; it must resolve.
+fn counter_key(domain: &Domain, entries: &[(&str, &str)]) -> CounterKey {
+    domain
+        .resolve(entries, &KeyFormat::default())
+        .expect("the descriptor resolves")
+        .key
 }
 
 /// (rule label, first limit's rpu, unit) for a descriptor, or None when no limit applies.
@@ -99,14 +107,8 @@ fn value_less_keys_count_each_value_apart() {
     let Some(d) = fixture("good/basic_config.yaml") else {
         return;
     };
-    let a = d
-        .resolve(&[("key2", "a")], &KeyFormat::default())
-        .unwrap()
-        .key;
-    let b = d
-        .resolve(&[("key2", "b")], &KeyFormat::default())
-        .unwrap()
-        .key;
+    let a = counter_key(&d, &[("key2", "a")]);
+    let b = counter_key(&d, &[("key2", "b")]);
     assert_ne!(a, b);
 }
 
@@ -130,14 +132,8 @@ fn wildcards_match_in_file_order_after_exact_values() {
         Some(20)
     );
     // Without share_threshold, each value matching a wildcard has its own counter.
-    let a = d
-        .resolve(&[("wild", "foo1")], &KeyFormat::default())
-        .unwrap()
-        .key;
-    let b = d
-        .resolve(&[("wild", "foo2")], &KeyFormat::default())
-        .unwrap()
-        .key;
+    let a = counter_key(&d, &[("wild", "foo1")]);
+    let b = counter_key(&d, &[("wild", "foo2")]);
     assert_ne!(a, b);
 }
 
@@ -146,7 +142,7 @@ fn share_threshold_counts_every_matching_value_together() {
     let Some(d) = fixture("good/share_threshold.yaml") else {
         return;
     };
-    let key = |e: &[(&str, &str)]| d.resolve(e, &KeyFormat::default()).unwrap().key;
+    let key = |e: &[(&str, &str)]| counter_key(&d, e);
     assert_eq!(key(&[("files", "files/a")]), key(&[("files", "files/b")]));
     assert_eq!(
         key(&[("nested", "parent"), ("files", "nested/a")]),
@@ -478,22 +474,10 @@ fn each_validation_error_names_its_field_and_line() {
 #[test]
 fn keys_are_injective_over_hostile_values() {
     let d = yaml("domain: d\ndescriptors:\n  - key: a\n    descriptors:\n      - key: b\n        rate_limit: {unit: second, requests_per_unit: 1}\n  - key: a_b\n    descriptors:\n      - key: b\n        rate_limit: {unit: second, requests_per_unit: 1}\n").unwrap();
-    let k1 = d
-        .resolve(&[("a", "x_b"), ("b", "y")], &KeyFormat::default())
-        .unwrap()
-        .key;
-    let k2 = d
-        .resolve(&[("a", "x"), ("b", "b_y")], &KeyFormat::default())
-        .unwrap()
-        .key;
-    let k3 = d
-        .resolve(&[("a_b", "x"), ("b", "y")], &KeyFormat::default())
-        .unwrap()
-        .key;
-    let k4 = d
-        .resolve(&[("a", "x\0\0\0\x01b"), ("b", "")], &KeyFormat::default())
-        .unwrap()
-        .key;
+    let k1 = counter_key(&d, &[("a", "x_b"), ("b", "y")]);
+    let k2 = counter_key(&d, &[("a", "x"), ("b", "b_y")]);
+    let k3 = counter_key(&d, &[("a_b", "x"), ("b", "y")]);
+    let k4 = counter_key(&d, &[("a", "x\0\0\0\x01b"), ("b", "")]);
     let keys = [k1, k2, k3, k4];
     for i in 0..keys.len() {
         for j in i + 1..keys.len() {
