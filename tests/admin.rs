@@ -96,7 +96,40 @@ async fn inspect_and_reset_counters(kind: Kind) {
     assert_eq!(err.code(), tonic::Code::InvalidArgument);
 }
 
-every_backend!(inspect_and_reset_counters);
+/// A request's own `limit` override counts in a counter of its own; a reset reaches it too.
+async fn a_reset_unblocks_a_client_over_its_own_limit_override(kind: Kind) {
+    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::RateLimitOverride;
+    let s = start(kind, &[("a.yaml", LIMITS)], &["--admin"]).await;
+    let mut c = s.client().await;
+    let mut admin = AdminClient::connect(format!("http://{}", s.grpc))
+        .await
+        .unwrap();
+    let overridden = || {
+        let mut req = request("a", &[&[("k", "o")]]);
+        req.descriptors[0].limit = Some(RateLimitOverride {
+            requests_per_unit: 2,
+            unit: 3, // hour
+        });
+        req
+    };
+    for _ in 0..2 {
+        assert!(is_ok(&call(&mut c, overridden()).await));
+    }
+    assert!(is_over(&call(&mut c, overridden()).await));
+    let reset = admin
+        .reset_counters(counter_request("k", "o"))
+        .await
+        .unwrap()
+        .into_inner()
+        .reset;
+    assert!(reset >= 1, "the override's counter was held: {reset}");
+    assert!(is_ok(&call(&mut c, overridden()).await), "unblocked");
+}
+
+every_backend!(
+    inspect_and_reset_counters,
+    a_reset_unblocks_a_client_over_its_own_limit_override
+);
 
 #[tokio::test]
 async fn the_admin_api_is_off_unless_asked_for() {

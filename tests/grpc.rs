@@ -521,10 +521,11 @@ async fn algorithms_keep_time_exactly_on_a_manual_clock() {
     clock.set(T0 + 10_000_000);
     assert!(is_ok(&hit("fixed", 2).await), "new window");
 
-    // sliding_window: 10 at 5 s; 10 s later (15 s) half of them still count.
-    clock.set(T0 + 5_000_000);
-    assert!(is_ok(&hit("sliding", 10).await));
+    // sliding_window: 10 at 15 s; 10 s later (25 s) half of them still count. (Time only
+    // moves forward here: the memory backend never lets it run backwards.)
     clock.set(T0 + 15_000_000);
+    assert!(is_ok(&hit("sliding", 10).await));
+    clock.set(T0 + 25_000_000);
     assert!(is_ok(&hit("sliding", 5).await));
     let r = hit("sliding", 1).await;
     assert!(is_over(&r));
@@ -534,20 +535,20 @@ async fn algorithms_keep_time_exactly_on_a_manual_clock() {
     assert!(is_ok(&hit("sliding", 1).await));
 
     // sliding_log: 2 in any 10 s; the oldest leaves exactly 10 s after it came.
-    clock.set(T0 + 20_000_000);
+    clock.set(T0 + 30_000_000);
     assert!(is_ok(&hit("log", 1).await));
-    clock.set(T0 + 24_000_000);
+    clock.set(T0 + 34_000_000);
     assert!(is_ok(&hit("log", 1).await));
-    clock.set(T0 + 29_000_000);
+    clock.set(T0 + 39_000_000);
     let r = hit("log", 1).await;
     assert!(is_over(&r));
     assert_eq!(reset_of(&r, 0), Duration::from_secs(1));
-    clock.set(T0 + 30_000_000);
+    clock.set(T0 + 40_000_000);
     assert!(is_ok(&hit("log", 1).await));
     assert!(is_over(&hit("log", 1).await));
 
     // token_bucket: 4 per second (one per 250 ms), holds 2.
-    clock.set(T0 + 40_000_000);
+    clock.set(T0 + 50_000_000);
     assert!(is_ok(&hit("bucket", 2).await));
     let r = hit("bucket", 1).await;
     assert!(is_over(&r));
@@ -558,6 +559,38 @@ async fn algorithms_keep_time_exactly_on_a_manual_clock() {
     clock.advance(Duration::from_secs(60));
     let r = hit("bucket", 1).await;
     assert_eq!(r.statuses[0].limit_remaining, 1, "never more than burst");
+}
+
+/// An NTP step back (and forward again) must not start windows afresh: with 5 per minute, at
+/// most 5 are admitted across the whole episode, on every algorithm.
+#[tokio::test]
+async fn a_wall_clock_stepped_back_never_resets_a_window() {
+    const T0: u64 = 1_800_000_000_000_000 + 30_000_000; // mid-minute
+    let clock = ManualClock::new(T0);
+    let yaml = Algorithm::ALL
+        .iter()
+        .map(|a| format!("  - key: {a}\n    rate_limit: {{unit: minute, requests_per_unit: 5, algorithm: {a}}}\n"))
+        .collect::<String>();
+    let s = TestServer::start_with(
+        &[("c.yaml", &format!("domain: c\ndescriptors:\n{yaml}"))],
+        &[],
+        Arc::new(clock.clone()),
+    )
+    .await;
+    let mut c = s.client().await;
+    for a in Algorithm::ALL {
+        let key = a.to_string();
+        let mut admitted = 0;
+        for at in [T0, T0 - 70_000_000, T0 + 1_000_000] {
+            clock.set(at);
+            for _ in 0..5 {
+                admitted +=
+                    is_ok(&call(&mut c, request("c", &[&[(key.as_str(), "v")]])).await) as usize;
+            }
+        }
+        assert_eq!(admitted, 5, "{a}");
+        clock.set(T0);
+    }
 }
 
 /// Each algorithm on the wall clock: rejected now, admitted again no later than it said.

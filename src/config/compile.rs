@@ -17,10 +17,25 @@ use crate::limiter::Algorithm;
 /// Largest `unit_multiplier`: keeps every window (up to 10 000 years) within u64 microseconds.
 pub const MAX_UNIT_MULTIPLIER: u64 = 10_000;
 
+/// The parser's budget for `text`: nodes and events grow with the file (an honest config has a
+/// node for every few bytes, so a 100,000-descriptor file of tens of MB loads), while what
+/// aliases can add without bytes of their own stays within that same allowance: parsing work is
+/// linear in the file's size, however its anchors are nested.
+fn budget(text: &str) -> serde_saphyr::Budget {
+    let mut b = serde_saphyr::Budget::default();
+    // At most one node per 2 bytes and one event per byte, never less than the defaults.
+    b.max_nodes = b.max_nodes.max(text.len() / 2);
+    b.max_events = b.max_events.max(text.len());
+    b.max_recorded_anchor_events = b.max_recorded_anchor_events.min(b.max_events);
+    b
+}
+
 /// Parses and validates one config file.
 pub fn compile_file(file: &Path, text: &str) -> Result<Domain, ConfigError> {
-    let raw: RawFile =
-        serde_saphyr::from_str(text).map_err(|e| ConfigError::from_yaml(file, &e))?;
+    let mut options = serde_saphyr::Options::default();
+    options.budget = Some(budget(text));
+    let raw: RawFile = serde_saphyr::from_str_with_options(text, options)
+        .map_err(|e| ConfigError::from_yaml(file, &e))?;
     let c = Compiler { file };
     let (domain, line) = match raw.domain {
         Some(d) if !d.value.is_empty() => (d.value, d.referenced.line()),

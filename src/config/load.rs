@@ -11,6 +11,29 @@ use super::{ConfigError, Snapshot, compile_file};
 
 /// Directory nesting followed below a config path.
 const MAX_DEPTH: usize = 8;
+/// Largest config file read: ten times a 100,000-descriptor file, so no honest config meets it,
+/// and a file that grows without end (a log written into the config directory) is refused
+/// before it is read rather than after it has filled memory.
+pub const MAX_FILE_BYTES: u64 = 256 << 20;
+
+/// Reads a config file of at most [`MAX_FILE_BYTES`].
+fn read_bounded(file: &Path) -> Result<String, ConfigError> {
+    use std::io::Read;
+    let f = std::fs::File::open(file).map_err(|e| ConfigError::io(file, &e))?;
+    let mut text = String::new();
+    f.take(MAX_FILE_BYTES + 1)
+        .read_to_string(&mut text)
+        .map_err(|e| ConfigError::io(file, &e))?;
+    if text.len() as u64 > MAX_FILE_BYTES {
+        return Err(ConfigError::at(
+            file,
+            None,
+            "file",
+            format!("larger than the maximum of {} MiB", MAX_FILE_BYTES >> 20),
+        ));
+    }
+    Ok(text)
+}
 
 /// A file or directory's identity, whatever path (or symlink) reached it.
 pub(super) type Identity = (u64, u64);
@@ -52,7 +75,7 @@ pub fn load_paths(paths: &[PathBuf]) -> Result<LoadedConfig, ConfigError> {
     let mut domains = Vec::with_capacity(files.len());
     let mut seen: HashMap<String, PathBuf> = HashMap::new();
     for file in &files {
-        let text = std::fs::read_to_string(file).map_err(|e| ConfigError::io(file, &e))?;
+        let text = read_bounded(file)?;
         (file, &text).hash(&mut hasher);
         let domain = compile_file(file, &text)?;
         if let Some(first) = seen.get(domain.name.as_str()) {

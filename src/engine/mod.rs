@@ -124,6 +124,7 @@ impl Engine {
             applied,
             hits,
         } = resolve(&snapshot, req, &self.keys, &self.override_rule);
+        request::validate_counters(&hits, &self.options.request_limits)?;
         let Some(domain) = domain.filter(|_| !hits.is_empty()) else {
             return Ok(Response {
                 overall: Code::Ok,
@@ -233,15 +234,28 @@ impl Engine {
             .collect())
     }
 
-    /// Resets every counter of a descriptor; returns how many were held.
+    /// Resets every counter of a descriptor, those its requests' `limit` overrides made
+    /// included (one per unit); returns how many were held.
     pub async fn reset(
         &self,
         domain: &str,
         entries: &[(&str, &str)],
     ) -> Result<usize, EngineError> {
-        let (_, hits) = self.counters_of(domain, entries)?;
-        if hits.is_empty() {
-            return Ok(0);
+        let (_, mut hits) = self.counters_of(domain, entries)?;
+        let base = self.keys.descriptor_key(domain, entries.iter().copied());
+        for unit in crate::config::Unit::ALL {
+            let limit = crate::limiter::Limit {
+                algorithm: Algorithm::FixedWindow,
+                requests_per_unit: 0,
+                window_us: unit.seconds() * 1_000_000,
+                burst: 0,
+            };
+            hits.push(crate::limiter::Hit {
+                key: base.for_limit(&limit, resolve::OVERRIDE_ORDINAL),
+                limit,
+                hits: 0,
+                enforcement: crate::limiter::Enforcement::Enforce,
+            });
         }
         Ok(self.backend.reset(&hits).await?)
     }

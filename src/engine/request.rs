@@ -1,7 +1,7 @@
 //! What the engine is asked: a request's types, their bounds and validation.
 
 use crate::config::Unit;
-use crate::limiter::BackendError;
+use crate::limiter::{BackendError, Hit};
 
 /// Bounds on request size; anything larger is refused as `INVALID_ARGUMENT`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -14,6 +14,10 @@ pub struct RequestLimits {
     pub max_key_bytes: usize,
     /// Bytes per entry value.
     pub max_value_bytes: usize,
+    /// Counters one request touches, after merging.
+    pub max_counters: usize,
+    /// Bytes of all its counters' keys together.
+    pub max_counter_key_bytes: usize,
 }
 
 impl Default for RequestLimits {
@@ -23,6 +27,8 @@ impl Default for RequestLimits {
             max_entries: 32,
             max_key_bytes: 4096,
             max_value_bytes: 4096,
+            max_counters: 256,
+            max_counter_key_bytes: 1 << 20,
         }
     }
 }
@@ -117,6 +123,26 @@ pub fn validate(req: &Request<'_>, bounds: &RequestLimits) -> Result<(), EngineE
                 ));
             }
         }
+    }
+    Ok(())
+}
+
+/// Checks what a request resolved to against `bounds`: one request's counters, and so its CPU
+/// and Redis time, stay bounded however many limits its descriptors match.
+pub fn validate_counters(hits: &[Hit], bounds: &RequestLimits) -> Result<(), EngineError> {
+    if hits.len() > bounds.max_counters {
+        return Err(EngineError::InvalidArgument(format!(
+            "the request touches {} counters, more than the maximum of {}",
+            hits.len(),
+            bounds.max_counters
+        )));
+    }
+    let bytes: usize = hits.iter().map(|h| h.key.as_bytes().len()).sum();
+    if bytes > bounds.max_counter_key_bytes {
+        return Err(EngineError::InvalidArgument(format!(
+            "the request's counter keys take {bytes} bytes, more than the maximum of {}",
+            bounds.max_counter_key_bytes
+        )));
     }
     Ok(())
 }

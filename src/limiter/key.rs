@@ -163,6 +163,12 @@ impl CounterKey {
     pub fn tag(&self) -> &[u8] {
         &self.bytes[self.tag.0 as usize..self.tag.1 as usize]
     }
+
+    /// The key up to and including the hash tag's closing brace: `<prefix>{<tag>}`. A key that
+    /// continues it with anything but `:` lies in the same slot and is never a counter's key.
+    pub fn through_tag(&self) -> &[u8] {
+        &self.bytes[..self.tag.1 as usize + 1]
+    }
 }
 
 #[cfg(test)]
@@ -197,6 +203,7 @@ mod tests {
             "{edge}:path:/a%20b%3A%7Bc%7D%0A:s1000000:0"
         );
         assert_eq!(k.tag(), b"edge");
+        assert_eq!(k.through_tag(), b"{edge}");
         let per_descriptor = KeyFormat::new("rl:", HashTag::Descriptor).unwrap();
         let k = per_descriptor
             .descriptor_key("edge", entries)
@@ -206,6 +213,7 @@ mod tests {
             "rl:{edge:path:/a%20b%3A%7Bc%7D%0A}:s1000000:3"
         );
         assert_eq!(k.tag(), b"edge:path:/a%20b%3A%7Bc%7D%0A");
+        assert_eq!(k.through_tag(), b"rl:{edge:path:/a%20b%3A%7Bc%7D%0A}");
         assert!(KeyFormat::new("rl{x}:", HashTag::Domain).is_err());
     }
 

@@ -16,6 +16,7 @@
 use std::collections::{BTreeSet, HashMap};
 use std::hash::{BuildHasher, RandomState};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::{Mutex, MutexGuard};
 
@@ -101,6 +102,10 @@ pub struct MemoryBackend {
     shards: Box<[Mutex<Shard>]>,
     hasher: RandomState,
     clock: Arc<dyn Clock>,
+    /// The latest time read: the backend's time never moves backwards, whatever the wall clock
+    /// does (an NTP step back would otherwise start every window afresh). While the clock is
+    /// behind, time stands still: windows end late, which may over-reject, never over-admit.
+    latest: AtomicU64,
     shard_budget: u64,
     metrics: MemoryMetrics,
 }
@@ -123,9 +128,16 @@ impl MemoryBackend {
             shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
             hasher: RandomState::new(),
             clock,
+            latest: AtomicU64::new(0),
             shard_budget: max_bytes / SHARDS as u64,
             metrics,
         }
+    }
+
+    /// The clock's time, or the latest seen if the clock has stepped back since.
+    fn now(&self) -> u64 {
+        let now = self.clock.now_us();
+        self.latest.fetch_max(now, Ordering::Relaxed).max(now)
     }
 
     fn shard_of(&self, key: &[u8]) -> usize {
@@ -149,7 +161,7 @@ impl MemoryBackend {
 
     /// Drops every expired counter now.
     pub fn sweep(&self) {
-        let now = self.clock.now_us();
+        let now = self.now();
         for shard in self.shards.iter() {
             let freed = shard.lock().expire(now, usize::MAX);
             self.metrics.bytes.dec_by(freed as i64);
@@ -158,7 +170,7 @@ impl MemoryBackend {
 
     /// Decides synchronously; [`Backend::decide`] wraps this.
     pub fn decide_now(&self, hits: &[Hit]) -> Outcome {
-        let now = self.clock.now_us();
+        let now = self.now();
         let shard_ids: Vec<usize> = hits
             .iter()
             .map(|h| self.shard_of(h.key.as_bytes()))

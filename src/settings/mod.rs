@@ -198,6 +198,11 @@ pub struct Settings {
     #[arg(long, default_value_t = 4096)]
     pub max_value_bytes: usize,
 
+    /// Most counters one request may touch (its descriptors' limits, after merging the same
+    /// counter), so that one request's CPU and Redis time stay bounded.
+    #[arg(long, default_value_t = 256)]
+    pub max_counters: usize,
+
     /// Redis server (standalone): redis://[user:pass@]host:port[/db], or rediss:// for TLS.
     #[arg(long, value_parser = RedisUrlParser)]
     pub redis_url: Option<RedisUrl>,
@@ -462,6 +467,8 @@ impl Settings {
                     max_entries: self.max_entries,
                     max_key_bytes: self.max_key_bytes,
                     max_value_bytes: self.max_value_bytes,
+                    max_counters: self.max_counters,
+                    ..RequestLimits::default()
                 },
                 near_limit_ratio: self.near_limit_ratio,
                 global_shadow_mode: self.shadow_mode,

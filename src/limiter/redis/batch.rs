@@ -8,10 +8,20 @@
 //! all-or-nothing on its own, exactly as separate calls at the same instant would: no decision
 //! changes. A part whose caller has given up (its call budget spent) is dropped before it is
 //! sent, so a request answered with an error is never counted later.
+//!
+//! Bounded, so that one client's work cannot slow or fail another's:
+//! - the queue holds at most [`MAX_QUEUED_PARTS`] parts and [`MAX_QUEUED_BYTES`] of keys; a part
+//!   beyond either is refused at once (`overloaded`), never left to time out in a long queue;
+//! - a call carries at most [`MAX_CALL_BYTES`] of keys and [`MAX_CALL_LIMITS`] limits, and a
+//!   large part (over [`LARGE_PART_BYTES`] or [`LARGE_PART_LIMITS`]) goes alone: a huge request
+//!   is never coalesced with small ones, so its cost and any failure of its call stay its own;
+//! - the script decides each part on its own: a part whose counter holds foreign data fails
+//!   alone (see script.lua), and the call's health is reported once (see [`Health`]).
 
 use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use futures_util::stream::{FuturesUnordered, StreamExt};
@@ -20,8 +30,22 @@ use smallvec::SmallVec;
 use tokio::sync::{mpsc, oneshot};
 
 use super::SCRIPT;
+use super::breaker::Health;
 use super::connection::Conn;
 use crate::metrics::BackendMetrics;
+
+/// Most parts waiting for a call.
+pub const MAX_QUEUED_PARTS: usize = 16_384;
+/// Most key bytes waiting for a call.
+pub const MAX_QUEUED_BYTES: usize = 32 << 20;
+/// Most key bytes one call carries.
+pub const MAX_CALL_BYTES: usize = 64 << 10;
+/// Most limits one call carries.
+pub const MAX_CALL_LIMITS: usize = 512;
+/// A part with more key bytes than this goes in a call of its own.
+pub const LARGE_PART_BYTES: usize = 8 << 10;
+/// A part with more limits than this goes in a call of its own.
+pub const LARGE_PART_LIMITS: usize = 64;
 
 /// What a call does to its parts' counters.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -70,6 +94,8 @@ pub struct Part {
     pub nonce_len: u8,
     /// Refund: the decide's time (µs).
     pub at: i64,
+    /// Refund: the key marking this request's refund as done (empty for a decide).
+    pub marker: Vec<u8>,
     /// Every key's bytes, back to back.
     pub keys: Vec<u8>,
     /// Where each key ends in `keys`.
@@ -81,6 +107,11 @@ pub struct Part {
 }
 
 impl Part {
+    /// Whether the part goes in a call of its own.
+    fn is_large(&self) -> bool {
+        self.keys.len() > LARGE_PART_BYTES || self.limits.len() > LARGE_PART_LIMITS
+    }
+
     /// Values the script returns for this part.
     fn reply_len(&self) -> usize {
         match self.mode {
@@ -115,6 +146,8 @@ pub enum CallError {
     Reply(String),
     /// The worker is gone (the backend is shutting down).
     Closed,
+    /// The queue was full: refused at once.
+    Overloaded,
 }
 
 /// How calls are coalesced.
@@ -128,53 +161,75 @@ pub struct BatchOptions {
     pub timeout: Duration,
 }
 
-/// The handle requests submit their parts to; the worker starts on first use.
-pub struct Batcher {
-    tx: std::sync::OnceLock<mpsc::UnboundedSender<Part>>,
+/// What the worker and its calls share.
+#[derive(Clone)]
+struct Shared {
     conn: Conn,
     by_slot: bool,
     options: BatchOptions,
     metrics: BackendMetrics,
+    health: Arc<Health>,
+    /// Key bytes of the parts queued.
+    queued_bytes: Arc<AtomicUsize>,
+}
+
+/// The handle requests submit their parts to; the worker starts on first use.
+pub struct Batcher {
+    tx: std::sync::OnceLock<mpsc::Sender<Part>>,
+    shared: Shared,
 }
 
 impl Batcher {
-    /// Coalesces calls on `conn`; `by_slot`: only parts of one cluster slot share a call.
-    pub fn new(conn: Conn, by_slot: bool, options: BatchOptions, metrics: BackendMetrics) -> Self {
+    /// Coalesces calls on `conn`; `by_slot`: only parts of one cluster slot share a call. Each
+    /// call's outcome is reported to `health`.
+    pub fn new(
+        conn: Conn,
+        by_slot: bool,
+        options: BatchOptions,
+        metrics: BackendMetrics,
+        health: Arc<Health>,
+    ) -> Self {
         Batcher {
             tx: std::sync::OnceLock::new(),
-            conn,
-            by_slot,
-            options,
-            metrics,
+            shared: Shared {
+                conn,
+                by_slot,
+                options,
+                metrics,
+                health,
+                queued_bytes: Arc::new(AtomicUsize::new(0)),
+            },
         }
     }
 
-    /// Queues `part`; its reply arrives on the receiver its `reply` sender belongs to.
+    /// Queues `part`; its reply arrives on the receiver its `reply` sender belongs to. A part
+    /// the queue has no room for is answered [`CallError::Overloaded`] at once.
     pub fn submit(&self, part: Part) {
         let tx = self.tx.get_or_init(|| {
-            let (tx, rx) = mpsc::unbounded_channel();
-            tokio::spawn(run(
-                rx,
-                self.conn.clone(),
-                self.by_slot,
-                self.options,
-                self.metrics.clone(),
-            ));
+            let (tx, rx) = mpsc::channel(MAX_QUEUED_PARTS);
+            tokio::spawn(run(rx, self.shared.clone()));
             tx
         });
-        if let Err(mpsc::error::SendError(part)) = tx.send(part) {
-            let _ = part.reply.send(Err(CallError::Closed));
+        let bytes = part.keys.len();
+        let queued = self.shared.queued_bytes.fetch_add(bytes, Ordering::AcqRel);
+        if queued > 0 && queued + bytes > MAX_QUEUED_BYTES {
+            self.shared.queued_bytes.fetch_sub(bytes, Ordering::AcqRel);
+            let _ = part.reply.send(Err(CallError::Overloaded));
+            return;
+        }
+        if let Err(e) = tx.try_send(part) {
+            self.shared.queued_bytes.fetch_sub(bytes, Ordering::AcqRel);
+            let (part, error) = match e {
+                mpsc::error::TrySendError::Full(p) => (p, CallError::Overloaded),
+                mpsc::error::TrySendError::Closed(p) => (p, CallError::Closed),
+            };
+            let _ = part.reply.send(Err(error));
         }
     }
 }
 
-async fn run(
-    mut rx: mpsc::UnboundedReceiver<Part>,
-    conn: Conn,
-    by_slot: bool,
-    options: BatchOptions,
-    metrics: BackendMetrics,
-) {
+async fn run(mut rx: mpsc::Receiver<Part>, shared: Shared) {
+    let options = shared.options;
     let mut in_flight = FuturesUnordered::new();
     let mut queued: Vec<Part> = Vec::new();
     loop {
@@ -190,8 +245,10 @@ async fn run(
                         Err(_) => break,
                     }
                 }
-                for call in calls(&mut queued, by_slot) {
-                    in_flight.push(send(conn.clone(), call, options.timeout, metrics.clone()));
+                let bytes: usize = queued.iter().map(|p| p.keys.len()).sum();
+                shared.queued_bytes.fetch_sub(bytes, Ordering::AcqRel);
+                for call in calls(&mut queued, shared.by_slot) {
+                    in_flight.push(send(shared.clone(), call));
                 }
             }
         }
@@ -200,21 +257,38 @@ async fn run(
     while in_flight.next().await.is_some() {}
 }
 
-/// Splits the queued parts into calls: one per mode (and per slot when `by_slot`), in order.
+/// Splits the queued parts into calls: one per mode (and per slot when `by_slot`), in order,
+/// each within [`MAX_CALL_BYTES`] and [`MAX_CALL_LIMITS`], a large part alone.
 fn calls(queued: &mut Vec<Part>, by_slot: bool) -> Vec<Vec<Part>> {
-    let mut calls: Vec<Vec<Part>> = Vec::new();
+    // (parts, key bytes, limits) of each call being filled.
+    let mut calls: Vec<(Vec<Part>, usize, usize)> = Vec::new();
     for part in queued.drain(..) {
         // A caller that gave up was answered with an error: never count its request later.
         if part.reply.is_closed() {
             continue;
         }
-        let same = |c: &Vec<Part>| c[0].mode == part.mode && (!by_slot || c[0].slot == part.slot);
-        match calls.iter_mut().find(|c| same(c)) {
-            Some(c) => c.push(part),
-            None => calls.push(vec![part]),
+        let (bytes, limits) = (part.keys.len(), part.limits.len());
+        if part.is_large() {
+            calls.push((vec![part], bytes, limits));
+            continue;
+        }
+        let fits = |(c, b, l): &(Vec<Part>, usize, usize)| {
+            c[0].mode == part.mode
+                && (!by_slot || c[0].slot == part.slot)
+                && !c[0].is_large()
+                && b + bytes <= MAX_CALL_BYTES
+                && l + limits <= MAX_CALL_LIMITS
+        };
+        match calls.iter_mut().find(|c| fits(c)) {
+            Some((c, b, l)) => {
+                c.push(part);
+                *b += bytes;
+                *l += limits;
+            }
+            None => calls.push((vec![part], bytes, limits)),
         }
     }
-    calls
+    calls.into_iter().map(|(c, _, _)| c).collect()
 }
 
 /// Up to this many limits in a call, keys and counters are matched by a scan.
@@ -227,7 +301,9 @@ fn command(parts: &[Part], by_source: bool) -> Cmd {
     // Keys → KEYS index, (key, algorithm, requests_per_unit, window, burst) → counter number,
     // both 1-based as Lua counts.
     let limits_in: usize = parts.iter().map(|p| p.limits.len()).sum();
-    let mut keys: Vec<&[u8]> = Vec::with_capacity(limits_in);
+    let refunding = parts[0].mode == Mode::Refund;
+    let mut keys: Vec<&[u8]> =
+        Vec::with_capacity(limits_in + if refunding { parts.len() } else { 0 });
     // A few limits (an idle service's lone request) are matched by a scan; a call of many by
     // hashing, which costs more to set up than a short scan does.
     let hashed = limits_in > SCAN_LIMITS;
@@ -285,6 +361,11 @@ fn command(parts: &[Part], by_source: bool) -> Cmd {
             limits.push(c);
         }
     }
+    // A refund's markers follow the counters' keys (each its own: one per request).
+    let markers = keys.len();
+    if refunding {
+        keys.extend(parts.iter().map(|p| &p.marker[..]));
+    }
     let key_bytes: usize = keys.iter().map(|k| k.len()).sum();
     let args = 6
         + keys.len()
@@ -311,10 +392,12 @@ fn command(parts: &[Part], by_source: bool) -> Cmd {
             .arg(l.burst);
     }
     let mut counter = limits.iter();
-    for p in parts {
-        cmd.arg(&p.nonce[..p.nonce_len as usize])
-            .arg(p.at)
-            .arg(p.limits.len());
+    for (i, p) in parts.iter().enumerate() {
+        cmd.arg(&p.nonce[..p.nonce_len as usize]).arg(p.at);
+        if refunding {
+            cmd.arg(markers + i + 1);
+        }
+        cmd.arg(p.limits.len());
         for l in &p.limits {
             cmd.arg(*counter.next().expect("one counter per limit"))
                 .arg(l.hits)
@@ -330,7 +413,15 @@ fn script_hash() -> &'static str {
     HASH.get_or_init(|| redis::Script::new(SCRIPT).get_hash().to_owned())
 }
 
-async fn send(conn: Conn, parts: Vec<Part>, timeout: Duration, metrics: BackendMetrics) {
+async fn send(shared: Shared, parts: Vec<Part>) {
+    let Shared {
+        conn,
+        options,
+        metrics,
+        health,
+        ..
+    } = shared;
+    let timeout = options.timeout;
     metrics.batch_requests.observe(parts.len() as f64);
     let started = Instant::now();
     let attempt = |by_source: bool| {
@@ -357,6 +448,21 @@ async fn send(conn: Conn, parts: Vec<Part>, timeout: Duration, metrics: BackendM
         };
     }
     metrics.duration.observe(started.elapsed().as_secs_f64());
+    // The call's outcome, once, as evidence of Redis's health (never once per request in it).
+    match &result {
+        Ok(_) => health.on_answer(),
+        Err(CallError::Redis(e)) if super::classify(e).0 == "connection" => health.on_unreachable(),
+        Err(CallError::Timeout) => {
+            let conn = conn.clone();
+            health.on_timeout(async move {
+                matches!(
+                    tokio::time::timeout(timeout, conn.ping(timeout)).await,
+                    Ok(Ok(()))
+                )
+            });
+        }
+        Err(_) => {}
+    }
     let expected: usize = parts.iter().map(Part::reply_len).sum();
     let result = match result {
         Ok(values) if values.len() == expected => Ok(Arc::new(values)),
@@ -399,6 +505,7 @@ mod tests {
             nonce: [b'n'; 33],
             nonce_len: 2,
             at: 0,
+            marker: Vec::new(),
             keys: Vec::new(),
             key_ends: SmallVec::new(),
             limits: SmallVec::new(),

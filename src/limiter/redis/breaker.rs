@@ -1,11 +1,19 @@
 //! A small circuit breaker: after a few consecutive failures, stop calling Redis for a short
 //! cool-down so a dead Redis costs one timeout per cool-down, not one per request. After the
 //! cool-down one probe goes through; its success closes the circuit, its failure re-opens it.
+//!
+//! [`Health`] decides what counts as a failure: evidence that Redis itself is unwell, counted
+//! once per script call (never once per request in it). A connection error is such evidence; a
+//! call that timed out is only a suspicion until a PING, sent at once, times out too. One
+//! client's oversized work can make its own call slow, but Redis still answers the PING, so the
+//! circuit stays closed for everyone else.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
+
+use crate::metrics::BackendMetrics;
 
 /// Consecutive failures that open the circuit.
 const THRESHOLD: u32 = 3;
@@ -50,6 +58,12 @@ impl Breaker {
         self.probing.store(false, Ordering::Release);
     }
 
+    /// Opens the circuit now, whatever the count.
+    pub fn trip(&self) {
+        *self.open_until.lock() = Some(Instant::now() + COOL_DOWN);
+        self.probing.store(false, Ordering::Release);
+    }
+
     /// Records a failed call.
     pub fn on_failure(&self) {
         let failures = self.failures.fetch_add(1, Ordering::AcqRel) + 1;
@@ -63,6 +77,77 @@ impl Breaker {
     #[cfg(test)]
     fn is_closed(&self) -> bool {
         self.open_until.lock().is_none()
+    }
+}
+
+/// What the backend knows of Redis: the circuit, and whether Redis was last seen reachable
+/// (for health and `ratelimit_backend_up`). Shared by the script calls and the probe.
+pub struct Health {
+    breaker: Breaker,
+    up: AtomicBool,
+    /// A PING confirming a timed-out call's suspicion is in flight.
+    confirming: AtomicBool,
+    metrics: BackendMetrics,
+}
+
+impl Health {
+    /// Closed, and Redis presumed up.
+    pub fn new(metrics: BackendMetrics) -> Health {
+        Health {
+            breaker: Breaker::new(),
+            up: AtomicBool::new(true),
+            confirming: AtomicBool::new(false),
+            metrics,
+        }
+    }
+
+    /// Whether a call may go to Redis now.
+    pub fn allow(&self) -> bool {
+        self.breaker.allow()
+    }
+
+    /// Whether Redis was last seen reachable.
+    pub fn is_up(&self) -> bool {
+        self.up.load(Ordering::Relaxed)
+    }
+
+    fn set_up(&self, up: bool) {
+        self.up.store(up, Ordering::Relaxed);
+        self.metrics.up.set(up as i64);
+    }
+
+    /// Redis answered (a call, or a PING).
+    pub fn on_answer(&self) {
+        self.breaker.on_success();
+        self.set_up(true);
+    }
+
+    /// Redis could not be reached (a connection error, a failed PING): counts toward opening.
+    pub fn on_unreachable(&self) {
+        self.breaker.on_failure();
+        self.set_up(false);
+    }
+
+    /// A call timed out: opens the circuit only if `ping` (a PING within the call budget) fails
+    /// too. One confirmation at a time; the calls timing out meanwhile add nothing.
+    pub fn on_timeout<F>(self: &std::sync::Arc<Self>, ping: F)
+    where
+        F: std::future::Future<Output = bool> + Send + 'static,
+    {
+        if self.confirming.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let health = self.clone();
+        tokio::spawn(async move {
+            if ping.await {
+                health.on_answer();
+            } else {
+                tracing::warn!("a script call and a PING both timed out: redis circuit open");
+                health.breaker.trip();
+                health.set_up(false);
+            }
+            health.confirming.store(false, Ordering::Release);
+        });
     }
 }
 

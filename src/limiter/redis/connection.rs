@@ -29,7 +29,8 @@ use crate::limiter::BoxFuture;
 #[derive(Clone, PartialEq, Eq)]
 pub struct RedisUrl {
     scheme: String,
-    /// (user, password) as written, `None` when the URL has no `@`.
+    /// (user, password) as the credentials themselves (the URL's `%XX` escapes decoded),
+    /// `None` when the URL has no `@`.
     userinfo: Option<(String, Option<String>)>,
     /// host:port and anything after it (`/db`).
     rest: String,
@@ -42,10 +43,36 @@ pub struct UrlError {
     shown: String,
 }
 
-/// Percent-encodes `s` for the user information of a URL, keeping `%XX` escapes the user
-/// already wrote.
+/// Percent-encodes `s` for the user information of a URL. `s` is the credential itself, so
+/// every `%` is encoded too: a password `x%41y` reaches Redis as `x%41y`, never as `xAy`.
 fn encode_userinfo(s: &str) -> String {
     encode(s, b"-._~!$&'()*+,;=")
+}
+
+/// Decodes the `%XX` escapes of a URL's user information into the credential they stand for.
+/// A `%` not followed by two hex digits is kept as written; so is a result that is not UTF-8.
+fn decode_userinfo(s: &str) -> String {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = |b: u8| (b as char).to_digit(16).map(|d| d as u8);
+        match (
+            bytes[i],
+            bytes.get(i + 1).copied().and_then(hex),
+            bytes.get(i + 2).copied().and_then(hex),
+        ) {
+            (b'%', Some(hi), Some(lo)) => {
+                out.push(hi << 4 | lo);
+                i += 3;
+            }
+            (b, _, _) => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8(out).unwrap_or_else(|_| s.to_owned())
 }
 
 /// Percent-encodes `s` for a query parameter's value.
@@ -54,21 +81,13 @@ fn encode_query(s: &str) -> String {
 }
 
 fn encode(s: &str, keep: &[u8]) -> String {
-    let bytes = s.as_bytes();
     let mut out = String::with_capacity(s.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        let b = bytes[i];
-        let escaped = b == b'%'
-            && bytes.len() > i + 2
-            && bytes[i + 1].is_ascii_hexdigit()
-            && bytes[i + 2].is_ascii_hexdigit();
-        if b.is_ascii_alphanumeric() || keep.contains(&b) || escaped {
+    for &b in s.as_bytes() {
+        if b.is_ascii_alphanumeric() || keep.contains(&b) {
             out.push(b as char);
         } else {
             out.push_str(&format!("%{b:02X}"));
         }
-        i += 1;
     }
     out
 }
@@ -99,8 +118,8 @@ impl RedisUrl {
         let (userinfo, rest) = match after.rfind('@') {
             Some(at) => {
                 let (user, pass) = match after[..at].split_once(':') {
-                    Some((u, p)) => (u.to_owned(), Some(p.to_owned())),
-                    None => (after[..at].to_owned(), None),
+                    Some((u, p)) => (decode_userinfo(u), Some(decode_userinfo(p))),
+                    None => (decode_userinfo(&after[..at]), None),
                 };
                 (Some((user, pass)), &after[at + 1..])
             }
@@ -598,6 +617,24 @@ mod tests {
         assert_eq!(u.to_string(), "unix://:***@/run/redis.sock");
         let info = u.for_client().into_connection_info().unwrap();
         assert_eq!(info.redis_settings().password(), Some("a&b=c"));
+    }
+
+    #[test]
+    fn a_password_given_apart_from_a_url_reaches_redis_byte_for_byte() {
+        let given = Credentials {
+            username: Some("u%20".into()),
+            password: Some("x%41y%".into()),
+        };
+        let u = RedisUrl::parse("redis://127.0.0.1:6379")
+            .unwrap()
+            .with_default_credentials(&given);
+        let info = u.for_client().into_connection_info().unwrap();
+        assert_eq!(info.redis_settings().password(), Some("x%41y%"));
+        assert_eq!(info.redis_settings().username(), Some("u%20"));
+        // Inside a URL, `%41` is an escape and stands for `A`.
+        let u = RedisUrl::parse("redis://:x%41y@127.0.0.1:6379").unwrap();
+        let info = u.for_client().into_connection_info().unwrap();
+        assert_eq!(info.redis_settings().password(), Some("xAy"));
     }
 
     #[test]

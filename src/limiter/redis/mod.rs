@@ -16,7 +16,7 @@ pub mod connection;
 
 use std::hash::{BuildHasher, RandomState};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use futures_util::future::join_all;
@@ -26,7 +26,7 @@ use tokio::sync::oneshot;
 
 pub use self::batch::BatchOptions;
 use self::batch::{Batcher, CallError, LimitArgs, Mode, Part, Reply};
-use self::breaker::Breaker;
+use self::breaker::Health;
 use self::cache::OverLimitCache;
 pub use self::connection::{Conn, Credentials, RedisUrl, SetupError, Target, TlsFiles};
 use super::{Backend, BackendError, BoxFuture, Enforcement, Hit, Outcome, Verdict, admits};
@@ -58,11 +58,10 @@ pub struct RedisBackend {
     batcher: Batcher,
     opts: RedisOptions,
     cache: Option<OverLimitCache>,
-    breaker: Breaker,
+    health: Arc<Health>,
     metrics: BackendMetrics,
     nonce_base: u64,
     nonce: AtomicU64,
-    up: AtomicBool,
 }
 
 /// One script call's share of a request: the indices of its hits, all in one slot.
@@ -87,7 +86,25 @@ pub fn slot(tag: &[u8]) -> u16 {
     crc % 16384
 }
 
+/// Redis's replies that mean "cannot serve now" (out of memory, too few replicas to write, a
+/// failed snapshot, a replica, loading, a master down, a busy script), each its own metric kind.
+/// Transient: the failure mode answers. Found by code, or inside a script error's message
+/// (where a Redis before 7 puts the code of the command that failed).
+const CANNOT_SERVE_NOW: [(&str, &str); 7] = [
+    ("OOM", "oom"),
+    ("NOREPLICAS", "noreplicas"),
+    ("MISCONF", "misconf"),
+    ("READONLY", "readonly"),
+    ("LOADING", "loading"),
+    ("MASTERDOWN", "masterdown"),
+    ("BUSY", "busy"),
+];
+
 /// Classifies a Redis error: a bounded metric label, and whether a retry may succeed.
+///
+/// Transient (the failure mode answers): timeouts, connection errors, NOSCRIPT, authentication,
+/// cluster redirections and failovers, and [`CANNOT_SERVE_NOW`]. Permanent (gRPC INTERNAL):
+/// CROSSSLOT and any other script error (a bug, or data this service did not write).
 fn classify(err: &RedisError) -> (&'static str, bool) {
     use redis::{ErrorKind, ServerErrorKind};
     if err.is_timeout() {
@@ -96,6 +113,15 @@ fn classify(err: &RedisError) -> (&'static str, bool) {
     if err.is_io_error() || err.is_connection_dropped() || err.is_connection_refusal() {
         return ("connection", true);
     }
+    let code = err.code().unwrap_or_default();
+    if let Some((_, kind)) = CANNOT_SERVE_NOW.iter().find(|(c, _)| {
+        *c == code
+            || err
+                .detail()
+                .is_some_and(|d| d.starts_with(&format!("{c} ")) || d.contains(&format!(" {c} ")))
+    }) {
+        return (kind, true);
+    }
     match err.kind() {
         ErrorKind::Server(ServerErrorKind::NoScript) => ("noscript", true),
         ErrorKind::Server(ServerErrorKind::CrossSlot) => ("crossslot", false),
@@ -103,11 +129,8 @@ fn classify(err: &RedisError) -> (&'static str, bool) {
             ("auth", true)
         }
         _ if err.is_cluster_error() => ("cluster", true),
-        _ => match err.code() {
-            Some("BUSY") | Some("LOADING") | Some("MASTERDOWN") | Some("READONLY") => {
-                ("busy", true)
-            }
-            Some("NOAUTH") | Some("WRONGPASS") => ("auth", true),
+        _ => match code {
+            "NOAUTH" | "WRONGPASS" => ("auth", true),
             _ if !matches!(err.retry_method(), redis::RetryMethod::NoRetry) => ("other", true),
             _ => ("script", false),
         },
@@ -118,6 +141,7 @@ impl RedisBackend {
     /// Prepares the backend without connecting (Redis may be down at start).
     pub fn new(opts: RedisOptions, metrics: BackendMetrics) -> Result<RedisBackend, SetupError> {
         let conn = Conn::new(&opts.target, &opts.tls, opts.timeout)?;
+        let health = Arc::new(Health::new(metrics.clone()));
         let batcher = Batcher::new(
             conn.clone(),
             matches!(opts.target, Target::Cluster(_)),
@@ -127,29 +151,24 @@ impl RedisBackend {
                 timeout: opts.timeout,
             },
             metrics.clone(),
+            health.clone(),
         );
         Ok(RedisBackend {
             conn,
             batcher,
             cache: (opts.local_cache_bytes > 0)
                 .then(|| OverLimitCache::new(opts.local_cache_bytes)),
-            breaker: Breaker::new(),
+            health,
             metrics,
             nonce_base: RandomState::new().hash_one(std::process::id()),
             nonce: AtomicU64::new(0),
-            up: AtomicBool::new(true),
             opts,
         })
     }
 
     /// Whether the last call or probe reached Redis.
     pub fn is_up(&self) -> bool {
-        self.up.load(Ordering::Relaxed)
-    }
-
-    fn set_up(&self, up: bool) {
-        self.up.store(up, Ordering::Relaxed);
-        self.metrics.up.set(up as i64);
+        self.health.is_up()
     }
 
     /// Pings Redis every `every` so health and metrics tell the truth without traffic, and a
@@ -168,15 +187,17 @@ impl RedisBackend {
                     tokio::time::timeout(b.opts.timeout, b.conn.ping(b.opts.timeout)).await,
                     Ok(Ok(()))
                 );
-                if ok {
-                    b.breaker.on_success();
-                } else if b.is_up() {
+                if !ok && b.is_up() {
                     tracing::warn!("redis unreachable");
                 }
                 if ok && !b.is_up() {
                     tracing::info!("redis reachable again");
                 }
-                b.set_up(ok);
+                if ok {
+                    b.health.on_answer();
+                } else {
+                    b.health.on_unreachable();
+                }
             }
         })
     }
@@ -218,12 +239,24 @@ impl RedisBackend {
             .iter()
             .map(|&i| hits[i].key.as_bytes().len())
             .sum();
+        let marker = match mode {
+            Mode::Decide => Vec::new(),
+            Mode::Refund => {
+                let through_tag = hits[group.hits[0]].key.through_tag();
+                let mut m = Vec::with_capacity(through_tag.len() + 7 + nonce.1 as usize);
+                m.extend_from_slice(through_tag);
+                m.extend_from_slice(b"refund:");
+                m.extend_from_slice(&nonce.0[..nonce.1 as usize]);
+                m
+            }
+        };
         let mut part = Part {
             mode,
             slot: group.slot,
             nonce: nonce.0,
             nonce_len: nonce.1,
             at,
+            marker,
             keys: Vec::with_capacity(bytes),
             key_ends: SmallVec::new(),
             limits: SmallVec::new(),
@@ -291,13 +324,14 @@ impl RedisBackend {
         }
     }
 
-    /// Waits for a submitted part's reply, within what is left of the request's budget.
+    /// Waits for a submitted part's reply, within what is left of the request's budget. The
+    /// circuit hears of each call's outcome from the call itself, once, not from here.
     async fn answer(
         &self,
         answer: oneshot::Receiver<Result<Reply, CallError>>,
         deadline: tokio::time::Instant,
     ) -> Result<Reply, BackendError> {
-        let result = match tokio::time::timeout_at(deadline, answer).await {
+        match tokio::time::timeout_at(deadline, answer).await {
             Ok(Ok(Ok(reply))) => Ok(reply),
             Ok(Ok(Err(CallError::Redis(e)))) => Err(self.redis_error(&e)),
             Ok(Ok(Err(CallError::Timeout))) | Err(_) => Err(self.timeout_error()),
@@ -315,22 +349,14 @@ impl RedisBackend {
                     detail: "the redis backend is shutting down".into(),
                 })
             }
-        };
-        match &result {
-            Ok(_) => {
-                self.breaker.on_success();
-                self.set_up(true);
+            Ok(Ok(Err(CallError::Overloaded))) => {
+                self.metrics.error("overloaded");
+                Err(BackendError::Unavailable {
+                    kind: "overloaded",
+                    detail: "the queue of script calls is full".into(),
+                })
             }
-            // Only a Redis that cannot be reached or is stuck opens the circuit. One that
-            // answered (TRYAGAIN mid-migration, a failover in progress, AUTH, a script
-            // error) costs no timeout when called again, and a bug must not open it.
-            Err(e) if e.is_transient() && matches!(e.kind(), "timeout" | "connection" | "busy") => {
-                self.breaker.on_failure();
-                self.set_up(false);
-            }
-            Err(_) => {}
         }
-        result
     }
 
     fn next_nonce(&self) -> ([u8; 33], u8) {
@@ -346,7 +372,7 @@ impl RedisBackend {
     }
 
     async fn decide_remote(&self, hits: &[Hit]) -> Result<Outcome, BackendError> {
-        if !self.breaker.allow() {
+        if !self.health.allow() {
             self.metrics.error("circuit_open");
             return Err(BackendError::Unavailable {
                 kind: "circuit_open",
@@ -385,6 +411,14 @@ impl RedisBackend {
         let mut first_error = None;
         for (g, result) in results.into_iter().enumerate() {
             match result {
+                Ok(reply) if reply.values()[0] < 0 => {
+                    // This request alone could not be decided; the others in its call were.
+                    self.metrics.error("foreign_data");
+                    first_error.get_or_insert(BackendError::Internal {
+                        kind: "foreign_data",
+                        detail: "a counter key holds data this service did not write".into(),
+                    });
+                }
                 Ok(reply) => {
                     let reply = reply.values();
                     if reply[0] == 1 {
@@ -436,7 +470,8 @@ impl RedisBackend {
             let now = Instant::now();
             for (hit, v) in hits.iter().zip(&verdicts) {
                 if v.over && hit.enforcement == Enforcement::Enforce {
-                    cache.insert(hit.key.as_bytes(), now + v.reset, hit.hits);
+                    let limit = (hit.limit.requests_per_unit, hit.limit.burst);
+                    cache.insert(hit.key.as_bytes(), limit, now, now + v.reset, hit.hits);
                 }
             }
         }
@@ -451,8 +486,9 @@ impl RedisBackend {
         let verdicts: Vec<Verdict> = hits
             .iter()
             .map(|hit| {
+                let limit = (hit.limit.requests_per_unit, hit.limit.burst);
                 let until = (hit.enforcement == Enforcement::Enforce)
-                    .then(|| cache.over_until(hit.key.as_bytes(), hit.hits, now))
+                    .then(|| cache.over_until(hit.key.as_bytes(), limit, hit.hits, now))
                     .flatten();
                 match until {
                     Some(until) => {

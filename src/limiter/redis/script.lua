@@ -12,7 +12,11 @@
 --
 -- KEYS       every distinct counter of the call, once. All share one cluster slot (standalone
 --            Redis: any keys).
---            fixed_window: string count, expires at the window end
+--            fixed_window: string `<count>@<window start µs>`, expires at the window end. The
+--              window's identity is in the value: Redis judges a key's expiry by the time the
+--              script started while TIME may already be in the next window, so a key read at a
+--              boundary could otherwise pass for the current window and be written past its
+--              end. (A bare count, as an earlier version wrote, is read as the current window's.)
 --            sliding_window: hash {s = window start, p = previous count, c = current count}
 --            sliding_log: sorted set, one member per admitted request and limit, scored by its time
 --              (µs) and named `<nonce>:<i>:<hits>` (so its weight is in its name), plus the
@@ -28,6 +32,9 @@
 -- then per request:
 --   nonce    unique to the request (names sliding_log members, so refunds can find them)
 --   at       decide: ignored; refund: the decide's time (µs), as returned by decide
+--   marker   refund only: the KEYS index of the request's refund marker (`<prefix>{<tag>}` then
+--            `refund:<nonce>`, in the slot of its keys): SET NX before refunding, so a refund
+--            that a client retries after an I/O error gives back only once
 --   n        how many limits the request has
 --   3 per limit: its counter c (1..C), hits, enforcement (E: over rejects; Q: rejects only if
 --            every Q is over; S: never rejects). refund: the hits a limit's decide CONSUMED (0
@@ -40,6 +47,12 @@
 -- all requests' replies concatenated. Nothing is written for a request unless it is admitted;
 -- then every limit that fits is consumed and every key written gets an expiry. refund undoes an
 -- admitted decide of the same KEYS and ARGV and returns {1, now} per request.
+--
+-- Each request succeeds or fails on its own: one whose counter holds foreign data (a key of the
+-- wrong type, a value that is not ours) gets admitted = -1 and zeros, nothing is written for it,
+-- and the call's other requests are decided as usual. An error that means Redis cannot serve
+-- now (OOM, NOREPLICAS, MISCONF, READONLY, LOADING, MASTERDOWN, BUSY) fails the whole call: it
+-- would fail every request alike, and the client's failure mode answers them.
 
 local floor, ceil, max = math.floor, math.ceil, math.max
 local mode = ARGV[1]
@@ -136,27 +149,49 @@ local function cached(key, load)
   return st
 end
 
+local function foreign(key)
+  error('ratelimitd: a counter holds a value this service did not write')
+end
+
 local function load_f(key)
-  return {algo = 'f', count = tonumber(redis.call('GET', key) or '0'), delta = 0}
+  local v = redis.call('GET', key)
+  local st = {algo = 'f', count = 0, start = -1, dirty = false}
+  if v then
+    local c, s = string.match(v, '^(%d+)@(%d+)$')
+    if c then
+      st.count, st.start = tonumber(c), tonumber(s)
+    else
+      st.count, st.start = tonumber(v), 'legacy'
+      if not st.count then foreign(key) end
+    end
+  end
+  return st
+end
+
+local function f_value(count, start)
+  return string.format('%d@%d', count, start)
 end
 
 local function load_s(key)
   local h = redis.call('HMGET', key, 's', 'p', 'c')
-  return {algo = 's', s = tonumber(h[1] or '-1'), p = tonumber(h[2] or '0'),
+  local st = {algo = 's', s = tonumber(h[1] or '-1'), p = tonumber(h[2] or '0'),
     c = tonumber(h[3] or '0'), delta = 0, rolled = false}
+  if not (st.s and st.p and st.c) then foreign(key) end
+  return st
 end
 
 local function load_b(key)
-  return {algo = 'b', tat = tonumber(redis.call('GET', key) or '0'), dirty = false}
+  local st = {algo = 'b', tat = tonumber(redis.call('GET', key) or '0'), dirty = false}
+  if not st.tat then foreign(key) end
+  return st
 end
 
 local function flush()
   for _, key in ipairs(order) do
     local st = cache[key]
     if st.algo == 'f' then
-      -- A key that existed already expires at this window's end; only a new one needs it.
-      if st.delta > 0 and redis.call('INCRBY', key, st.delta) == st.delta then
-        expire_at_us(key, st.start + st.w)
+      if st.dirty then
+        redis.call('SET', key, f_value(st.count, st.start), 'PXAT', expiry_ms(st.start + st.w))
       end
     elseif st.algo == 's' then
       if st.rolled and st.delta > 0 then -- a new key or window: rewrite it, with its expiry
@@ -177,9 +212,11 @@ local function refund(at)
     if hits > 0 then
       local start = at - (at % w)
       if algo == 'f' then
-        if now - (now % w) == start and redis.call('EXISTS', key) == 1 then
-          local left = redis.call('DECRBY', key, hits)
-          if left < 0 then redis.call('INCRBY', key, -left) end
+        -- Only the decide's own window, and only a value in this version's form.
+        local v = redis.call('GET', key)
+        local c, s = string.match(v or '', '^(%d+)@(%d+)$')
+        if c and tonumber(s) == start then
+          redis.call('SET', key, f_value(max(tonumber(c) - hits, 0), start), 'KEEPTTL')
         end
       elseif algo == 's' then
         local s = tonumber(redis.call('HGET', key, 's') or '-1')
@@ -219,6 +256,11 @@ local function decide()
     if algo == 'f' then
       local st = cached(key, load_f)
       state[i] = st
+      if st.start == 'legacy' then
+        st.start = start
+      elseif st.start ~= start then -- another window's value, or none: this window starts empty
+        st.count, st.start = 0, start
+      end
       local after = st.count + hits
       o = rpu == 0 or after > rpu
       if not o then rem = rpu - after end
@@ -306,8 +348,7 @@ local function decide()
       if not over[i] and hits > 0 then
         local st = state[i]
         if algo == 'f' then
-          st.count, st.delta = st.count + hits, st.delta + hits
-          st.start, st.w = now - (now % w), w
+          st.count, st.dirty, st.w = st.count + hits, true, w
         elseif algo == 's' then
           st.c, st.delta, st.w = st.c + hits, st.delta + hits, w
         elseif algo == 'w' then
@@ -334,26 +375,54 @@ local function decide()
   out_n = o
 end
 
+-- Errors that mean Redis cannot serve now: they fail the whole call (see the header).
+local UNAVAILABLE = {'OOM', 'NOREPLICAS', 'MISCONF', 'READONLY', 'LOADING', 'MASTERDOWN', 'BUSY'}
+
+-- Decides the current request on its own: a request whose counters hold foreign data gets
+-- admitted = -1 and zeros, and leaves no trace; the call's other requests go on.
+local function decide_alone()
+  local o = out_n
+  local ok, err = pcall(decide)
+  if ok then return end
+  -- Redis 7 raises a table {err = ...}; earlier versions a string with the position first.
+  local msg = type(err) == 'table' and err.err or tostring(err)
+  for _, code in ipairs(UNAVAILABLE) do
+    if string.find(msg, code .. ' ', 1, true) then error(err) end
+  end
+  out[o + 1], out[o + 2] = -1, now
+  o = o + 2
+  for _ = 1, n do
+    out[o + 1], out[o + 2], out[o + 3] = 0, 0, 0
+    o = o + 3
+  end
+  out_n = o
+end
+
 local p = 4
 for c = 1, tonumber(ARGV[3]) do
   c_key[c], c_algo[c], c_rpu[c], c_w[c], c_burst[c] = KEYS[tonumber(ARGV[p])], ARGV[p + 1],
     tonumber(ARGV[p + 2]), tonumber(ARGV[p + 3]), tonumber(ARGV[p + 4])
   p = p + 5
 end
+local refunding = mode == 'refund'
 for _ = 1, tonumber(ARGV[2]) do
-  nonce, n = ARGV[p], tonumber(ARGV[p + 2])
-  local b = p + 3
+  local h = refunding and 4 or 3 -- header fields of a request
+  nonce, n = ARGV[p], tonumber(ARGV[p + h - 1])
+  local b = p + h
   for i = 1, n do
     l_c[i], l_hits[i], l_enf[i] = tonumber(ARGV[b]), tonumber(ARGV[b + 1]), ARGV[b + 2]
     b = b + FIELDS
   end
-  if mode == 'refund' then
-    refund(tonumber(ARGV[p + 1]))
+  if refunding then
+    -- The marker outlives any retry of this call (the client's budget is seconds at most).
+    if redis.call('SET', KEYS[tonumber(ARGV[p + 2])], '1', 'NX', 'PX', 60000) then
+      refund(tonumber(ARGV[p + 1]))
+    end
     out[out_n + 1] = 1
     out[out_n + 2] = now
     out_n = out_n + 2
   else
-    decide()
+    decide_alone()
   end
   p = b
 end
