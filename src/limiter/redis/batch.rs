@@ -15,6 +15,9 @@
 //! - a call carries at most [`MAX_CALL_BYTES`] of keys and [`MAX_CALL_LIMITS`] limits, and a
 //!   large part (over [`LARGE_PART_BYTES`] or [`LARGE_PART_LIMITS`]) goes alone: a huge request
 //!   is never coalesced with small ones, so its cost and any failure of its call stay its own;
+//! - large parts have a lane of their own, one call in flight and [`MAX_QUEUED_LARGE_PARTS`]
+//!   queued: however many huge requests clients send, at most one of them is ahead of a small
+//!   request at Redis, and they wait (or are refused) behind each other, not in front of others;
 //! - the script decides each part on its own: a part whose counter holds foreign data fails
 //!   alone (see script.lua), and the call's health is reported once (see [`Health`]).
 
@@ -36,6 +39,8 @@ use crate::metrics::BackendMetrics;
 
 /// Most parts waiting for a call.
 pub const MAX_QUEUED_PARTS: usize = 16_384;
+/// Most large parts waiting for their lane.
+pub const MAX_QUEUED_LARGE_PARTS: usize = 64;
 /// Most key bytes waiting for a call.
 pub const MAX_QUEUED_BYTES: usize = 32 << 20;
 /// Most key bytes one call carries.
@@ -173,9 +178,10 @@ struct Shared {
     queued_bytes: Arc<AtomicUsize>,
 }
 
-/// The handle requests submit their parts to; the worker starts on first use.
+/// The handle requests submit their parts to; each lane's worker starts on first use.
 pub struct Batcher {
-    tx: std::sync::OnceLock<mpsc::Sender<Part>>,
+    small: std::sync::OnceLock<mpsc::Sender<Part>>,
+    large: std::sync::OnceLock<mpsc::Sender<Part>>,
     shared: Shared,
 }
 
@@ -190,7 +196,8 @@ impl Batcher {
         health: Arc<Health>,
     ) -> Self {
         Batcher {
-            tx: std::sync::OnceLock::new(),
+            small: std::sync::OnceLock::new(),
+            large: std::sync::OnceLock::new(),
             shared: Shared {
                 conn,
                 by_slot,
@@ -205,11 +212,21 @@ impl Batcher {
     /// Queues `part`; its reply arrives on the receiver its `reply` sender belongs to. A part
     /// the queue has no room for is answered [`CallError::Overloaded`] at once.
     pub fn submit(&self, part: Part) {
-        let tx = self.tx.get_or_init(|| {
-            let (tx, rx) = mpsc::channel(MAX_QUEUED_PARTS);
-            tokio::spawn(run(rx, self.shared.clone()));
-            tx
-        });
+        let options = self.shared.options;
+        let tx = if part.is_large() {
+            self.large.get_or_init(|| {
+                let (tx, rx) = mpsc::channel(MAX_QUEUED_LARGE_PARTS);
+                tokio::spawn(run(rx, self.shared.clone(), 1, 1));
+                tx
+            })
+        } else {
+            self.small.get_or_init(|| {
+                let (tx, rx) = mpsc::channel(MAX_QUEUED_PARTS);
+                let lane = (options.pipeline.max(1), options.max_requests.max(1));
+                tokio::spawn(run(rx, self.shared.clone(), lane.0, lane.1));
+                tx
+            })
+        };
         let bytes = part.keys.len();
         let queued = self.shared.queued_bytes.fetch_add(bytes, Ordering::AcqRel);
         if queued > 0 && queued + bytes > MAX_QUEUED_BYTES {
@@ -228,18 +245,18 @@ impl Batcher {
     }
 }
 
-async fn run(mut rx: mpsc::Receiver<Part>, shared: Shared) {
-    let options = shared.options;
+/// A lane's worker: at most `pipeline` calls in flight, each of at most `max_requests` parts.
+async fn run(mut rx: mpsc::Receiver<Part>, shared: Shared, pipeline: usize, max_requests: usize) {
     let mut in_flight = FuturesUnordered::new();
     let mut queued: Vec<Part> = Vec::new();
     loop {
         tokio::select! {
             biased;
             Some(()) = in_flight.next(), if !in_flight.is_empty() => {}
-            part = rx.recv(), if in_flight.len() < options.pipeline.max(1) => {
+            part = rx.recv(), if in_flight.len() < pipeline => {
                 let Some(part) = part else { break };
                 queued.push(part);
-                while queued.len() < options.max_requests.max(1) {
+                while queued.len() < max_requests {
                     match rx.try_recv() {
                         Ok(p) => queued.push(p),
                         Err(_) => break,

@@ -1,0 +1,415 @@
+//! One client's traffic never changes what another client is answered, and an operator's
+//! change takes effect everywhere: each test runs an attack or a change from outside (a real
+//! gRPC client, a real redis-server) and measures a victim's answers.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use common::redis::*;
+use common::*;
+use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+
+const VICTIM: &str = "domain: v\ndescriptors:\n  - key: victim\n    rate_limit: {unit: hour, requests_per_unit: 10}\n  - key: big\n    rate_limit: {unit: hour, requests_per_unit: 1000000}\n";
+
+fn prefix_of(s: &TestServer) -> String {
+    let i = s.flags.iter().position(|f| f == "--redis-key-prefix");
+    s.flags[i.expect("a redis server") + 1].clone()
+}
+
+/// 64 descriptors with 4096-byte values: valid, each about 12 KiB once escaped in its key.
+fn huge_request(n: usize) -> RateLimitRequest {
+    let values: Vec<String> = (0..64)
+        .map(|i| format!("{n}-{i}-{}", "\u{1}".repeat(4096 - 16)))
+        .collect();
+    let entries: Vec<[(&str, &str); 1]> = values.iter().map(|v| [("big", v.as_str())]).collect();
+    let descriptors: Vec<&[(&str, &str)]> = entries.iter().map(|e| &e[..]).collect();
+    request("v", &descriptors)
+}
+
+/// Runs `attack` on `tasks` tasks until the returned flag is set.
+fn attack<F, Fut>(tasks: usize, attack: F) -> Arc<AtomicBool>
+where
+    F: Fn(usize) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = ()> + Send,
+{
+    let stop = Arc::new(AtomicBool::new(false));
+    let attack = Arc::new(attack);
+    for t in 0..tasks {
+        let (stop, attack) = (stop.clone(), attack.clone());
+        tokio::spawn(async move {
+            let mut n = 0;
+            while !stop.load(Ordering::Relaxed) {
+                attack(t * 1_000_000 + n).await;
+                n += 1;
+            }
+        });
+    }
+    stop
+}
+
+/// A victim limited to 10 an hour, asking 40 times while `stop` is unset: how many were
+/// admitted, and how many got an error.
+async fn victim(c: &Client) -> (usize, usize) {
+    let (mut admitted, mut errors) = (0, 0);
+    for _ in 0..40 {
+        let mut c = c.clone();
+        match c
+            .should_rate_limit(request("v", &[&[("victim", "me")]]))
+            .await
+        {
+            Ok(r) => admitted += is_ok(&r.into_inner()) as usize,
+            Err(_) => errors += 1,
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    (admitted, errors)
+}
+
+/// Sixteen clients sending huge valid requests made the coalesced calls carrying them time out; each timed-out
+/// request counted against the circuit breaker, which opened, and with failure mode `allow`
+/// every client was admitted without limit while Redis answered PING throughout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn huge_requests_from_one_client_never_switch_limits_off_for_another() {
+    let redis = RedisProc::start(&[]);
+    let url = redis.url();
+    let s = redis_server(
+        &[("v.yaml", VICTIM)],
+        &[
+            "--redis-url",
+            &url,
+            "--redis-failure-mode",
+            "allow",
+            // One call in flight: the attacker's requests queue with the victim's.
+            "--redis-pipeline",
+            "1",
+            "--max-counters",
+            "64",
+        ],
+        &unique_prefix(),
+        "100ms",
+    )
+    .await;
+    let c = s.client().await;
+    let sent = Arc::new(AtomicUsize::new(0));
+    let stop = {
+        let (c, sent) = (c.clone(), sent.clone());
+        attack(16, move |n| {
+            let (mut c, sent) = (c.clone(), sent.clone());
+            async move {
+                let _ = c.should_rate_limit(huge_request(n)).await;
+                sent.fetch_add(1, Ordering::Relaxed);
+            }
+        })
+    };
+    // The attack is under way before the victim asks.
+    poll(Duration::from_secs(10), || {
+        let sent = sent.load(Ordering::Relaxed);
+        async move { (sent >= 4).then_some(()) }
+    })
+    .await;
+    let (admitted, errors) = victim(&c).await;
+    stop.store(true, Ordering::Relaxed);
+    let (_, m) = s.http_get("/metrics").await;
+    assert_eq!(
+        (admitted, errors),
+        (10, 0),
+        "the victim's limit held ({} huge requests sent): {m}",
+        sent.load(Ordering::Relaxed)
+    );
+    assert_eq!(
+        metric(&m, r#"ratelimit_backend_errors_total{kind="circuit_open"}"#),
+        0.0,
+        "{m}"
+    );
+}
+
+/// A counter key of the wrong type (anyone with access to Redis can write one) failed every
+/// request coalesced with it, and the writes earlier requests in the call had made were lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupt_counter_fails_only_the_requests_that_use_it() {
+    let redis = RedisProc::start(&[]);
+    let url = redis.url();
+    let s = redis_server(
+        &[("v.yaml", VICTIM)],
+        &[
+            "--redis-url",
+            &url,
+            "--redis-failure-mode",
+            "allow",
+            // One call in flight: concurrent requests queue and share calls.
+            "--redis-pipeline",
+            "1",
+        ],
+        &unique_prefix(),
+        "2s",
+    )
+    .await;
+    let c = s.client().await;
+    let key = format!("{}{{v}}:victim:bad:f3600000000:0", prefix_of(&s));
+    redis.cli(&["RPUSH", &key, "x"]);
+    let tasks: Vec<_> = (0..200)
+        .map(|i| {
+            let mut c = c.clone();
+            let value = if i % 2 == 0 { "bad" } else { "good" };
+            tokio::spawn(async move {
+                c.should_rate_limit(request("v", &[&[("victim", value)]]))
+                    .await
+                    .map(|r| is_ok(&r.into_inner()))
+                    .map_err(|e| (value, e.code()))
+            })
+        })
+        .collect();
+    let (mut admitted, mut internal) = (0, 0);
+    for t in tasks {
+        match t.await.unwrap() {
+            Ok(ok) => admitted += ok as usize,
+            Err(("bad", tonic::Code::Internal)) => internal += 1,
+            Err(other) => panic!("unexpected error {other:?}"),
+        }
+    }
+    assert_eq!(
+        internal, 100,
+        "every request on the corrupt counter, and only those"
+    );
+    assert_eq!(admitted, 10, "the good counter admitted exactly its limit");
+    let mut c = c.clone();
+    let r = call(&mut c, request("v", &[&[("victim", "good")]])).await;
+    assert!(is_over(&r), "every admitted request was written");
+    let (_, m) = s.http_get("/metrics").await;
+    assert!(
+        metric(&m, r#"ratelimit_backend_errors_total{kind="foreign_data"}"#) >= 1.0,
+        "{m}"
+    );
+}
+
+/// Redis refusing writes (too few replicas, out of memory) is "cannot serve now": the failure
+/// mode answers, and the metrics say which, rather than INTERNAL under `allow`.
+#[tokio::test]
+async fn redis_refusing_writes_is_answered_by_the_failure_mode() {
+    let redis = RedisProc::start(&[]);
+    let url = redis.url();
+    for mode in ["allow", "error"] {
+        let s = redis_server(
+            &[("v.yaml", VICTIM)],
+            &["--redis-url", &url, "--redis-failure-mode", mode],
+            &unique_prefix(),
+            "2s",
+        )
+        .await;
+        let mut c = s.client().await;
+        for (set, reset, kind) in [
+            (
+                ["min-replicas-to-write", "1"],
+                ["min-replicas-to-write", "0"],
+                "noreplicas",
+            ),
+            (["maxmemory", "1"], ["maxmemory", "0"], "oom"),
+        ] {
+            redis.cli(&["CONFIG", "SET", set[0], set[1]]);
+            let answer = c
+                .should_rate_limit(request("v", &[&[("victim", kind)]]))
+                .await;
+            redis.cli(&["CONFIG", "SET", reset[0], reset[1]]);
+            match mode {
+                "allow" => assert!(is_ok(&answer.expect("allowed").into_inner()), "{kind}"),
+                _ => assert_eq!(
+                    answer.unwrap_err().code(),
+                    tonic::Code::Unavailable,
+                    "{kind}"
+                ),
+            }
+            let (_, m) = s.http_get("/metrics").await;
+            let series = format!(r#"ratelimit_backend_errors_total{{kind="{kind}"}}"#);
+            assert!(metric(&m, &series) >= 1.0, "{mode}: {m}");
+        }
+    }
+}
+
+/// A password given apart from a URL was percent-decoded: `x%41y` reached Redis as `xAy`.
+#[tokio::test]
+async fn a_password_given_as_a_flag_reaches_redis_byte_for_byte() {
+    let redis = RedisProc::start(&["--requirepass", "x%41y"]);
+    let url = format!("redis://127.0.0.1:{}", redis.port);
+    let s = redis_server(
+        &[("v.yaml", VICTIM)],
+        &["--redis-url", &url, "--redis-password", "x%41y"],
+        &unique_prefix(),
+        "2s",
+    )
+    .await;
+    let mut c = s.client().await;
+    for _ in 0..10 {
+        assert!(is_ok(
+            &call(&mut c, request("v", &[&[("victim", "p")]])).await
+        ));
+    }
+    assert!(is_over(
+        &call(&mut c, request("v", &[&[("victim", "p")]])).await
+    ));
+}
+
+fn limit_of(rpu: u32) -> String {
+    format!(
+        "domain: v\ndescriptors:\n  - key: victim\n    rate_limit: {{unit: hour, requests_per_unit: {rpu}}}\n"
+    )
+}
+
+/// With the over-limit cache, a client over 3 an hour stayed OVER_LIMIT for the rest of the
+/// hour after a reload raised its limit to 100.
+#[tokio::test]
+async fn a_reload_that_raises_a_limit_is_not_hidden_by_the_over_limit_cache() {
+    let redis = shared_standalone();
+    let url = redis.url();
+    let s = redis_server(
+        &[("v.yaml", &limit_of(3))],
+        &["--redis-url", &url, "--local-cache-bytes", "1MiB"],
+        &unique_prefix(),
+        "2s",
+    )
+    .await;
+    let mut c = s.client().await;
+    for _ in 0..3 {
+        assert!(is_ok(
+            &call(&mut c, request("v", &[&[("victim", "r")]])).await
+        ));
+    }
+    assert!(is_over(
+        &call(&mut c, request("v", &[&[("victim", "r")]])).await
+    ));
+    s.write("v.yaml", &limit_of(100));
+    poll(Duration::from_secs(5), || {
+        let mut c = c.clone();
+        async move {
+            let r = call(&mut c, request("v", &[&[("victim", "r")]])).await;
+            is_ok(&r).then_some(())
+        }
+    })
+    .await;
+    let r = call(&mut c, request("v", &[&[("victim", "r")]])).await;
+    assert_eq!(
+        r.statuses[0].limit_remaining, 95,
+        "counted in Redis, not the cache"
+    );
+}
+
+/// `ResetCounters` through replica A emptied Redis, yet replica B answered OVER_LIMIT from its
+/// over-limit cache until the window ended. Now every replica sees it within a second.
+#[tokio::test]
+async fn an_admin_reset_through_one_replica_unblocks_a_client_on_every_replica() {
+    use ratelimitd::server::admin::pb::admin_client::AdminClient;
+    use ratelimitd::server::admin::pb::{CounterRequest, Entry};
+    let redis = shared_standalone();
+    let url = redis.url();
+    let prefix = unique_prefix();
+    let flags = [
+        "--redis-url",
+        url.as_str(),
+        "--local-cache-bytes",
+        "1MiB",
+        "--admin",
+    ];
+    let a = redis_server(&[("v.yaml", &limit_of(3))], &flags, &prefix, "2s").await;
+    let b = redis_server(&[("v.yaml", &limit_of(3))], &flags, &prefix, "2s").await;
+    let mut cb = b.client().await;
+    for _ in 0..3 {
+        assert!(is_ok(
+            &call(&mut cb, request("v", &[&[("victim", "x")]])).await
+        ));
+    }
+    for _ in 0..3 {
+        assert!(is_over(
+            &call(&mut cb, request("v", &[&[("victim", "x")]])).await
+        ));
+    }
+    let mut admin = AdminClient::connect(format!("http://{}", a.grpc))
+        .await
+        .unwrap();
+    admin
+        .reset_counters(CounterRequest {
+            domain: "v".into(),
+            entries: vec![Entry {
+                key: "victim".into(),
+                value: "x".into(),
+            }],
+        })
+        .await
+        .unwrap();
+    let reset_at = std::time::Instant::now();
+    poll(Duration::from_secs(5), || {
+        let mut cb = cb.clone();
+        async move {
+            let r = call(&mut cb, request("v", &[&[("victim", "x")]])).await;
+            is_ok(&r).then_some(())
+        }
+    })
+    .await;
+    assert!(
+        reset_at.elapsed() < Duration::from_millis(1500),
+        "B answered from its cache for {:?}",
+        reset_at.elapsed()
+    );
+}
+
+/// Inside a script Redis judges expiry at the script's start while TIME moves on: a fixed
+/// window's key read at a boundary must never pass for the current window. A value left from
+/// another window (here, one that will not expire for a minute) counts for nothing.
+#[tokio::test]
+async fn a_fixed_window_never_takes_another_windows_count_for_its_own() {
+    let redis = shared_standalone();
+    let url = redis.url();
+    let s = redis_server(
+        &[("v.yaml", &limit_of(3))],
+        &["--redis-url", &url],
+        &unique_prefix(),
+        "2s",
+    )
+    .await;
+    let mut c = s.client().await;
+    let key = format!("{}{{v}}:victim:w:f3600000000:0", prefix_of(&s));
+    redis.cli(&["SET", &key, "3@0", "PX", "60000"]);
+    let r = call(&mut c, request("v", &[&[("victim", "w")]])).await;
+    assert!(is_ok(&r), "the stale window's 3 do not count");
+    assert_eq!(r.statuses[0].limit_remaining, 2);
+    // A bare count (as an earlier version wrote) is still this window's.
+    let key = format!("{}{{v}}:victim:old:f3600000000:0", prefix_of(&s));
+    redis.cli(&["SET", &key, "2", "PX", "60000"]);
+    let r = call(&mut c, request("v", &[&[("victim", "old")]])).await;
+    assert_eq!(r.statuses[0].limit_remaining, 0);
+    assert!(is_over(
+        &call(&mut c, request("v", &[&[("victim", "old")]])).await
+    ));
+}
+
+/// 63 descriptors matching 100 limits each cost 130-180 ms of CPU and a 105 ms script call.
+/// One request's counters are bounded: past `--max-counters` it is refused, with the numbers.
+#[tokio::test]
+async fn a_request_touching_too_many_counters_is_refused_with_the_numbers() {
+    let limits: String = (0..100)
+        .map(|i| {
+            format!(
+                "      - {{unit: second, unit_multiplier: {}, requests_per_unit: 5}}\n",
+                i + 1
+            )
+        })
+        .collect();
+    let yaml = format!("domain: m\ndescriptors:\n  - key: k\n    rate_limits:\n{limits}");
+    let s = start(Kind::Memory, &[("m.yaml", &yaml)], &[]).await;
+    let mut c = s.client().await;
+    let values: Vec<String> = (0..63).map(|i| i.to_string()).collect();
+    let entries: Vec<[(&str, &str); 1]> = values.iter().map(|v| [("k", v.as_str())]).collect();
+    let descriptors: Vec<&[(&str, &str)]> = entries.iter().map(|e| &e[..]).collect();
+    let err = c
+        .should_rate_limit(request("m", &descriptors))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument);
+    assert_eq!(
+        err.message(),
+        "the request touches 6300 counters, more than the maximum of 256"
+    );
+    // Two descriptors (200 counters) are within the bound.
+    assert!(is_ok(&call(&mut c, request("m", &descriptors[..2])).await));
+}
