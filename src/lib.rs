@@ -44,6 +44,16 @@ pub const HEALTH_SERVICES: [&str; 3] = [
 const SWEEP_EVERY: Duration = Duration::from_secs(10);
 /// How often the Redis backend checks that Redis answers, traffic or not.
 const PROBE_EVERY: Duration = Duration::from_secs(1);
+/// HTTP/2 streams one gRPC connection may have open: far more than a busy Envoy keeps in
+/// flight on one connection, few enough that a client withholding flow-control credit holds a
+/// bounded number of answers.
+pub const MAX_STREAMS_PER_CONNECTION: u32 = 1024;
+/// Largest gRPC request message: a request at every per-request bound is well within it.
+pub const MAX_MESSAGE_BYTES: usize = 1 << 20;
+/// Largest header block a gRPC client may send.
+const MAX_HEADER_BYTES: u32 = 16 << 10;
+/// Connections the HTTP ports (health, metrics, debug, `/json`) hold together.
+pub const MAX_HTTP_CONNECTIONS: usize = 512;
 
 /// The sockets the service serves on, bound by the caller.
 pub struct Listeners {
@@ -215,24 +225,43 @@ pub async fn run_with_clock(
         tracing::info!("admin API on the gRPC port");
         server::admin::AdminServer::new(server::admin::Admin::new(engine.clone()))
     });
+    let conns = options.grpc_connections;
     let grpc_router = tonic::transport::Server::builder()
+        .max_concurrent_streams(MAX_STREAMS_PER_CONNECTION)
+        .http2_max_header_list_size(MAX_HEADER_BYTES)
+        .timeout(options.request_timeout)
+        .http2_keepalive_interval(Some(conns.idle_timeout / 3))
+        .http2_keepalive_timeout(Some(conns.idle_timeout / 3))
+        .layer(server::conn::BudgetLayer)
         .add_service(health_service)
-        .add_service(RateLimitServiceServer::new(GrpcService::new(
-            engine.clone(),
-            metrics.clone(),
-            options.response_headers,
-        )))
-        .add_optional_service(admin);
+        .add_service(
+            RateLimitServiceServer::new(GrpcService::new(
+                engine.clone(),
+                metrics.clone(),
+                options.response_headers,
+            ))
+            .max_decoding_message_size(MAX_MESSAGE_BYTES),
+        )
+        .add_optional_service(admin.map(|a| a.max_decoding_message_size(MAX_MESSAGE_BYTES)));
+    let tracker = server::conn::Tracker::new(conns);
     let grpc: std::pin::Pin<Box<dyn Future<Output = Result<(), tonic::transport::Error>> + Send>> =
         match options.grpc_tls {
-            None => Box::pin(grpc_router.serve_with_incoming_shutdown(
-                TcpIncoming::from(listeners.grpc).with_nodelay(Some(true)),
-                stopped(),
-            )),
+            None => {
+                use futures_util::StreamExt;
+                let incoming = TcpIncoming::from(listeners.grpc)
+                    .with_nodelay(Some(true))
+                    .filter_map(move |accepted| {
+                        std::future::ready(match accepted {
+                            Ok(tcp) => tracker.admit(tcp).map(Ok),
+                            Err(e) => Some(Err(e)),
+                        })
+                    });
+                Box::pin(grpc_router.serve_with_incoming_shutdown(incoming, stopped()))
+            }
             Some(settings::GrpcTls { files, config }) => {
                 tracing::info!(mutual = files.client_ca.is_some(), "gRPC over TLS");
                 let (incoming, tls_tasks) =
-                    server::tls::incoming(listeners.grpc, files, config, metrics.clone());
+                    server::tls::incoming(listeners.grpc, files, config, tracker, metrics.clone());
                 tasks.extend(tls_tasks);
                 Box::pin(grpc_router.serve_with_incoming_shutdown(incoming, stopped()))
             }
@@ -244,13 +273,19 @@ pub async fn run_with_clock(
         backend,
         headers: options.response_headers,
     });
+    // The HTTP ports share one connection cap; their connections get the gRPC port's silence
+    // bound, and no request-byte budget beyond the body limit.
+    let http_tracker = server::conn::Tracker::new(server::conn::ConnLimits {
+        max_connections: MAX_HTTP_CONNECTIONS,
+        ..conns
+    });
+    let routes = router(http_state, options.request_timeout);
     let extra: Vec<_> = listeners
         .extra_http
         .into_iter()
         .map(|l| {
             tracing::info!(http = ?l.local_addr().ok(), "serving HTTP endpoints here too");
-            let serve =
-                axum::serve(l, router(http_state.clone())).with_graceful_shutdown(stopped());
+            let serve = server::http::serve(l, routes.clone(), http_tracker.clone(), stopped());
             tokio::spawn(async move {
                 if let Err(e) = serve.await {
                     tracing::error!(error = %e, "HTTP server failed");
@@ -259,7 +294,7 @@ pub async fn run_with_clock(
         })
         .collect();
     tasks.extend(extra);
-    let http = axum::serve(listeners.http, router(http_state)).with_graceful_shutdown(stopped());
+    let http = server::http::serve(listeners.http, routes, http_tracker, stopped());
     tracing::info!(grpc = ?grpc_addr, http = ?http_addr, "serving");
 
     let grace = options.shutdown_grace;

@@ -3,13 +3,12 @@
 mod common;
 
 use std::net::SocketAddr;
-use std::process::{Child, Command, ExitStatus, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
 
+use common::daemon::{BIN, Daemon};
 use common::redis::free_port;
 use common::*;
-
-const BIN: &str = env!("CARGO_BIN_EXE_ratelimitd");
 
 #[test]
 fn an_invalid_first_config_exits_non_zero_naming_file_line_and_field() {
@@ -79,86 +78,6 @@ fn invalid_flags_and_missing_paths_exit_non_zero_with_a_message() {
 
 const LIMITS: &str =
     "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: second, requests_per_unit: 5}\n";
-
-/// A running `ratelimitd` process on free loopback ports (given through the environment, as a
-/// container would), with its stderr captured.
-struct Daemon {
-    child: Child,
-    grpc: u16,
-    http: SocketAddr,
-}
-
-impl Daemon {
-    /// Starts `cmd` (the binary with its config and flags) and waits until it serves: its
-    /// `/healthcheck` answers 200, which comes after the config is loaded and watched (the
-    /// socket accepts connections as soon as it is bound, before either). The process dies
-    /// with the `Daemon` (a failing test included) or, should the test process itself be
-    /// killed, with the test process.
-    async fn start(mut cmd: Command) -> Daemon {
-        let (grpc, http) = (free_port(), free_port());
-        let child = cmd
-            .env("RATELIMITD_GRPC_ADDR", format!("127.0.0.1:{grpc}"))
-            .env("RATELIMITD_HTTP_ADDR", format!("127.0.0.1:{http}"))
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        common::redis::watchdog(child.id());
-        let http = format!("127.0.0.1:{http}").parse().unwrap();
-        // Owned before waiting, so a daemon that never comes up is killed too.
-        let d = Daemon { child, grpc, http };
-        poll(Duration::from_secs(20), || async move {
-            use tokio::io::{AsyncReadExt, AsyncWriteExt};
-            let mut stream = tokio::net::TcpStream::connect(http).await.ok()?;
-            let req = "GET /healthcheck HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n";
-            stream.write_all(req.as_bytes()).await.ok()?;
-            let mut answer = Vec::new();
-            stream.read_to_end(&mut answer).await.ok()?;
-            answer.starts_with(b"HTTP/1.1 200").then_some(())
-        })
-        .await;
-        d
-    }
-
-    async fn client(&self) -> Client {
-        Client::connect(format!("http://127.0.0.1:{}", self.grpc))
-            .await
-            .unwrap()
-    }
-
-    /// Sends SIGTERM and waits (bounded) for the exit: its status and everything logged.
-    async fn terminate(mut self) -> (ExitStatus, String) {
-        self.signal_and_wait().await
-    }
-
-    async fn signal_and_wait(&mut self) -> (ExitStatus, String) {
-        let kill = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status()
-            .unwrap();
-        assert!(kill.success());
-        let started = Instant::now();
-        let exit = loop {
-            if let Some(exit) = self.child.try_wait().unwrap() {
-                break exit;
-            }
-            assert!(
-                started.elapsed() < Duration::from_secs(15),
-                "still running after SIGTERM"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        };
-        let mut stderr = String::new();
-        std::io::Read::read_to_string(self.child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
-        (exit, stderr)
-    }
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 #[tokio::test]
 async fn sigterm_finishes_and_exits_zero() {

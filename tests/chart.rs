@@ -97,7 +97,10 @@ fn defaults_render_a_safe_deployment_reading_a_valid_config() {
     let d = of(&objects, "Deployment").unwrap();
     let pod = &d["spec"]["template"]["spec"];
     let c = &pod["containers"][0];
-    assert_eq!(d["spec"]["replicas"], 2);
+    assert_eq!(
+        d["spec"]["replicas"], 1,
+        "one replica: the memory backend counts per replica"
+    );
     assert_eq!(pod["securityContext"]["runAsNonRoot"], true);
     assert_eq!(c["securityContext"]["readOnlyRootFilesystem"], true);
     assert_eq!(c["securityContext"]["allowPrivilegeEscalation"], false);
@@ -157,6 +160,8 @@ fn every_feature_switched_on() {
         "--redis-hash-tag=descriptor",
         "--redis-tls",
         "--redis-tls-ca=/etc/ratelimitd/redis-tls/ca.crt",
+        "--redis-tls-cert=/etc/ratelimitd/redis-tls/tls.crt",
+        "--redis-tls-key=/etc/ratelimitd/redis-tls/tls.key",
         "--response-headers=draft03",
         "--redis-key-prefix=ratelimit:",
         "--max-descriptors=32",
@@ -185,7 +190,7 @@ fn every_feature_switched_on() {
     // And the binary accepts them all (a value YAML would read as a mapping would not be a
     // string at all); the CA file exists only in the pod.
     let mut cli = vec!["ratelimitd".to_owned()];
-    cli.extend(a.into_iter().filter(|a| !a.starts_with("--redis-tls-ca")));
+    cli.extend(a.into_iter().filter(|a| !a.starts_with("--redis-tls-")));
     ratelimitd::settings::Settings::parse_with_env(cli, |_| None).unwrap();
     let hpa = of(&objects, "HorizontalPodAutoscaler").unwrap();
     assert_eq!(hpa["spec"]["maxReplicas"], 12);
@@ -227,4 +232,80 @@ fn the_schema_refuses_bad_values() {
     )
     .unwrap_err();
     assert!(err.contains("needs backend.redis.url"), "{err}");
+}
+
+/// The memory backend counts in each replica alone: a default install must not multiply every
+/// limit, so more than one replica (or autoscaling) on it is refused unless asked for.
+#[test]
+fn more_than_one_memory_replica_is_an_explicit_choice() {
+    let Some(helm) = helm() else { return };
+    for set in ["replicaCount=2", "autoscaling.enabled=true"] {
+        let err = run(
+            &helm,
+            &["template", "rl", "charts/ratelimitd", "--set", set],
+        )
+        .unwrap_err();
+        assert!(
+            err.contains("backend.memory.countPerReplica"),
+            "{set}: {err}"
+        );
+        let objects = template(
+            &helm,
+            &["--set", set, "--set", "backend.memory.countPerReplica=true"],
+        );
+        assert!(of(&objects, "Deployment").is_some(), "{set}");
+    }
+    let objects = template(
+        &helm,
+        &[
+            "--set",
+            "replicaCount=3",
+            "--set",
+            "backend.type=redis",
+            "--set",
+            "backend.redis.url=redis://redis:6379",
+        ],
+    );
+    assert_eq!(of(&objects, "Deployment").unwrap()["spec"]["replicas"], 3);
+}
+
+/// `backend.redis.tls.mutual` presents the Secret's client certificate and key, not only its CA.
+#[test]
+fn mutual_tls_to_redis_passes_the_client_certificate() {
+    let Some(helm) = helm() else { return };
+    let base = [
+        "--set",
+        "backend.type=redis",
+        "--set",
+        "backend.redis.url=rediss://redis:6379",
+        "--set",
+        "backend.redis.tls.enabled=true",
+        "--set",
+        "backend.redis.tls.mutual=true",
+    ];
+    let err = run(
+        &helm,
+        &[&["template", "rl", "charts/ratelimitd"][..], &base[..]].concat(),
+    )
+    .unwrap_err();
+    assert!(
+        err.contains("needs backend.redis.tls.existingSecret"),
+        "{err}"
+    );
+    let objects = template(
+        &helm,
+        &[
+            &base[..],
+            &["--set", "backend.redis.tls.existingSecret=redis-mtls"],
+        ]
+        .concat(),
+    );
+    let a = args(of(&objects, "Deployment").unwrap());
+    for flag in [
+        "--redis-tls-ca=/etc/ratelimitd/redis-tls/ca.crt",
+        "--redis-tls-cert=/etc/ratelimitd/redis-tls/tls.crt",
+        "--redis-tls-key=/etc/ratelimitd/redis-tls/tls.key",
+    ] {
+        assert!(a.contains(&flag.to_owned()), "{flag} in {a:?}");
+    }
 }

@@ -520,3 +520,38 @@ fn units_parse_case_insensitively() {
     assert_eq!(Unit::parse("year").map(Unit::seconds), Some(31_536_000));
     assert_eq!(Unit::parse("foo"), None);
 }
+
+/// A per-customer file of 30,000 descriptors (3 MB) was refused ("budget breached: Nodes"),
+/// though a domain cannot be split across files. Honest configs load by size; what aliases
+/// can expand stays within the same allowance, so nested anchors are still refused.
+#[test]
+fn a_large_per_customer_config_loads_and_alias_bombs_do_not() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut yaml = String::from("domain: customers\ndescriptors:\n");
+    for i in 0..30_000 {
+        yaml += &format!(
+            "  - key: customer\n    value: c{i}\n    rate_limit: {{unit: minute, requests_per_unit: {}}}\n",
+            100 + i % 7
+        );
+    }
+    std::fs::write(dir.path().join("customers.yaml"), &yaml).unwrap();
+    let loaded = ratelimitd::config::load_paths(&[dir.path().to_owned()]).unwrap();
+    assert_eq!(loaded.snapshot.rule_count(), 30_000);
+
+    // Nine levels of ten aliases each in a descriptor's free-form `metadata`: a billion nodes
+    // from a few hundred bytes.
+    let mut bomb = String::from(
+        "domain: bomb\ndescriptors:\n  - key: k\n    metadata:\n      a0: &a0 [x, x, x, x, x, x, x, x, x, x]\n",
+    );
+    for l in 1..9 {
+        let p = l - 1;
+        bomb += &format!(
+            "      a{l}: &a{l} [*a{p}, *a{p}, *a{p}, *a{p}, *a{p}, *a{p}, *a{p}, *a{p}, *a{p}, *a{p}]\n"
+        );
+    }
+    let file = dir.path().join("bomb.yaml");
+    std::fs::write(&file, bomb).unwrap();
+    let err = ratelimitd::config::load_paths(&[file]).unwrap_err();
+    assert!(err.to_string().contains("bomb.yaml"), "{err}");
+    assert!(err.to_string().contains("budget"), "{err}");
+}

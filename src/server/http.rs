@@ -3,14 +3,16 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 use axum::Router;
 use axum::body::Bytes;
-use axum::extract::State;
+use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::{get, post};
 
+use super::conn::Tracker;
 use super::grpc::{to_request, to_response, to_status, unix_now};
 use super::headers::HeaderMode;
 use super::json::{parse_request, response_json};
@@ -34,14 +36,73 @@ pub struct HttpState {
     pub headers: HeaderMode,
 }
 
-/// The HTTP routes.
-pub fn router(state: Arc<HttpState>) -> Router {
+/// Largest request body (`POST /json`): the gRPC port's message bound.
+pub const MAX_BODY_BYTES: usize = 1 << 20;
+/// Longest time a client may take to send a request's headers.
+pub const HEADER_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The HTTP routes. A request must arrive and be answered within `request_timeout` (else
+/// 408), with a body of at most [`MAX_BODY_BYTES`].
+pub fn router(state: Arc<HttpState>, request_timeout: Duration) -> Router {
     Router::new()
         .route("/healthcheck", get(healthcheck))
         .route("/metrics", get(metrics))
         .route("/rlconfig", get(rlconfig))
         .route("/json", post(json_decide))
         .with_state(state)
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(axum::middleware::from_fn(
+            move |req: axum::extract::Request, next: axum::middleware::Next| async move {
+                match tokio::time::timeout(request_timeout, next.run(req)).await {
+                    Ok(response) => response,
+                    Err(_) => (StatusCode::REQUEST_TIMEOUT, "request timed out\n").into_response(),
+                }
+            },
+        ))
+}
+
+/// Serves `router` on `listener` over HTTP/1.1 until `stopped` resolves, then lets requests in
+/// flight finish. Every connection is [`Tracked`](super::conn::Tracked): capped in number, cut
+/// off when silent or not reading; headers must arrive within [`HEADER_TIMEOUT`].
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    router: Router,
+    tracker: Tracker,
+    stopped: impl std::future::Future<Output = ()>,
+) -> std::io::Result<()> {
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let mut builder = hyper::server::conn::http1::Builder::new();
+    builder
+        .timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(HEADER_TIMEOUT)
+        .max_buf_size(64 << 10);
+    tokio::pin!(stopped);
+    loop {
+        let (tcp, _) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    tracing::warn!(error = %e, "HTTP accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            () = &mut stopped => break,
+        };
+        let Some(io) = tracker.admit(tcp) else {
+            continue;
+        };
+        let service = hyper_util::service::TowerToHyperService::new(router.clone());
+        let conn = builder.serve_connection(hyper_util::rt::TokioIo::new(io), service);
+        let conn = graceful.watch(conn);
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!(error = %e, "HTTP connection ended");
+            }
+        });
+    }
+    graceful.shutdown().await;
+    Ok(())
 }
 
 /// 200 while serving, even with the backend down: the failure mode decides what requests get,

@@ -19,6 +19,7 @@ use tokio_rustls::rustls::server::WebPkiClientVerifier;
 use tokio_rustls::rustls::{RootCertStore, ServerConfig};
 use tokio_rustls::server::TlsStream;
 
+use super::conn::{Tracked, Tracker};
 use crate::metrics::{LoadResult, Metrics};
 
 /// How often the files are checked for changes.
@@ -105,14 +106,18 @@ impl TlsFiles {
 }
 
 /// TLS connections accepted on `listener`, for tonic's `serve_with_incoming`, with the
+/// A client connection after its TLS handshake, under its listener's bounds.
+pub type Accepted = TlsStream<Tracked<TcpStream>>;
+
 /// tasks that accept them and reload the files (abort them to stop).
 pub fn incoming(
     listener: TcpListener,
     files: TlsFiles,
     config: Arc<ServerConfig>,
+    tracker: Tracker,
     metrics: Arc<Metrics>,
 ) -> (
-    impl Stream<Item = Result<TlsStream<TcpStream>, std::io::Error>>,
+    impl Stream<Item = Result<Accepted, std::io::Error>>,
     Vec<JoinHandle<()>>,
 ) {
     let current = Arc::new(ArcSwap::new(config));
@@ -144,7 +149,7 @@ pub fn incoming(
             }
         })
     };
-    let (tx, rx) = tokio::sync::mpsc::channel::<TlsStream<TcpStream>>(128);
+    let (tx, rx) = tokio::sync::mpsc::channel::<Accepted>(128);
     let accept = tokio::spawn(async move {
         loop {
             let (tcp, peer) = match listener.accept().await {
@@ -156,6 +161,10 @@ pub fn incoming(
                 }
             };
             let _ = tcp.set_nodelay(true);
+            // Counted and bounded from accept: handshakes in progress hold a place too.
+            let Some(tcp) = tracker.admit(tcp) else {
+                continue;
+            };
             let acceptor = TlsAcceptor::from(current.load_full());
             let tx = tx.clone();
             tokio::spawn(async move {

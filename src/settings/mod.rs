@@ -13,6 +13,7 @@ use crate::engine::{EngineOptions, RequestLimits};
 use crate::limiter::fallback::FailureMode;
 use crate::limiter::key::{HashTag, KeyFormat, PrefixError};
 use crate::limiter::redis::{Credentials, RedisOptions, RedisUrl, Target, TlsFiles};
+use crate::server::conn::ConnLimits;
 pub use crate::server::headers::HeaderMode;
 
 /// Where counters are kept.
@@ -281,6 +282,25 @@ pub struct Settings {
     /// How long in-flight calls may take to finish after SIGTERM before the process exits anyway.
     #[arg(long, default_value = "10s", value_parser = parse_grace)]
     pub shutdown_grace: Duration,
+
+    /// Most client connections the gRPC port holds at once; one more is closed at accept.
+    #[arg(long, default_value_t = 4096)]
+    pub max_connections: usize,
+
+    /// A connection that sends nothing, or reads nothing the server writes, for this long is
+    /// closed (gRPC clients are pinged every third of it, so a live one never is).
+    #[arg(long, default_value = "30s", value_parser = parse_timeout)]
+    pub connection_idle_timeout: Duration,
+
+    /// Longest time to receive a request and answer it (gRPC and HTTP); a gRPC client's
+    /// shorter `grpc-timeout` wins.
+    #[arg(long, default_value = "5s", value_parser = parse_timeout)]
+    pub request_timeout: Duration,
+
+    /// Bytes of requests one gRPC connection may have in flight (from their first byte until
+    /// answered), e.g. 4MiB; a request past it is refused on that connection only.
+    #[arg(long, default_value = "4MiB", value_parser = parse_bytes)]
+    pub max_connection_request_bytes: u64,
 }
 
 fn parse_ratio(s: &str) -> Result<f64, String> {
@@ -479,6 +499,13 @@ impl Settings {
             admin: self.admin,
             memory_max_bytes: self.memory_max_bytes,
             shutdown_grace: self.shutdown_grace,
+            grpc_connections: ConnLimits {
+                max_connections: self.max_connections,
+                idle_timeout: self.connection_idle_timeout,
+                request_bytes: usize::try_from(self.max_connection_request_bytes)
+                    .unwrap_or(usize::MAX),
+            },
+            request_timeout: self.request_timeout,
         })
     }
 
@@ -598,6 +625,10 @@ pub struct Options {
     pub memory_max_bytes: u64,
     /// How long in-flight calls may finish after shutdown begins.
     pub shutdown_grace: Duration,
+    /// Bounds of each gRPC connection.
+    pub grpc_connections: ConnLimits,
+    /// Longest time to receive and answer one request.
+    pub request_timeout: Duration,
 }
 
 /// The chosen backend.

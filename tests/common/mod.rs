@@ -21,6 +21,7 @@ use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tonic::transport::Channel;
 
+pub mod daemon;
 pub mod redis;
 
 pub type Client = RateLimitServiceClient<Channel>;

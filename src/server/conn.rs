@@ -1,0 +1,353 @@
+//! What one client connection may hold, on every port. Each accepted socket is [`Tracked`]:
+//!
+//! - **Count.** A listener holds at most `max_connections`; one past that is closed at accept.
+//! - **Silence.** A peer that sends no byte for `idle_timeout` is closed (a slowloris that sent
+//!   half a request, a socket that never spoke). A live gRPC client is never silent that long:
+//!   the server pings it every third of `idle_timeout` and its HTTP/2 stack answers.
+//! - **Not reading.** While a peer leaves the server's writes blocked, nothing more is read
+//!   from it, so it cannot make the server take in more requests than it reads answers for; if
+//!   that lasts `idle_timeout` it is closed.
+//! - **Request bytes (gRPC).** The requests a connection has in flight, from their first body
+//!   byte until their answer is ready, hold at most `request_bytes` between them; a request
+//!   that would pass that is refused (`RESOURCE_EXHAUSTED`) on its own connection only. Half-
+//!   sent requests therefore pin at most that much, and only until the request deadline.
+
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::body::Bytes;
+use http_body::{Body as HttpBody, Frame, SizeHint};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::time::{Instant, Sleep};
+
+/// The bounds every accepted connection of one listener gets.
+#[derive(Clone, Copy, Debug)]
+pub struct ConnLimits {
+    /// Connections held at once.
+    pub max_connections: usize,
+    /// Longest silence (no byte read), and longest time the server's writes may stay blocked.
+    pub idle_timeout: Duration,
+    /// Bytes of gRPC requests one connection may have in flight.
+    pub request_bytes: usize,
+}
+
+/// Admits connections to one listener within its [`ConnLimits`].
+#[derive(Clone)]
+pub struct Tracker {
+    limits: ConnLimits,
+    open: Arc<AtomicUsize>,
+}
+
+impl Tracker {
+    /// A listener's tracker.
+    pub fn new(limits: ConnLimits) -> Tracker {
+        Tracker {
+            limits,
+            open: Arc::new(AtomicUsize::new(0)),
+        }
+    }
+
+    /// Connections held now.
+    pub fn open(&self) -> usize {
+        self.open.load(Ordering::Relaxed)
+    }
+
+    /// `io` tracked, or `None` (and `io` dropped, so closed) when the listener is full.
+    pub fn admit<IO>(&self, io: IO) -> Option<Tracked<IO>> {
+        let held = self.open.fetch_add(1, Ordering::AcqRel);
+        let slot = Slot(self.open.clone());
+        if held >= self.limits.max_connections {
+            tracing::debug!(held, "connection refused: the listener is full");
+            return None;
+        }
+        let idle = self.limits.idle_timeout;
+        Some(Tracked {
+            io,
+            idle,
+            last_read: Instant::now(),
+            read_deadline: Box::pin(tokio::time::sleep(idle)),
+            write_blocked: None,
+            write_deadline: Box::pin(tokio::time::sleep(idle)),
+            info: ConnInfo {
+                budget: Arc::new(RequestBudget {
+                    max: self.limits.request_bytes,
+                    used: AtomicUsize::new(0),
+                }),
+            },
+            _slot: slot,
+        })
+    }
+}
+
+/// Gives a connection's place back when it closes.
+struct Slot(Arc<AtomicUsize>);
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// An accepted socket under its listener's bounds.
+pub struct Tracked<IO> {
+    io: IO,
+    idle: Duration,
+    last_read: Instant,
+    read_deadline: Pin<Box<Sleep>>,
+    /// Since when the server's writes have been blocked.
+    write_blocked: Option<Instant>,
+    write_deadline: Pin<Box<Sleep>>,
+    info: ConnInfo,
+    _slot: Slot,
+}
+
+/// What the request layer learns of a connection (tonic puts it in each request's extensions).
+#[derive(Clone)]
+pub struct ConnInfo {
+    budget: Arc<RequestBudget>,
+}
+
+fn timed_out(what: &str) -> io::Error {
+    io::Error::new(io::ErrorKind::TimedOut, what.to_owned())
+}
+
+impl<IO: AsyncRead + Unpin> AsyncRead for Tracked<IO> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = &mut *self;
+        // While the peer leaves our writes blocked, read nothing more from it: a client that
+        // never reads cannot make the server take in (and queue answers or resets for) ever
+        // more of its requests. The connection's one task is woken when writing can go on.
+        if let Some(since) = this.write_blocked {
+            if this.write_deadline.as_mut().poll(cx).is_ready() && since.elapsed() >= this.idle {
+                return Poll::Ready(Err(timed_out("the peer reads nothing")));
+            }
+            return Poll::Pending;
+        }
+        let before = buf.filled().len();
+        match Pin::new(&mut this.io).poll_read(cx, buf) {
+            Poll::Ready(r) => {
+                if buf.filled().len() > before {
+                    this.last_read = Instant::now();
+                }
+                Poll::Ready(r)
+            }
+            Poll::Pending => {
+                // The timer is moved only when it fires: no timer work per read.
+                while this.read_deadline.as_mut().poll(cx).is_ready() {
+                    let until = this.last_read + this.idle;
+                    if Instant::now() >= until {
+                        return Poll::Ready(Err(timed_out("the peer sent nothing")));
+                    }
+                    this.read_deadline.as_mut().reset(until);
+                }
+                Poll::Pending
+            }
+        }
+    }
+}
+
+impl<IO: AsyncWrite + Unpin> Tracked<IO> {
+    /// Notes whether a write went through; a peer that blocks them past the idle timeout is
+    /// cut off.
+    fn written<T>(&mut self, cx: &mut Context<'_>, r: Poll<io::Result<T>>) -> Poll<io::Result<T>> {
+        match r {
+            Poll::Ready(r) => {
+                self.write_blocked = None;
+                Poll::Ready(r)
+            }
+            Poll::Pending => {
+                let since = *self.write_blocked.get_or_insert_with(|| {
+                    let now = Instant::now();
+                    self.write_deadline.as_mut().reset(now + self.idle);
+                    now
+                });
+                if self.write_deadline.as_mut().poll(cx).is_ready() && since.elapsed() >= self.idle
+                {
+                    return Poll::Ready(Err(timed_out("the peer reads nothing")));
+                }
+                Poll::Pending
+            }
+        }
+    }
+}
+
+impl<IO: AsyncWrite + Unpin> AsyncWrite for Tracked<IO> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let r = Pin::new(&mut self.io).poll_write(cx, buf);
+        self.written(cx, r)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let r = Pin::new(&mut self.io).poll_write_vectored(cx, bufs);
+        self.written(cx, r)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let r = Pin::new(&mut self.io).poll_flush(cx);
+        self.written(cx, r)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+}
+
+impl<IO> tonic::transport::server::Connected for Tracked<IO> {
+    type ConnectInfo = ConnInfo;
+
+    fn connect_info(&self) -> ConnInfo {
+        self.info.clone()
+    }
+}
+
+/// The bytes a connection's requests in flight hold, against its bound.
+struct RequestBudget {
+    max: usize,
+    used: AtomicUsize,
+}
+
+/// One request's share of its connection's budget, given back when both its body and its
+/// handler are done.
+struct Held {
+    budget: Arc<RequestBudget>,
+    bytes: AtomicUsize,
+}
+
+impl Held {
+    fn take(&self, n: usize) -> bool {
+        let used = self.budget.used.fetch_add(n, Ordering::AcqRel) + n;
+        if used > self.budget.max {
+            self.budget.used.fetch_sub(n, Ordering::AcqRel);
+            return false;
+        }
+        self.bytes.fetch_add(n, Ordering::AcqRel);
+        true
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.budget
+            .used
+            .fetch_sub(*self.bytes.get_mut(), Ordering::AcqRel);
+    }
+}
+
+/// A request body counted against its connection's budget.
+struct Counted {
+    inner: tonic::body::Body,
+    held: Arc<Held>,
+}
+
+impl HttpBody for Counted {
+    type Data = Bytes;
+    type Error = tonic::Status;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, tonic::Status>>> {
+        let frame = std::task::ready!(Pin::new(&mut self.inner).poll_frame(cx));
+        if let Some(Ok(f)) = &frame
+            && let Some(data) = f.data_ref()
+            && !self.held.take(data.len())
+        {
+            return Poll::Ready(Some(Err(tonic::Status::resource_exhausted(format!(
+                "this connection's requests in flight would hold more than {} bytes",
+                self.held.budget.max
+            )))));
+        }
+        Poll::Ready(frame)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// Counts each gRPC request against its connection's request-byte budget.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct BudgetLayer;
+
+impl<S> tower::Layer<S> for BudgetLayer {
+    type Service = Budgeted<S>;
+
+    fn layer(&self, inner: S) -> Budgeted<S> {
+        Budgeted { inner }
+    }
+}
+
+/// See [`BudgetLayer`].
+#[derive(Clone, Debug)]
+pub struct Budgeted<S> {
+    inner: S,
+}
+
+type Request = http::Request<tonic::body::Body>;
+
+impl<S> tower::Service<Request> for Budgeted<S>
+where
+    S: tower::Service<Request> + Send,
+    S::Future: Send + 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<S::Response, S::Error>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request) -> Self::Future {
+        let ext = req.extensions();
+        let budget = ext.get::<ConnInfo>().map(|i| i.budget.clone()).or_else(|| {
+            ext.get::<tonic::transport::server::TlsConnectInfo<ConnInfo>>()
+                .map(|i| i.get_ref().budget.clone())
+        });
+        let Some(budget) = budget else {
+            return Box::pin(self.inner.call(req));
+        };
+        let held = Arc::new(Held {
+            budget,
+            bytes: AtomicUsize::new(0),
+        });
+        let body_held = held.clone();
+        let req = req.map(|inner| {
+            tonic::body::Body::new(Counted {
+                inner,
+                held: body_held,
+            })
+        });
+        let answer = self.inner.call(req);
+        Box::pin(async move {
+            let r = answer.await;
+            drop(held);
+            r
+        })
+    }
+}

@@ -1,0 +1,245 @@
+//! What one connection can make the server hold, tried from outside as an attacker would,
+//! against the `ratelimitd` process itself (its resident memory and open descriptors read from
+//! /proc): a client that never reads, half-sent requests, slowloris on the HTTP ports. Each
+//! time a well-behaved client on another connection is still served.
+
+mod common;
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::daemon::{BIN, Daemon};
+use common::*;
+use prost::Message;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+const LIMITS: &str = "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: hour, requests_per_unit: 1000000}\n";
+
+async fn daemon(flags: &[&str]) -> (Daemon, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("l.yaml"), LIMITS).unwrap();
+    let mut cmd = Command::new(BIN);
+    cmd.arg("--config").arg(dir.path()).args(flags);
+    cmd.env("RATELIMITD_LOG_LEVEL", "warn");
+    (Daemon::start_with(cmd, Stdio::null()).await, dir)
+}
+
+/// A victim's call on its own connection: admitted.
+async fn victim_is_served(d: &Daemon) {
+    let mut c = d.client().await;
+    for _ in 0..5 {
+        assert!(is_ok(
+            &call(&mut c, request("d", &[&[("k", "victim")]])).await
+        ));
+    }
+}
+
+/// One HTTP/2 frame.
+fn frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+    let len = payload.len() as u32;
+    let mut f = vec![(len >> 16) as u8, (len >> 8) as u8, len as u8, kind, flags];
+    f.extend_from_slice(&stream.to_be_bytes());
+    f.extend_from_slice(payload);
+    f
+}
+
+/// A HEADERS block of literal fields (no indexing, no Huffman): all HPACK needs here.
+fn headers(fields: &[(&str, &str)]) -> Vec<u8> {
+    let mut block = Vec::new();
+    for (name, value) in fields {
+        block.push(0);
+        block.push(name.len() as u8);
+        block.extend_from_slice(name.as_bytes());
+        block.push(value.len() as u8);
+        block.extend_from_slice(value.as_bytes());
+    }
+    block
+}
+
+const CALL: [(&str, &str); 6] = [
+    (":method", "POST"),
+    (":scheme", "http"),
+    (
+        ":path",
+        "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit",
+    ),
+    (":authority", "ratelimitd"),
+    ("content-type", "application/grpc"),
+    ("te", "trailers"),
+];
+
+/// A gRPC message frame (uncompressed) holding `message`.
+fn grpc_message(message: &[u8]) -> Vec<u8> {
+    let mut m = vec![0];
+    m.extend_from_slice(&(message.len() as u32).to_be_bytes());
+    m.extend_from_slice(message);
+    m
+}
+
+/// Writes `bytes`, giving up after a second (the server may stop reading from us).
+async fn send(socket: &mut TcpStream, bytes: &[u8]) -> bool {
+    matches!(
+        tokio::time::timeout(Duration::from_secs(1), socket.write_all(bytes)).await,
+        Ok(Ok(()))
+    )
+}
+
+/// Polls until the daemon holds at most `fds` descriptors.
+async fn until_fds_at_most(d: &Daemon, fds: usize, within: Duration) {
+    poll(within, || {
+        let now = d.fds();
+        async move { (now <= fds).then_some(()) }
+    })
+    .await;
+}
+
+/// A client that advertises a zero flow-control window and never reads grew the server by
+/// 964 MB in 17 s (every answer kept, `ratelimit_requests_in_flight` at 0). Now it has at most
+/// 1024 streams, the server reads nothing more from it once its writes to it block, and it is
+/// cut off when that has lasted the idle timeout.
+#[tokio::test]
+async fn a_client_that_never_reads_holds_bounded_memory_and_is_cut_off() {
+    let (d, _dir) = daemon(&["--connection-idle-timeout", "3s"]).await;
+    victim_is_served(&d).await;
+    let (rss, fds) = (d.rss(), d.fds());
+    let mut socket = TcpStream::connect(("127.0.0.1", d.grpc)).await.unwrap();
+    let mut hello = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    hello.extend(frame(4, 0, 0, &[0, 4, 0, 0, 0, 0])); // SETTINGS_INITIAL_WINDOW_SIZE = 0
+    assert!(send(&mut socket, &hello).await);
+    let message = grpc_message(&request("d", &[&[("k", "attacker")]]).encode_to_vec());
+    let block = headers(&CALL);
+    let mut sent = 0;
+    let started = Instant::now();
+    'attack: while started.elapsed() < Duration::from_secs(5) {
+        let mut batch = Vec::new();
+        for _ in 0..100 {
+            let stream = 2 * sent + 1;
+            batch.extend(frame(1, 4, stream, &block)); // HEADERS, END_HEADERS
+            batch.extend(frame(0, 1, stream, &message)); // DATA, END_STREAM
+            sent += 1;
+        }
+        if !send(&mut socket, &batch).await {
+            break 'attack;
+        }
+        if sent >= 60_000 {
+            break;
+        }
+    }
+    let grown = d.rss().saturating_sub(rss);
+    victim_is_served(&d).await;
+    assert!(
+        grown < 48 << 20,
+        "{sent} requests that are never read grew the server by {} MiB",
+        grown >> 20
+    );
+    // Never reading, it cannot answer the server's PINGs: closed within the idle timeout.
+    until_fds_at_most(&d, fds, Duration::from_secs(10)).await;
+    drop(socket);
+}
+
+/// 200 streams each carrying 1 MiB of a request one byte short of complete pinned 239 MB with
+/// the connection kept open. Now a connection's requests in flight hold at most 4 MiB (the
+/// rest are refused on that connection) and each is ended at the request deadline.
+#[tokio::test]
+async fn half_sent_requests_pin_bounded_memory_until_their_deadline() {
+    let (d, _dir) = daemon(&["--request-timeout", "2s"]).await;
+    victim_is_served(&d).await;
+    let rss = d.rss();
+    let tcp = TcpStream::connect(("127.0.0.1", d.grpc)).await.unwrap();
+    let (mut h2, connection) = h2::client::handshake(tcp).await.unwrap();
+    tokio::spawn(connection);
+    // A message declared 1 MiB long, of which all but its last byte is sent.
+    let declared = (1 << 20) - 5;
+    let mut body = vec![0u8];
+    body.extend_from_slice(&(declared as u32).to_be_bytes());
+    body.resize(5 + declared - 1, 0x0a);
+    let body = bytes::Bytes::from(body);
+    let mut answers = Vec::new();
+    for _ in 0..200 {
+        let mut req = http::Request::post(format!("http://ratelimitd{}", CALL[2].1));
+        for (name, value) in &CALL[4..] {
+            req = req.header(*name, *value);
+        }
+        h2 = h2.ready().await.unwrap();
+        let (answer, mut stream) = h2.send_request(req.body(()).unwrap(), false).unwrap();
+        stream.send_data(body.clone(), false).unwrap();
+        answers.push((answer, stream));
+    }
+    let mut peak = 0;
+    let started = Instant::now();
+    for (answer, _stream) in &mut answers {
+        let got = tokio::time::timeout(Duration::from_secs(15), answer)
+            .await
+            .expect("every half-sent request is answered by its deadline");
+        peak = peak.max(d.rss().saturating_sub(rss));
+        let response = got.unwrap();
+        let status = response.headers().get("grpc-status").cloned();
+        assert!(status.is_some_and(|s| s != "0"), "refused, not decided");
+    }
+    victim_is_served(&d).await;
+    assert!(
+        peak < 48 << 20,
+        "200 half-sent 1 MiB requests grew the server by {} MiB",
+        peak >> 20
+    );
+    assert!(started.elapsed() < Duration::from_secs(15));
+}
+
+/// Sends `text` on a new connection to `port` and keeps the connection.
+async fn half_request(port: u16, text: &str) -> TcpStream {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+    let _ = s.write_all(text.as_bytes()).await;
+    s
+}
+
+/// Whether the server has closed `s` (reads until end of stream, within `within`).
+async fn closed_within(s: &mut TcpStream, within: Duration) -> bool {
+    let mut sink = Vec::new();
+    matches!(
+        tokio::time::timeout(within, s.read_to_end(&mut sink)).await,
+        Ok(Ok(_)) | Ok(Err(_))
+    )
+}
+
+/// 2000 connections each sending half of a request's headers were all held for good (+64 MB,
+/// 2000 descriptors): no header-read timeout, no connection cap. Half-sent bodies and silent
+/// connections too. Now each is cut off within its deadline and the count is capped.
+#[tokio::test]
+async fn slowloris_connections_on_the_http_port_are_cut_off_and_capped() {
+    let (d, _dir) = daemon(&["--connection-idle-timeout", "2s", "--request-timeout", "2s"]).await;
+    let port = d.http.port();
+    let fds = d.fds();
+    let started = Instant::now();
+    let mut attackers = Vec::new();
+    for i in 0..600 {
+        attackers.push(match i % 3 {
+            0 => half_request(port, "GET /metrics HTTP/1.1\r\nHost: x\r\n").await,
+            1 => {
+                half_request(
+                    port,
+                    "POST /json HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{",
+                )
+                .await
+            }
+            _ => half_request(port, "").await,
+        });
+    }
+    let held = d.fds() - fds;
+    assert!(
+        held <= ratelimitd::MAX_HTTP_CONNECTIONS + 8,
+        "600 attackers hold {held} descriptors"
+    );
+    for (i, a) in attackers.iter_mut().enumerate() {
+        assert!(
+            closed_within(a, Duration::from_secs(10)).await,
+            "attacker {i} still connected after {:?}",
+            started.elapsed()
+        );
+    }
+    assert!(started.elapsed() < Duration::from_secs(12));
+    until_fds_at_most(&d, fds, Duration::from_secs(5)).await;
+    let (status, _) = http_get(d.http, "/healthcheck").await;
+    assert_eq!(status, 200);
+    victim_is_served(&d).await;
+}

@@ -1,0 +1,117 @@
+//! The `ratelimitd` binary as a process of its own, for tests that need its exit, its signals
+//! or its resident memory.
+
+use std::net::SocketAddr;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use super::redis::free_port;
+use super::{Client, poll};
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_ratelimitd");
+
+/// A running `ratelimitd` process on free loopback ports (given through the environment, as a
+/// container would), with its stderr captured.
+pub struct Daemon {
+    pub child: Child,
+    pub grpc: u16,
+    pub http: SocketAddr,
+}
+
+impl Daemon {
+    /// Starts `cmd` (the binary with its config and flags) and waits until it serves: its
+    /// `/healthcheck` answers 200, which comes after the config is loaded and watched (the
+    /// socket accepts connections as soon as it is bound, before either). The process dies
+    /// with the `Daemon` (a failing test included) or, should the test process itself be
+    /// killed, with the test process.
+    pub async fn start(cmd: Command) -> Daemon {
+        Self::start_with(cmd, Stdio::piped()).await
+    }
+
+    /// [`Daemon::start`] with stderr going to `stderr` (`Stdio::null()` for a daemon that logs
+    /// more than a test reads).
+    pub async fn start_with(mut cmd: Command, stderr: Stdio) -> Daemon {
+        let (grpc, http) = (free_port(), free_port());
+        let child = cmd
+            .env("RATELIMITD_GRPC_ADDR", format!("127.0.0.1:{grpc}"))
+            .env("RATELIMITD_HTTP_ADDR", format!("127.0.0.1:{http}"))
+            .stderr(stderr)
+            .spawn()
+            .unwrap();
+        super::redis::watchdog(child.id());
+        let http = format!("127.0.0.1:{http}").parse().unwrap();
+        // Owned before waiting, so a daemon that never comes up is killed too.
+        let d = Daemon { child, grpc, http };
+        poll(Duration::from_secs(20), || async move {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            let mut stream = tokio::net::TcpStream::connect(http).await.ok()?;
+            let req = "GET /healthcheck HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n";
+            stream.write_all(req.as_bytes()).await.ok()?;
+            let mut answer = Vec::new();
+            stream.read_to_end(&mut answer).await.ok()?;
+            answer.starts_with(b"HTTP/1.1 200").then_some(())
+        })
+        .await;
+        d
+    }
+
+    pub async fn client(&self) -> Client {
+        Client::connect(format!("http://127.0.0.1:{}", self.grpc))
+            .await
+            .unwrap()
+    }
+
+    /// Sends SIGTERM and waits (bounded) for the exit: its status and everything logged.
+    pub async fn terminate(mut self) -> (ExitStatus, String) {
+        self.signal_and_wait().await
+    }
+
+    pub async fn signal_and_wait(&mut self) -> (ExitStatus, String) {
+        let kill = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(kill.success());
+        let started = Instant::now();
+        let exit = loop {
+            if let Some(exit) = self.child.try_wait().unwrap() {
+                break exit;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(15),
+                "still running after SIGTERM"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        let mut stderr = String::new();
+        std::io::Read::read_to_string(self.child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+        (exit, stderr)
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Daemon {
+    /// Resident memory, in bytes.
+    pub fn rss(&self) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap();
+        let kb: u64 = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .unwrap();
+        kb * 1024
+    }
+
+    /// Open file descriptors (sockets included).
+    pub fn fds(&self) -> usize {
+        std::fs::read_dir(format!("/proc/{}/fd", self.child.id()))
+            .map(|d| d.count())
+            .unwrap_or(0)
+    }
+}
