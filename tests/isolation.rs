@@ -19,6 +19,28 @@ fn prefix_of(s: &TestServer) -> String {
     s.flags[i.expect("a redis server") + 1].clone()
 }
 
+/// A server on `redis` that answers `allow` when Redis cannot decide, with one script call in
+/// flight (so concurrent requests queue and share calls), a per-call `timeout` and `extra`
+/// flags.
+async fn allowing(redis: &RedisProc, timeout: &str, extra: &[&str]) -> TestServer {
+    let url = redis.url();
+    let target = [
+        "--redis-url",
+        url.as_str(),
+        "--redis-failure-mode",
+        "allow",
+        "--redis-pipeline",
+        "1",
+    ];
+    redis_server(
+        &[("v.yaml", VICTIM)],
+        &[&target[..], extra].concat(),
+        &unique_prefix(),
+        timeout,
+    )
+    .await
+}
+
 /// 64 descriptors with 4096-byte values: valid, each about 12 KiB once escaped in its key.
 fn huge_request(n: usize) -> RateLimitRequest {
     let values: Vec<String> = (0..64)
@@ -68,30 +90,13 @@ async fn victim(c: &Client) -> (usize, usize) {
     (admitted, errors)
 }
 
-/// Sixteen clients sending huge valid requests made the coalesced calls carrying them time out; each timed-out
-/// request counted against the circuit breaker, which opened, and with failure mode `allow`
-/// every client was admitted without limit while Redis answered PING throughout.
+/// Sixteen clients sending huge valid requests made the coalesced calls carrying them time
+/// out; each timed-out request counted against the circuit breaker, which opened, and with
+/// failure mode `allow` every client was admitted without limit while Redis answered PING.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn huge_requests_from_one_client_never_switch_limits_off_for_another() {
     let redis = RedisProc::start(&[]);
-    let url = redis.url();
-    let s = redis_server(
-        &[("v.yaml", VICTIM)],
-        &[
-            "--redis-url",
-            &url,
-            "--redis-failure-mode",
-            "allow",
-            // One call in flight: the attacker's requests queue with the victim's.
-            "--redis-pipeline",
-            "1",
-            "--max-counters",
-            "64",
-        ],
-        &unique_prefix(),
-        "100ms",
-    )
-    .await;
+    let s = allowing(&redis, "100ms", &["--max-counters", "64"]).await;
     let c = s.client().await;
     let sent = Arc::new(AtomicUsize::new(0));
     let stop = {
@@ -131,22 +136,7 @@ async fn huge_requests_from_one_client_never_switch_limits_off_for_another() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_corrupt_counter_fails_only_the_requests_that_use_it() {
     let redis = RedisProc::start(&[]);
-    let url = redis.url();
-    let s = redis_server(
-        &[("v.yaml", VICTIM)],
-        &[
-            "--redis-url",
-            &url,
-            "--redis-failure-mode",
-            "allow",
-            // One call in flight: concurrent requests queue and share calls.
-            "--redis-pipeline",
-            "1",
-        ],
-        &unique_prefix(),
-        "2s",
-    )
-    .await;
+    let s = allowing(&redis, "2s", &[]).await;
     let c = s.client().await;
     let key = format!("{}{{v}}:victim:bad:f3600000000:0", prefix_of(&s));
     redis.cli(&["RPUSH", &key, "x"]);

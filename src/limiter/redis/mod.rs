@@ -572,6 +572,42 @@ mod tests {
         assert_eq!(slot(b"123456789"), 0x31C3, "the CRC16-XMODEM check value");
     }
 
+    /// Every reply Redis can give a script call has a stated class: transient (the failure
+    /// mode answers) or permanent (INTERNAL), with its own metric kind.
+    #[test]
+    fn every_redis_error_has_a_stated_class() {
+        let err = |reply: &str| -> RedisError {
+            match redis::parse_redis_value(format!("-{reply}\r\n").as_bytes()).unwrap() {
+                redis::Value::ServerError(e) => e.into(),
+                v => panic!("{v:?}"),
+            }
+        };
+        #[rustfmt::skip]
+        let cases = [
+            ("OOM command not allowed when used memory > 'maxmemory'.", "oom", true),
+            ("NOREPLICAS Not enough good replicas to write.", "noreplicas", true),
+            ("MISCONF Redis is configured to save RDB snapshots, but it's currently unable to persist to disk.", "misconf", true),
+            ("READONLY You can't write against a read only replica.", "readonly", true),
+            ("LOADING Redis is loading the dataset in memory", "loading", true),
+            ("MASTERDOWN Link with MASTER is down and replica-serve-stale-data is set to 'no'.", "masterdown", true),
+            ("BUSY Redis is busy running a script. You can only call SCRIPT KILL or SHUTDOWN NOSAVE.", "busy", true),
+            ("NOSCRIPT No matching script. Please use EVAL.", "noscript", true),
+            ("NOAUTH Authentication required.", "auth", true),
+            ("WRONGPASS invalid username-password pair or user is disabled.", "auth", true),
+            ("NOPERM User has no permissions to run the 'evalsha' command", "auth", true),
+            ("TRYAGAIN Multiple keys request during rehashing of slot", "cluster", true),
+            ("CLUSTERDOWN The cluster is down", "cluster", true),
+            ("CROSSSLOT Keys in request don't hash to the same slot", "crossslot", false),
+            ("WRONGTYPE Operation against a key holding the wrong kind of value", "script", false),
+            ("ERR Error running script (call to f_1): @user_script:1: Script attempted to access nonexistent global variable 'x'", "script", false),
+            // A Redis before 7 reports a failed command inside the script's own error.
+            ("ERR Error running script (call to f_1): @user_script:12: OOM command not allowed when used memory > 'maxmemory'.", "oom", true),
+        ];
+        for (reply, kind, transient) in cases {
+            assert_eq!(classify(&err(reply)), (kind, transient), "{reply}");
+        }
+    }
+
     #[test]
     fn nonces_are_hex() {
         for n in [0u64, 9, 0xabc, u64::MAX] {
