@@ -19,16 +19,21 @@ fn prefix_of(s: &TestServer) -> String {
     s.flags[i.expect("a redis server") + 1].clone()
 }
 
-/// A server on `redis` that answers `allow` when Redis cannot decide, with one script call in
-/// flight (so concurrent requests queue and share calls), a per-call `timeout` and `extra`
-/// flags.
-async fn allowing(redis: &RedisProc, timeout: &str, extra: &[&str]) -> TestServer {
+/// A server on `redis` answering in failure `mode` when Redis cannot decide, with one script
+/// call in flight (so concurrent requests queue and share calls), a per-call `timeout` and
+/// `extra` flags.
+async fn one_call_at_a_time(
+    redis: &RedisProc,
+    mode: &str,
+    timeout: &str,
+    extra: &[&str],
+) -> TestServer {
     let url = redis.url();
     let target = [
         "--redis-url",
         url.as_str(),
         "--redis-failure-mode",
-        "allow",
+        mode,
         "--redis-pipeline",
         "1",
     ];
@@ -91,12 +96,15 @@ async fn victim(c: &Client) -> (usize, usize) {
 }
 
 /// Sixteen clients sending huge valid requests made the coalesced calls carrying them time
-/// out; each timed-out request counted against the circuit breaker, which opened, and with
-/// failure mode `allow` every client was admitted without limit while Redis answered PING.
+/// out; each timed-out request counted against the circuit breaker, which opened, and every
+/// client got the failure mode while Redis answered PING (with `error`, 75 of a victim's 79
+/// calls were UNAVAILABLE; with `allow`, it was admitted without limit). The failure mode here
+/// is `error`, so what a victim is answered shows exactly: a timeout on a loaded machine is an
+/// error, never an admission.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn huge_requests_from_one_client_never_switch_limits_off_for_another() {
     let redis = RedisProc::start(&[]);
-    let s = allowing(&redis, "100ms", &["--max-counters", "64"]).await;
+    let s = one_call_at_a_time(&redis, "error", "100ms", &["--max-counters", "64"]).await;
     let c = s.client().await;
     let sent = Arc::new(AtomicUsize::new(0));
     let stop = {
@@ -118,16 +126,23 @@ async fn huge_requests_from_one_client_never_switch_limits_off_for_another() {
     let (admitted, errors) = victim(&c).await;
     stop.store(true, Ordering::Relaxed);
     let (_, m) = s.http_get("/metrics").await;
-    assert_eq!(
-        (admitted, errors),
-        (10, 0),
-        "the victim's limit held ({} huge requests sent): {m}",
-        sent.load(Ordering::Relaxed)
-    );
+    let sent = sent.load(Ordering::Relaxed);
     assert_eq!(
         metric(&m, r#"ratelimit_backend_errors_total{kind="circuit_open"}"#),
         0.0,
-        "{m}"
+        "the circuit stayed closed ({sent} huge requests sent): {m}"
+    );
+    // Never past its limit, and short of it only by calls that failed: a call that timed out
+    // may still have been counted. On an idle machine the victim sees no error at all; a
+    // starved test process can make a few of its calls miss the 100 ms budget.
+    assert!(admitted <= 10, "{admitted} admitted: {m}");
+    assert!(
+        admitted + errors >= 10,
+        "{admitted} admitted, {errors} errors: {m}"
+    );
+    assert!(
+        errors <= 20,
+        "{errors} of the victim's 40 calls failed: {m}"
     );
 }
 
@@ -136,7 +151,7 @@ async fn huge_requests_from_one_client_never_switch_limits_off_for_another() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_corrupt_counter_fails_only_the_requests_that_use_it() {
     let redis = RedisProc::start(&[]);
-    let s = allowing(&redis, "2s", &[]).await;
+    let s = one_call_at_a_time(&redis, "allow", "2s", &[]).await;
     let c = s.client().await;
     let key = format!("{}{{v}}:victim:bad:f3600000000:0", prefix_of(&s));
     redis.cli(&["RPUSH", &key, "x"]);
@@ -336,8 +351,10 @@ async fn an_admin_reset_through_one_replica_unblocks_a_client_on_every_replica()
         }
     })
     .await;
+    // The cache answers for at most a second (pinned exactly by its unit test); the rest is
+    // slack for a loaded machine, far short of the hour B used to wait.
     assert!(
-        reset_at.elapsed() < Duration::from_millis(1500),
+        reset_at.elapsed() < Duration::from_millis(2500),
         "B answered from its cache for {:?}",
         reset_at.elapsed()
     );
