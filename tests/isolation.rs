@@ -420,3 +420,43 @@ async fn a_request_touching_too_many_counters_is_refused_with_the_numbers() {
     // Two descriptors (200 counters) are within the bound.
     assert!(is_ok(&call(&mut c, request("m", &descriptors[..2])).await));
 }
+
+/// The cluster client retries an EVALSHA after an I/O error, so a refund may run twice; run
+/// twice, it gave back twice and over-admitted. Its marker key makes the second run a no-op.
+/// (The script is driven by hand here, in its documented argument layout.)
+#[tokio::test]
+async fn a_refund_run_twice_gives_back_once() {
+    let redis = shared_standalone();
+    let prefix = unique_prefix();
+    let key = format!("{prefix}{{r}}:k:v:f3600000000:0");
+    let marker = format!("{prefix}{{r}}refund:n1");
+    let script = ratelimitd::limiter::redis::SCRIPT;
+    // One counter (KEYS[1], fixed window, 5 an hour); one request of 1 hit, enforced.
+    let counter = ["1", "f", "5", "3600000000", "5"];
+    let decide = |nonce: &str| -> Vec<String> {
+        let mut a = vec!["EVAL", script, "1", &key, "decide", "1", "1"];
+        a.extend(counter);
+        a.extend([nonce, "0", "1", "1", "1", "E"]);
+        redis.cli(&a).lines().map(str::to_owned).collect::<Vec<_>>()
+    };
+    let first = decide("n1");
+    assert_eq!(first[0], "1", "admitted: {first:?}");
+    let at = first[1].clone();
+    assert_eq!(decide("n2")[0], "1");
+    for _ in 0..2 {
+        let mut a = vec!["EVAL", script, "2", &key, &marker, "refund", "1", "1"];
+        a.extend(counter);
+        a.extend(["n1", at.as_str(), "2", "1", "1", "1", "E"]);
+        redis.cli(&a);
+    }
+    // Two taken, one given back (once), one more taken: 3 remain.
+    let mut a = vec!["EVAL", script, "1", &key, "decide", "1", "1"];
+    a.extend(counter);
+    a.extend(["n3", "0", "1", "1", "1", "E"]);
+    let third = redis.cli(&a);
+    let remaining: Vec<&str> = third.lines().collect();
+    assert_eq!(
+        remaining[3], "3",
+        "5 - 2 taken + 1 given back - 1 taken: {third}"
+    );
+}
