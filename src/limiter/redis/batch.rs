@@ -466,10 +466,17 @@ async fn send(shared: Shared, parts: Vec<Part>) {
     }
     metrics.duration.observe(started.elapsed().as_secs_f64());
     // The call's outcome, once, as evidence of Redis's health (never once per request in it).
+    // A timeout is ours (the call's budget) or the client's (its response timeout, the same
+    // budget): whichever fires first, it is the same suspicion.
+    let kind = match &result {
+        Err(CallError::Redis(e)) => super::classify(e).0,
+        Err(CallError::Timeout) => "timeout",
+        _ => "",
+    };
     match &result {
         Ok(_) => health.on_answer(),
-        Err(CallError::Redis(e)) if super::classify(e).0 == "connection" => health.on_unreachable(),
-        Err(CallError::Timeout) => {
+        Err(_) if kind == "connection" => health.on_unreachable(),
+        Err(_) if kind == "timeout" => {
             let conn = conn.clone();
             health.on_timeout(async move {
                 matches!(
