@@ -242,21 +242,13 @@ impl Engine {
         entries: &[(&str, &str)],
     ) -> Result<usize, EngineError> {
         let (_, mut hits) = self.counters_of(domain, entries)?;
-        let base = self.keys.descriptor_key(domain, entries.iter().copied());
-        for unit in crate::config::Unit::ALL {
-            let limit = crate::limiter::Limit {
-                algorithm: Algorithm::FixedWindow,
+        hits.extend(crate::config::Unit::ALL.into_iter().map(|unit| {
+            let o = LimitOverride {
                 requests_per_unit: 0,
-                window_us: unit.seconds() * 1_000_000,
-                burst: 0,
+                unit,
             };
-            hits.push(crate::limiter::Hit {
-                key: base.for_limit(&limit, resolve::OVERRIDE_ORDINAL),
-                limit,
-                hits: 0,
-                enforcement: crate::limiter::Enforcement::Enforce,
-            });
-        }
+            resolve::override_hit(&self.keys, domain, entries, o, 0)
+        }));
         Ok(self.backend.reset(&hits).await?)
     }
 }

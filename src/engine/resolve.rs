@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::report::ReportedLimit;
-use super::request::Request;
+use super::request::{LimitOverride, Request};
 use crate::config::{LimitRule, NodeLimits, Snapshot};
 use crate::limiter::key::KeyFormat;
 use crate::limiter::{Algorithm, Enforcement, Hit, Limit};
@@ -15,7 +15,33 @@ use crate::limiter::{Algorithm, Enforcement, Hit, Limit};
 pub const OVERRIDE_RULE: &str = "_override";
 
 /// The ordinal of an override's counter, apart from every configured limit's.
-pub const OVERRIDE_ORDINAL: u16 = u16::MAX;
+const OVERRIDE_ORDINAL: u16 = u16::MAX;
+
+/// The hit of a request's own `limit` override on a descriptor: a fixed window of the
+/// override's unit, in a counter apart from every configured limit's. The one place such a
+/// counter is named, for decisions and for the admin reset alike.
+pub fn override_hit(
+    keys: &KeyFormat,
+    domain: &str,
+    entries: &[(&str, &str)],
+    o: LimitOverride,
+    hits: u64,
+) -> Hit {
+    let limit = Limit {
+        algorithm: Algorithm::FixedWindow,
+        requests_per_unit: o.requests_per_unit,
+        window_us: o.unit.seconds() * 1_000_000,
+        burst: o.requests_per_unit,
+    };
+    Hit {
+        key: keys
+            .descriptor_key(domain, entries.iter().copied())
+            .with_limit(&limit, OVERRIDE_ORDINAL),
+        limit,
+        hits,
+        enforcement: Enforcement::Enforce,
+    }
+}
 
 /// Up to this many hits, [`merge`] finds duplicates by a scan.
 const SCAN_HITS: usize = 16;
@@ -73,12 +99,6 @@ pub fn resolve<'s>(
     for (i, d) in req.descriptors.iter().enumerate() {
         let hits_addend = d.hits_addend.unwrap_or(default_hits);
         if let Some(o) = d.limit_override {
-            let limit = Limit {
-                algorithm: Algorithm::FixedWindow,
-                requests_per_unit: o.requests_per_unit,
-                window_us: o.unit.seconds() * 1_000_000,
-                burst: o.requests_per_unit,
-            };
             // The metric label comes from the config, never from the request's entries: the
             // node the descriptor matches, else a constant.
             let (rule, rule_has_values) = match domain.resolve(&d.entries, keys) {
@@ -99,14 +119,7 @@ pub fn resolve<'s>(
                 metadata: None,
                 hit: usize::MAX,
             });
-            hits.push(Hit {
-                key: keys
-                    .descriptor_key(req.domain, d.entries.iter().copied())
-                    .with_limit(&limit, OVERRIDE_ORDINAL),
-                limit,
-                hits: hits_addend,
-                enforcement: Enforcement::Enforce,
-            });
+            hits.push(override_hit(keys, req.domain, &d.entries, o, hits_addend));
             continue;
         }
         let Some(matched) = domain.resolve(&d.entries, keys) else {

@@ -126,8 +126,8 @@ impl<IO: AsyncRead + Unpin> AsyncRead for Tracked<IO> {
         // While the peer leaves our writes blocked, read nothing more from it: a client that
         // never reads cannot make the server take in (and queue answers or resets for) ever
         // more of its requests. The connection's one task is woken when writing can go on.
-        if let Some(since) = this.write_blocked {
-            if this.write_deadline.as_mut().poll(cx).is_ready() && since.elapsed() >= this.idle {
+        if this.write_blocked.is_some() {
+            if this.write_stalled(cx) {
                 return Poll::Ready(Err(timed_out("the peer reads nothing")));
             }
             return Poll::Pending;
@@ -155,6 +155,16 @@ impl<IO: AsyncRead + Unpin> AsyncRead for Tracked<IO> {
     }
 }
 
+impl<IO> Tracked<IO> {
+    /// Whether the server's writes have been blocked for the idle timeout (and, until then, a
+    /// wake-up when they will have been).
+    fn write_stalled(&mut self, cx: &mut Context<'_>) -> bool {
+        self.write_blocked.is_some_and(|since| {
+            self.write_deadline.as_mut().poll(cx).is_ready() && since.elapsed() >= self.idle
+        })
+    }
+}
+
 impl<IO: AsyncWrite + Unpin> Tracked<IO> {
     /// Notes whether a write went through; a peer that blocks them past the idle timeout is
     /// cut off.
@@ -165,13 +175,12 @@ impl<IO: AsyncWrite + Unpin> Tracked<IO> {
                 Poll::Ready(r)
             }
             Poll::Pending => {
-                let since = *self.write_blocked.get_or_insert_with(|| {
+                if self.write_blocked.is_none() {
                     let now = Instant::now();
                     self.write_deadline.as_mut().reset(now + self.idle);
-                    now
-                });
-                if self.write_deadline.as_mut().poll(cx).is_ready() && since.elapsed() >= self.idle
-                {
+                    self.write_blocked = Some(now);
+                }
+                if self.write_stalled(cx) {
                     return Poll::Ready(Err(timed_out("the peer reads nothing")));
                 }
                 Poll::Pending
