@@ -3,14 +3,18 @@
 
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
+use std::fmt;
 use std::path::Path;
 use std::sync::Arc;
 
+use serde::Deserialize;
+use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde_saphyr::{Location, Spanned};
 
-use super::schema::{RawDescriptor, RawFile, RawLimit};
+use super::schema::{RawDescriptor, RawLimit};
 use super::{
-    ConfigError, Domain, KeyNodes, Level, LimitRule, Node, NodeLimits, Unit, Wildcard, is_wildcard,
+    ConfigError, Domain, Index, KeyNodes, Level, LimitRule, Node, NodeLimits, Unit, Wildcard,
+    is_wildcard,
 };
 use crate::limiter::Algorithm;
 
@@ -31,13 +35,28 @@ fn budget(text: &str) -> serde_saphyr::Budget {
 }
 
 /// Parses and validates one config file.
+///
+/// The file's top-level descriptors are compiled one by one as the parser reaches them, so the
+/// parsed form of only one of them (with what is nested under it) is held at a time: a
+/// 100,000-descriptor file costs its compiled rules, not also a copy of itself as parsed YAML.
 pub fn compile_file(file: &Path, text: &str) -> Result<Domain, ConfigError> {
     let mut options = serde_saphyr::Options::default();
     options.budget = Some(budget(text));
-    let raw: RawFile = serde_saphyr::from_str_with_options(text, options)
-        .map_err(|e| ConfigError::from_yaml(file, &e))?;
     let c = Compiler { file };
-    let (domain, line) = match raw.domain {
+    // A descriptor's own error, kept here while the parser is told to stop.
+    let mut invalid = None;
+    let parsed = serde_saphyr::with_deserializer_from_str_with_options(text, options, |de| {
+        FileSeed {
+            c: &c,
+            invalid: &mut invalid,
+        }
+        .deserialize(de)
+    });
+    let (domain, root) = match parsed {
+        Ok(parsed) => parsed,
+        Err(e) => return Err(invalid.unwrap_or_else(|| ConfigError::from_yaml(file, &e))),
+    };
+    let (name, line) = match domain {
         Some(d) if !d.value.is_empty() => (d.value, d.referenced.line()),
         other => {
             return Err(c.err(
@@ -47,13 +66,147 @@ pub fn compile_file(file: &Path, text: &str) -> Result<Domain, ConfigError> {
             ));
         }
     };
-    let root = c.level(raw.descriptors.unwrap_or_default(), "descriptors", "")?;
     Ok(Domain {
-        name: Arc::new(domain),
+        name: Arc::new(name),
         root,
         file: file.to_owned(),
         line,
     })
+}
+
+/// The fields of a config file (any other is refused, naming these).
+#[derive(Deserialize)]
+#[serde(field_identifier, rename_all = "snake_case")]
+enum FileField {
+    Domain,
+    Descriptors,
+}
+
+/// Deserializes a config file, compiling its top-level descriptors as they arrive.
+struct FileSeed<'c, 'p> {
+    c: &'c Compiler<'p>,
+    invalid: &'c mut Option<ConfigError>,
+}
+
+impl<'de> DeserializeSeed<'de> for FileSeed<'_, '_> {
+    type Value = (Option<Spanned<String>>, Level);
+
+    fn deserialize<D: Deserializer<'de>>(self, de: D) -> Result<Self::Value, D::Error> {
+        de.deserialize_struct("RawFile", &["domain", "descriptors"], self)
+    }
+}
+
+impl<'de> Visitor<'de> for FileSeed<'_, '_> {
+    type Value = (Option<Spanned<String>>, Level);
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a mapping with `domain` and `descriptors`")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let (mut domain, mut root) = (None, None);
+        while let Some(field) = map.next_key::<FileField>()? {
+            match field {
+                FileField::Domain if domain.is_some() => {
+                    return Err(de::Error::duplicate_field("domain"));
+                }
+                FileField::Domain => domain = Some(map.next_value::<Option<Spanned<String>>>()?),
+                FileField::Descriptors if root.is_some() => {
+                    return Err(de::Error::duplicate_field("descriptors"));
+                }
+                FileField::Descriptors => {
+                    root = Some(map.next_value_seed(TopLevel {
+                        c: self.c,
+                        invalid: &mut *self.invalid,
+                    })?);
+                }
+            }
+        }
+        Ok((domain.flatten(), root.unwrap_or_default()))
+    }
+}
+
+/// Deserializes the top-level `descriptors` (a list, or null), compiling each as it arrives.
+struct TopLevel<'c, 'p> {
+    c: &'c Compiler<'p>,
+    invalid: &'c mut Option<ConfigError>,
+}
+
+impl<'de> DeserializeSeed<'de> for TopLevel<'_, '_> {
+    type Value = Level;
+
+    fn deserialize<D: Deserializer<'de>>(self, de: D) -> Result<Level, D::Error> {
+        de.deserialize_option(self)
+    }
+}
+
+impl<'de> Visitor<'de> for TopLevel<'_, '_> {
+    type Value = Level;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a list of descriptors")
+    }
+
+    fn visit_none<E: de::Error>(self) -> Result<Level, E> {
+        Ok(Level::default())
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<Level, E> {
+        Ok(Level::default())
+    }
+
+    fn visit_some<D: Deserializer<'de>>(self, de: D) -> Result<Level, D::Error> {
+        de.deserialize_seq(self)
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Level, A::Error> {
+        let mut level = LevelBuilder::default();
+        while let Some(raw) = seq.next_element::<Spanned<RawDescriptor>>()? {
+            if let Err(e) = self.c.add(&mut level, raw, "descriptors", "") {
+                *self.invalid = Some(e);
+                return Err(de::Error::custom("invalid descriptor"));
+            }
+        }
+        Ok(level.build())
+    }
+}
+
+/// A level being compiled: its nodes by key and value, and where each was first defined.
+#[derive(Default)]
+struct LevelBuilder {
+    keys: HashMap<Box<str>, KeyNodesBuilder>,
+    /// (key, value) → line of first definition, to name both places on a duplicate.
+    seen: HashMap<(Box<str>, Option<Box<str>>), u64>,
+    count: usize,
+}
+
+#[derive(Default)]
+struct KeyNodesBuilder {
+    exact: HashMap<Box<str>, Node>,
+    wildcards: Vec<(Wildcard, Node)>,
+    any: Option<Box<Node>>,
+}
+
+impl LevelBuilder {
+    fn build(self) -> Level {
+        let keys = self
+            .keys
+            .into_iter()
+            .map(|(key, nodes)| {
+                let mut wildcards = nodes.wildcards;
+                wildcards.shrink_to_fit();
+                let nodes = KeyNodes {
+                    exact: Index::new(nodes.exact),
+                    wildcards,
+                    any: nodes.any,
+                };
+                (key, nodes)
+            })
+            .collect();
+        Level {
+            keys: Index::new(keys),
+        }
+    }
 }
 
 struct Compiler<'a> {
@@ -75,42 +228,53 @@ impl Compiler<'_> {
         field: &str,
         parent_path: &str,
     ) -> Result<Level, ConfigError> {
-        let mut level = Level::default();
-        // (key, value) → line of first definition, to name both places on a duplicate.
-        let mut seen: HashMap<(String, Option<String>), u64> = HashMap::new();
-        for (i, raw) in descriptors.into_iter().enumerate() {
-            let field = format!("{field}[{i}]");
-            let at = raw.referenced;
-            let node = self.node(raw.value, &field, at, parent_path)?;
-            match seen.entry((node.key.clone(), node.value.clone())) {
-                Entry::Occupied(first) => {
-                    let shown = match &node.value {
-                        Some(v) => format!("key '{}' value '{v}'", node.key),
-                        None => format!("key '{}'", node.key),
-                    };
-                    return Err(self.err(
-                        Some(&at),
-                        &field,
-                        format!(
-                            "duplicate descriptor {shown} (first defined at line {})",
-                            first.get()
-                        ),
-                    ));
-                }
-                Entry::Vacant(slot) => {
-                    slot.insert(at.line());
-                }
+        let mut level = LevelBuilder::default();
+        for raw in descriptors {
+            self.add(&mut level, raw, field, parent_path)?;
+        }
+        Ok(level.build())
+    }
+
+    /// Compiles `raw`, the next descriptor of the list `field`, into `level`.
+    fn add(
+        &self,
+        level: &mut LevelBuilder,
+        raw: Spanned<RawDescriptor>,
+        field: &str,
+        parent_path: &str,
+    ) -> Result<(), ConfigError> {
+        let field = format!("{field}[{}]", level.count);
+        level.count += 1;
+        let at = raw.referenced;
+        let (key, node) = self.node(raw.value, &field, at, parent_path)?;
+        match level.seen.entry((key.clone(), node.value.clone())) {
+            Entry::Occupied(first) => {
+                let shown = match &node.value {
+                    Some(v) => format!("key '{key}' value '{v}'"),
+                    None => format!("key '{key}'"),
+                };
+                return Err(self.err(
+                    Some(&at),
+                    &field,
+                    format!(
+                        "duplicate descriptor {shown} (first defined at line {})",
+                        first.get()
+                    ),
+                ));
             }
-            let nodes: &mut KeyNodes = level.keys.entry(node.key.clone()).or_default();
-            match node.value.clone() {
-                None => nodes.any = Some(Box::new(node)),
-                Some(v) if node.is_wildcard() => nodes.wildcards.push((Wildcard::new(&v), node)),
-                Some(v) => {
-                    nodes.exact.insert(v, node);
-                }
+            Entry::Vacant(slot) => {
+                slot.insert(at.line());
             }
         }
-        Ok(level)
+        let nodes = level.keys.entry(key).or_default();
+        match node.value.clone() {
+            None => nodes.any = Some(Box::new(node)),
+            Some(v) if node.is_wildcard() => nodes.wildcards.push((Wildcard::new(&v), node)),
+            Some(v) => {
+                nodes.exact.insert(v, node);
+            }
+        }
+        Ok(())
     }
 
     fn node(
@@ -119,7 +283,7 @@ impl Compiler<'_> {
         field: &str,
         at: Location,
         parent_path: &str,
-    ) -> Result<Node, ConfigError> {
+    ) -> Result<(Box<str>, Node), ConfigError> {
         let key = match raw.key {
             Some(k) if !k.value.is_empty() => k.value,
             other => {
@@ -216,20 +380,19 @@ impl Compiler<'_> {
             &format!("{field}.descriptors"),
             &path,
         )?;
-        Ok(Node {
-            key,
-            value,
+        let node = Node {
+            value: value.map(String::into_boxed_str),
             limits,
             shadow_mode: raw.shadow_mode.unwrap_or(false),
             detailed_metric: raw.detailed_metric.unwrap_or(false),
             share_threshold,
             value_to_metric: raw.value_to_metric.unwrap_or(false),
             quota_mode: raw.quota_mode.unwrap_or(false),
-            metadata: raw.metadata,
+            metadata: raw.metadata.map(Box::new),
             children,
             path: Arc::new(path),
-            line: at.line(),
-        })
+        };
+        Ok((key.into_boxed_str(), node))
     }
 
     fn node_limits(

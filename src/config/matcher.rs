@@ -62,7 +62,7 @@ impl Domain {
             &self.name,
             path.iter().zip(entries).map(|(node, &(k, v))| {
                 let counted = match &node.value {
-                    Some(pattern) if node.share_threshold => pattern.as_str(),
+                    Some(pattern) if node.share_threshold => &**pattern,
                     _ => v,
                 };
                 (k, counted)

@@ -138,13 +138,11 @@ pub enum NodeLimits {
     Limits(Vec<LimitRule>),
 }
 
-/// A node of a domain's descriptor tree.
+/// A node of a domain's descriptor tree. Its key is the one its [`Level`] files it under.
 #[derive(Debug)]
 pub struct Node {
-    /// The descriptor key.
-    pub key: String,
     /// The configured value: exact, a wildcard pattern, or none (any value).
-    pub value: Option<String>,
+    pub value: Option<Box<str>>,
     /// The limit applied when a descriptor ends here.
     pub limits: Option<NodeLimits>,
     /// Counted and reported, never rejects.
@@ -158,13 +156,11 @@ pub struct Node {
     /// Soft limit: fails the request only when all of its quota descriptors are over.
     pub quota_mode: bool,
     /// Arbitrary user data (accepted; later returned as dynamic metadata).
-    pub metadata: Option<serde_json::Value>,
+    pub metadata: Option<Box<serde_json::Value>>,
     /// Nested descriptors.
     pub children: Level,
     /// The rule's config path for metrics and `/rlconfig`, e.g. `key1_value1.subkey1`.
     pub path: Arc<String>,
-    /// Line of the node in its file.
-    pub line: u64,
 }
 
 impl Node {
@@ -181,16 +177,69 @@ fn is_wildcard(value: Option<&str>) -> bool {
 /// The nodes of one tree level, indexed for matching.
 #[derive(Debug, Default)]
 pub struct Level {
-    keys: HashMap<String, KeyNodes>,
+    keys: Index<KeyNodes>,
 }
 
 /// All nodes of one level that share a key, in matching order.
 #[derive(Debug, Default)]
 struct KeyNodes {
-    exact: HashMap<String, Node>,
+    exact: Index<Node>,
     /// Wildcard patterns in file order.
     wildcards: Vec<(Wildcard, Node)>,
     any: Option<Box<Node>>,
+}
+
+/// Most entries an [`Index`] searches in order before it hashes.
+const FEW: usize = 8;
+
+/// Entries by name, sized for what a config holds: most levels have a key or two and a node a
+/// value or two (a short list, searched in order: no hash table per node), while a
+/// per-customer file has thousands of values at one level (a hash map).
+#[derive(Debug)]
+enum Index<V> {
+    Few(Vec<(Box<str>, V)>),
+    #[allow(
+        clippy::box_collection,
+        reason = "an index in every node: boxed, the rare large one keeps the common small one at 24 bytes, not 48"
+    )]
+    Many(Box<HashMap<Box<str>, V>>),
+}
+
+impl<V> Default for Index<V> {
+    fn default() -> Self {
+        Index::Few(Vec::new())
+    }
+}
+
+impl<V> Index<V> {
+    /// The index of `map`'s entries, in the smallest form that serves them.
+    fn new(map: HashMap<Box<str>, V>) -> Index<V> {
+        if map.len() <= FEW {
+            // Exactly as long as it needs (`collect` would round a short list up to four).
+            let mut entries = Vec::with_capacity(map.len());
+            entries.extend(map);
+            Index::Few(entries)
+        } else {
+            let mut map = map;
+            map.shrink_to_fit();
+            Index::Many(Box::new(map))
+        }
+    }
+
+    fn get(&self, name: &str) -> Option<&V> {
+        match self {
+            Index::Few(entries) => entries.iter().find(|(k, _)| **k == *name).map(|(_, v)| v),
+            Index::Many(map) => map.get(name),
+        }
+    }
+
+    fn values(&self) -> impl Iterator<Item = &V> {
+        let (few, many) = match self {
+            Index::Few(entries) => (Some(entries.iter().map(|(_, v)| v)), None),
+            Index::Many(map) => (None, Some(map.values())),
+        };
+        few.into_iter().flatten().chain(many.into_iter().flatten())
+    }
 }
 
 /// A value pattern where `*` matches any run of characters (including none).

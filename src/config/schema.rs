@@ -5,13 +5,8 @@
 use serde::Deserialize;
 use serde_saphyr::Spanned;
 
-/// One config file: one domain.
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct RawFile {
-    pub domain: Option<Spanned<String>>,
-    pub descriptors: Option<Vec<Spanned<RawDescriptor>>>,
-}
+// A file is a mapping of `domain` (a string) and `descriptors` (a list of `RawDescriptor`),
+// read field by field by `compile::FileSeed` so that descriptors are compiled as they arrive.
 
 /// A node of the descriptor tree.
 #[derive(Debug, Deserialize)]

@@ -157,7 +157,7 @@ pub fn resolve<'s>(
                 enforcement,
                 rule: matched.rule.clone(),
                 rule_has_values: matched.rule_has_values,
-                metadata: matched.node.metadata.as_ref(),
+                metadata: matched.node.metadata.as_deref(),
                 hit: usize::MAX,
             });
             hits.push(Hit {
