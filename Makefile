@@ -2,7 +2,7 @@
 CARGO ?= cargo
 EXAMPLE_LIMITS ?= examples/envoy/limits
 
-.PHONY: run test lint deps build bench fuzz soak
+.PHONY: run test lint deps build bench worst fuzz soak
 
 ## Build and start ratelimitd on the embedded memory backend with the example limits.
 run:
@@ -27,6 +27,10 @@ build:
 ## Throughput and latency under load (release build, loopback only; not part of `make test`).
 bench:
 	./scripts/bench.sh
+
+## What the costliest accepted request costs, and what a victim sees beside it; not in CI.
+worst:
+	./scripts/worst.sh
 
 ## Coverage-guided fuzzing (AFL++ via cargo-afl, stable Rust), FUZZ_SECONDS per target; not in CI.
 fuzz:

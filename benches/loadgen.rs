@@ -5,7 +5,10 @@
 //! (see `make bench`, which also starts the server). Only loopback targets are accepted.
 //! `--rate N` paces the load at N requests/s in all (open loop) instead of as fast as it goes;
 //! `--report-every S` prints throughput, errors by gRPC code and latency percentiles every S
-//! seconds (`make soak`); `--allow-errors` exits 0 even when some calls failed.
+//! seconds (`make soak`); `--allow-errors` exits 0 even when some calls failed. `--worst`
+//! sends the costliest request the server accepts instead: 64 descriptors on the bench
+//! domain's `worst` key (four sliding_log limits each: 256 counters, the `--max-counters`
+//! default) with values that bring its counter keys to just under 1 MiB (the bound).
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -33,6 +36,8 @@ struct Args {
     zipf: Option<f64>,
     /// The Zipf distribution's cumulative weights, built once from `keys` and `zipf`.
     cdf: Vec<f64>,
+    /// Send the costliest accepted request instead of the two-descriptor one.
+    worst: bool,
 }
 
 fn parse_args() -> Args {
@@ -49,6 +54,7 @@ fn parse_args() -> Args {
         allow_errors: false,
         zipf: None,
         cdf: Vec::new(),
+        worst: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -73,6 +79,7 @@ fn parse_args() -> Args {
                 ))
             }
             "--allow-errors" => args.allow_errors = true,
+            "--worst" => args.worst = true,
             "--zipf" => args.zipf = Some(value().parse().expect("--zipf")),
             other => panic!("unknown flag {other}"),
         }
@@ -120,9 +127,12 @@ fn client_key(args: &Args, n: u64) -> u64 {
 }
 
 /// Two descriptors per request: a per-client limit and a per-route limit.
-fn request(domain: &str, n: u64, client: u64) -> RateLimitRequest {
+fn request(args: &Args, n: u64, client: u64) -> RateLimitRequest {
+    if args.worst {
+        return worst_request(&args.domain, client);
+    }
     RateLimitRequest {
-        domain: domain.into(),
+        domain: args.domain.clone(),
         descriptors: vec![
             RateLimitDescriptor {
                 entries: vec![entry("client", format!("c{client}"))],
@@ -133,6 +143,21 @@ fn request(domain: &str, n: u64, client: u64) -> RateLimitRequest {
                 ..Default::default()
             },
         ],
+        hits_addend: 1,
+    }
+}
+
+/// 64 descriptors of 4000-byte values on the `worst` key: 256 counters whose keys (each about
+/// 4050 bytes with the domain, key and limit identity) total just under 1 MiB.
+fn worst_request(domain: &str, client: u64) -> RateLimitRequest {
+    RateLimitRequest {
+        domain: domain.into(),
+        descriptors: (0..64)
+            .map(|i| RateLimitDescriptor {
+                entries: vec![entry("worst", format!("{client}-{i}-{}", "w".repeat(3990)))],
+                ..Default::default()
+            })
+            .collect(),
         hits_addend: 1,
     }
 }
@@ -182,7 +207,7 @@ async fn worker(
         }
         n = n.wrapping_add(1);
         let result = client
-            .should_rate_limit(request(&args.domain, n, client_key(args, n)))
+            .should_rate_limit(request(args, n, client_key(args, n)))
             .await;
         if sent < measure_from {
             continue;
@@ -279,10 +304,11 @@ async fn main() {
     let count = total.latencies_us.len() as f64;
     let secs = args.duration.as_secs_f64();
     println!(
-        "loadgen: {} connections, {} concurrent, {:.0} s, 2 descriptors/request, {} client keys{}",
+        "loadgen: {} connections, {} concurrent, {:.0} s, {} descriptors/request, {} client keys{}",
         args.connections,
         args.concurrency,
         secs,
+        if args.worst { 64 } else { 2 },
         args.keys,
         args.zipf
             .map(|s| format!(" (Zipf {s})"))

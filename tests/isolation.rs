@@ -460,3 +460,78 @@ async fn a_refund_run_twice_gives_back_once() {
         "5 - 2 taken + 1 given back - 1 taken: {third}"
     );
 }
+
+/// Waits until `redis` no longer answers a PING within 200 ms (a stall has begun).
+async fn until_stalled(redis: &RedisProc) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let addr = redis.url().trim_start_matches("redis://").to_owned();
+    poll(Duration::from_secs(10), || {
+        let addr = addr.clone();
+        async move {
+            let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
+            s.write_all(b"PING\r\n").await.ok()?;
+            let mut buf = [0u8; 16];
+            let answered = tokio::time::timeout(Duration::from_millis(200), s.read(&mut buf));
+            answered.await.is_err().then_some(())
+        }
+    })
+    .await;
+}
+
+/// The queue of script calls is bounded: with Redis stalled, requests beyond what their lane
+/// holds (one large call in flight and 64 queued) are refused at once with the failure mode
+/// (`overloaded`), not left to wait; those it holds are decided once Redis is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_beyond_the_queue_bound_are_refused_at_once() {
+    let redis = RedisProc::start(&["--enable-debug-command", "yes"]);
+    let s = one_call_at_a_time(&redis, "error", "20s", &["--request-timeout", "30s"]).await;
+    let c = s.client().await;
+    // Over 8 KiB of keys: a large part, which goes in the large lane.
+    let values: Vec<String> = (0..3).map(|i| format!("{i}{}", "x".repeat(4000))).collect();
+    let entries: Vec<[(&str, &str); 1]> = values.iter().map(|v| [("big", v.as_str())]).collect();
+    let descriptors: Vec<&[(&str, &str)]> = entries.iter().map(|e| &e[..]).collect();
+    let large = request("v", &descriptors);
+    let mut stall = redis.stall(6.0);
+    until_stalled(&redis).await;
+    let started = std::time::Instant::now();
+    let tasks: Vec<_> = (0..200)
+        .map(|_| {
+            let (mut c, large) = (c.clone(), large.clone());
+            tokio::spawn(async move {
+                let r = c.should_rate_limit(large).await;
+                (r.map(|r| is_ok(&r.into_inner())), started.elapsed())
+            })
+        })
+        .collect();
+    let (mut admitted, mut refused) = (0, 0);
+    for t in tasks {
+        match t.await.unwrap() {
+            (Ok(ok), _) => admitted += ok as usize,
+            (Err(e), at) => {
+                assert_eq!(e.code(), tonic::Code::Unavailable, "{e:?}");
+                assert!(
+                    at < Duration::from_secs(4),
+                    "refused after {at:?}, while Redis was still stalled"
+                );
+                refused += 1;
+            }
+        }
+    }
+    let _ = stall.wait();
+    let (_, m) = s.http_get("/metrics").await;
+    let overloaded = metric(&m, r#"ratelimit_backend_errors_total{kind="overloaded"}"#);
+    assert_eq!(overloaded, refused as f64, "{m}");
+    assert!(
+        (130..=135).contains(&refused),
+        "{refused} refused, {admitted} admitted: the lane holds 65 or 66"
+    );
+    assert_eq!(
+        admitted + refused,
+        200,
+        "every held request was decided: {m}"
+    );
+    let mut c = c.clone();
+    assert!(is_ok(
+        &call(&mut c, request("v", &[&[("victim", "after")]])).await
+    ));
+}

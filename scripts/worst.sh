@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# `make worst`: what the costliest request the server accepts costs (release build, Redis
+# backend): server and Redis CPU per request and Redis time per script call, then what a
+# small-request victim sees beside a client keeping 8 of them in flight.
+# Loopback only; every run bounded (DURATION seconds). Ports: GRPC, HTTP, REDIS_PORT.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+DURATION=${DURATION:-10}
+GRPC=${GRPC:-39081}
+HTTP=${HTTP:-39080}
+REDIS_PORT=${REDIS_PORT:-39379}
+HZ=$(getconf CLK_TCK)
+ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+
+cargo build --release --quiet
+LOADGEN=$(cargo bench --bench loadgen --no-run --message-format=json 2>/dev/null |
+  sed -n 's/.*"executable":"\([^"]*loadgen[^"]*\)".*/\1/p' | tail -1)
+[ -x "$LOADGEN" ] || { echo "worst: loadgen did not build" >&2; exit 1; }
+pids=()
+cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
+trap cleanup EXIT
+
+redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save "" --appendonly no >/dev/null &
+rpid=$!; pids+=("$rpid")
+until redis-cli -p "$REDIS_PORT" PING >/dev/null 2>&1; do sleep 0.05; done
+target/release/ratelimitd --config benches/limits.yaml --backend redis \
+  --redis-url "redis://127.0.0.1:$REDIS_PORT" --grpc-addr "127.0.0.1:$GRPC" \
+  --http-addr "127.0.0.1:$HTTP" --log-level error &
+spid=$!; pids+=("$spid")
+until curl -sf "127.0.0.1:$HTTP/healthcheck" >/dev/null; do sleep 0.05; done
+load() { "$LOADGEN" --target "http://127.0.0.1:$GRPC" --connections 1 --warmup 1 "$@"; }
+
+redis-cli -p "$REDIS_PORT" CONFIG RESETSTAT >/dev/null
+s0=$(ticks "$spid"); r0=$(ticks "$rpid")
+out=$(load --concurrency 1 --duration "$DURATION" --worst)
+s1=$(ticks "$spid"); r1=$(ticks "$rpid")
+n=$(echo "$out" | awk '/^requests:/ {print $2}')
+echo "== one worst-case request at a time"
+echo "$out" | sed -n 2,3p
+echo "server $(echo "scale=2; ($s1-$s0)*1000/$HZ/$n" | bc) ms CPU/request, redis $(echo "scale=2; ($r1-$r0)*1000/$HZ/$n" | bc) ms CPU/request (warmup included)"
+redis-cli -p "$REDIS_PORT" INFO commandstats | grep evalsha
+echo "== victim alone (200/s, 2 descriptors)"
+load --concurrency 4 --rate 200 --duration "$DURATION" | sed -n 2,3p
+echo "== victim beside a client keeping 8 worst-case requests in flight"
+load --concurrency 8 --duration $((DURATION + 2)) --warmup 0 --worst --allow-errors >"$(mktemp)" &
+apid=$!
+load --concurrency 4 --rate 200 --duration "$DURATION" --allow-errors | sed -n 2,3p
+wait "$apid" || true
+curl -s "127.0.0.1:$HTTP/metrics" | grep -E '^ratelimit_backend_errors_total' || true
