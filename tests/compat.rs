@@ -211,29 +211,94 @@ fn the_istio_manifests_carry_a_valid_config_and_the_drop_in_environment() {
     assert_eq!(ports, vec![8080, 8081, 6070]);
 }
 
-/// Every YAML example in the README is a valid config (fragments inside a domain).
+/// Every YAML example in the README and docs/ is a valid config (fragments inside a domain).
 #[test]
-fn the_readme_examples_are_valid_configs() {
-    let readme =
-        std::fs::read_to_string(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md"))
-            .unwrap();
+fn the_documented_examples_are_valid_configs() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
     let mut checked = 0;
-    for block in readme.split("```yaml\n").skip(1) {
-        let yaml = block.split("```").next().unwrap();
-        let text = if yaml.starts_with("domain:") {
-            yaml.to_string()
-        } else {
-            format!("domain: readme\ndescriptors:\n{yaml}")
-        };
-        ratelimitd::config::compile_file(std::path::Path::new("README.md"), &text)
-            .unwrap_or_else(|e| panic!("{e}\n{text}"));
-        checked += 1;
+    for page in documentation(root) {
+        let text = std::fs::read_to_string(&page).unwrap();
+        for block in text.split("```yaml\n").skip(1) {
+            let yaml = block.split("```").next().unwrap();
+            let text = if yaml.starts_with("domain:") {
+                yaml.to_string()
+            } else {
+                format!("domain: readme\ndescriptors:\n{yaml}")
+            };
+            ratelimitd::config::compile_file(&page, &text)
+                .unwrap_or_else(|e| panic!("{e}\n{text}"));
+            checked += 1;
+        }
     }
     assert!(checked >= 6, "{checked} examples");
 }
 
+/// The README, docs/*.md and the chart's README.
+fn documentation(root: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut pages = vec![
+        root.join("README.md"),
+        root.join("charts/ratelimitd/README.md"),
+    ];
+    let mut docs: Vec<_> = std::fs::read_dir(root.join("docs"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "md"))
+        .collect();
+    docs.sort();
+    pages.extend(docs);
+    pages
+}
+
+/// Every relative link in the documentation reaches a file (and a heading or anchor there).
+#[test]
+fn the_documentation_links_resolve() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut checked = 0;
+    for page in documentation(root) {
+        let text = std::fs::read_to_string(&page).unwrap();
+        for link in text.split("](").skip(1) {
+            let target = link.split(')').next().unwrap();
+            if target.starts_with("http") || target.is_empty() {
+                continue;
+            }
+            let (path, anchor) = target.split_once('#').unwrap_or((target, ""));
+            let file = if path.is_empty() {
+                page.clone()
+            } else {
+                page.parent().unwrap().join(path)
+            };
+            assert!(file.exists(), "{}: {target} does not exist", page.display());
+            if !anchor.is_empty() {
+                let linked = std::fs::read_to_string(&file).unwrap();
+                let headings = linked.lines().filter_map(|l| {
+                    let title = l.trim_start_matches('#');
+                    (title.len() < l.len()).then(|| {
+                        title
+                            .trim()
+                            .to_lowercase()
+                            .chars()
+                            .filter(|c| c.is_alphanumeric() || *c == ' ' || *c == '-')
+                            .map(|c| if c == ' ' { '-' } else { c })
+                            .collect::<String>()
+                    })
+                });
+                let found = linked.contains(&format!("<a id=\"{anchor}\">"))
+                    || headings.into_iter().any(|h| h == anchor);
+                assert!(
+                    found,
+                    "{}: no anchor {anchor} in {}",
+                    page.display(),
+                    file.display()
+                );
+            }
+            checked += 1;
+        }
+    }
+    assert!(checked >= 20, "{checked} links");
+}
+
 /// docker-compose's Envoy config is the example's, with only the addresses changed; the image
-/// builds what `make build` builds.
+/// builds what `make build` builds, and where a container runtime exists it builds and runs.
 #[test]
 fn the_compose_walkthrough_matches_the_examples() {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
@@ -261,4 +326,18 @@ fn the_compose_walkthrough_matches_the_examples() {
     for input in ["build.rs", "proto", "src", "benches", "Cargo.lock"] {
         assert!(dockerfile.contains(input), "{input}");
     }
+    // Where a container runtime answers, the image is built and its binary run.
+    let docker = |args: &[&str]| {
+        std::process::Command::new("docker")
+            .args(args)
+            .current_dir(root)
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    if !docker(&["info", "--format", "{{.ServerVersion}}"]) {
+        eprintln!("no container runtime answers `docker info`: the image was not built");
+        return;
+    }
+    assert!(docker(&["build", "-t", "ratelimitd:test", "."]));
+    assert!(docker(&["run", "--rm", "ratelimitd:test", "--version"]));
 }
