@@ -12,10 +12,11 @@ run:
 test: deps lint
 	RATELIMITD_REQUIRE_FIXTURES=$${RATELIMITD_REQUIRE_FIXTURES-} RATELIMITD_REQUIRE_HELM=1 $(CARGO) test
 
-## fmt --check and clippy with warnings as errors.
+## fmt --check, clippy and rustdoc, each with warnings as errors.
 lint:
 	$(CARGO) fmt --check
 	$(CARGO) clippy --all-targets -- -D warnings
+	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --no-deps --quiet
 
 ## Tools the tests use (redis-server arrives with the Redis backend's tests).
 deps:

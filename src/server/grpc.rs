@@ -1,5 +1,6 @@
 //! `envoy.service.ratelimit.v3.RateLimitService` over tonic: converts Envoy's messages to the
-//! protocol-free [`service`](crate::service) types and back. The only module that knows them.
+//! protocol-free [`crate::engine`] request types and back. With `json.rs` (the same
+//! messages as JSON), the only module that knows Envoy's types.
 
 use std::sync::Arc;
 use std::time::Instant;

@@ -204,7 +204,7 @@ pub struct Settings {
     #[arg(long, default_value_t = 256)]
     pub max_counters: usize,
 
-    /// Redis server (standalone): redis://[user:pass@]host:port[/db], or rediss:// for TLS.
+    /// Redis server (standalone): `redis://[user:pass@]host:port[/db]`, or `rediss://` for TLS.
     #[arg(long, value_parser = RedisUrlParser)]
     pub redis_url: Option<RedisUrl>,
 
