@@ -22,10 +22,10 @@ use tokio::net::TcpListener;
 use tonic::transport::server::TcpIncoming;
 use tonic_health::ServingStatus;
 
-use crate::config::{ConfigError, load_paths};
+use crate::config::{ConfigError, Snapshot, load_paths};
 use crate::engine::Engine;
 use crate::limiter::fallback::Fallback;
-use crate::limiter::redis::{RedisBackend, SetupError};
+use crate::limiter::redis::{RedisBackend, RedisOptions, SetupError};
 use crate::limiter::{Backend, Clock, MemoryBackend, SystemClock};
 use crate::metrics::{LoadResult, Metrics};
 use crate::server::grpc::GrpcService;
@@ -95,7 +95,9 @@ pub async fn run(
     run_with_clock(options, listeners, shutdown, Arc::new(SystemClock)).await
 }
 
-/// [`run`] with the memory backend reading time from `clock`.
+/// [`run`] with the memory backend reading time from `clock`. The service comes up in named
+/// steps: the config (and its watcher), the backend, the engine, the shutdown fan-out, then the
+/// servers; every background task it starts ends with it.
 pub async fn run_with_clock(
     options: Options,
     listeners: Listeners,
@@ -106,8 +108,75 @@ pub async fn run_with_clock(
     // with the C compiler alone (aws-lc also wants cmake). A second install is a harmless no-op.
     let _ = rustls::crypto::ring::default_provider().install_default();
     let metrics = Arc::new(Metrics::new());
-    let loaded =
-        load_paths(&options.config).inspect_err(|_| metrics.config_load(LoadResult::error))?;
+    let mut tasks = Tasks::default();
+    let config = load_config(&options.config, &metrics, &mut tasks)?;
+    let backend = start_backend(&options, clock, &metrics, &mut tasks)?;
+    let engine = Arc::new(Engine::new(
+        config,
+        backend.clone(),
+        options.keys.clone(),
+        metrics.decisions.clone(),
+        options.engine,
+    ));
+    let (health, health_service) = tonic_health::server::health_reporter();
+    let stop = Stop::start(shutdown, health, &mut tasks).await;
+
+    let grpc_addr = listeners.grpc.local_addr().ok();
+    let http_addr = listeners.http.local_addr().ok();
+    let grpc = serve_grpc(
+        &options,
+        listeners.grpc,
+        engine.clone(),
+        health_service,
+        &metrics,
+        &stop,
+        &mut tasks,
+    );
+    let http_state = Arc::new(HttpState {
+        engine,
+        metrics,
+        serving: stop.serving.clone(),
+        backend,
+        headers: options.response_headers,
+    });
+    let http = serve_http(
+        listeners.http,
+        listeners.extra_http,
+        http_state,
+        &options,
+        &stop,
+        &mut tasks,
+    );
+    tracing::info!(grpc = ?grpc_addr, http = ?http_addr, "serving");
+    until_stopped(grpc, http, &stop, options.shutdown_grace).await
+}
+
+/// Background tasks of a running service, aborted when it ends (returns or fails).
+#[derive(Default)]
+struct Tasks(Vec<tokio::task::JoinHandle<()>>);
+
+impl Tasks {
+    fn push(&mut self, task: tokio::task::JoinHandle<()>) {
+        self.0.push(task);
+    }
+}
+
+impl Drop for Tasks {
+    fn drop(&mut self) {
+        for task in &self.0 {
+            task.abort();
+        }
+    }
+}
+
+/// Loads the config (the service does not start without one) and watches it: a reload swaps
+/// in the new snapshot, a bad one is logged and counted and the previous one stays in force.
+fn load_config(
+    paths: &[std::path::PathBuf],
+    metrics: &Arc<Metrics>,
+    tasks: &mut Tasks,
+) -> Result<Arc<ArcSwap<Snapshot>>, RunError> {
+    let loaded = load_paths(paths).inspect_err(|_| metrics.config_load(LoadResult::error))?;
     metrics.config_load(LoadResult::success);
     metrics
         .config_rules
@@ -119,12 +188,11 @@ pub async fn run_with_clock(
         "config loaded"
     );
     let config = Arc::new(ArcSwap::from_pointee(loaded.snapshot));
-
     let watcher = {
         let config = config.clone();
         let metrics = metrics.clone();
         config::watch::spawn(
-            options.config.clone(),
+            paths.to_vec(),
             loaded.fingerprint,
             move |result| match result {
                 Ok(loaded) => {
@@ -146,14 +214,24 @@ pub async fn run_with_clock(
             },
         )?
     };
+    tasks.push(watcher);
+    Ok(config)
+}
 
-    // The memory backend is the backend itself, or Redis's `local` fallback.
+/// The backend `options` name: the memory backend, or Redis with the memory backend as its
+/// `local` failure mode. The memory backend is swept in the background; Redis is probed.
+fn start_backend(
+    options: &Options,
+    clock: Arc<dyn Clock>,
+    metrics: &Arc<Metrics>,
+    tasks: &mut Tasks,
+) -> Result<Arc<dyn Backend>, RunError> {
     let memory = Arc::new(MemoryBackend::bounded(
         clock,
         options.memory_max_bytes,
         metrics.memory.clone(),
     ));
-    let mut tasks = vec![{
+    tasks.push({
         let memory = memory.clone();
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(SWEEP_EVERY);
@@ -162,71 +240,98 @@ pub async fn run_with_clock(
                 memory.sweep();
             }
         })
-    }];
-    let backend: Arc<dyn Backend> = match options.backend {
+    });
+    Ok(match &options.backend {
         BackendOptions::Memory => memory,
         BackendOptions::Redis {
             redis,
             failure_mode,
         } => {
             tracing::info!(target = ?redis.target, hash_tag = ?options.keys.hash_tag(), failure_mode = failure_mode.as_str(), pipeline = redis.pipeline, max_batch = redis.max_batch, "redis backend");
-            let redis = Arc::new(RedisBackend::new(*redis, metrics.backend.clone())?);
+            let redis = Arc::new(RedisBackend::new(
+                RedisOptions::clone(redis),
+                metrics.backend.clone(),
+            )?);
             tasks.push(redis.spawn_probe(PROBE_EVERY));
             Arc::new(Fallback::new(
                 redis,
-                failure_mode,
+                *failure_mode,
                 memory,
                 metrics.backend.clone(),
             ))
         }
-    };
+    })
+}
 
-    let engine = Arc::new(Engine::new(
-        config,
-        backend.clone(),
-        options.keys,
-        metrics.decisions.clone(),
-        options.engine,
-    ));
-    let serving = Arc::new(AtomicBool::new(true));
-    let (health, health_service) = tonic_health::server::health_reporter();
-    for name in HEALTH_SERVICES {
-        health
-            .set_service_status(name, ServingStatus::Serving)
-            .await;
+/// The shutdown fan-out: when the caller's `shutdown` resolves, health turns NOT_SERVING
+/// first, then every server stops accepting.
+struct Stop {
+    /// False once shutdown has begun (`/healthcheck` answers 500).
+    serving: Arc<AtomicBool>,
+    stopped: tokio::sync::watch::Receiver<bool>,
+}
+
+impl Stop {
+    async fn start(
+        shutdown: impl Future<Output = ()> + Send + 'static,
+        health: tonic_health::server::HealthReporter,
+        tasks: &mut Tasks,
+    ) -> Stop {
+        for name in HEALTH_SERVICES {
+            health
+                .set_service_status(name, ServingStatus::Serving)
+                .await;
+        }
+        let serving = Arc::new(AtomicBool::new(true));
+        let (stop_tx, stopped) = tokio::sync::watch::channel(false);
+        tasks.push({
+            let serving = serving.clone();
+            tokio::spawn(async move {
+                shutdown.await;
+                tracing::info!("shutting down: finishing in-flight calls");
+                serving.store(false, Ordering::SeqCst);
+                for name in HEALTH_SERVICES {
+                    health
+                        .set_service_status(name, ServingStatus::NotServing)
+                        .await;
+                }
+                let _ = stop_tx.send(true);
+            })
+        });
+        Stop { serving, stopped }
     }
 
-    // Shutdown fans out: health turns NOT_SERVING first, then both servers stop accepting.
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let stopping = {
-        let serving = serving.clone();
-        tokio::spawn(async move {
-            shutdown.await;
-            tracing::info!("shutting down: finishing in-flight calls");
-            serving.store(false, Ordering::SeqCst);
-            for name in HEALTH_SERVICES {
-                health
-                    .set_service_status(name, ServingStatus::NotServing)
-                    .await;
-            }
-            let _ = stop_tx.send(true);
-        })
-    };
-    let stopped = move || {
-        let mut rx = stop_rx.clone();
+    /// Resolves once shutdown has begun (a server's signal to stop accepting).
+    fn stopped(&self) -> impl Future<Output = ()> + Send + 'static {
+        let mut rx = self.stopped.clone();
         async move {
             let _ = rx.wait_for(|s| *s).await;
         }
-    };
+    }
+}
 
-    let grpc_addr = listeners.grpc.local_addr().ok();
-    let http_addr = listeners.http.local_addr().ok();
+/// A server running until [`Stop::stopped`].
+type Serving<E> = std::pin::Pin<Box<dyn Future<Output = Result<(), E>> + Send>>;
+
+/// The gRPC server on `listener`: rate limit service, health and (if enabled) admin, plain or
+/// TLS, behind the per-connection bounds.
+fn serve_grpc(
+    options: &Options,
+    listener: TcpListener,
+    engine: Arc<Engine>,
+    health_service: tonic_health::pb::health_server::HealthServer<
+        impl tonic_health::pb::health_server::Health,
+    >,
+    metrics: &Arc<Metrics>,
+    stop: &Stop,
+    tasks: &mut Tasks,
+) -> Serving<tonic::transport::Error> {
     let admin = options.admin.then(|| {
         tracing::info!("admin API on the gRPC port");
         server::admin::AdminServer::new(server::admin::Admin::new(engine.clone()))
     });
     let conns = options.grpc_connections;
-    let grpc_router = tonic::transport::Server::builder()
+    let router = tonic::transport::Server::builder()
         .max_concurrent_streams(MAX_STREAMS_PER_CONNECTION)
         .http2_max_header_list_size(MAX_HEADER_BYTES)
         .timeout(options.request_timeout)
@@ -236,7 +341,7 @@ pub async fn run_with_clock(
         .add_service(health_service)
         .add_service(
             RateLimitServiceServer::new(GrpcService::new(
-                engine.clone(),
+                engine,
                 metrics.clone(),
                 options.response_headers,
             ))
@@ -244,79 +349,91 @@ pub async fn run_with_clock(
         )
         .add_optional_service(admin.map(|a| a.max_decoding_message_size(MAX_MESSAGE_BYTES)));
     let tracker = server::conn::Tracker::new(conns);
-    let grpc: std::pin::Pin<Box<dyn Future<Output = Result<(), tonic::transport::Error>> + Send>> =
-        match options.grpc_tls {
-            None => {
-                use futures_util::StreamExt;
-                let incoming = TcpIncoming::from(listeners.grpc)
-                    .with_nodelay(Some(true))
-                    .filter_map(move |accepted| {
-                        std::future::ready(match accepted {
-                            Ok(tcp) => tracker.admit(tcp).map(Ok),
-                            Err(e) => Some(Err(e)),
-                        })
-                    });
-                Box::pin(grpc_router.serve_with_incoming_shutdown(incoming, stopped()))
+    match &options.grpc_tls {
+        None => {
+            use futures_util::StreamExt;
+            let incoming = TcpIncoming::from(listener)
+                .with_nodelay(Some(true))
+                .filter_map(move |accepted| {
+                    std::future::ready(match accepted {
+                        Ok(tcp) => tracker.admit(tcp).map(Ok),
+                        Err(e) => Some(Err(e)),
+                    })
+                });
+            Box::pin(router.serve_with_incoming_shutdown(incoming, stop.stopped()))
+        }
+        Some(settings::GrpcTls { files, config }) => {
+            tracing::info!(mutual = files.client_ca.is_some(), "gRPC over TLS");
+            let (incoming, tls_tasks) = server::tls::incoming(
+                listener,
+                files.clone(),
+                config.clone(),
+                tracker,
+                metrics.clone(),
+            );
+            for task in tls_tasks {
+                tasks.push(task);
             }
-            Some(settings::GrpcTls { files, config }) => {
-                tracing::info!(mutual = files.client_ca.is_some(), "gRPC over TLS");
-                let (incoming, tls_tasks) =
-                    server::tls::incoming(listeners.grpc, files, config, tracker, metrics.clone());
-                tasks.extend(tls_tasks);
-                Box::pin(grpc_router.serve_with_incoming_shutdown(incoming, stopped()))
-            }
-        };
-    let http_state = Arc::new(HttpState {
-        engine,
-        metrics,
-        serving,
-        backend,
-        headers: options.response_headers,
-    });
-    // The HTTP ports share one connection cap; their connections get the gRPC port's silence
-    // bound, and no request-byte budget beyond the body limit.
-    let http_tracker = server::conn::Tracker::new(server::conn::ConnLimits {
-        max_connections: MAX_HTTP_CONNECTIONS,
-        ..conns
-    });
-    let routes = router(http_state, options.request_timeout);
-    let extra: Vec<_> = listeners
-        .extra_http
-        .into_iter()
-        .map(|l| {
-            tracing::info!(http = ?l.local_addr().ok(), "serving HTTP endpoints here too");
-            let serve = server::http::serve(l, routes.clone(), http_tracker.clone(), stopped());
-            tokio::spawn(async move {
-                if let Err(e) = serve.await {
-                    tracing::error!(error = %e, "HTTP server failed");
-                }
-            })
-        })
-        .collect();
-    tasks.extend(extra);
-    let http = server::http::serve(listeners.http, routes, http_tracker, stopped());
-    tracing::info!(grpc = ?grpc_addr, http = ?http_addr, "serving");
+            Box::pin(router.serve_with_incoming_shutdown(incoming, stop.stopped()))
+        }
+    }
+}
 
-    let grace = options.shutdown_grace;
+/// The HTTP endpoints on `listener` and on every `extra` listener. The HTTP ports share one
+/// connection cap; their connections get the gRPC port's silence bound, and no request-byte
+/// budget beyond the body limit.
+fn serve_http(
+    listener: TcpListener,
+    extra: Vec<TcpListener>,
+    state: Arc<HttpState>,
+    options: &Options,
+    stop: &Stop,
+    tasks: &mut Tasks,
+) -> Serving<std::io::Error> {
+    let tracker = server::conn::Tracker::new(server::conn::ConnLimits {
+        max_connections: MAX_HTTP_CONNECTIONS,
+        ..options.grpc_connections
+    });
+    let routes = router(state, options.request_timeout);
+    for l in extra {
+        tracing::info!(http = ?l.local_addr().ok(), "serving HTTP endpoints here too");
+        let serve = server::http::serve(l, routes.clone(), tracker.clone(), stop.stopped());
+        tasks.push(tokio::spawn(async move {
+            if let Err(e) = serve.await {
+                tracing::error!(error = %e, "HTTP server failed");
+            }
+        }));
+    }
+    Box::pin(server::http::serve(
+        listener,
+        routes,
+        tracker,
+        stop.stopped(),
+    ))
+}
+
+/// Runs both servers until they have stopped after shutdown, or until the grace period after
+/// shutdown has passed with calls still in flight.
+async fn until_stopped(
+    grpc: Serving<tonic::transport::Error>,
+    http: Serving<std::io::Error>,
+    stop: &Stop,
+    grace: Duration,
+) -> Result<(), RunError> {
     let servers = async { tokio::join!(grpc, http) };
-    let result = tokio::select! {
+    let stopped = stop.stopped();
+    tokio::select! {
         (g, h) = servers => match (g, h) {
             (Ok(()), Ok(())) => Ok(()),
             (Err(e), _) => Err(RunError::Grpc(e)),
             (_, Err(e)) => Err(RunError::Http(e)),
         },
         _ = async {
-            stopped().await;
+            stopped.await;
             tokio::time::sleep(grace).await;
         } => {
             tracing::warn!(?grace, "in-flight calls did not finish within the shutdown grace");
             Ok(())
         }
-    };
-    watcher.abort();
-    for task in tasks {
-        task.abort();
     }
-    stopping.abort();
-    result
 }
