@@ -269,10 +269,12 @@ impl Compiler<'_> {
         let nodes = level.keys.entry(key).or_default();
         match node.value.clone() {
             None => nodes.any = Some(Box::new(node)),
-            Some(v) if node.is_wildcard() => nodes.wildcards.push((Wildcard::new(&v), node)),
-            Some(v) => {
-                nodes.exact.insert(v, node);
-            }
+            Some(v) => match Wildcard::new(&v) {
+                Some(pattern) => nodes.wildcards.push((pattern, node)),
+                None => {
+                    nodes.exact.insert(v, node);
+                }
+            },
         }
         Ok(())
     }

@@ -163,12 +163,6 @@ pub struct Node {
     pub path: Arc<String>,
 }
 
-impl Node {
-    fn is_wildcard(&self) -> bool {
-        is_wildcard(self.value.as_deref())
-    }
-}
-
 /// Whether a configured value is a wildcard pattern (contains `*`).
 fn is_wildcard(value: Option<&str>) -> bool {
     value.is_some_and(|v| v.contains('*'))
@@ -249,11 +243,11 @@ pub struct Wildcard {
 }
 
 impl Wildcard {
-    /// Compiles a pattern containing at least one `*`.
-    pub fn new(pattern: &str) -> Wildcard {
-        Wildcard {
+    /// Compiles `pattern`, or `None` when it has no `*` (it is an exact value, not a pattern).
+    pub fn new(pattern: &str) -> Option<Wildcard> {
+        pattern.contains('*').then(|| Wildcard {
             parts: pattern.split('*').map(str::to_owned).collect(),
-        }
+        })
     }
 
     /// Whether `value` matches the whole pattern.
