@@ -15,6 +15,8 @@
 # Loopback only; every duration is bounded. Tunables: DURATION (s), CLIENTS, STREAMS, SERVERS.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/common.sh
+source scripts/common.sh
 DURATION=${DURATION:-10}
 CLIENTS=${CLIENTS:-16}
 STREAMS=${STREAMS:-32}
@@ -24,18 +26,14 @@ DISTS=${DISTS:-hot uniform zipf}
 
 command -v h2load >/dev/null || { echo "bench: h2load missing: apt-get install nghttp2-client" >&2; exit 1; }
 cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 HZ=$(getconf CLK_TCK)
 
 cargo build --release --quiet
-cargo bench --bench loadgen --no-run --quiet 2>/dev/null
-cargo bench --bench baseline --no-run --quiet 2>/dev/null
-bench_bin() { find target/release/deps -maxdepth 1 -type f -executable -name "$1-*" -printf '%T@ %p\n' | sort -n | tail -1 | cut -d' ' -f2; }
 LOADGEN=$(bench_bin loadgen)
 BASELINE=$(bench_bin baseline)
 WORK=$(mktemp -d)
 pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$WORK"; }
+cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$WORK" "$_ports_given"; }
 trap cleanup EXIT
 
 echo "machine: $(nproc) cores ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)), $(redis-server --version | cut -d' ' -f1-3), $(h2load --version | head -1)"

@@ -8,6 +8,8 @@
 # stopped when it ends. Not part of `make test` or CI.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/common.sh
+source scripts/common.sh
 SOAK_SECONDS=${SOAK_SECONDS:-600}
 RESTART_EVERY=${RESTART_EVERY:-60}
 RELOAD_EVERY=${RELOAD_EVERY:-30}
@@ -15,7 +17,6 @@ REPORT_EVERY=${REPORT_EVERY:-30}
 FAILURE_MODE=${FAILURE_MODE:-error}
 CONCURRENCY=${CONCURRENCY:-64}
 
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 rss_kib() { awk '/^VmRSS:/ {print $2}' "/proc/$1/status"; }
 
 cargo build --release --quiet
@@ -26,7 +27,7 @@ redis_pid=""
 cleanup() {
   for p in "${pids[@]}" $redis_pid; do kill "$p" 2>/dev/null || true; done
   wait 2>/dev/null || true
-  rm -rf "$work"
+  rm -rf "$work" "$_ports_given"
 }
 trap cleanup EXIT
 

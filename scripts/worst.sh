@@ -2,22 +2,23 @@
 # `make worst`: what the costliest request the server accepts costs (release build, Redis
 # backend): server and Redis CPU per request and Redis time per script call, then what a
 # small-request victim sees beside a client keeping 8 of them in flight.
-# Loopback only; every run bounded (DURATION seconds). Ports: GRPC, HTTP, REDIS_PORT.
+# Loopback only, on free ports; every run bounded (DURATION seconds).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/common.sh
+source scripts/common.sh
 DURATION=${DURATION:-10}
-GRPC=${GRPC:-39081}
-HTTP=${HTTP:-39080}
-REDIS_PORT=${REDIS_PORT:-39379}
+GRPC=$(free_port)
+HTTP=$(free_port)
+REDIS_PORT=$(free_port)
 HZ=$(getconf CLK_TCK)
 ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 
 cargo build --release --quiet
-LOADGEN=$(cargo bench --bench loadgen --no-run --message-format=json 2>/dev/null |
-  sed -n 's/.*"executable":"\([^"]*loadgen[^"]*\)".*/\1/p' | tail -1)
+LOADGEN=$(bench_bin loadgen)
 [ -x "$LOADGEN" ] || { echo "worst: loadgen did not build" >&2; exit 1; }
 pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
+cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -f "$_ports_given"; }
 trap cleanup EXIT
 
 redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save "" --appendonly no >/dev/null &
