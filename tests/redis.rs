@@ -711,9 +711,10 @@ async fn shutdown_lets_in_flight_calls_finish() {
     let http = s.http;
     let shutdown = tokio::spawn(async move { s.shutdown().await });
     poll(Duration::from_secs(5), || async {
-        // Not-serving first, while the call is still waiting (or the port already closed).
-        match tokio::net::TcpStream::connect(http).await {
-            Ok(_) => (http_get(http, "/healthcheck").await.0 == 500).then_some(()),
+        // Not-serving first, while the call is still waiting (or the port already closing:
+        // refused, or reset before it was served).
+        match try_http_get(http, "/healthcheck").await {
+            Ok((status, _)) => (status == 500).then_some(()),
             Err(_) => Some(()),
         }
     })

@@ -230,11 +230,19 @@ impl Drop for TestServer {
 
 /// A minimal HTTP/1.1 GET: status and body.
 pub async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
-    let mut stream = TcpStream::connect(addr).await.unwrap();
+    try_http_get(addr, path)
+        .await
+        .unwrap_or_else(|e| panic!("GET {path} from {addr}: {e}"))
+}
+
+/// [`http_get`], or the I/O error that ended it (a server shutting down may reset a
+/// connection it had not yet served).
+pub async fn try_http_get(addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
+    let mut stream = TcpStream::connect(addr).await?;
     let req = format!("GET {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n");
-    stream.write_all(req.as_bytes()).await.unwrap();
+    stream.write_all(req.as_bytes()).await?;
     let mut raw = Vec::new();
-    stream.read_to_end(&mut raw).await.unwrap();
+    stream.read_to_end(&mut raw).await?;
     let text = String::from_utf8_lossy(&raw).to_string();
     let status: u16 = text.split_whitespace().nth(1).unwrap().parse().unwrap();
     let (_, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
@@ -246,7 +254,7 @@ pub async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
     } else {
         body.to_string()
     };
-    (status, body)
+    Ok((status, body))
 }
 
 fn dechunk(mut body: &str) -> String {
