@@ -21,20 +21,19 @@
 //! - the script decides each part on its own: a part whose counter holds foreign data fails
 //!   alone (see script.lua), and the call's health is reported once (see [`Health`]).
 
-use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use futures_util::stream::{FuturesUnordered, StreamExt};
-use redis::{Cmd, RedisError};
-use smallvec::SmallVec;
+use redis::RedisError;
 use tokio::sync::{mpsc, oneshot};
 
-use super::SCRIPT;
 use super::breaker::Health;
 use super::connection::Conn;
+use super::error::{ErrorKind, Evidence};
+use super::wire::{self, Args};
 use crate::metrics::BackendMetrics;
 
 /// Most parts waiting for a call.
@@ -52,61 +51,12 @@ pub const LARGE_PART_BYTES: usize = 8 << 10;
 /// A part with more limits than this goes in a call of its own.
 pub const LARGE_PART_LIMITS: usize = 64;
 
-/// What a call does to its parts' counters.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Mode {
-    /// Check every limit, commit all or none (per part).
-    Decide,
-    /// Give back what an admitted decide took.
-    Refund,
-}
-
-impl Mode {
-    fn arg(self) -> &'static str {
-        match self {
-            Mode::Decide => "decide",
-            Mode::Refund => "refund",
-        }
-    }
-}
-
-/// One limit of a part, as the script takes it.
-#[derive(Clone, Copy, Debug)]
-pub struct LimitArgs {
-    /// f, s, w or b.
-    pub algorithm: u8,
-    /// Hits per window (token bucket: refill per window).
-    pub requests_per_unit: u64,
-    /// Window in µs.
-    pub window_us: u64,
-    /// Token bucket capacity.
-    pub burst: u64,
-    /// Hits to add (refund: to give back).
-    pub hits: u64,
-    /// E, Q or S.
-    pub enforcement: u8,
-}
-
-/// One request's share of a script call: keys of one slot, and what to do with them.
+/// One request's share of a script call, queued: its arguments, its slot, where its answer goes.
 pub struct Part {
-    /// Decide or refund.
-    pub mode: Mode,
+    /// Keys, limits and what to do with them.
+    pub args: Args,
     /// The keys' cluster slot (ignored on a standalone Redis).
     pub slot: u16,
-    /// Names the request's sliding_log members.
-    pub nonce: [u8; 33],
-    /// Length of `nonce`.
-    pub nonce_len: u8,
-    /// Refund: the decide's time (µs).
-    pub at: i64,
-    /// Refund: the key marking this request's refund as done (empty for a decide).
-    pub marker: Vec<u8>,
-    /// Every key's bytes, back to back.
-    pub keys: Vec<u8>,
-    /// Where each key ends in `keys`.
-    pub key_ends: SmallVec<[u32; 8]>,
-    /// One per key.
-    pub limits: SmallVec<[LimitArgs; 8]>,
     /// Where the answer goes.
     pub reply: oneshot::Sender<Result<Reply, CallError>>,
 }
@@ -114,15 +64,7 @@ pub struct Part {
 impl Part {
     /// Whether the part goes in a call of its own.
     fn is_large(&self) -> bool {
-        self.keys.len() > LARGE_PART_BYTES || self.limits.len() > LARGE_PART_LIMITS
-    }
-
-    /// Values the script returns for this part.
-    fn reply_len(&self) -> usize {
-        match self.mode {
-            Mode::Decide => 2 + 3 * self.limits.len(),
-            Mode::Refund => 2,
-        }
+        self.args.key_bytes() > LARGE_PART_BYTES || self.args.limit_count() > LARGE_PART_LIMITS
     }
 }
 
@@ -227,7 +169,7 @@ impl Batcher {
                 tx
             })
         };
-        let bytes = part.keys.len();
+        let bytes = part.args.key_bytes();
         let queued = self.shared.queued_bytes.fetch_add(bytes, Ordering::AcqRel);
         if queued > 0 && queued + bytes > MAX_QUEUED_BYTES {
             self.shared.queued_bytes.fetch_sub(bytes, Ordering::AcqRel);
@@ -262,7 +204,7 @@ async fn run(mut rx: mpsc::Receiver<Part>, shared: Shared, pipeline: usize, max_
                         Err(_) => break,
                     }
                 }
-                let bytes: usize = queued.iter().map(|p| p.keys.len()).sum();
+                let bytes: usize = queued.iter().map(|p| p.args.key_bytes()).sum();
                 shared.queued_bytes.fetch_sub(bytes, Ordering::AcqRel);
                 for call in calls(&mut queued, shared.by_slot) {
                     in_flight.push(send(shared.clone(), call));
@@ -284,13 +226,13 @@ fn calls(queued: &mut Vec<Part>, by_slot: bool) -> Vec<Vec<Part>> {
         if part.reply.is_closed() {
             continue;
         }
-        let (bytes, limits) = (part.keys.len(), part.limits.len());
+        let (bytes, limits) = (part.args.key_bytes(), part.args.limit_count());
         if part.is_large() {
             calls.push((vec![part], bytes, limits));
             continue;
         }
         let fits = |(c, b, l): &(Vec<Part>, usize, usize)| {
-            c[0].mode == part.mode
+            c[0].args.mode() == part.args.mode()
                 && (!by_slot || c[0].slot == part.slot)
                 && !c[0].is_large()
                 && b + bytes <= MAX_CALL_BYTES
@@ -308,128 +250,6 @@ fn calls(queued: &mut Vec<Part>, by_slot: bool) -> Vec<Vec<Part>> {
     calls.into_iter().map(|(c, _, _)| c).collect()
 }
 
-/// Up to this many limits in a call, keys and counters are matched by a scan.
-const SCAN_LIMITS: usize = 16;
-
-/// The script call of `parts`: EVALSHA, or EVAL with the source after NOSCRIPT. Each distinct
-/// key is sent once and each distinct (key, limit) counter once; requests name their counters
-/// by number (see script.lua).
-fn command(parts: &[Part], by_source: bool) -> Cmd {
-    // Keys → KEYS index, (key, algorithm, requests_per_unit, window, burst) → counter number,
-    // both 1-based as Lua counts.
-    let limits_in: usize = parts.iter().map(|p| p.limits.len()).sum();
-    let refunding = parts[0].mode == Mode::Refund;
-    let mut keys: Vec<&[u8]> =
-        Vec::with_capacity(limits_in + if refunding { parts.len() } else { 0 });
-    // A few limits (an idle service's lone request) are matched by a scan; a call of many by
-    // hashing, which costs more to set up than a short scan does.
-    let hashed = limits_in > SCAN_LIMITS;
-    let mut key_index: HashMap<&[u8], usize> = HashMap::new();
-    let mut counters: Vec<(usize, &LimitArgs)> = Vec::with_capacity(limits_in);
-    let mut counter_index: HashMap<(usize, u8, u64, u64, u64), usize> = HashMap::new();
-    if hashed {
-        key_index.reserve(limits_in);
-        counter_index.reserve(limits_in);
-    }
-    let mut limits: Vec<usize> = Vec::with_capacity(limits_in); // every part's limits' counter numbers, in order
-    for p in parts {
-        let mut from = 0;
-        for (end, l) in p.key_ends.iter().zip(&p.limits) {
-            let key = &p.keys[from..*end as usize];
-            from = *end as usize;
-            let k = if hashed {
-                *key_index.entry(key).or_insert_with(|| {
-                    keys.push(key);
-                    keys.len()
-                })
-            } else {
-                match keys.iter().position(|k| *k == key) {
-                    Some(k) => k + 1,
-                    None => {
-                        keys.push(key);
-                        keys.len()
-                    }
-                }
-            };
-            let identity = (k, l.algorithm, l.requests_per_unit, l.window_us, l.burst);
-            let same = |(ck, cl): &(usize, &LimitArgs)| {
-                (
-                    *ck,
-                    cl.algorithm,
-                    cl.requests_per_unit,
-                    cl.window_us,
-                    cl.burst,
-                ) == identity
-            };
-            let c = if hashed {
-                *counter_index.entry(identity).or_insert_with(|| {
-                    counters.push((k, l));
-                    counters.len()
-                })
-            } else {
-                match counters.iter().position(same) {
-                    Some(c) => c + 1,
-                    None => {
-                        counters.push((k, l));
-                        counters.len()
-                    }
-                }
-            };
-            limits.push(c);
-        }
-    }
-    // A refund's markers follow the counters' keys (each its own: one per request).
-    let markers = keys.len();
-    if refunding {
-        keys.extend(parts.iter().map(|p| &p.marker[..]));
-    }
-    let key_bytes: usize = keys.iter().map(|k| k.len()).sum();
-    let args = 6
-        + keys.len()
-        + 5 * counters.len()
-        + parts.iter().map(|p| 3 + 3 * p.limits.len()).sum::<usize>();
-    let mut cmd = Cmd::with_capacity(args, key_bytes + 16 * args + 128);
-    if by_source {
-        cmd.arg("EVAL").arg(SCRIPT);
-    } else {
-        cmd.arg("EVALSHA").arg(script_hash());
-    }
-    cmd.arg(keys.len());
-    for key in &keys {
-        cmd.arg(*key);
-    }
-    cmd.arg(parts[0].mode.arg())
-        .arg(parts.len())
-        .arg(counters.len());
-    for (k, l) in &counters {
-        cmd.arg(*k)
-            .arg(&[l.algorithm][..])
-            .arg(l.requests_per_unit)
-            .arg(l.window_us)
-            .arg(l.burst);
-    }
-    let mut counter = limits.iter();
-    for (i, p) in parts.iter().enumerate() {
-        cmd.arg(&p.nonce[..p.nonce_len as usize]).arg(p.at);
-        if refunding {
-            cmd.arg(markers + i + 1);
-        }
-        cmd.arg(p.limits.len());
-        for l in &p.limits {
-            cmd.arg(*counter.next().expect("one counter per limit"))
-                .arg(l.hits)
-                .arg(&[l.enforcement][..]);
-        }
-    }
-    cmd
-}
-
-/// The script's SHA1, as EVALSHA names it (computed once).
-fn script_hash() -> &'static str {
-    static HASH: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-    HASH.get_or_init(|| redis::Script::new(SCRIPT).get_hash().to_owned())
-}
-
 async fn send(shared: Shared, parts: Vec<Part>) {
     let Shared {
         conn,
@@ -441,8 +261,9 @@ async fn send(shared: Shared, parts: Vec<Part>) {
     let timeout = options.timeout;
     metrics.batch_requests.observe(parts.len() as f64);
     let started = Instant::now();
+    let args: Vec<&Args> = parts.iter().map(|p| &p.args).collect();
     let attempt = |by_source: bool| {
-        let cmd = command(&parts, by_source);
+        let cmd = wire::command(&args, by_source);
         let conn = &conn;
         async move {
             match tokio::time::timeout(timeout, conn.query::<Vec<i64>>(&cmd, timeout)).await {
@@ -468,15 +289,15 @@ async fn send(shared: Shared, parts: Vec<Part>) {
     // The call's outcome, once, as evidence of Redis's health (never once per request in it).
     // A timeout is ours (the call's budget) or the client's (its response timeout, the same
     // budget): whichever fires first, it is the same suspicion.
-    let kind = match &result {
-        Err(CallError::Redis(e)) => super::classify(e).0,
-        Err(CallError::Timeout) => "timeout",
-        _ => "",
+    let evidence = match &result {
+        Err(CallError::Redis(e)) => ErrorKind::of(e).evidence(),
+        Err(CallError::Timeout) => ErrorKind::Timeout.evidence(),
+        _ => Evidence::None,
     };
     match &result {
         Ok(_) => health.on_answer(),
-        Err(_) if kind == "connection" => health.on_unreachable(),
-        Err(_) if kind == "timeout" => {
+        Err(_) if evidence == Evidence::Unreachable => health.on_unreachable(),
+        Err(_) if evidence == Evidence::Stalled => {
             let conn = conn.clone();
             health.on_timeout(async move {
                 matches!(
@@ -487,7 +308,8 @@ async fn send(shared: Shared, parts: Vec<Part>) {
         }
         Err(_) => {}
     }
-    let expected: usize = parts.iter().map(Part::reply_len).sum();
+    drop(args);
+    let expected: usize = parts.iter().map(|p| p.args.reply_len()).sum();
     let result = match result {
         Ok(values) if values.len() == expected => Ok(Arc::new(values)),
         Ok(values) => Err(CallError::Reply(format!(
@@ -505,7 +327,7 @@ async fn send(shared: Shared, parts: Vec<Part>) {
     };
     let mut from = 0;
     for part in parts {
-        let len = part.reply_len();
+        let len = part.args.reply_len();
         let reply = match &result {
             Ok(values) => Ok(Reply {
                 values: values.clone(),
@@ -515,83 +337,5 @@ async fn send(shared: Shared, parts: Vec<Part>) {
         };
         from += len;
         let _ = part.reply.send(reply);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn part(keys: &[&[u8]], rpu: u64) -> Part {
-        let mut p = Part {
-            mode: Mode::Decide,
-            slot: 0,
-            nonce: [b'n'; 33],
-            nonce_len: 2,
-            at: 0,
-            marker: Vec::new(),
-            keys: Vec::new(),
-            key_ends: SmallVec::new(),
-            limits: SmallVec::new(),
-            reply: oneshot::channel().0,
-        };
-        for key in keys {
-            p.keys.extend_from_slice(key);
-            p.key_ends.push(p.keys.len() as u32);
-            p.limits.push(LimitArgs {
-                algorithm: b'f',
-                requests_per_unit: rpu,
-                window_us: 1_000_000,
-                burst: rpu,
-                hits: 1,
-                enforcement: b'E',
-            });
-        }
-        p
-    }
-
-    fn args(cmd: &Cmd) -> Vec<String> {
-        cmd.args_iter()
-            .map(|a| match a {
-                redis::Arg::Simple(b) => String::from_utf8_lossy(b).into_owned(),
-                _ => "<cursor>".into(),
-            })
-            .collect()
-    }
-
-    #[test]
-    fn keys_and_counters_go_once_per_call_and_requests_name_them() {
-        // Two requests on the same keys, a third on one of them under another limit (as across
-        // a reload): two keys, three counters.
-        let parts = [
-            part(&[b"{d}:a", b"{d}:b"], 5),
-            part(&[b"{d}:a", b"{d}:b"], 5),
-            part(&[b"{d}:a"], 7),
-        ];
-        let got = args(&command(&parts, false));
-        #[rustfmt::skip]
-        let expected = [
-            "EVALSHA", script_hash(), "2", "{d}:a", "{d}:b", "decide", "3", "3",
-            // counters: key, algorithm, requests_per_unit, window, burst
-            "1", "f", "5", "1000000", "5",
-            "2", "f", "5", "1000000", "5",
-            "1", "f", "7", "1000000", "7",
-            // requests: nonce, at, n, then counter, hits, enforcement per limit
-            "nn", "0", "2", "1", "1", "E", "2", "1", "E",
-            "nn", "0", "2", "1", "1", "E", "2", "1", "E",
-            "nn", "0", "1", "3", "1", "E",
-        ];
-        assert_eq!(got, expected);
-        assert_eq!(args(&command(&parts, true))[..2], ["EVAL", SCRIPT]);
-
-        // Past SCAN_LIMITS limits, keys and counters are matched by hashing: the same call.
-        let many: Vec<Part> = (0..10).map(|_| part(&[b"{d}:a", b"{d}:b"], 5)).collect();
-        let got = args(&command(&many, false));
-        assert_eq!(got[2..8], ["2", "{d}:a", "{d}:b", "decide", "10", "2"]);
-        let requests = &got[18..];
-        assert_eq!(requests.len(), 10 * 9);
-        for r in requests.chunks(9) {
-            assert_eq!(r, ["nn", "0", "2", "1", "1", "E", "2", "1", "E"]);
-        }
     }
 }

@@ -13,6 +13,9 @@ mod batch;
 mod breaker;
 mod cache;
 pub mod connection;
+mod error;
+mod url;
+mod wire;
 
 use std::hash::{BuildHasher, RandomState};
 use std::sync::Arc;
@@ -25,15 +28,15 @@ use smallvec::SmallVec;
 use tokio::sync::oneshot;
 
 pub use self::batch::BatchOptions;
-use self::batch::{Batcher, CallError, LimitArgs, Mode, Part, Reply};
+use self::batch::{Batcher, CallError, Part, Reply};
 use self::breaker::Health;
 use self::cache::OverLimitCache;
 pub use self::connection::{Conn, Credentials, RedisUrl, SetupError, Target, TlsFiles};
+use self::error::ErrorKind;
+pub use self::wire::SCRIPT;
+use self::wire::{Args, Decided, Mode};
 use super::{Backend, BackendError, BoxFuture, Enforcement, Hit, Outcome, Verdict, admits};
 use crate::metrics::BackendMetrics;
-
-/// The script, loaded once per process and per Redis (EVALSHA; EVAL after NOSCRIPT).
-pub const SCRIPT: &str = include_str!("script.lua");
 
 /// Everything the Redis backend needs (keys come built: see [`crate::limiter::key`]).
 #[derive(Clone, Debug)]
@@ -84,57 +87,6 @@ pub fn slot(tag: &[u8]) -> u16 {
         }
     }
     crc % 16384
-}
-
-/// Redis's replies that mean "cannot serve now" (out of memory, too few replicas to write, a
-/// failed snapshot, a replica, loading, a master down, a busy script), each its own metric kind.
-/// Transient: the failure mode answers. Found by code, or inside a script error's message
-/// (where a Redis before 7 puts the code of the command that failed).
-const CANNOT_SERVE_NOW: [(&str, &str); 7] = [
-    ("OOM", "oom"),
-    ("NOREPLICAS", "noreplicas"),
-    ("MISCONF", "misconf"),
-    ("READONLY", "readonly"),
-    ("LOADING", "loading"),
-    ("MASTERDOWN", "masterdown"),
-    ("BUSY", "busy"),
-];
-
-/// Classifies a Redis error: a bounded metric label, and whether a retry may succeed.
-///
-/// Transient (the failure mode answers): timeouts, connection errors, NOSCRIPT, authentication,
-/// cluster redirections and failovers, and [`CANNOT_SERVE_NOW`]. Permanent (gRPC INTERNAL):
-/// CROSSSLOT and any other script error (a bug, or data this service did not write).
-fn classify(err: &RedisError) -> (&'static str, bool) {
-    use redis::{ErrorKind, ServerErrorKind};
-    if err.is_timeout() {
-        return ("timeout", true);
-    }
-    if err.is_io_error() || err.is_connection_dropped() || err.is_connection_refusal() {
-        return ("connection", true);
-    }
-    let code = err.code().unwrap_or_default();
-    if let Some((_, kind)) = CANNOT_SERVE_NOW.iter().find(|(c, _)| {
-        *c == code
-            || err
-                .detail()
-                .is_some_and(|d| d.starts_with(&format!("{c} ")) || d.contains(&format!(" {c} ")))
-    }) {
-        return (kind, true);
-    }
-    match err.kind() {
-        ErrorKind::Server(ServerErrorKind::NoScript) => ("noscript", true),
-        ErrorKind::Server(ServerErrorKind::CrossSlot) => ("crossslot", false),
-        ErrorKind::AuthenticationFailed | ErrorKind::Server(ServerErrorKind::NoPerm) => {
-            ("auth", true)
-        }
-        _ if err.is_cluster_error() => ("cluster", true),
-        _ => match code {
-            "NOAUTH" | "WRONGPASS" => ("auth", true),
-            _ if !matches!(err.retry_method(), redis::RetryMethod::NoRetry) => ("other", true),
-            _ => ("script", false),
-        },
-    }
 }
 
 impl RedisBackend {
@@ -239,72 +191,54 @@ impl RedisBackend {
             .iter()
             .map(|&i| hits[i].key.as_bytes().len())
             .sum();
-        let marker = match mode {
-            Mode::Decide => Vec::new(),
+        let nonce = &nonce.0[..nonce.1 as usize];
+        let mut args = match mode {
+            Mode::Decide => Args::decide(nonce, bytes),
             Mode::Refund => {
                 let through_tag = hits[group.hits[0]].key.through_tag();
-                let mut m = Vec::with_capacity(through_tag.len() + 7 + nonce.1 as usize);
-                m.extend_from_slice(through_tag);
-                m.extend_from_slice(b"refund:");
-                m.extend_from_slice(&nonce.0[..nonce.1 as usize]);
-                m
+                let mut marker = Vec::with_capacity(through_tag.len() + 7 + nonce.len());
+                marker.extend_from_slice(through_tag);
+                marker.extend_from_slice(b"refund:");
+                marker.extend_from_slice(nonce);
+                Args::refund(nonce, at, marker, bytes)
             }
-        };
-        let mut part = Part {
-            mode,
-            slot: group.slot,
-            nonce: nonce.0,
-            nonce_len: nonce.1,
-            at,
-            marker,
-            keys: Vec::with_capacity(bytes),
-            key_ends: SmallVec::new(),
-            limits: SmallVec::new(),
-            reply,
         };
         for &i in &group.hits {
             let hit = &hits[i];
-            part.keys.extend_from_slice(hit.key.as_bytes());
-            part.key_ends.push(part.keys.len() as u32);
-            let l = &hit.limit;
-            part.limits.push(LimitArgs {
-                algorithm: l.algorithm.tag(),
-                requests_per_unit: l.requests_per_unit,
-                window_us: l.window_us,
-                burst: l.burst,
-                hits: match consumed {
-                    Some(c) if !c[i] => 0,
-                    _ => hit.hits,
-                },
-                enforcement: match hit.enforcement {
-                    Enforcement::Enforce => b'E',
-                    Enforcement::Quota if !soft_quota => b'Q',
-                    Enforcement::Quota | Enforcement::Shadow => b'S',
-                },
-            });
+            let given = match consumed {
+                Some(c) if !c[i] => 0,
+                _ => hit.hits,
+            };
+            // Across several calls no one call can judge "every quota limit is over".
+            let enforcement = match hit.enforcement {
+                Enforcement::Quota if soft_quota => Enforcement::Shadow,
+                e => e,
+            };
+            args.push(hit.key.as_bytes(), &hit.limit, given, enforcement);
         }
+        let part = Part {
+            args,
+            slot: group.slot,
+            reply,
+        };
         self.batcher.submit(part);
         answer
     }
 
+    /// A failure of `kind` as a [`BackendError`], counted.
+    fn error(&self, kind: ErrorKind, detail: impl Into<String>) -> BackendError {
+        self.metrics.error(kind.label());
+        kind.error(detail)
+    }
+
     /// A failed Redis operation as a [`BackendError`], counted by kind.
     fn redis_error(&self, e: &RedisError) -> BackendError {
-        let (kind, transient) = classify(e);
-        self.metrics.error(kind);
-        let detail = format!("redis: {e}");
-        if transient {
-            BackendError::Unavailable { kind, detail }
-        } else {
-            BackendError::Internal { kind, detail }
-        }
+        self.error(ErrorKind::of(e), format!("redis: {e}"))
     }
 
     fn timeout_error(&self) -> BackendError {
-        self.metrics.error("timeout");
-        BackendError::Unavailable {
-            kind: "timeout",
-            detail: format!("redis did not answer within {:?}", self.opts.timeout),
-        }
+        let detail = format!("redis did not answer within {:?}", self.opts.timeout);
+        self.error(ErrorKind::Timeout, detail)
     }
 
     /// Runs `op` within the call budget (for the admin reset's direct commands). A failure
@@ -335,26 +269,12 @@ impl RedisBackend {
             Ok(Ok(Ok(reply))) => Ok(reply),
             Ok(Ok(Err(CallError::Redis(e)))) => Err(self.redis_error(&e)),
             Ok(Ok(Err(CallError::Timeout))) | Err(_) => Err(self.timeout_error()),
-            Ok(Ok(Err(CallError::Reply(detail)))) => {
-                self.metrics.error("reply");
-                Err(BackendError::Internal {
-                    kind: "reply",
-                    detail,
-                })
-            }
+            Ok(Ok(Err(CallError::Reply(detail)))) => Err(self.error(ErrorKind::Reply, detail)),
             Ok(Ok(Err(CallError::Closed))) | Ok(Err(_)) => {
-                self.metrics.error("closed");
-                Err(BackendError::Unavailable {
-                    kind: "closed",
-                    detail: "the redis backend is shutting down".into(),
-                })
+                Err(self.error(ErrorKind::Closed, "the redis backend is shutting down"))
             }
             Ok(Ok(Err(CallError::Overloaded))) => {
-                self.metrics.error("overloaded");
-                Err(BackendError::Unavailable {
-                    kind: "overloaded",
-                    detail: "the queue of script calls is full".into(),
-                })
+                Err(self.error(ErrorKind::Overloaded, "the queue of script calls is full"))
             }
         }
     }
@@ -373,11 +293,10 @@ impl RedisBackend {
 
     async fn decide_remote(&self, hits: &[Hit]) -> Result<Outcome, BackendError> {
         if !self.health.allow() {
-            self.metrics.error("circuit_open");
-            return Err(BackendError::Unavailable {
-                kind: "circuit_open",
-                detail: "redis circuit open after repeated failures".into(),
-            });
+            return Err(self.error(
+                ErrorKind::CircuitOpen,
+                "redis circuit open after repeated failures",
+            ));
         }
         let deadline = tokio::time::Instant::now() + self.opts.timeout;
         let nonce = self.next_nonce();
@@ -410,31 +329,32 @@ impl RedisBackend {
         let mut committed: SmallVec<[(usize, i64); 2]> = SmallVec::new(); // (group, time)
         let mut first_error = None;
         for (g, result) in results.into_iter().enumerate() {
-            match result {
-                Ok(reply) if reply.values()[0] < 0 => {
-                    // This request alone could not be decided; the others in its call were.
-                    self.metrics.error("foreign_data");
-                    first_error.get_or_insert(BackendError::Internal {
-                        kind: "foreign_data",
-                        detail: "a counter key holds data this service did not write".into(),
-                    });
-                }
-                Ok(reply) => {
-                    let reply = reply.values();
-                    if reply[0] == 1 {
-                        committed.push((g, reply[1]));
-                    }
-                    for (j, &i) in groups[g].hits.iter().enumerate() {
-                        let v = &reply[2 + 3 * j..5 + 3 * j];
-                        verdicts[i] = Verdict {
-                            over: v[0] == 1,
-                            remaining: v[1].max(0) as u64,
-                            reset: Duration::from_micros(v[2].max(0) as u64),
-                        };
-                    }
-                }
+            let reply = match result {
+                Ok(reply) => reply,
                 Err(e) => {
                     first_error.get_or_insert(e);
+                    continue;
+                }
+            };
+            match Decided::parse(reply.values()) {
+                Decided::ForeignData => {
+                    // This request alone could not be decided; the others in its call were.
+                    first_error.get_or_insert(self.error(
+                        ErrorKind::ForeignData,
+                        "a counter key holds data this service did not write",
+                    ));
+                }
+                Decided::Decided {
+                    admitted,
+                    at,
+                    limits,
+                } => {
+                    if admitted {
+                        committed.push((g, at));
+                    }
+                    for (&i, verdict) in groups[g].hits.iter().zip(wire::verdicts(limits)) {
+                        verdicts[i] = verdict;
+                    }
                 }
             }
         }
@@ -570,42 +490,6 @@ mod tests {
         assert_eq!(slot(b"foo"), 12182);
         assert_eq!(slot(b"edge"), slot(b"edge"));
         assert_eq!(slot(b"123456789"), 0x31C3, "the CRC16-XMODEM check value");
-    }
-
-    /// Every reply Redis can give a script call has a stated class: transient (the failure
-    /// mode answers) or permanent (INTERNAL), with its own metric kind.
-    #[test]
-    fn every_redis_error_has_a_stated_class() {
-        let err = |reply: &str| -> RedisError {
-            match redis::parse_redis_value(format!("-{reply}\r\n").as_bytes()).unwrap() {
-                redis::Value::ServerError(e) => e.into(),
-                v => panic!("{v:?}"),
-            }
-        };
-        #[rustfmt::skip]
-        let cases = [
-            ("OOM command not allowed when used memory > 'maxmemory'.", "oom", true),
-            ("NOREPLICAS Not enough good replicas to write.", "noreplicas", true),
-            ("MISCONF Redis is configured to save RDB snapshots, but it's currently unable to persist to disk.", "misconf", true),
-            ("READONLY You can't write against a read only replica.", "readonly", true),
-            ("LOADING Redis is loading the dataset in memory", "loading", true),
-            ("MASTERDOWN Link with MASTER is down and replica-serve-stale-data is set to 'no'.", "masterdown", true),
-            ("BUSY Redis is busy running a script. You can only call SCRIPT KILL or SHUTDOWN NOSAVE.", "busy", true),
-            ("NOSCRIPT No matching script. Please use EVAL.", "noscript", true),
-            ("NOAUTH Authentication required.", "auth", true),
-            ("WRONGPASS invalid username-password pair or user is disabled.", "auth", true),
-            ("NOPERM User has no permissions to run the 'evalsha' command", "auth", true),
-            ("TRYAGAIN Multiple keys request during rehashing of slot", "cluster", true),
-            ("CLUSTERDOWN The cluster is down", "cluster", true),
-            ("CROSSSLOT Keys in request don't hash to the same slot", "crossslot", false),
-            ("WRONGTYPE Operation against a key holding the wrong kind of value", "script", false),
-            ("ERR Error running script (call to f_1): @user_script:1: Script attempted to access nonexistent global variable 'x'", "script", false),
-            // A Redis before 7 reports a failed command inside the script's own error.
-            ("ERR Error running script (call to f_1): @user_script:12: OOM command not allowed when used memory > 'maxmemory'.", "oom", true),
-        ];
-        for (reply, kind, transient) in cases {
-            assert_eq!(classify(&err(reply)), (kind, transient), "{reply}");
-        }
     }
 
     #[test]

@@ -1,0 +1,419 @@
+//! The protocol between Rust and `script.lua`: what a request's share of a call carries
+//! ([`Args`]), the call's command line ([`command`]) and a request's share of its reply
+//! ([`Decided`]). The script's header documents the layout; this is the one place on the Rust
+//! side that knows it, so a change to the script changes this module and nothing else.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use redis::Cmd;
+use smallvec::SmallVec;
+
+use crate::limiter::{Enforcement, Limit, Verdict};
+
+/// The script, loaded once per process and per Redis (EVALSHA; EVAL after NOSCRIPT).
+pub const SCRIPT: &str = include_str!("script.lua");
+
+/// What a call does to its requests' counters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// Check every limit, commit all or none (per request).
+    Decide,
+    /// Give back what an admitted decide took.
+    Refund,
+}
+
+impl Mode {
+    fn arg(self) -> &'static str {
+        match self {
+            Mode::Decide => "decide",
+            Mode::Refund => "refund",
+        }
+    }
+}
+
+/// One limit of a request, as the script takes it.
+#[derive(Clone, Copy, Debug)]
+struct LimitArgs {
+    /// f, s, w or b.
+    algorithm: u8,
+    /// Hits per window (token bucket: refill per window).
+    requests_per_unit: u64,
+    /// Window in µs.
+    window_us: u64,
+    /// Token bucket capacity.
+    burst: u64,
+    /// Hits to add (refund: to give back).
+    hits: u64,
+    /// E, Q or S.
+    enforcement: u8,
+}
+
+/// A request's share of a script call: its counters' keys and limits, and what to do with
+/// them. Its keys are all in one cluster slot (the caller's concern).
+pub struct Args {
+    mode: Mode,
+    /// Names the request's sliding_log members.
+    nonce: [u8; 33],
+    nonce_len: u8,
+    /// Refund: the decide's time (µs).
+    at: i64,
+    /// Refund: the key marking this request's refund as done (empty for a decide).
+    marker: Vec<u8>,
+    /// Every key's bytes, back to back.
+    keys: Vec<u8>,
+    /// Where each key ends in `keys`.
+    key_ends: SmallVec<[u32; 8]>,
+    /// One per key.
+    limits: SmallVec<[LimitArgs; 8]>,
+}
+
+impl Args {
+    /// A decide for the request named by `nonce`, with room for `key_bytes` of keys.
+    pub fn decide(nonce: &[u8], key_bytes: usize) -> Args {
+        Args::new(Mode::Decide, nonce, 0, Vec::new(), key_bytes)
+    }
+
+    /// The refund of the decide made at `at` (µs, as its reply said) for the request named by
+    /// `nonce`: `marker` is the key (in the slot of its counters) that makes it run once.
+    pub fn refund(nonce: &[u8], at: i64, marker: Vec<u8>, key_bytes: usize) -> Args {
+        Args::new(Mode::Refund, nonce, at, marker, key_bytes)
+    }
+
+    fn new(mode: Mode, nonce: &[u8], at: i64, marker: Vec<u8>, key_bytes: usize) -> Args {
+        let mut n = [0u8; 33];
+        let len = nonce.len().min(n.len());
+        n[..len].copy_from_slice(&nonce[..len]);
+        Args {
+            mode,
+            nonce: n,
+            nonce_len: len as u8,
+            at,
+            marker,
+            keys: Vec::with_capacity(key_bytes),
+            key_ends: SmallVec::new(),
+            limits: SmallVec::new(),
+        }
+    }
+
+    /// Adds a counter: its key, its limit, the hits to add (refund: to give back) and what an
+    /// over verdict does (a quota limit the caller cannot judge across calls goes as shadow).
+    pub fn push(&mut self, key: &[u8], limit: &Limit, hits: u64, enforcement: Enforcement) {
+        self.keys.extend_from_slice(key);
+        self.key_ends.push(self.keys.len() as u32);
+        self.limits.push(LimitArgs {
+            algorithm: limit.algorithm.tag(),
+            requests_per_unit: limit.requests_per_unit,
+            window_us: limit.window_us,
+            burst: limit.burst,
+            hits,
+            enforcement: match enforcement {
+                Enforcement::Enforce => b'E',
+                Enforcement::Quota => b'Q',
+                Enforcement::Shadow => b'S',
+            },
+        });
+    }
+
+    /// Decide or refund.
+    pub fn mode(&self) -> Mode {
+        self.mode
+    }
+
+    /// Bytes of its keys.
+    pub fn key_bytes(&self) -> usize {
+        self.keys.len()
+    }
+
+    /// Number of its limits.
+    pub fn limit_count(&self) -> usize {
+        self.limits.len()
+    }
+
+    /// Values the script returns for this request.
+    pub fn reply_len(&self) -> usize {
+        match self.mode {
+            Mode::Decide => 2 + 3 * self.limits.len(),
+            Mode::Refund => 2,
+        }
+    }
+
+    /// Each key with its limit.
+    fn counters(&self) -> impl Iterator<Item = (&[u8], &LimitArgs)> {
+        let mut from = 0;
+        self.key_ends.iter().zip(&self.limits).map(move |(end, l)| {
+            let key = &self.keys[from..*end as usize];
+            from = *end as usize;
+            (key, l)
+        })
+    }
+}
+
+/// Up to this many limits in a call, keys and counters are matched by a scan.
+const SCAN_LIMITS: usize = 16;
+
+/// The script call carrying `parts` (all of one mode): EVALSHA, or EVAL with the source after
+/// NOSCRIPT. Each distinct key is sent once and each distinct (key, limit) counter once;
+/// requests name their counters by number (see script.lua).
+pub fn command(parts: &[&Args], by_source: bool) -> Cmd {
+    // Keys → KEYS index, (key, algorithm, requests_per_unit, window, burst) → counter number,
+    // both 1-based as Lua counts.
+    let limits_in: usize = parts.iter().map(|p| p.limits.len()).sum();
+    let refunding = parts.first().is_some_and(|p| p.mode == Mode::Refund);
+    let mut keys: Vec<&[u8]> =
+        Vec::with_capacity(limits_in + if refunding { parts.len() } else { 0 });
+    // A few limits (an idle service's lone request) are matched by a scan; a call of many by
+    // hashing, which costs more to set up than a short scan does.
+    let hashed = limits_in > SCAN_LIMITS;
+    let mut key_index: HashMap<&[u8], usize> = HashMap::new();
+    let mut counters: Vec<(usize, &LimitArgs)> = Vec::with_capacity(limits_in);
+    let mut counter_index: HashMap<(usize, u8, u64, u64, u64), usize> = HashMap::new();
+    if hashed {
+        key_index.reserve(limits_in);
+        counter_index.reserve(limits_in);
+    }
+    let mut limits: Vec<usize> = Vec::with_capacity(limits_in); // every part's limits' counter numbers, in order
+    for p in parts {
+        for (key, l) in p.counters() {
+            let k = if hashed {
+                *key_index.entry(key).or_insert_with(|| {
+                    keys.push(key);
+                    keys.len()
+                })
+            } else {
+                match keys.iter().position(|k| *k == key) {
+                    Some(k) => k + 1,
+                    None => {
+                        keys.push(key);
+                        keys.len()
+                    }
+                }
+            };
+            let identity = (k, l.algorithm, l.requests_per_unit, l.window_us, l.burst);
+            let same = |(ck, cl): &(usize, &LimitArgs)| {
+                (
+                    *ck,
+                    cl.algorithm,
+                    cl.requests_per_unit,
+                    cl.window_us,
+                    cl.burst,
+                ) == identity
+            };
+            let c = if hashed {
+                *counter_index.entry(identity).or_insert_with(|| {
+                    counters.push((k, l));
+                    counters.len()
+                })
+            } else {
+                match counters.iter().position(same) {
+                    Some(c) => c + 1,
+                    None => {
+                        counters.push((k, l));
+                        counters.len()
+                    }
+                }
+            };
+            limits.push(c);
+        }
+    }
+    // A refund's markers follow the counters' keys (each its own: one per request).
+    let markers = keys.len();
+    if refunding {
+        keys.extend(parts.iter().map(|p| &p.marker[..]));
+    }
+    let key_bytes: usize = keys.iter().map(|k| k.len()).sum();
+    let args = 6
+        + keys.len()
+        + 5 * counters.len()
+        + parts.iter().map(|p| 3 + 3 * p.limits.len()).sum::<usize>();
+    let mut cmd = Cmd::with_capacity(args, key_bytes + 16 * args + 128);
+    if by_source {
+        cmd.arg("EVAL").arg(SCRIPT);
+    } else {
+        cmd.arg("EVALSHA").arg(script_hash());
+    }
+    cmd.arg(keys.len());
+    for key in &keys {
+        cmd.arg(*key);
+    }
+    let mode = if refunding {
+        Mode::Refund
+    } else {
+        Mode::Decide
+    };
+    cmd.arg(mode.arg()).arg(parts.len()).arg(counters.len());
+    for (k, l) in &counters {
+        cmd.arg(*k)
+            .arg(&[l.algorithm][..])
+            .arg(l.requests_per_unit)
+            .arg(l.window_us)
+            .arg(l.burst);
+    }
+    let mut counter = limits.into_iter();
+    for (i, p) in parts.iter().enumerate() {
+        cmd.arg(&p.nonce[..p.nonce_len as usize]).arg(p.at);
+        if refunding {
+            cmd.arg(markers + i + 1);
+        }
+        cmd.arg(p.limits.len());
+        for (l, c) in p.limits.iter().zip(counter.by_ref()) {
+            cmd.arg(c).arg(l.hits).arg(&[l.enforcement][..]);
+        }
+    }
+    cmd
+}
+
+/// The script's SHA1, as EVALSHA names it (computed once).
+pub fn script_hash() -> &'static str {
+    static HASH: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    HASH.get_or_init(|| redis::Script::new(SCRIPT).get_hash().to_owned())
+}
+
+/// A request's share of a decide call's reply: `{admitted, now, then per limit: over,
+/// remaining, reset (µs)}`, admitted being -1 when one of its counters holds foreign data.
+pub enum Decided<'a> {
+    /// A counter holds data this service did not write: nothing was decided or written.
+    ForeignData,
+    /// Decided.
+    Decided {
+        /// Every limit fit and was consumed.
+        admitted: bool,
+        /// Redis `TIME` of the decision (µs), what its refund names.
+        at: i64,
+        /// The limits' values, three each.
+        limits: &'a [i64],
+    },
+}
+
+impl Decided<'_> {
+    /// Reads `values`, a decide's reply for one request (its length checked by the caller
+    /// against [`Args::reply_len`]).
+    pub fn parse(values: &[i64]) -> Decided<'_> {
+        match values {
+            [admitted, at, limits @ ..] if *admitted >= 0 => Decided::Decided {
+                admitted: *admitted == 1,
+                at: *at,
+                limits,
+            },
+            _ => Decided::ForeignData,
+        }
+    }
+}
+
+/// Each limit's verdict in a decided reply, in the order they were pushed.
+pub fn verdicts(limits: &[i64]) -> impl Iterator<Item = Verdict> + '_ {
+    limits.chunks_exact(3).map(|v| Verdict {
+        over: v[0] == 1,
+        remaining: v[1].max(0) as u64,
+        reset: Duration::from_micros(v[2].max(0) as u64),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::limiter::Algorithm;
+
+    fn part(keys: &[&[u8]], rpu: u64) -> Args {
+        let mut p = Args::decide(b"nn", 0);
+        let limit = Limit {
+            algorithm: Algorithm::FixedWindow,
+            requests_per_unit: rpu,
+            window_us: 1_000_000,
+            burst: rpu,
+        };
+        for key in keys {
+            p.push(key, &limit, 1, Enforcement::Enforce);
+        }
+        p
+    }
+
+    fn args(cmd: &Cmd) -> Vec<String> {
+        cmd.args_iter()
+            .map(|a| match a {
+                redis::Arg::Simple(b) => String::from_utf8_lossy(b).into_owned(),
+                _ => "<cursor>".into(),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn keys_and_counters_go_once_per_call_and_requests_name_them() {
+        // Two requests on the same keys, a third on one of them under another limit (as across
+        // a reload): two keys, three counters.
+        let parts = [
+            part(&[b"{d}:a", b"{d}:b"], 5),
+            part(&[b"{d}:a", b"{d}:b"], 5),
+            part(&[b"{d}:a"], 7),
+        ];
+        let parts: Vec<&Args> = parts.iter().collect();
+        let got = args(&command(&parts, false));
+        #[rustfmt::skip]
+        let expected = [
+            "EVALSHA", script_hash(), "2", "{d}:a", "{d}:b", "decide", "3", "3",
+            // counters: key, algorithm, requests_per_unit, window, burst
+            "1", "f", "5", "1000000", "5",
+            "2", "f", "5", "1000000", "5",
+            "1", "f", "7", "1000000", "7",
+            // requests: nonce, at, n, then counter, hits, enforcement per limit
+            "nn", "0", "2", "1", "1", "E", "2", "1", "E",
+            "nn", "0", "2", "1", "1", "E", "2", "1", "E",
+            "nn", "0", "1", "3", "1", "E",
+        ];
+        assert_eq!(got, expected);
+        assert_eq!(args(&command(&parts, true))[..2], ["EVAL", SCRIPT]);
+
+        // Past SCAN_LIMITS limits, keys and counters are matched by hashing: the same call.
+        let many: Vec<Args> = (0..10).map(|_| part(&[b"{d}:a", b"{d}:b"], 5)).collect();
+        let many: Vec<&Args> = many.iter().collect();
+        let got = args(&command(&many, false));
+        assert_eq!(got[2..8], ["2", "{d}:a", "{d}:b", "decide", "10", "2"]);
+        let requests = &got[18..];
+        assert_eq!(requests.len(), 10 * 9);
+        for r in requests.chunks(9) {
+            assert_eq!(r, ["nn", "0", "2", "1", "1", "E", "2", "1", "E"]);
+        }
+    }
+
+    #[test]
+    fn a_refund_names_its_marker_after_the_counters_keys() {
+        let mut p = Args::refund(b"nn", 42, b"{d}refund:nn".to_vec(), 0);
+        let limit = Limit {
+            algorithm: Algorithm::SlidingLog,
+            requests_per_unit: 3,
+            window_us: 2_000_000,
+            burst: 3,
+        };
+        p.push(b"{d}:a", &limit, 1, Enforcement::Quota);
+        assert_eq!(p.reply_len(), 2);
+        let got = args(&command(&[&p], false));
+        #[rustfmt::skip]
+        let expected = [
+            "EVALSHA", script_hash(), "2", "{d}:a", "{d}refund:nn", "refund", "1", "1",
+            "1", "w", "3", "2000000", "3",
+            "nn", "42", "2", "1", "1", "1", "Q",
+        ];
+        assert_eq!(got, expected);
+    }
+
+    #[test]
+    fn a_reply_reads_as_foreign_data_or_as_verdicts() {
+        assert!(matches!(
+            Decided::parse(&[-1, 0, 0, 0, 0]),
+            Decided::ForeignData
+        ));
+        let Decided::Decided {
+            admitted,
+            at,
+            limits,
+        } = Decided::parse(&[0, 7, 1, 0, 5, 0, 2, 0])
+        else {
+            panic!("decided")
+        };
+        assert!(!admitted);
+        assert_eq!(at, 7);
+        let v: Vec<Verdict> = verdicts(limits).collect();
+        assert!(v[0].over && v[0].remaining == 0 && v[0].reset == Duration::from_micros(5));
+        assert!(!v[1].over && v[1].remaining == 2);
+    }
+}
