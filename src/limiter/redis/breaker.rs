@@ -9,9 +9,11 @@
 //! circuit stays closed for everyone else.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use parking_lot::Mutex;
+// tokio's clock (the system's, unless a test pauses it).
+use tokio::time::Instant;
 
 use crate::metrics::BackendMetrics;
 
@@ -71,12 +73,6 @@ impl Breaker {
             *self.open_until.lock() = Some(Instant::now() + COOL_DOWN);
             self.probing.store(false, Ordering::Release);
         }
-    }
-
-    /// True unless the circuit is open or half-open.
-    #[cfg(test)]
-    fn is_closed(&self) -> bool {
-        self.open_until.lock().is_none()
     }
 }
 
@@ -155,23 +151,35 @@ impl Health {
 mod tests {
     use super::*;
 
-    #[test]
-    fn opens_after_repeated_failures_and_probes_once() {
+    #[tokio::test(start_paused = true)]
+    async fn opens_after_repeated_failures_and_probes_once() {
         let b = Breaker::new();
         for _ in 0..THRESHOLD {
             assert!(b.allow());
             b.on_failure();
         }
         assert!(!b.allow());
-        assert!(!b.is_closed());
-        *b.open_until.lock() = Some(Instant::now()); // the cool-down has passed
+        tokio::time::advance(COOL_DOWN - Duration::from_millis(1)).await;
+        assert!(!b.allow(), "open for the whole cool-down");
+        tokio::time::advance(Duration::from_millis(1)).await;
         assert!(b.allow(), "one probe");
         assert!(!b.allow(), "only one");
         b.on_failure();
         assert!(!b.allow(), "a failed probe re-opens");
-        *b.open_until.lock() = Some(Instant::now());
+        tokio::time::advance(COOL_DOWN).await;
         assert!(b.allow());
         b.on_success();
-        assert!(b.is_closed() && b.allow() && b.allow());
+        assert!(b.allow() && b.allow(), "closed");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_trip_opens_at_once_for_a_cool_down() {
+        let b = Breaker::new();
+        b.trip();
+        assert!(!b.allow());
+        tokio::time::advance(COOL_DOWN).await;
+        assert!(b.allow(), "one probe after the cool-down");
+        b.on_success();
+        assert!(b.allow() && b.allow());
     }
 }
