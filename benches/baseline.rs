@@ -124,41 +124,63 @@ fn bench_request() -> RateLimitRequest {
     }
 }
 
+/// The baselines `make bench` measures ratelimitd against.
+#[derive(clap::Parser)]
+#[command(name = "baseline")]
+struct Flags {
+    /// The server to run: noop (no work) or evalsha (one EVALSHA per request).
+    #[arg(long, value_enum)]
+    mode: Option<Mode>,
+    /// Where to listen (loopback only).
+    #[arg(long, default_value = "127.0.0.1:9000")]
+    addr: SocketAddr,
+    /// The Redis of `--mode evalsha`, e.g. redis://127.0.0.1:6379.
+    #[arg(long, required_if_eq("mode", "evalsha"))]
+    redis: Option<String>,
+    /// Write one gRPC-framed request of the bench domain (what h2load sends) here, and exit.
+    #[arg(long, conflicts_with = "mode")]
+    write_request: Option<std::path::PathBuf>,
+    /// Passed by `cargo bench`; ignored.
+    #[arg(long, hide = true)]
+    bench: bool,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum Mode {
+    Noop,
+    Evalsha,
+}
+
 #[tokio::main]
 async fn main() {
-    let mut mode = String::from("noop");
-    let mut addr: SocketAddr = "127.0.0.1:9000".parse().unwrap();
-    let mut redis_url = None;
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        let mut value = || it.next().unwrap_or_else(|| panic!("{flag} needs a value"));
-        match flag.as_str() {
-            "--bench" => {}
-            "--mode" => mode = value(),
-            "--addr" => addr = value().parse().expect("--addr"),
-            "--redis" => redis_url = Some(value()),
-            "--write-request" => {
-                let body = bench_request().encode_to_vec();
-                let mut framed = vec![0u8];
-                framed.extend_from_slice(&(body.len() as u32).to_be_bytes());
-                framed.extend_from_slice(&body);
-                std::fs::write(value(), framed).expect("write the request");
-                return;
-            }
-            other => panic!("unknown flag {other}"),
-        }
+    use clap::Parser;
+    let flags = Flags::parse();
+    if let Some(path) = flags.write_request {
+        let body = bench_request().encode_to_vec();
+        let mut framed = vec![0u8];
+        framed.extend_from_slice(&(body.len() as u32).to_be_bytes());
+        framed.extend_from_slice(&body);
+        std::fs::write(path, framed).expect("write the request");
+        return;
     }
+    let Some(mode) = flags.mode else {
+        eprintln!(
+            "baseline: nothing to do without --mode or --write-request (see --help; `make bench` runs it)"
+        );
+        return;
+    };
+    let addr = flags.addr;
     assert!(addr.ip().is_loopback(), "baselines listen on loopback only");
     let mut server = tonic::transport::Server::builder();
-    let result = match mode.as_str() {
-        "noop" => {
+    let result = match mode {
+        Mode::Noop => {
             server
                 .add_service(RateLimitServiceServer::new(Noop))
                 .serve(addr)
                 .await
         }
-        "evalsha" => {
-            let url = redis_url.expect("--mode evalsha needs --redis");
+        Mode::Evalsha => {
+            let url = flags.redis.expect("--mode evalsha needs --redis");
             let client = redis::Client::open(url).expect("--redis");
             let conn = redis::aio::ConnectionManager::new(client)
                 .await
@@ -172,7 +194,6 @@ async fn main() {
                 .serve(addr)
                 .await
         }
-        other => panic!("unknown --mode {other}"),
     };
     result.expect("serve");
 }

@@ -21,6 +21,52 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use tonic::transport::Channel;
 
+/// Closed-loop (or paced) gRPC ShouldRateLimit calls against a ratelimitd on loopback,
+/// reporting throughput, answers and latency percentiles.
+#[derive(clap::Parser)]
+#[command(name = "loadgen")]
+struct Flags {
+    /// The server (loopback only), e.g. http://127.0.0.1:8081.
+    #[arg(long)]
+    target: Option<String>,
+    /// HTTP/2 connections the calls share.
+    #[arg(long, default_value_t = 4)]
+    connections: usize,
+    /// Calls in flight at once.
+    #[arg(long, default_value_t = 64)]
+    concurrency: usize,
+    /// Seconds measured.
+    #[arg(long, default_value_t = 10.0)]
+    duration: f64,
+    /// Seconds of load before measuring.
+    #[arg(long, default_value_t = 1.0)]
+    warmup: f64,
+    /// The domain the requests name.
+    #[arg(long, default_value = "bench")]
+    domain: String,
+    /// Distinct client keys.
+    #[arg(long, default_value_t = 10_000)]
+    keys: u64,
+    /// Requests per second in all (open loop) instead of as fast as answers come.
+    #[arg(long)]
+    rate: Option<f64>,
+    /// Print throughput, errors and latency every this many seconds.
+    #[arg(long)]
+    report_every: Option<f64>,
+    /// Exit 0 even when some calls failed.
+    #[arg(long)]
+    allow_errors: bool,
+    /// Zipf exponent over the client keys (default: cycle through them uniformly).
+    #[arg(long)]
+    zipf: Option<f64>,
+    /// Send the costliest request the server accepts (see the module documentation).
+    #[arg(long)]
+    worst: bool,
+    /// Passed by `cargo bench`; ignored.
+    #[arg(long, hide = true)]
+    bench: bool,
+}
+
 struct Args {
     target: String,
     connections: usize,
@@ -40,50 +86,35 @@ struct Args {
     worst: bool,
 }
 
-fn parse_args() -> Args {
-    let mut args = Args {
-        target: "http://127.0.0.1:8081".into(),
-        connections: 4,
-        concurrency: 64,
-        duration: Duration::from_secs(10),
-        warmup: Duration::from_secs(1),
-        domain: "bench".into(),
-        keys: 10_000,
-        rate: None,
-        report_every: None,
-        allow_errors: false,
-        zipf: None,
-        cdf: Vec::new(),
-        worst: false,
+/// The arguments, or `None` when there is nothing to do (`cargo bench` with no arguments).
+fn parse_args() -> Option<Args> {
+    use clap::Parser;
+    let flags = Flags::parse();
+    let Some(target) = flags.target else {
+        eprintln!("loadgen: nothing to do without --target (see --help; `make bench` runs it)");
+        return None;
     };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        if flag == "--bench" {
-            continue; // passed by `cargo bench`
-        }
-        let mut value = || it.next().unwrap_or_else(|| panic!("{flag} needs a value"));
-        match flag.as_str() {
-            "--target" => args.target = value(),
-            "--connections" => args.connections = value().parse().expect("--connections"),
-            "--concurrency" => args.concurrency = value().parse().expect("--concurrency"),
-            "--duration" => {
-                args.duration = Duration::from_secs_f64(value().parse().expect("--duration"))
-            }
-            "--warmup" => args.warmup = Duration::from_secs_f64(value().parse().expect("--warmup")),
-            "--domain" => args.domain = value(),
-            "--keys" => args.keys = value().parse().expect("--keys"),
-            "--rate" => args.rate = Some(value().parse().expect("--rate")),
-            "--report-every" => {
-                args.report_every = Some(Duration::from_secs_f64(
-                    value().parse().expect("--report-every"),
-                ))
-            }
-            "--allow-errors" => args.allow_errors = true,
-            "--worst" => args.worst = true,
-            "--zipf" => args.zipf = Some(value().parse().expect("--zipf")),
-            other => panic!("unknown flag {other}"),
-        }
-    }
+    let seconds = |name: &str, s: f64| {
+        Duration::try_from_secs_f64(s).unwrap_or_else(|_| {
+            eprintln!("loadgen: --{name} must be a number of seconds, not {s}");
+            std::process::exit(2)
+        })
+    };
+    let mut args = Args {
+        target,
+        connections: flags.connections,
+        concurrency: flags.concurrency,
+        duration: seconds("duration", flags.duration),
+        warmup: seconds("warmup", flags.warmup),
+        domain: flags.domain,
+        keys: flags.keys,
+        rate: flags.rate,
+        report_every: flags.report_every.map(|s| seconds("report-every", s)),
+        allow_errors: flags.allow_errors,
+        zipf: flags.zipf,
+        cdf: Vec::new(),
+        worst: flags.worst,
+    };
     if let Some(s) = args.zipf {
         let weights: Vec<f64> = (1..=args.keys.max(1))
             .map(|k| 1.0 / (k as f64).powf(s))
@@ -99,11 +130,11 @@ fn parse_args() -> Args {
             .collect();
     }
     let host = args.target.trim_start_matches("http://");
-    assert!(
-        host.starts_with("127.") || host.starts_with("localhost") || host.starts_with("[::1]"),
-        "load is only ever sent to loopback, not {host}"
-    );
-    args
+    if !(host.starts_with("127.") || host.starts_with("localhost") || host.starts_with("[::1]")) {
+        eprintln!("loadgen: load is only ever sent to loopback, not {host}");
+        std::process::exit(2);
+    }
+    Some(args)
 }
 
 fn entry(key: &str, value: String) -> Entry {
@@ -243,7 +274,9 @@ fn percentile(sorted: &[u32], p: f64) -> f64 {
 
 #[tokio::main]
 async fn main() {
-    let args = parse_args();
+    let Some(args) = parse_args() else {
+        return;
+    };
     let mut channels = Vec::new();
     for _ in 0..args.connections.max(1) {
         let channel = Channel::from_shared(args.target.clone())

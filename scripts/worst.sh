@@ -43,7 +43,8 @@ redis-cli -p "$REDIS_PORT" INFO commandstats | grep evalsha
 echo "== victim alone (200/s, 2 descriptors)"
 load --concurrency 4 --rate 200 --duration "$DURATION" | sed -n 2,3p
 echo "== victim beside a client keeping 8 worst-case requests in flight"
-load --concurrency 8 --duration $((DURATION + 2)) --warmup 0 --worst --allow-errors >"$(mktemp)" &
+"$LOADGEN" --target "http://127.0.0.1:$GRPC" --connections 1 --warmup 0 --concurrency 8 \
+  --duration $((DURATION + 2)) --worst --allow-errors >/dev/null &
 apid=$!
 load --concurrency 4 --rate 200 --duration "$DURATION" --allow-errors | sed -n 2,3p
 wait "$apid" || true
