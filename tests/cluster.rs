@@ -128,14 +128,16 @@ async fn a_killed_master_fails_over_under_load_without_a_restart() {
 
     // Recovered: a request decided by Redis again (the default failure mode is `error`).
     let deadline = Instant::now() + Duration::from_secs(30);
+    let mut probe_errors = 0;
     loop {
         let r = c
             .clone()
             .should_rate_limit(request(domain, &[&[("k", "v")], &[("j", "v")]]))
             .await;
-        if r.is_ok_and(|r| is_ok(r.get_ref())) {
+        if r.as_ref().is_ok_and(|r| is_ok(r.get_ref())) {
             break;
         }
+        probe_errors += r.is_err() as u64;
         if Instant::now() > deadline {
             let (_, m) = s.http_get("/metrics").await;
             for n in &cluster.nodes {
@@ -164,7 +166,14 @@ async fn a_killed_master_fails_over_under_load_without_a_restart() {
         admitted.saturating_sub(counted)
     );
     assert!(seen.slowest <= ANSWER_BOUND, "{:?}", seen.slowest);
-    assert!(counted <= admitted, "nothing counted that was not admitted");
+    // A call whose answer was lost (its master killed after it ran and replicated, or a
+    // timeout after Redis ran it) may be counted though its client got an error: nothing is
+    // counted beyond what was admitted and those calls of unknown outcome.
+    assert!(
+        counted <= admitted + seen.errors + probe_errors,
+        "{counted} counted for {admitted} admitted, {} + {probe_errors} failed",
+        seen.errors
+    );
     assert_ne!(
         cluster.node_for_key(domain).port,
         master_port,
