@@ -4,12 +4,36 @@
 //! server on port 0; `main.rs` only parses flags, binds and waits for a signal.
 #![forbid(unsafe_code)]
 
-pub mod config;
-pub mod engine;
-pub mod limiter;
-pub mod metrics;
-pub mod server;
+mod config;
+mod engine;
+mod limiter;
+mod metrics;
+mod server;
 pub mod settings;
+
+pub use crate::config::ConfigError;
+pub use crate::limiter::redis::SetupError;
+/// The admin API's messages and its gRPC client (`--admin`), for tools that read or reset
+/// counters.
+pub use crate::server::admin::pb as admin;
+
+/// What the integration tests (`tests/`) and the fuzz targets (`fuzz/`) drive directly, below
+/// [`run`]: not an API, no stability promised, hidden from the documentation.
+#[doc(hidden)]
+pub mod testing {
+    pub use crate::config::{
+        ConfigError, Domain, NodeLimits, Snapshot, Unit, Wildcard, compile_file, load_paths,
+    };
+    pub use crate::engine::{Engine, EngineOptions};
+    pub use crate::limiter::redis::{RedisUrl, SCRIPT, slot};
+    pub use crate::limiter::{
+        Algorithm, Clock, CounterKey, HashTag, KeyFormat, Limit, ManualClock, MemoryBackend,
+        SystemClock,
+    };
+    pub use crate::metrics::Metrics;
+    pub use crate::run_with_clock;
+    pub use crate::server::grpc::to_request;
+}
 
 use std::future::Future;
 use std::sync::Arc;
@@ -22,10 +46,10 @@ use tokio::net::TcpListener;
 use tonic::transport::server::TcpIncoming;
 use tonic_health::ServingStatus;
 
-use crate::config::{ConfigError, Snapshot, load_paths};
+use crate::config::{Snapshot, load_paths};
 use crate::engine::Engine;
 use crate::limiter::fallback::Fallback;
-use crate::limiter::redis::{RedisBackend, RedisOptions, SetupError};
+use crate::limiter::redis::{RedisBackend, RedisOptions};
 use crate::limiter::{Backend, Clock, MemoryBackend, SystemClock};
 use crate::metrics::{LoadResult, Metrics};
 use crate::server::grpc::GrpcService;

@@ -4,8 +4,8 @@
 mod common;
 
 use common::*;
-use ratelimitd::server::admin::pb::admin_client::AdminClient;
-use ratelimitd::server::admin::pb::{Counter, CounterRequest, Entry};
+use ratelimitd::admin::admin_client::AdminClient;
+use ratelimitd::admin::{Counter, CounterRequest, Entry};
 
 const LIMITS: &str = "domain: a
 descriptors:

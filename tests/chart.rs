@@ -126,7 +126,7 @@ fn defaults_render_a_safe_deployment_reading_a_valid_config() {
     // The rendered config is one ratelimitd loads.
     let cm = of(&objects, "ConfigMap").unwrap();
     let config = cm["data"]["config.yaml"].as_str().unwrap();
-    ratelimitd::config::compile_file(Path::new("config.yaml"), config).unwrap();
+    ratelimitd::testing::compile_file(Path::new("config.yaml"), config).unwrap();
     // Every flag the chart passes is one the binary accepts.
     let mut cli = vec!["ratelimitd".to_owned()];
     cli.extend(args(d));

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use common::*;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
-use ratelimitd::limiter::SystemClock;
+use ratelimitd::testing::SystemClock;
 
 async fn serve_fixture(rel: &str) -> Option<TestServer> {
     let file = fixtures()?.join(rel);
@@ -185,7 +185,7 @@ fn the_istio_manifests_carry_a_valid_config_and_the_drop_in_environment() {
     };
     let config = kind("ConfigMap")["data"]["config.yaml"].as_str().unwrap();
     let domain =
-        ratelimitd::config::compile_file(std::path::Path::new("config.yaml"), config).unwrap();
+        ratelimitd::testing::compile_file(std::path::Path::new("config.yaml"), config).unwrap();
     assert_eq!(domain.name.as_str(), "ratelimit");
     let pod = &kind("Deployment")["spec"]["template"]["spec"];
     let env = pod["containers"][0]["env"].as_array().unwrap();
@@ -225,7 +225,7 @@ fn the_documented_examples_are_valid_configs() {
             } else {
                 format!("domain: readme\ndescriptors:\n{yaml}")
             };
-            ratelimitd::config::compile_file(&page, &text)
+            ratelimitd::testing::compile_file(&page, &text)
                 .unwrap_or_else(|e| panic!("{e}\n{text}"));
             checked += 1;
         }

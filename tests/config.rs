@@ -6,8 +6,8 @@ mod common;
 use std::path::Path;
 
 use common::fixtures;
-use ratelimitd::config::*;
-use ratelimitd::limiter::{Algorithm, CounterKey, KeyFormat};
+use ratelimitd::testing::*;
+use ratelimitd::testing::{Algorithm, CounterKey, KeyFormat};
 
 fn fixture(rel: &str) -> Option<Domain> {
     let path = fixtures()?.join(rel);
@@ -537,7 +537,7 @@ fn a_large_per_customer_config_loads_and_alias_bombs_do_not() {
         );
     }
     std::fs::write(dir.path().join("customers.yaml"), &yaml).unwrap();
-    let loaded = ratelimitd::config::load_paths(&[dir.path().to_owned()]).unwrap();
+    let loaded = ratelimitd::testing::load_paths(&[dir.path().to_owned()]).unwrap();
     assert_eq!(loaded.snapshot.rule_count(), 30_000);
 
     // Nine levels of ten aliases each in a descriptor's free-form `metadata`: a billion nodes
@@ -553,7 +553,7 @@ fn a_large_per_customer_config_loads_and_alias_bombs_do_not() {
     }
     let file = dir.path().join("bomb.yaml");
     std::fs::write(&file, bomb).unwrap();
-    let err = ratelimitd::config::load_paths(&[file]).unwrap_err();
+    let err = ratelimitd::testing::load_paths(&[file]).unwrap_err();
     assert!(err.to_string().contains("bomb.yaml"), "{err}");
     assert!(err.to_string().contains("budget"), "{err}");
 }

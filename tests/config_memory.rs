@@ -53,7 +53,7 @@ fn a_large_config_is_held_as_compiled_rules_and_loaded_without_a_parsed_copy() {
     let file = std::path::Path::new("big.yaml");
     let before = LIVE.load(Relaxed);
     PEAK.store(before, Relaxed);
-    let domain = ratelimitd::config::compile_file(file, &text).expect("a valid config");
+    let domain = ratelimitd::testing::compile_file(file, &text).expect("a valid config");
     let (peak, kept) = (PEAK.load(Relaxed) - before, LIVE.load(Relaxed) - before);
     drop(domain);
     let per_customer = kept / CUSTOMERS;

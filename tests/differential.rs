@@ -15,7 +15,7 @@ use common::*;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::RateLimitOverride;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use envoy_types::pb::google::protobuf::UInt64Value;
-use ratelimitd::limiter::SystemClock;
+use ratelimitd::testing::SystemClock;
 
 const W: &str = "unit: day, unit_multiplier: 1000";
 

@@ -11,7 +11,7 @@ use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descri
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
 use envoy_types::pb::google::protobuf::UInt64Value;
-use ratelimitd::limiter::{Algorithm, ManualClock};
+use ratelimitd::testing::{Algorithm, ManualClock};
 
 const LIMITS: &str = r#"
 domain: test

@@ -10,8 +10,8 @@ use common::redis::*;
 use common::*;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::RateLimitOverride;
 use envoy_types::pb::google::protobuf::UInt64Value;
-use ratelimitd::limiter::SystemClock;
-use ratelimitd::limiter::redis::slot;
+use ratelimitd::testing::SystemClock;
+use ratelimitd::testing::slot;
 
 async fn redis_backed(redis: &RedisProc, files: &[(&str, &str)], extra: &[&str]) -> TestServer {
     let url = redis.url();
@@ -284,13 +284,13 @@ fn symlink_loops_are_read_once() {
         std::os::unix::fs::symlink(".", sub.join(format!("self{i}"))).unwrap();
     }
     std::os::unix::fs::symlink("l.yaml", dir.path().join("alias.yaml")).unwrap();
-    let loaded = ratelimitd::config::load_paths(&[dir.path().to_owned()]).unwrap();
+    let loaded = ratelimitd::testing::load_paths(&[dir.path().to_owned()]).unwrap();
     assert_eq!(loaded.snapshot.len(), 2);
     assert_eq!(loaded.files.len(), 2, "{:?}", loaded.files);
     // The same directory named twice is read once too.
     let twice = [dir.path().to_owned(), dir.path().join("loop")];
     assert_eq!(
-        ratelimitd::config::load_paths(&twice).unwrap().files.len(),
+        ratelimitd::testing::load_paths(&twice).unwrap().files.len(),
         2
     );
 }

@@ -304,8 +304,8 @@ async fn a_reload_that_raises_a_limit_is_not_hidden_by_the_over_limit_cache() {
 /// over-limit cache until the window ended. Now every replica sees it within a second.
 #[tokio::test]
 async fn an_admin_reset_through_one_replica_unblocks_a_client_on_every_replica() {
-    use ratelimitd::server::admin::pb::admin_client::AdminClient;
-    use ratelimitd::server::admin::pb::{CounterRequest, Entry};
+    use ratelimitd::admin::admin_client::AdminClient;
+    use ratelimitd::admin::{CounterRequest, Entry};
     let redis = shared_standalone();
     let url = redis.url();
     let prefix = unique_prefix();
@@ -430,7 +430,7 @@ async fn a_refund_run_twice_gives_back_once() {
     let prefix = unique_prefix();
     let key = format!("{prefix}{{r}}:k:v:f3600000000:0");
     let marker = format!("{prefix}{{r}}refund:n1");
-    let script = ratelimitd::limiter::redis::SCRIPT;
+    let script = ratelimitd::testing::SCRIPT;
     // One counter (KEYS[1], fixed window, 5 an hour); one request of 1 hit, enforced.
     let counter = ["1", "f", "5", "3600000000", "5"];
     let decide = |nonce: &str| -> Vec<String> {

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use common::redis::*;
 use common::*;
 use envoy_types::pb::google::protobuf::UInt64Value;
-use ratelimitd::limiter::Algorithm;
+use ratelimitd::testing::Algorithm;
 
 fn algorithms_yaml(domain: &str, rpu: u32) -> String {
     let mut y = format!("domain: {domain}\ndescriptors:\n");

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use envoy_types::pb::google::protobuf::UInt64Value;
-use ratelimitd::limiter::SystemClock;
+use ratelimitd::testing::SystemClock;
 
 /// Generous for a loaded CI machine; the design target (and typical result) is well under 1 s.
 const RELOAD_DEADLINE: Duration = Duration::from_secs(3);

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use common::*;
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse;
 use envoy_types::pb::google::protobuf::value::Kind;
-use ratelimitd::limiter::SystemClock;
+use ratelimitd::testing::SystemClock;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const LIMITS: &str = "domain: web

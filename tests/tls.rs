@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use common::redis::make_certs;
 use common::*;
-use ratelimitd::limiter::SystemClock;
+use ratelimitd::testing::SystemClock;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
 
 const LIMITS: &str =

@@ -19,7 +19,7 @@ use super::{
 use crate::limiter::Algorithm;
 
 /// Largest `unit_multiplier`: keeps every window (up to 10 000 years) within u64 microseconds.
-pub const MAX_UNIT_MULTIPLIER: u64 = 10_000;
+pub(super) const MAX_UNIT_MULTIPLIER: u64 = 10_000;
 
 /// The parser's budget for `text`: nodes and events grow with the file (an honest config has a
 /// node for every few bytes, so a 100,000-descriptor file of tens of MB loads), while what
@@ -69,7 +69,6 @@ pub fn compile_file(file: &Path, text: &str) -> Result<Domain, ConfigError> {
     Ok(Domain {
         name: Arc::new(name),
         root,
-        file: file.to_owned(),
         line,
     })
 }

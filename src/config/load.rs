@@ -14,7 +14,7 @@ const MAX_DEPTH: usize = 8;
 /// Largest config file read: ten times a 100,000-descriptor file, so no honest config meets it,
 /// and a file that grows without end (a log written into the config directory) is refused
 /// before it is read rather than after it has filled memory.
-pub const MAX_FILE_BYTES: u64 = 256 << 20;
+pub(super) const MAX_FILE_BYTES: u64 = 256 << 20;
 
 /// Reads a config file of at most [`MAX_FILE_BYTES`].
 fn read_bounded(file: &Path) -> Result<String, ConfigError> {

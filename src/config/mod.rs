@@ -9,29 +9,35 @@ mod error;
 mod load;
 mod matcher;
 mod schema;
-pub mod watch;
+pub(crate) mod watch;
 
 use std::collections::HashMap;
 use std::fmt::{self, Write as _};
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use crate::limiter::{Algorithm, Limit};
 
 pub use compile::compile_file;
 pub use error::ConfigError;
-pub use load::{LoadedConfig, load_paths};
-pub use matcher::Matched;
+pub(crate) use load::LoadedConfig;
+pub use load::load_paths;
 
 /// A time unit of a limit. Month is 30 days and year 365 days, as in envoyproxy/ratelimit.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Unit {
+    /// One second.
     Second,
+    /// 60 seconds.
     Minute,
+    /// 3,600 seconds.
     Hour,
+    /// 86,400 seconds.
     Day,
+    /// Seven days.
     Week,
+    /// 30 days.
     Month,
+    /// 365 days.
     Year,
 }
 
@@ -274,8 +280,6 @@ pub struct Domain {
     pub name: Arc<String>,
     /// Top-level descriptors.
     pub root: Level,
-    /// Where it was loaded from.
-    pub file: PathBuf,
     /// Line of the `domain` field.
     pub line: u64,
 }

@@ -11,7 +11,7 @@ use serde_saphyr::Spanned;
 /// A node of the descriptor tree.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct RawDescriptor {
+pub(super) struct RawDescriptor {
     pub key: Option<Spanned<String>>,
     pub value: Option<Spanned<String>>,
     pub rate_limit: Option<Spanned<RawLimit>>,
@@ -30,7 +30,7 @@ pub struct RawDescriptor {
 /// A limit as written under `rate_limit` (or an item of `rate_limits`).
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct RawLimit {
+pub(super) struct RawLimit {
     pub unit: Option<Spanned<String>>,
     pub requests_per_unit: Option<Spanned<u64>>,
     pub unlimited: Option<Spanned<bool>>,
@@ -47,6 +47,6 @@ pub struct RawLimit {
 /// An item of `replaces`.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct RawReplace {
+pub(super) struct RawReplace {
     pub name: Option<Spanned<String>>,
 }

@@ -26,7 +26,7 @@ const CHECK_EVERY: Duration = Duration::from_secs(1);
 /// A watched directory (a configured one, or a configured file's) is followed by path, not by
 /// inode: every second its identity is checked, and when the path names another directory than
 /// before (`mv limits old; mkdir limits`), the watch moves to the new one and says so in the log.
-pub fn spawn<F>(
+pub(crate) fn spawn<F>(
     paths: Vec<PathBuf>,
     mut fingerprint: u64,
     apply: F,

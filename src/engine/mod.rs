@@ -7,9 +7,9 @@
 //! 3. The backend decides all hits at once, all-or-nothing.
 //! 4. [`report::statuses`]: verdicts back into per-descriptor statuses; one metric per limit.
 
-pub mod report;
-pub mod request;
-pub mod resolve;
+pub(crate) mod report;
+pub(crate) mod request;
+pub(crate) mod resolve;
 
 use std::collections::HashSet;
 use std::sync::{Arc, OnceLock};
@@ -18,9 +18,9 @@ use arc_swap::ArcSwap;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 
-pub use self::report::{Code, CounterView, ReportedLimit, Response, Status};
-pub use self::request::{Descriptor, EngineError, LimitOverride, Request, RequestLimits};
-pub use self::resolve::OVERRIDE_RULE;
+pub(crate) use self::report::{Code, CounterView, ReportedLimit, Response, Status};
+pub(crate) use self::request::{Descriptor, EngineError, LimitOverride, Request, RequestLimits};
+pub(crate) use self::resolve::OVERRIDE_RULE;
 use self::resolve::{Applied, Resolved, resolve};
 use crate::config::Snapshot;
 use crate::limiter::key::KeyFormat;
@@ -52,11 +52,11 @@ impl Default for EngineOptions {
 }
 
 /// The metric rule standing for every further label once [`MAX_VALUE_RULES`] are in use.
-pub const OVERFLOW_RULE: &str = "_other";
+pub(crate) const OVERFLOW_RULE: &str = "_other";
 /// Distinct rule labels carrying request values (`detailed_metric`, `value_to_metric`) the
 /// metrics keep; later ones are counted under [`OVERFLOW_RULE`], so clients cannot grow
 /// `/metrics` without bound even where the config asks for their values.
-pub const MAX_VALUE_RULES: usize = 1000;
+pub(crate) const MAX_VALUE_RULES: usize = 1000;
 
 /// The set of value-carrying rule labels in use, capped at [`MAX_VALUE_RULES`].
 #[derive(Default)]

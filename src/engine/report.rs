@@ -45,13 +45,8 @@ pub struct Status {
 }
 
 impl Status {
-    /// The status of a descriptor no limit applies to (for tests of what reads statuses).
-    #[doc(hidden)]
-    pub fn unlimited_for_tests() -> Status {
-        Status::unlimited()
-    }
-
-    pub(super) fn unlimited() -> Status {
+    /// The status of a descriptor no limit applies to.
+    pub(crate) fn unlimited() -> Status {
         Status {
             code: Code::Ok,
             limit: None,
@@ -111,7 +106,7 @@ pub struct CounterView {
 /// One status per descriptor of a request with `descriptors` descriptors: the most
 /// restrictive of its limits (an enforced over first, then the fewest hits left). Calls
 /// `decided` once per applied limit with its metric decision.
-pub fn statuses(
+pub(crate) fn statuses(
     descriptors: usize,
     applied: &[Applied<'_>],
     hits: &[Hit],

@@ -76,7 +76,7 @@ pub enum EngineError {
 }
 
 /// Checks a request against `bounds`: an `InvalidArgument` naming the first offending field.
-pub fn validate(req: &Request<'_>, bounds: &RequestLimits) -> Result<(), EngineError> {
+pub(crate) fn validate(req: &Request<'_>, bounds: &RequestLimits) -> Result<(), EngineError> {
     let invalid = |m: String| Err(EngineError::InvalidArgument(m));
     if req.domain.is_empty() {
         return invalid("domain must not be empty".into());
@@ -129,7 +129,7 @@ pub fn validate(req: &Request<'_>, bounds: &RequestLimits) -> Result<(), EngineE
 
 /// Checks what a request resolved to against `bounds`: one request's counters, and so its CPU
 /// and Redis time, stay bounded however many limits its descriptors match.
-pub fn validate_counters(hits: &[Hit], bounds: &RequestLimits) -> Result<(), EngineError> {
+pub(crate) fn validate_counters(hits: &[Hit], bounds: &RequestLimits) -> Result<(), EngineError> {
     if hits.len() > bounds.max_counters {
         return Err(EngineError::InvalidArgument(format!(
             "the request touches {} counters, more than the maximum of {}",

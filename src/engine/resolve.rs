@@ -12,7 +12,7 @@ use crate::limiter::{Algorithm, Enforcement, Hit, Limit};
 
 /// The metric rule of a request's `limit` override on a descriptor the config does not know:
 /// a constant, since the entries are the client's.
-pub const OVERRIDE_RULE: &str = "_override";
+pub(crate) const OVERRIDE_RULE: &str = "_override";
 
 /// The ordinal of an override's counter, apart from every configured limit's.
 const OVERRIDE_ORDINAL: u16 = u16::MAX;
@@ -20,7 +20,7 @@ const OVERRIDE_ORDINAL: u16 = u16::MAX;
 /// The hit of a request's own `limit` override on a descriptor: a fixed window of the
 /// override's unit, in a counter apart from every configured limit's. The one place such a
 /// counter is named, for decisions and for the admin reset alike.
-pub fn override_hit(
+pub(crate) fn override_hit(
     keys: &KeyFormat,
     domain: &str,
     entries: &[(&str, &str)],
@@ -47,7 +47,7 @@ pub fn override_hit(
 const SCAN_HITS: usize = 16;
 
 /// One limit that applies to one descriptor.
-pub struct Applied<'s> {
+pub(crate) struct Applied<'s> {
     /// The descriptor's index in the request.
     pub descriptor: usize,
     /// The limit as reported in the status.
@@ -66,7 +66,7 @@ pub struct Applied<'s> {
 
 /// A request resolved against a snapshot.
 #[derive(Default)]
-pub struct Resolved<'s> {
+pub(crate) struct Resolved<'s> {
     /// The domain's name as the config spells it; `None` for an unknown domain.
     pub domain: Option<&'s Arc<String>>,
     /// Every applicable limit, in request order.
@@ -82,7 +82,7 @@ type Named<'s> = (usize, Option<&'s Arc<str>>, &'s [Arc<str>]);
 /// `limit` override, else the limits of the node its entries land on, minus those another
 /// applicable limit `replaces`), and one hit per distinct counter, keyed in `keys`' format.
 /// An unknown domain, or descriptors no limit applies to, resolve to nothing.
-pub fn resolve<'s>(
+pub(crate) fn resolve<'s>(
     snapshot: &'s Snapshot,
     req: &Request<'_>,
     keys: &KeyFormat,

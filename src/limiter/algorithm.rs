@@ -73,7 +73,7 @@ impl fmt::Display for Algorithm {
 
 /// The stored state of one counter.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum State {
+pub(crate) enum State {
     /// Hits in the window starting at `start`.
     Fixed { start: u64, count: u64 },
     /// Hits in the window starting at `start` and in the one before it.
@@ -88,7 +88,7 @@ pub enum State {
 }
 
 /// Log entries a rejected sliding_log check scans for its reset, here and in `script.lua`.
-pub const LOG_SCAN_MAX: usize = 128;
+pub(crate) const LOG_SCAN_MAX: usize = 128;
 
 fn us(d: u128) -> Duration {
     Duration::from_micros(u64::try_from(d).unwrap_or(u64::MAX))
@@ -100,7 +100,7 @@ fn div_ceil(a: u128, b: u128) -> u128 {
 
 impl State {
     /// A fresh counter for `algorithm`.
-    pub fn new(algorithm: Algorithm) -> State {
+    pub(crate) fn new(algorithm: Algorithm) -> State {
         match algorithm {
             Algorithm::FixedWindow => State::Fixed { start: 0, count: 0 },
             Algorithm::SlidingWindow => State::Sliding {
@@ -117,7 +117,7 @@ impl State {
     }
 
     /// Heap bytes beyond the state itself (a sliding log's entries), for the memory bound.
-    pub fn heap_bytes(&self) -> u64 {
+    pub(crate) fn heap_bytes(&self) -> u64 {
         match self {
             State::Log { entries, .. } => (entries.capacity() * 16) as u64,
             _ => 0,
@@ -125,7 +125,7 @@ impl State {
     }
 
     /// Whether this state belongs to `algorithm`.
-    pub fn is(&self, algorithm: Algorithm) -> bool {
+    pub(crate) fn is(&self, algorithm: Algorithm) -> bool {
         matches!(
             (self, algorithm),
             (State::Fixed { .. }, Algorithm::FixedWindow)
@@ -178,7 +178,7 @@ impl State {
     }
 
     /// Decides whether `hits` more fit at `now` without consuming anything.
-    pub fn check(&mut self, limit: &Limit, now: u64, hits: u64) -> Verdict {
+    pub(crate) fn check(&mut self, limit: &Limit, now: u64, hits: u64) -> Verdict {
         self.advance(limit, now);
         let rpu = limit.requests_per_unit;
         let w = limit.window_us;
@@ -305,7 +305,7 @@ impl State {
 
     /// Consumes `hits` at `now`. Call only after a [`check`](Self::check) at the same `now`
     /// found them within the limit.
-    pub fn commit(&mut self, limit: &Limit, now: u64, hits: u64) {
+    pub(crate) fn commit(&mut self, limit: &Limit, now: u64, hits: u64) {
         self.advance(limit, now);
         match self {
             State::Fixed { count, .. } => *count = count.saturating_add(hits),
@@ -329,7 +329,7 @@ impl State {
 
     /// The time (µs since the epoch) after which this state is indistinguishable from a fresh
     /// counter and may be dropped.
-    pub fn expires_at(&self, limit: &Limit) -> u64 {
+    pub(crate) fn expires_at(&self, limit: &Limit) -> u64 {
         let w = limit.window_us;
         match self {
             State::Fixed { start, .. } => start.saturating_add(w),

@@ -31,7 +31,7 @@ impl FailureMode {
 }
 
 /// A backend that answers by `mode` when `primary` fails.
-pub struct Fallback {
+pub(crate) struct Fallback {
     primary: Arc<dyn Backend>,
     mode: FailureMode,
     local: Arc<MemoryBackend>,
@@ -40,7 +40,7 @@ pub struct Fallback {
 
 impl Fallback {
     /// Wraps `primary`; `local` is used only in `FailureMode::Local`.
-    pub fn new(
+    pub(crate) fn new(
         primary: Arc<dyn Backend>,
         mode: FailureMode,
         local: Arc<MemoryBackend>,

@@ -22,14 +22,14 @@ use parking_lot::{Mutex, MutexGuard};
 
 use super::algorithm::State;
 use super::{Backend, BackendError, BoxFuture, Clock, Hit, Outcome, SystemClock, admits};
-pub use crate::metrics::MemoryMetrics;
+pub(crate) use crate::metrics::MemoryMetrics;
 
 const SHARDS: usize = 64;
 /// Default bound of counter state: 64 MiB, a few hundred thousand typical counters.
-pub const DEFAULT_MAX_BYTES: u64 = 64 << 20;
+pub(crate) const DEFAULT_MAX_BYTES: u64 = 64 << 20;
 /// Bytes a counter costs beyond its key and log: the map and expiry-index slots, the shared
 /// key's header and the state (measured against the allocator: about this, rounded up).
-pub const ENTRY_OVERHEAD: u64 = 160;
+pub(crate) const ENTRY_OVERHEAD: u64 = 160;
 /// Expired counters a commit drops on its way (the periodic sweep drops the rest).
 const EXPIRE_PER_COMMIT: usize = 8;
 
@@ -144,18 +144,15 @@ impl MemoryBackend {
         (self.hasher.hash_one(key) as usize) % SHARDS
     }
 
-    /// Number of counters held, expired or not (for tests and metrics).
-    pub fn len(&self) -> usize {
+    /// Number of counters held, expired or not.
+    #[cfg(test)]
+    fn len(&self) -> usize {
         self.shards.iter().map(|s| s.lock().entries.len()).sum()
     }
 
-    /// True when no counter is held.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
     /// Bytes of counter state held, keys included.
-    pub fn bytes(&self) -> u64 {
+    #[cfg(test)]
+    fn bytes(&self) -> u64 {
         self.shards.iter().map(|s| s.lock().bytes).sum()
     }
 
@@ -389,6 +386,6 @@ mod tests {
         assert!(held < 30_000, "{held} counters held");
         clock.advance(Duration::from_secs(5));
         backend.sweep();
-        assert!(backend.is_empty());
+        assert_eq!(backend.len(), 0);
     }
 }

@@ -1,12 +1,12 @@
 //! Counting: what a hit is, how each algorithm decides, and the [`Backend`] trait that
 //! stores the counters. Nothing here knows about gRPC or YAML.
 
-pub mod algorithm;
-pub mod clock;
-pub mod fallback;
-pub mod key;
-pub mod memory;
-pub mod redis;
+pub(crate) mod algorithm;
+pub(crate) mod clock;
+pub(crate) mod fallback;
+pub(crate) mod key;
+pub(crate) mod memory;
+pub(crate) mod redis;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -105,17 +105,10 @@ impl BackendError {
     pub fn is_transient(&self) -> bool {
         matches!(self, BackendError::Unavailable { .. })
     }
-
-    /// The error's category (a metric label value).
-    pub fn kind(&self) -> &'static str {
-        match self {
-            BackendError::Unavailable { kind, .. } | BackendError::Internal { kind, .. } => kind,
-        }
-    }
 }
 
 /// A boxed future, so backends can be chosen at run time.
-pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+pub(crate) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
 /// Where counters live. Every backend gives the same guarantee: all-or-nothing per request.
 /// If any enforcing hit would exceed its limit (see [`admits`]), nothing is consumed;
@@ -137,7 +130,7 @@ pub trait Backend: Send + Sync + 'static {
 /// The request-level rule shared by every backend: is a request admitted given each hit's
 /// `over` flag? Enforcing hits that are over reject; quota hits reject only when every quota
 /// hit of the request is over; shadow hits never reject.
-pub fn admits(hits: &[Hit], over: impl Fn(usize) -> bool) -> bool {
+pub(crate) fn admits(hits: &[Hit], over: impl Fn(usize) -> bool) -> bool {
     let enforced_over = hits
         .iter()
         .enumerate()
@@ -146,7 +139,7 @@ pub fn admits(hits: &[Hit], over: impl Fn(usize) -> bool) -> bool {
 }
 
 /// Whether the request's quota hits reject it: there is at least one, and all are over.
-pub fn quota_rejects(hits: &[Hit], over: impl Fn(usize) -> bool) -> bool {
+pub(crate) fn quota_rejects(hits: &[Hit], over: impl Fn(usize) -> bool) -> bool {
     let mut quota = hits
         .iter()
         .enumerate()

@@ -14,17 +14,17 @@ pub mod pb {
     tonic::include_proto!("ratelimitd.admin.v1");
 }
 
-pub use pb::admin_server::AdminServer;
+pub(crate) use pb::admin_server::AdminServer;
 use pb::{Counter, CounterRequest, CounterResponse, ResetResponse};
 
 /// The admin service over an [`Engine`].
-pub struct Admin {
+pub(crate) struct Admin {
     engine: Arc<Engine>,
 }
 
 impl Admin {
     /// Serves `engine`'s counters.
-    pub fn new(engine: Arc<Engine>) -> Self {
+    pub(crate) fn new(engine: Arc<Engine>) -> Self {
         Admin { engine }
     }
 }

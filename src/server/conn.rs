@@ -38,27 +38,22 @@ pub struct ConnLimits {
 
 /// Admits connections to one listener within its [`ConnLimits`].
 #[derive(Clone)]
-pub struct Tracker {
+pub(crate) struct Tracker {
     limits: ConnLimits,
     open: Arc<AtomicUsize>,
 }
 
 impl Tracker {
     /// A listener's tracker.
-    pub fn new(limits: ConnLimits) -> Tracker {
+    pub(crate) fn new(limits: ConnLimits) -> Tracker {
         Tracker {
             limits,
             open: Arc::new(AtomicUsize::new(0)),
         }
     }
 
-    /// Connections held now.
-    pub fn open(&self) -> usize {
-        self.open.load(Ordering::Relaxed)
-    }
-
     /// `io` tracked, or `None` (and `io` dropped, so closed) when the listener is full.
-    pub fn admit<IO>(&self, io: IO) -> Option<Tracked<IO>> {
+    pub(crate) fn admit<IO>(&self, io: IO) -> Option<Tracked<IO>> {
         let held = self.open.fetch_add(1, Ordering::AcqRel);
         let slot = Slot(self.open.clone());
         if held >= self.limits.max_connections {
@@ -94,7 +89,7 @@ impl Drop for Slot {
 }
 
 /// An accepted socket under its listener's bounds.
-pub struct Tracked<IO> {
+pub(crate) struct Tracked<IO> {
     io: IO,
     idle: Duration,
     last_read: Instant,
@@ -108,7 +103,7 @@ pub struct Tracked<IO> {
 
 /// What the request layer learns of a connection (tonic puts it in each request's extensions).
 #[derive(Clone)]
-pub struct ConnInfo {
+pub(crate) struct ConnInfo {
     budget: Arc<RequestBudget>,
 }
 
@@ -301,7 +296,7 @@ impl HttpBody for Counted {
 
 /// Counts each gRPC request against its connection's request-byte budget.
 #[derive(Clone, Copy, Debug, Default)]
-pub struct BudgetLayer;
+pub(crate) struct BudgetLayer;
 
 impl<S> tower::Layer<S> for BudgetLayer {
     type Service = Budgeted<S>;
@@ -313,7 +308,7 @@ impl<S> tower::Layer<S> for BudgetLayer {
 
 /// See [`BudgetLayer`].
 #[derive(Clone, Debug)]
-pub struct Budgeted<S> {
+pub(crate) struct Budgeted<S> {
     inner: S,
 }
 

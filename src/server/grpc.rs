@@ -25,7 +25,7 @@ use crate::engine::{self, Code, Descriptor, Engine, EngineError, LimitOverride};
 use crate::metrics::{ErrorLabels, Metrics};
 
 /// The gRPC front end of an [`Engine`].
-pub struct GrpcService {
+pub(crate) struct GrpcService {
     engine: Arc<Engine>,
     metrics: Arc<Metrics>,
     headers: HeaderMode,
@@ -33,7 +33,7 @@ pub struct GrpcService {
 
 impl GrpcService {
     /// Serves `engine`, recording timings in `metrics`, adding `headers` to responses.
-    pub fn new(engine: Arc<Engine>, metrics: Arc<Metrics>, headers: HeaderMode) -> Self {
+    pub(crate) fn new(engine: Arc<Engine>, metrics: Arc<Metrics>, headers: HeaderMode) -> Self {
         Self {
             engine,
             metrics,
@@ -44,7 +44,7 @@ impl GrpcService {
 
 /// The gRPC status of a request that got no decision. Clients get a short, stable message;
 /// what happened goes to the log.
-pub fn to_status(e: EngineError) -> Status {
+pub(crate) fn to_status(e: EngineError) -> Status {
     match e {
         EngineError::InvalidArgument(m) => Status::invalid_argument(m),
         EngineError::Backend(e) if e.is_transient() => {
@@ -59,7 +59,7 @@ pub fn to_status(e: EngineError) -> Status {
 }
 
 /// Seconds since the Unix epoch, for the reference headers' reset.
-pub fn unix_now() -> u64 {
+pub(crate) fn unix_now() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())
@@ -92,7 +92,7 @@ fn json_to_struct(o: &serde_json::Map<String, serde_json::Value>) -> Struct {
 /// The dynamic metadata envoyproxy/ratelimit returns: the domain, each descriptor (entries as
 /// `key=value`, its override and hits), the request's hits, and the merged `metadata` of the
 /// descriptors that passed.
-pub fn dynamic_metadata(
+pub(crate) fn dynamic_metadata(
     req: &RateLimitRequest,
     metadata: Option<&serde_json::Map<String, serde_json::Value>>,
 ) -> serde_json::Value {
@@ -227,7 +227,7 @@ fn pb_code(code: Code) -> i32 {
 
 /// Converts a decision to Envoy's response, with the headers `headers` asks for and, when
 /// the decision carries it, dynamic metadata.
-pub fn to_response(
+pub(crate) fn to_response(
     req: &RateLimitRequest,
     resp: engine::Response,
     headers: HeaderMode,

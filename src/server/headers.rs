@@ -66,7 +66,11 @@ fn sf_string(s: &str) -> String {
 /// The headers `mode` asks for on `resp`; `now_s` is the Unix time in seconds (the reference
 /// mode's reset is the end of the limit's unit, aligned to the epoch, as that service
 /// computes it).
-pub fn headers(mode: HeaderMode, resp: &Response, now_s: u64) -> Vec<(&'static str, String)> {
+pub(crate) fn headers(
+    mode: HeaderMode,
+    resp: &Response,
+    now_s: u64,
+) -> Vec<(&'static str, String)> {
     let Some(m) = (mode != HeaderMode::Off)
         .then(|| most_restrictive(&resp.statuses))
         .flatten()
@@ -199,7 +203,7 @@ mod tests {
         assert_eq!(get(&h, "Retry-After"), None);
 
         let r = response(vec![
-            Status::unlimited_for_tests(),
+            Status::unlimited(),
             status(100, Unit::Hour, 50, 1_000, false, Some("hourly")),
             status(10, Unit::Second, 0, 300, true, None),
         ]);
@@ -242,7 +246,7 @@ mod tests {
         assert!(
             headers(
                 HeaderMode::Reference,
-                &response(vec![Status::unlimited_for_tests()]),
+                &response(vec![Status::unlimited()]),
                 0
             )
             .is_empty()

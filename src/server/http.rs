@@ -23,7 +23,7 @@ use crate::limiter::Backend;
 use crate::metrics::Metrics;
 
 /// What the HTTP handlers read.
-pub struct HttpState {
+pub(crate) struct HttpState {
     /// The decision engine (for its config snapshot).
     pub engine: Arc<Engine>,
     /// Metrics to export.
@@ -37,13 +37,13 @@ pub struct HttpState {
 }
 
 /// Largest request body (`POST /json`): the gRPC port's message bound.
-pub const MAX_BODY_BYTES: usize = 1 << 20;
+pub(crate) const MAX_BODY_BYTES: usize = 1 << 20;
 /// Longest time a client may take to send a request's headers.
-pub const HEADER_TIMEOUT: Duration = Duration::from_secs(5);
+pub(crate) const HEADER_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The HTTP routes. A request must arrive and be answered within `request_timeout` (else
 /// 408), with a body of at most [`MAX_BODY_BYTES`].
-pub fn router(state: Arc<HttpState>, request_timeout: Duration) -> Router {
+pub(crate) fn router(state: Arc<HttpState>, request_timeout: Duration) -> Router {
     Router::new()
         .route("/healthcheck", get(healthcheck))
         .route("/metrics", get(metrics))
@@ -64,7 +64,7 @@ pub fn router(state: Arc<HttpState>, request_timeout: Duration) -> Router {
 /// Serves `router` on `listener` over HTTP/1.1 until `stopped` resolves, then lets requests in
 /// flight finish. Every connection is [`Tracked`](super::conn::Tracked): capped in number, cut
 /// off when silent or not reading; headers must arrive within [`HEADER_TIMEOUT`].
-pub async fn serve(
+pub(crate) async fn serve(
     listener: tokio::net::TcpListener,
     router: Router,
     tracker: Tracker,

@@ -21,7 +21,7 @@ type Object = Map<String, Value>;
 /// Why a body is not a `RateLimitRequest`.
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
-pub struct JsonError(String);
+pub(crate) struct JsonError(String);
 
 fn bad(m: impl Into<String>) -> JsonError {
     JsonError(m.into())
@@ -101,7 +101,7 @@ fn list<'a>(v: Option<&'a Value>, at: &str) -> Result<&'a [Value], JsonError> {
 }
 
 /// Parses a proto3-JSON `RateLimitRequest`.
-pub fn parse_request(body: &[u8]) -> Result<RateLimitRequest, JsonError> {
+pub(crate) fn parse_request(body: &[u8]) -> Result<RateLimitRequest, JsonError> {
     let v: Value = serde_json::from_slice(body).map_err(|e| bad(format!("not JSON: {e}")))?;
     let f = fields(
         &v,
@@ -209,7 +209,7 @@ fn value_json(v: &envoy_types::pb::google::protobuf::Value) -> Value {
 }
 
 /// A `RateLimitResponse` in proto3 JSON (default values left out, as protojson does).
-pub fn response_json(r: &RateLimitResponse) -> Value {
+pub(crate) fn response_json(r: &RateLimitResponse) -> Value {
     let mut o = Object::new();
     o.insert("overallCode".into(), code_name(r.overall_code));
     let statuses: Vec<Value> = r

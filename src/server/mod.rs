@@ -1,9 +1,9 @@
 //! Protocol front ends: gRPC (Envoy's RateLimitService and health) and HTTP (operations).
 
-pub mod admin;
-pub mod conn;
-pub mod grpc;
-pub mod headers;
-pub mod http;
-pub mod json;
-pub mod tls;
+pub(crate) mod admin;
+pub(crate) mod conn;
+pub(crate) mod grpc;
+pub(crate) mod headers;
+pub(crate) mod http;
+pub(crate) mod json;
+pub(crate) mod tls;

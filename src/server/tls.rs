@@ -107,10 +107,10 @@ impl TlsFiles {
 
 /// TLS connections accepted on `listener`, for tonic's `serve_with_incoming`, with the
 /// A client connection after its TLS handshake, under its listener's bounds.
-pub type Accepted = TlsStream<Tracked<TcpStream>>;
+pub(crate) type Accepted = TlsStream<Tracked<TcpStream>>;
 
 /// tasks that accept them and reload the files (abort them to stop).
-pub fn incoming(
+pub(crate) fn incoming(
     listener: TcpListener,
     files: TlsFiles,
     config: Arc<ServerConfig>,

@@ -8,11 +8,11 @@ use std::time::{Duration, Instant};
 use super::redis::free_port;
 use super::{Client, poll};
 
-pub const BIN: &str = env!("CARGO_BIN_EXE_ratelimitd");
+pub(crate) const BIN: &str = env!("CARGO_BIN_EXE_ratelimitd");
 
 /// A running `ratelimitd` process on free loopback ports (given through the environment, as a
 /// container would), with its stderr captured.
-pub struct Daemon {
+pub(crate) struct Daemon {
     pub child: Child,
     pub grpc: u16,
     pub http: SocketAddr,
@@ -24,13 +24,13 @@ impl Daemon {
     /// socket accepts connections as soon as it is bound, before either). The process dies
     /// with the `Daemon` (a failing test included) or, should the test process itself be
     /// killed, with the test process.
-    pub async fn start(cmd: Command) -> Daemon {
+    pub(crate) async fn start(cmd: Command) -> Daemon {
         Self::start_with(cmd, Stdio::piped()).await
     }
 
     /// [`Daemon::start`] with stderr going to `stderr` (`Stdio::null()` for a daemon that logs
     /// more than a test reads).
-    pub async fn start_with(mut cmd: Command, stderr: Stdio) -> Daemon {
+    pub(crate) async fn start_with(mut cmd: Command, stderr: Stdio) -> Daemon {
         let (grpc, http) = (free_port(), free_port());
         let child = cmd
             .env("RATELIMITD_GRPC_ADDR", format!("127.0.0.1:{grpc}"))
@@ -55,18 +55,18 @@ impl Daemon {
         d
     }
 
-    pub async fn client(&self) -> Client {
+    pub(crate) async fn client(&self) -> Client {
         Client::connect(format!("http://127.0.0.1:{}", self.grpc))
             .await
             .unwrap()
     }
 
     /// Sends SIGTERM and waits (bounded) for the exit: its status and everything logged.
-    pub async fn terminate(mut self) -> (ExitStatus, String) {
+    pub(crate) async fn terminate(mut self) -> (ExitStatus, String) {
         self.signal_and_wait().await
     }
 
-    pub async fn signal_and_wait(&mut self) -> (ExitStatus, String) {
+    pub(crate) async fn signal_and_wait(&mut self) -> (ExitStatus, String) {
         let kill = Command::new("kill")
             .args(["-TERM", &self.child.id().to_string()])
             .status()
@@ -98,7 +98,7 @@ impl Drop for Daemon {
 
 impl Daemon {
     /// Resident memory, in bytes.
-    pub fn rss(&self) -> u64 {
+    pub(crate) fn rss(&self) -> u64 {
         let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap();
         let kb: u64 = status
             .lines()
@@ -109,7 +109,7 @@ impl Daemon {
     }
 
     /// Open file descriptors (sockets included).
-    pub fn fds(&self) -> usize {
+    pub(crate) fn fds(&self) -> usize {
         std::fs::read_dir(format!("/proc/{}/fd", self.child.id()))
             .map(|d| d.count())
             .unwrap_or(0)

@@ -12,23 +12,24 @@ use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descri
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
-use ratelimitd::limiter::{Clock, SystemClock};
 use ratelimitd::settings::Settings;
-use ratelimitd::{Listeners, RunError, run_with_clock};
+use ratelimitd::testing::run_with_clock;
+use ratelimitd::testing::{Clock, SystemClock};
+use ratelimitd::{Listeners, RunError};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tonic::transport::Channel;
 
-pub mod daemon;
-pub mod redis;
+pub(crate) mod daemon;
+pub(crate) mod redis;
 
-pub type Client = RateLimitServiceClient<Channel>;
+pub(crate) type Client = RateLimitServiceClient<Channel>;
 
 /// Which backend a behavioural test runs on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Kind {
+pub(crate) enum Kind {
     Memory,
     Redis,
     Cluster,
@@ -39,7 +40,7 @@ pub enum Kind {
 impl Kind {
     /// Flags selecting this backend; Redis kinds share one server (or cluster) per test binary,
     /// each test under its own key prefix.
-    pub fn flags(self) -> Vec<String> {
+    pub(crate) fn flags(self) -> Vec<String> {
         let common = |target: &[String]| {
             let mut f = vec!["--backend".to_string(), "redis".into()];
             f.extend(target.iter().cloned());
@@ -71,7 +72,7 @@ impl Kind {
 
 /// A Redis-backed server: `target` picks the Redis (plus any other flags), under `prefix`,
 /// with a per-call `timeout`.
-pub async fn redis_server(
+pub(crate) async fn redis_server(
     files: &[(&str, &str)],
     target: &[&str],
     prefix: &str,
@@ -84,7 +85,7 @@ pub async fn redis_server(
 }
 
 /// A server on `kind` with `files` and extra flags.
-pub async fn start(kind: Kind, files: &[(&str, &str)], extra: &[&str]) -> TestServer {
+pub(crate) async fn start(kind: Kind, files: &[(&str, &str)], extra: &[&str]) -> TestServer {
     let mut flags = kind.flags();
     flags.extend(extra.iter().map(|s| s.to_string()));
     let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
@@ -111,7 +112,7 @@ macro_rules! every_backend {
 }
 
 /// A running server with its config directory.
-pub struct TestServer {
+pub(crate) struct TestServer {
     pub grpc: SocketAddr,
     pub http: SocketAddr,
     pub dir: tempfile::TempDir,
@@ -123,12 +124,12 @@ pub struct TestServer {
 
 impl TestServer {
     /// Starts a server whose config directory holds `files` (name, YAML).
-    pub async fn start(files: &[(&str, &str)]) -> TestServer {
+    pub(crate) async fn start(files: &[(&str, &str)]) -> TestServer {
         Self::start_with(files, &[], Arc::new(SystemClock)).await
     }
 
     /// Starts a server with extra flags and a clock for the memory backend.
-    pub async fn start_with(
+    pub(crate) async fn start_with(
         files: &[(&str, &str)],
         flags: &[&str],
         clock: Arc<dyn Clock>,
@@ -141,7 +142,7 @@ impl TestServer {
     }
 
     /// Starts a server on a prepared directory; `config` defaults to the directory itself.
-    pub async fn start_at(
+    pub(crate) async fn start_at(
         dir: tempfile::TempDir,
         config: Option<PathBuf>,
         flags: &[&str],
@@ -183,7 +184,7 @@ impl TestServer {
     }
 
     /// A client, once the server accepts; panics if the server has exited instead.
-    pub async fn client(&self) -> Client {
+    pub(crate) async fn client(&self) -> Client {
         let url = format!("http://{}", self.grpc);
         poll(Duration::from_secs(10), || {
             let url = url.clone();
@@ -194,12 +195,12 @@ impl TestServer {
         .await
     }
 
-    pub async fn http_get(&self, path: &str) -> (u16, String) {
+    pub(crate) async fn http_get(&self, path: &str) -> (u16, String) {
         http_get(self.http, path).await
     }
 
     /// Signals shutdown and waits for `run` to return.
-    pub async fn shutdown(&mut self) -> Result<(), RunError> {
+    pub(crate) async fn shutdown(&mut self) -> Result<(), RunError> {
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());
         }
@@ -211,11 +212,11 @@ impl TestServer {
     }
 
     /// Writes a file in the config directory.
-    pub fn write(&self, name: &str, text: &str) {
+    pub(crate) fn write(&self, name: &str, text: &str) {
         std::fs::write(self.dir.path().join(name), text).unwrap();
     }
 
-    pub fn path(&self, name: &str) -> PathBuf {
+    pub(crate) fn path(&self, name: &str) -> PathBuf {
         self.dir.path().join(name)
     }
 }
@@ -229,7 +230,7 @@ impl Drop for TestServer {
 }
 
 /// A minimal HTTP/1.1 GET: status and body.
-pub async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
+pub(crate) async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
     try_http_get(addr, path)
         .await
         .unwrap_or_else(|e| panic!("GET {path} from {addr}: {e}"))
@@ -237,7 +238,7 @@ pub async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
 
 /// [`http_get`], or the I/O error that ended it (a server shutting down may reset a
 /// connection it had not yet served).
-pub async fn try_http_get(addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
+pub(crate) async fn try_http_get(addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
     let mut stream = TcpStream::connect(addr).await?;
     let req = format!("GET {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n");
     stream.write_all(req.as_bytes()).await?;
@@ -271,7 +272,7 @@ fn dechunk(mut body: &str) -> String {
 }
 
 /// Polls `f` until it yields `Some`, or panics at the deadline.
-pub async fn poll<T, F, Fut>(deadline: Duration, mut f: F) -> T
+pub(crate) async fn poll<T, F, Fut>(deadline: Duration, mut f: F) -> T
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Option<T>>,
@@ -290,7 +291,7 @@ where
 }
 
 /// A descriptor from (key, value) pairs.
-pub fn desc(entries: &[(&str, &str)]) -> RateLimitDescriptor {
+pub(crate) fn desc(entries: &[(&str, &str)]) -> RateLimitDescriptor {
     RateLimitDescriptor {
         entries: entries
             .iter()
@@ -304,7 +305,7 @@ pub fn desc(entries: &[(&str, &str)]) -> RateLimitDescriptor {
 }
 
 /// A request for `domain` with one descriptor per entry list.
-pub fn request(domain: &str, descriptors: &[&[(&str, &str)]]) -> RateLimitRequest {
+pub(crate) fn request(domain: &str, descriptors: &[&[(&str, &str)]]) -> RateLimitRequest {
     RateLimitRequest {
         domain: domain.into(),
         descriptors: descriptors.iter().map(|d| desc(d)).collect(),
@@ -313,7 +314,7 @@ pub fn request(domain: &str, descriptors: &[&[(&str, &str)]]) -> RateLimitReques
 }
 
 /// Sends a request that must succeed.
-pub async fn call(client: &mut Client, req: RateLimitRequest) -> RateLimitResponse {
+pub(crate) async fn call(client: &mut Client, req: RateLimitRequest) -> RateLimitResponse {
     client
         .should_rate_limit(req)
         .await
@@ -321,16 +322,16 @@ pub async fn call(client: &mut Client, req: RateLimitRequest) -> RateLimitRespon
         .into_inner()
 }
 
-pub fn is_ok(resp: &RateLimitResponse) -> bool {
+pub(crate) fn is_ok(resp: &RateLimitResponse) -> bool {
     resp.overall_code == Code::Ok as i32
 }
 
-pub fn is_over(resp: &RateLimitResponse) -> bool {
+pub(crate) fn is_over(resp: &RateLimitResponse) -> bool {
     resp.overall_code == Code::OverLimit as i32
 }
 
 /// The `requests_per_unit` a status reports, if it reports a limit.
-pub fn rpu_of(resp: &RateLimitResponse, i: usize) -> Option<u32> {
+pub(crate) fn rpu_of(resp: &RateLimitResponse, i: usize) -> Option<u32> {
     resp.statuses[i]
         .current_limit
         .as_ref()
@@ -338,7 +339,7 @@ pub fn rpu_of(resp: &RateLimitResponse, i: usize) -> Option<u32> {
 }
 
 /// A clock-independent seconds value of a status's duration_until_reset.
-pub fn reset_of(resp: &RateLimitResponse, i: usize) -> Duration {
+pub(crate) fn reset_of(resp: &RateLimitResponse, i: usize) -> Duration {
     let d = resp.statuses[i]
         .duration_until_reset
         .as_ref()
@@ -347,7 +348,7 @@ pub fn reset_of(resp: &RateLimitResponse, i: usize) -> Duration {
 }
 
 /// Path to envoyproxy/ratelimit's fixtures, if present (required when CI asks).
-pub fn fixtures() -> Option<PathBuf> {
+pub(crate) fn fixtures() -> Option<PathBuf> {
     let dir = std::env::var_os("RATELIMITD_FIXTURES")
         .map(PathBuf::from)
         .unwrap_or_else(|| {
@@ -366,7 +367,7 @@ pub fn fixtures() -> Option<PathBuf> {
 }
 
 /// The value of a metric line (exact label set) in Prometheus text, or 0.
-pub fn metric(text: &str, series: &str) -> f64 {
+pub(crate) fn metric(text: &str, series: &str) -> f64 {
     text.lines()
         .find_map(|l| {
             l.strip_prefix(series)

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU16, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 /// A port that is free, with port + 10000 free too (the cluster bus).
-pub fn free_port() -> u16 {
+pub(crate) fn free_port() -> u16 {
     static NEXT: AtomicU16 = AtomicU16::new(0);
     let base = 20_000 + (std::process::id() % 500) as u16 * 20;
     loop {
@@ -22,7 +22,7 @@ pub fn free_port() -> u16 {
 }
 
 /// A unique key prefix, so tests can share one Redis.
-pub fn unique_prefix() -> String {
+pub(crate) fn unique_prefix() -> String {
     static N: AtomicUsize = AtomicUsize::new(0);
     format!(
         "t{}-{}:",
@@ -31,7 +31,7 @@ pub fn unique_prefix() -> String {
     )
 }
 
-pub struct RedisProc {
+pub(crate) struct RedisProc {
     pub port: u16,
     args: Vec<String>,
     child: Option<Child>,
@@ -41,7 +41,7 @@ pub struct RedisProc {
 }
 
 /// Kills `pid` once the test process has exited, however it exits.
-pub fn watchdog(pid: u32) {
+pub(crate) fn watchdog(pid: u32) {
     let script = format!(
         "while kill -0 {} 2>/dev/null; do sleep 0.5; done; kill -9 {pid} 2>/dev/null",
         std::process::id()
@@ -56,11 +56,11 @@ pub fn watchdog(pid: u32) {
 
 impl RedisProc {
     /// Starts `redis-server` with `extra` arguments and waits until it answers PING.
-    pub fn start(extra: &[&str]) -> RedisProc {
+    pub(crate) fn start(extra: &[&str]) -> RedisProc {
         Self::start_on(free_port(), extra)
     }
 
-    pub fn start_on(port: u16, extra: &[&str]) -> RedisProc {
+    pub(crate) fn start_on(port: u16, extra: &[&str]) -> RedisProc {
         Self::start_with(port, extra, None)
     }
 
@@ -68,7 +68,7 @@ impl RedisProc {
     /// with `conf` lines added after the monitor line (`sentinel auth-pass main …`, `tls-*`)
     /// and `extra` arguments (e.g. `--requirepass` for its own clients). Its config file
     /// lives in its own directory (Sentinel rewrites it).
-    pub fn start_sentinel(master_port: u16, conf: &str, extra: &[&str]) -> RedisProc {
+    pub(crate) fn start_sentinel(master_port: u16, conf: &str, extra: &[&str]) -> RedisProc {
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("sentinel.conf");
         let port = free_port();
@@ -93,7 +93,7 @@ impl RedisProc {
     }
 
     /// A TLS-only server (plain port off) using the certificates of [`make_certs`].
-    pub fn start_tls(certs: &std::path::Path) -> RedisProc {
+    pub(crate) fn start_tls(certs: &std::path::Path) -> RedisProc {
         let port = free_port();
         let path = |f: &str| certs.join(f).display().to_string();
         let extra = [
@@ -162,7 +162,7 @@ impl RedisProc {
         }
     }
 
-    pub fn url(&self) -> String {
+    pub(crate) fn url(&self) -> String {
         let scheme = if self.tls_ca.is_some() {
             "rediss"
         } else {
@@ -184,7 +184,7 @@ impl RedisProc {
         c
     }
 
-    pub fn try_cli(&self, args: &[&str]) -> Option<String> {
+    pub(crate) fn try_cli(&self, args: &[&str]) -> Option<String> {
         let out = self.cli_command().args(args).output().ok()?;
         out.status
             .success()
@@ -192,13 +192,13 @@ impl RedisProc {
     }
 
     /// Runs redis-cli against this server.
-    pub fn cli(&self, args: &[&str]) -> String {
+    pub(crate) fn cli(&self, args: &[&str]) -> String {
         self.try_cli(args)
             .unwrap_or_else(|| panic!("redis-cli {args:?} failed"))
     }
 
     /// Kills the server (SIGKILL: nothing is saved).
-    pub fn kill(&mut self) {
+    pub(crate) fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {
             let _ = c.kill();
             let _ = c.wait();
@@ -206,13 +206,13 @@ impl RedisProc {
     }
 
     /// Starts it again on the same port, empty.
-    pub fn restart(&mut self) {
+    pub(crate) fn restart(&mut self) {
         self.kill();
         self.spawn();
     }
 
     /// Makes the server unresponsive for `secs` (DEBUG SLEEP), without waiting.
-    pub fn stall(&self, secs: f64) -> Child {
+    pub(crate) fn stall(&self, secs: f64) -> Child {
         self.cli_command()
             .args(["DEBUG", "SLEEP", &secs.to_string()])
             .stdout(Stdio::null())
@@ -228,17 +228,17 @@ impl Drop for RedisProc {
 }
 
 /// Three masters, no replicas, all slots assigned.
-pub struct RedisCluster {
+pub(crate) struct RedisCluster {
     pub nodes: Vec<RedisProc>,
 }
 
 impl RedisCluster {
-    pub fn start() -> RedisCluster {
+    pub(crate) fn start() -> RedisCluster {
         Self::start_with(3, 0, &[])
     }
 
     /// `masters` masters with `replicas` replicas each, every node started with `extra`.
-    pub fn start_with(masters: usize, replicas: usize, extra: &[&str]) -> RedisCluster {
+    pub(crate) fn start_with(masters: usize, replicas: usize, extra: &[&str]) -> RedisCluster {
         let nodes: Vec<RedisProc> = (0..masters * (1 + replicas))
             .map(|_| {
                 let mut args = vec![
@@ -290,7 +290,7 @@ impl RedisCluster {
         RedisCluster { nodes }
     }
 
-    pub fn urls(&self) -> String {
+    pub(crate) fn urls(&self) -> String {
         self.nodes
             .iter()
             .map(|n| n.url())
@@ -299,7 +299,7 @@ impl RedisCluster {
     }
 
     /// The node serving `key`'s slot (from each node's own `CLUSTER NODES` "myself" line).
-    pub fn node_for_key(&self, key: &str) -> &RedisProc {
+    pub(crate) fn node_for_key(&self, key: &str) -> &RedisProc {
         let slot: u16 = self
             .nodes
             .iter()
@@ -333,19 +333,19 @@ impl RedisCluster {
 }
 
 /// One standalone Redis shared by the tests of this binary.
-pub fn shared_standalone() -> &'static RedisProc {
+pub(crate) fn shared_standalone() -> &'static RedisProc {
     static R: OnceLock<RedisProc> = OnceLock::new();
     R.get_or_init(|| RedisProc::start(&[]))
 }
 
 /// One cluster shared by the tests of this binary.
-pub fn shared_cluster() -> &'static RedisCluster {
+pub(crate) fn shared_cluster() -> &'static RedisCluster {
     static C: OnceLock<RedisCluster> = OnceLock::new();
     C.get_or_init(RedisCluster::start)
 }
 
 /// Every key under `prefix` on `node`, with its PTTL.
-pub fn keys_with_ttl(node: &RedisProc, prefix: &str) -> Vec<(String, i64)> {
+pub(crate) fn keys_with_ttl(node: &RedisProc, prefix: &str) -> Vec<(String, i64)> {
     let keys = node.cli(&["--scan", "--pattern", &format!("{prefix}*")]);
     keys.lines()
         .filter(|k| !k.is_empty())
@@ -355,7 +355,7 @@ pub fn keys_with_ttl(node: &RedisProc, prefix: &str) -> Vec<(String, i64)> {
 
 /// A CA, a server certificate for 127.0.0.1 and localhost, and a client certificate, made
 /// with openssl in `dir/certs`.
-pub fn make_certs(dir: &std::path::Path) -> PathBuf {
+pub(crate) fn make_certs(dir: &std::path::Path) -> PathBuf {
     let certs = dir.join("certs");
     std::fs::create_dir_all(&certs).unwrap();
     let run = |args: &[&str]| {

@@ -8,18 +8,18 @@ use std::sync::{Arc, OnceLock};
 use arc_swap::ArcSwap;
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use prost::Message;
-use ratelimitd::config::{Snapshot, compile_file};
-use ratelimitd::engine::{Engine, EngineOptions};
-use ratelimitd::limiter::redis::RedisUrl;
-use ratelimitd::limiter::{Algorithm, CounterKey, HashTag, KeyFormat, Limit, MemoryBackend};
-use ratelimitd::metrics::Metrics;
-use ratelimitd::server::grpc::to_request;
+use ratelimitd::testing::Metrics;
+use ratelimitd::testing::RedisUrl;
+use ratelimitd::testing::to_request;
+use ratelimitd::testing::{Algorithm, CounterKey, HashTag, KeyFormat, Limit, MemoryBackend};
+use ratelimitd::testing::{Engine, EngineOptions};
+use ratelimitd::testing::{Snapshot, compile_file};
 
 /// A fuzz target: takes any bytes, panics only on a bug.
-pub type FuzzTarget = fn(&[u8]);
+pub(crate) type FuzzTarget = fn(&[u8]);
 
 /// The fuzz targets by name, as `make fuzz` and the replay test know them.
-pub const TARGETS: [(&str, FuzzTarget); 4] = [
+pub(crate) const TARGETS: [(&str, FuzzTarget); 4] = [
     ("config", config),
     ("request", request),
     ("key", key),
@@ -27,7 +27,7 @@ pub const TARGETS: [(&str, FuzzTarget); 4] = [
 ];
 
 /// Config parsing and validation: any text is loaded or refused with a located error.
-pub fn config(data: &[u8]) {
+pub(crate) fn config(data: &[u8]) {
     let text = String::from_utf8_lossy(data);
     match compile_file(Path::new("fuzz.yaml"), &text) {
         Ok(domain) => {
@@ -90,7 +90,7 @@ fn engine() -> &'static Engine {
 
 /// Request validation, resolution and decision: any protobuf bytes are refused as invalid or
 /// decided, with one status per descriptor.
-pub fn request(data: &[u8]) {
+pub(crate) fn request(data: &[u8]) {
     let Ok(req) = RateLimitRequest::decode(data) else {
         return;
     };
@@ -126,7 +126,7 @@ fn key_of(domain: &str, entries: &[(String, String)]) -> CounterKey {
 
 /// Key building: two inputs (split at 0xFD) give the same key only if they are the same, and
 /// a key's only braces are its hash tag's.
-pub fn key(data: &[u8]) {
+pub(crate) fn key(data: &[u8]) {
     let mut halves = data.splitn(2, |&b| b == 0xFD);
     let a = parts(halves.next().unwrap_or_default());
     let b = parts(halves.next().unwrap_or_default());
@@ -139,7 +139,7 @@ pub fn key(data: &[u8]) {
 /// Script arguments: the Redis key of any descriptor has exactly one hash tag, ours: around
 /// the escaped domain alone (so the entries never move a request to another slot), or around
 /// the escaped descriptor; and any URL parses or is refused without showing its password.
-pub fn redis_args(data: &[u8]) {
+pub(crate) fn redis_args(data: &[u8]) {
     let (domain, entries) = parts(data);
     let limit = Limit {
         algorithm: Algorithm::SlidingLog,

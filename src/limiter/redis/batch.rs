@@ -37,22 +37,22 @@ use super::wire::{self, Args};
 use crate::metrics::BackendMetrics;
 
 /// Most parts waiting for a call.
-pub const MAX_QUEUED_PARTS: usize = 16_384;
+pub(super) const MAX_QUEUED_PARTS: usize = 16_384;
 /// Most large parts waiting for their lane.
-pub const MAX_QUEUED_LARGE_PARTS: usize = 64;
+pub(super) const MAX_QUEUED_LARGE_PARTS: usize = 64;
 /// Most key bytes waiting for a call.
-pub const MAX_QUEUED_BYTES: usize = 32 << 20;
+pub(super) const MAX_QUEUED_BYTES: usize = 32 << 20;
 /// Most key bytes one call carries.
-pub const MAX_CALL_BYTES: usize = 64 << 10;
+pub(super) const MAX_CALL_BYTES: usize = 64 << 10;
 /// Most limits one call carries.
-pub const MAX_CALL_LIMITS: usize = 512;
+pub(super) const MAX_CALL_LIMITS: usize = 512;
 /// A part with more key bytes than this goes in a call of its own.
-pub const LARGE_PART_BYTES: usize = 8 << 10;
+pub(super) const LARGE_PART_BYTES: usize = 8 << 10;
 /// A part with more limits than this goes in a call of its own.
-pub const LARGE_PART_LIMITS: usize = 64;
+pub(super) const LARGE_PART_LIMITS: usize = 64;
 
 /// One request's share of a script call, queued: its arguments, its slot, where its answer goes.
-pub struct Part {
+pub(super) struct Part {
     /// Keys, limits and what to do with them.
     pub args: Args,
     /// The keys' cluster slot (ignored on a standalone Redis).
@@ -70,21 +70,21 @@ impl Part {
 
 /// A part's slice of its call's reply.
 #[derive(Debug)]
-pub struct Reply {
+pub(super) struct Reply {
     values: Arc<Vec<i64>>,
     range: Range<usize>,
 }
 
 impl Reply {
     /// `{admitted, now, then per limit: over, remaining, reset}` (refund: `{1, now}`).
-    pub fn values(&self) -> &[i64] {
+    pub(super) fn values(&self) -> &[i64] {
         &self.values[self.range.clone()]
     }
 }
 
 /// Why a call gave a part no reply.
 #[derive(Clone, Debug)]
-pub enum CallError {
+pub(super) enum CallError {
     /// Redis refused or failed the call.
     Redis(RedisError),
     /// No answer within the call budget.
@@ -99,7 +99,7 @@ pub enum CallError {
 
 /// How calls are coalesced.
 #[derive(Clone, Copy, Debug)]
-pub struct BatchOptions {
+pub(crate) struct BatchOptions {
     /// Script calls in flight at once (pipelined on the connection).
     pub pipeline: usize,
     /// Most requests one call carries.
@@ -121,7 +121,7 @@ struct Shared {
 }
 
 /// The handle requests submit their parts to; each lane's worker starts on first use.
-pub struct Batcher {
+pub(super) struct Batcher {
     small: std::sync::OnceLock<mpsc::Sender<Part>>,
     large: std::sync::OnceLock<mpsc::Sender<Part>>,
     shared: Shared,
@@ -130,7 +130,7 @@ pub struct Batcher {
 impl Batcher {
     /// Coalesces calls on `conn`; `by_slot`: only parts of one cluster slot share a call. Each
     /// call's outcome is reported to `health`.
-    pub fn new(
+    pub(super) fn new(
         conn: Conn,
         by_slot: bool,
         options: BatchOptions,
@@ -153,7 +153,7 @@ impl Batcher {
 
     /// Queues `part`; its reply arrives on the receiver its `reply` sender belongs to. A part
     /// the queue has no room for is answered [`CallError::Overloaded`] at once.
-    pub fn submit(&self, part: Part) {
+    pub(super) fn submit(&self, part: Part) {
         let options = self.shared.options;
         let tx = if part.is_large() {
             self.large.get_or_init(|| {

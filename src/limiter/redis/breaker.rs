@@ -20,10 +20,10 @@ use crate::metrics::BackendMetrics;
 /// Consecutive failures that open the circuit.
 const THRESHOLD: u32 = 3;
 /// How long the circuit stays open before a probe.
-pub const COOL_DOWN: Duration = Duration::from_millis(500);
+pub(super) const COOL_DOWN: Duration = Duration::from_millis(500);
 
 /// Closed (calls go through), open (calls fail at once) or half-open (one probe in flight).
-pub struct Breaker {
+pub(super) struct Breaker {
     failures: AtomicU32,
     open_until: Mutex<Option<Instant>>,
     probing: AtomicBool,
@@ -31,7 +31,7 @@ pub struct Breaker {
 
 impl Breaker {
     /// A closed breaker.
-    pub fn new() -> Breaker {
+    pub(super) fn new() -> Breaker {
         Breaker {
             failures: AtomicU32::new(0),
             open_until: Mutex::new(None),
@@ -40,7 +40,7 @@ impl Breaker {
     }
 
     /// Whether a call may go to Redis now.
-    pub fn allow(&self) -> bool {
+    pub(super) fn allow(&self) -> bool {
         let Some(until) = *self.open_until.lock() else {
             return true;
         };
@@ -54,20 +54,20 @@ impl Breaker {
     }
 
     /// Records a successful call.
-    pub fn on_success(&self) {
+    pub(super) fn on_success(&self) {
         self.failures.store(0, Ordering::Release);
         *self.open_until.lock() = None;
         self.probing.store(false, Ordering::Release);
     }
 
     /// Opens the circuit now, whatever the count.
-    pub fn trip(&self) {
+    pub(super) fn trip(&self) {
         *self.open_until.lock() = Some(Instant::now() + COOL_DOWN);
         self.probing.store(false, Ordering::Release);
     }
 
     /// Records a failed call.
-    pub fn on_failure(&self) {
+    pub(super) fn on_failure(&self) {
         let failures = self.failures.fetch_add(1, Ordering::AcqRel) + 1;
         if failures >= THRESHOLD || self.probing.load(Ordering::Acquire) {
             *self.open_until.lock() = Some(Instant::now() + COOL_DOWN);
@@ -78,7 +78,7 @@ impl Breaker {
 
 /// What the backend knows of Redis: the circuit, and whether Redis was last seen reachable
 /// (for health and `ratelimit_backend_up`). Shared by the script calls and the probe.
-pub struct Health {
+pub(super) struct Health {
     breaker: Breaker,
     up: AtomicBool,
     /// A PING confirming a timed-out call's suspicion is in flight.
@@ -88,7 +88,7 @@ pub struct Health {
 
 impl Health {
     /// Closed, and Redis presumed up.
-    pub fn new(metrics: BackendMetrics) -> Health {
+    pub(super) fn new(metrics: BackendMetrics) -> Health {
         Health {
             breaker: Breaker::new(),
             up: AtomicBool::new(true),
@@ -98,12 +98,12 @@ impl Health {
     }
 
     /// Whether a call may go to Redis now.
-    pub fn allow(&self) -> bool {
+    pub(super) fn allow(&self) -> bool {
         self.breaker.allow()
     }
 
     /// Whether Redis was last seen reachable.
-    pub fn is_up(&self) -> bool {
+    pub(super) fn is_up(&self) -> bool {
         self.up.load(Ordering::Relaxed)
     }
 
@@ -113,20 +113,20 @@ impl Health {
     }
 
     /// Redis answered (a call, or a PING).
-    pub fn on_answer(&self) {
+    pub(super) fn on_answer(&self) {
         self.breaker.on_success();
         self.set_up(true);
     }
 
     /// Redis could not be reached (a connection error, a failed PING): counts toward opening.
-    pub fn on_unreachable(&self) {
+    pub(super) fn on_unreachable(&self) {
         self.breaker.on_failure();
         self.set_up(false);
     }
 
     /// A call timed out: opens the circuit only if `ping` (a PING within the call budget) fails
     /// too. One confirmation at a time; the calls timing out meanwhile add nothing.
-    pub fn on_timeout<F>(self: &std::sync::Arc<Self>, ping: F)
+    pub(super) fn on_timeout<F>(self: &std::sync::Arc<Self>, ping: F)
     where
         F: std::future::Future<Output = bool> + Send + 'static,
     {

@@ -22,9 +22,9 @@ use parking_lot::Mutex;
 
 const SHARDS: usize = 16;
 /// How long an entry answers before Redis is asked again.
-pub const MAX_AGE: Duration = Duration::from_secs(1);
+pub(super) const MAX_AGE: Duration = Duration::from_secs(1);
 /// Bytes an entry costs beyond its key: two map/set slots, the shared key's header, the values.
-pub const ENTRY_OVERHEAD: u64 = 96;
+pub(super) const ENTRY_OVERHEAD: u64 = 96;
 
 /// What is known of one counter.
 struct Entry {
@@ -68,7 +68,7 @@ impl Shard {
 
 /// A byte-bounded map from counter key to what is known of it: over until when, for requests of
 /// how many hits, under which limit.
-pub struct OverLimitCache {
+pub(super) struct OverLimitCache {
     shards: Box<[Mutex<Shard>]>,
     hasher: RandomState,
     shard_budget: u64,
@@ -76,7 +76,7 @@ pub struct OverLimitCache {
 
 impl OverLimitCache {
     /// A cache of at most `bytes` (keys and per-entry overhead included).
-    pub fn new(bytes: u64) -> OverLimitCache {
+    pub(super) fn new(bytes: u64) -> OverLimitCache {
         OverLimitCache {
             shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
             hasher: RandomState::new(),
@@ -90,7 +90,14 @@ impl OverLimitCache {
 
     /// Remembers that `hits` did not fit in `key` under `limit` (requests_per_unit, burst) until
     /// `until`, as learned at `now`.
-    pub fn insert(&self, key: &[u8], limit: (u64, u64), now: Instant, until: Instant, hits: u64) {
+    pub(super) fn insert(
+        &self,
+        key: &[u8],
+        limit: (u64, u64),
+        now: Instant,
+        until: Instant,
+        hits: u64,
+    ) {
         let cost = key.len() as u64 + ENTRY_OVERHEAD;
         let mut shard = self.shard(key).lock();
         shard.remove(key);
@@ -114,12 +121,12 @@ impl OverLimitCache {
     }
 
     /// Forgets what is known of `key`.
-    pub fn remove(&self, key: &[u8]) {
+    pub(super) fn remove(&self, key: &[u8]) {
         self.shard(key).lock().remove(key);
     }
 
     /// If `hits` on `key` under `limit` are known to be over at `now`, until when.
-    pub fn over_until(
+    pub(super) fn over_until(
         &self,
         key: &[u8],
         limit: (u64, u64),

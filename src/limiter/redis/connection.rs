@@ -17,7 +17,8 @@ use redis::{
 };
 use tokio::sync::Mutex;
 
-pub use super::url::{Credentials, RedisUrl, UrlError};
+pub(crate) use super::url::Credentials;
+pub use super::url::RedisUrl;
 use crate::limiter::BoxFuture;
 
 /// Where Redis is.
@@ -95,7 +96,7 @@ pub enum SetupError {
 
 /// A connection to whichever shape was configured. Cheap to share.
 #[derive(Clone)]
-pub enum Conn {
+pub(crate) enum Conn {
     /// Auto-reconnecting multiplexed connection.
     Standalone(ConnectionManager),
     /// Cluster client: routes by slot, follows MOVED/ASK, retries TRYAGAIN within its budget.
@@ -105,7 +106,7 @@ pub enum Conn {
 }
 
 /// A connection made on first use and kept; failed attempts are retried on the next use.
-pub struct Lazy<C> {
+pub(crate) struct Lazy<C> {
     slot: Mutex<Option<C>>,
     connect: Box<dyn Fn() -> BoxFuture<'static, RedisResult<C>> + Send + Sync>,
 }
@@ -127,7 +128,7 @@ impl<C: Clone> Lazy<C> {
 }
 
 /// Sentinel-discovered master.
-pub struct SentinelConn {
+pub(crate) struct SentinelConn {
     client: Mutex<SentinelClient>,
     conn: Mutex<Option<MultiplexedConnection>>,
 }
@@ -135,7 +136,11 @@ pub struct SentinelConn {
 impl Conn {
     /// Builds the connection for `target` without connecting. `timeout` bounds each attempt
     /// and each response.
-    pub fn new(target: &Target, tls: &TlsFiles, timeout: Duration) -> Result<Conn, SetupError> {
+    pub(crate) fn new(
+        target: &Target,
+        tls: &TlsFiles,
+        timeout: Duration,
+    ) -> Result<Conn, SetupError> {
         let certs = tls.certificates()?;
         let failed = |node: String| move |source| SetupError::Client { node, source };
         let client_for = |url: &RedisUrl| -> Result<Client, SetupError> {
@@ -260,7 +265,7 @@ impl Conn {
     }
 
     /// Sends one command and reads its reply.
-    pub async fn query<T: redis::FromRedisValue>(
+    pub(crate) async fn query<T: redis::FromRedisValue>(
         &self,
         cmd: &redis::Cmd,
         timeout: Duration,
@@ -270,7 +275,7 @@ impl Conn {
     }
 
     /// DEL of one key; how many keys it removed.
-    pub async fn del(&self, key: &[u8], timeout: Duration) -> RedisResult<usize> {
+    pub(crate) async fn del(&self, key: &[u8], timeout: Duration) -> RedisResult<usize> {
         let mut live = self.live(timeout).await?;
         redis::cmd("DEL")
             .arg(key)
@@ -279,7 +284,7 @@ impl Conn {
     }
 
     /// PING, to learn whether Redis is reachable without touching any counter.
-    pub async fn ping(&self, timeout: Duration) -> RedisResult<()> {
+    pub(crate) async fn ping(&self, timeout: Duration) -> RedisResult<()> {
         let mut live = self.live(timeout).await?;
         redis::cmd("PING")
             .query_async::<String>(&mut live)
@@ -289,7 +294,7 @@ impl Conn {
 
     /// Forgets a cached connection after errors that suggest it is dead (or, for Sentinel,
     /// that the master moved), so the next call connects afresh.
-    pub async fn on_error(&self, err: &redis::RedisError) {
+    pub(crate) async fn on_error(&self, err: &redis::RedisError) {
         let dead = err.is_io_error()
             || err.is_connection_dropped()
             || err.is_connection_refusal()

@@ -8,7 +8,7 @@ use crate::limiter::BackendError;
 
 /// Why a Redis call failed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ErrorKind {
+pub(super) enum ErrorKind {
     /// No answer within the call budget.
     Timeout,
     /// The connection failed, dropped or was refused.
@@ -53,7 +53,7 @@ pub enum ErrorKind {
 
 /// What a failed call says about Redis itself (see `breaker.rs`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Evidence {
+pub(super) enum Evidence {
     /// Nothing: Redis answered, or the failure is the call's own.
     None,
     /// Redis cannot be reached.
@@ -80,7 +80,7 @@ impl ErrorKind {
     /// Transient: timeouts, connection errors, NOSCRIPT, authentication, cluster redirections
     /// and failovers, and the "cannot serve now" replies. Permanent: CROSSSLOT and any other
     /// script error.
-    pub fn of(err: &RedisError) -> ErrorKind {
+    pub(super) fn of(err: &RedisError) -> ErrorKind {
         use redis::{ErrorKind as Client, ServerErrorKind as Server};
         if err.is_timeout() {
             return ErrorKind::Timeout;
@@ -111,7 +111,7 @@ impl ErrorKind {
     }
 
     /// The metric label (`ratelimit_backend_errors_total{kind}`).
-    pub fn label(self) -> &'static str {
+    pub(super) fn label(self) -> &'static str {
         match self {
             ErrorKind::Timeout => "timeout",
             ErrorKind::Connection => "connection",
@@ -138,7 +138,7 @@ impl ErrorKind {
 
     /// Whether a retry, or Redis a moment later, may succeed: then the failure mode answers.
     /// Otherwise the request fails (a bug, or data this service did not write).
-    pub fn is_transient(self) -> bool {
+    pub(super) fn is_transient(self) -> bool {
         !matches!(
             self,
             ErrorKind::CrossSlot | ErrorKind::Script | ErrorKind::ForeignData | ErrorKind::Reply
@@ -147,7 +147,7 @@ impl ErrorKind {
 
     /// What a script call that failed this way says about Redis's health. Replies such as
     /// BUSY or LOADING say nothing: Redis answered, at once.
-    pub fn evidence(self) -> Evidence {
+    pub(super) fn evidence(self) -> Evidence {
         match self {
             ErrorKind::Connection => Evidence::Unreachable,
             ErrorKind::Timeout => Evidence::Stalled,
@@ -156,7 +156,7 @@ impl ErrorKind {
     }
 
     /// The backend error of this kind, with `detail` for the log.
-    pub fn error(self, detail: impl Into<String>) -> BackendError {
+    pub(super) fn error(self, detail: impl Into<String>) -> BackendError {
         let (kind, detail) = (self.label(), detail.into());
         if self.is_transient() {
             BackendError::Unavailable { kind, detail }

@@ -12,7 +12,7 @@
 mod batch;
 mod breaker;
 mod cache;
-pub mod connection;
+pub(crate) mod connection;
 mod error;
 mod url;
 mod wire;
@@ -27,11 +27,12 @@ use redis::RedisError;
 use smallvec::SmallVec;
 use tokio::sync::oneshot;
 
-pub use self::batch::BatchOptions;
+pub(crate) use self::batch::BatchOptions;
 use self::batch::{Batcher, CallError, Part, Reply};
 use self::breaker::Health;
 use self::cache::OverLimitCache;
-pub use self::connection::{Conn, Credentials, RedisUrl, SetupError, Target, TlsFiles};
+pub(crate) use self::connection::{Conn, Credentials, Target, TlsFiles};
+pub use self::connection::{RedisUrl, SetupError};
 use self::error::ErrorKind;
 pub use self::wire::SCRIPT;
 use self::wire::{Args, Decided, Mode};
@@ -56,7 +57,7 @@ pub struct RedisOptions {
 }
 
 /// Counters in Redis.
-pub struct RedisBackend {
+pub(crate) struct RedisBackend {
     conn: Conn,
     batcher: Batcher,
     opts: RedisOptions,
@@ -91,7 +92,10 @@ pub fn slot(tag: &[u8]) -> u16 {
 
 impl RedisBackend {
     /// Prepares the backend without connecting (Redis may be down at start).
-    pub fn new(opts: RedisOptions, metrics: BackendMetrics) -> Result<RedisBackend, SetupError> {
+    pub(crate) fn new(
+        opts: RedisOptions,
+        metrics: BackendMetrics,
+    ) -> Result<RedisBackend, SetupError> {
         let conn = Conn::new(&opts.target, &opts.tls, opts.timeout)?;
         let health = Arc::new(Health::new(metrics.clone()));
         let batcher = Batcher::new(
@@ -119,7 +123,7 @@ impl RedisBackend {
     }
 
     /// Whether the last call or probe reached Redis.
-    pub fn is_up(&self) -> bool {
+    pub(crate) fn is_up(&self) -> bool {
         self.health.is_up()
     }
 
@@ -128,7 +132,7 @@ impl RedisBackend {
     ///
     /// While Redis is down it probes ten times as often, so a Redis that is back is used again
     /// within a tenth of `every` (and the circuit closes) rather than within `every`.
-    pub fn spawn_probe(self: &Arc<Self>, every: Duration) -> tokio::task::JoinHandle<()> {
+    pub(crate) fn spawn_probe(self: &Arc<Self>, every: Duration) -> tokio::task::JoinHandle<()> {
         let backend = Arc::downgrade(self);
         tokio::spawn(async move {
             loop {

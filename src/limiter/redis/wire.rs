@@ -16,7 +16,7 @@ pub const SCRIPT: &str = include_str!("script.lua");
 
 /// What a call does to its requests' counters.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Mode {
+pub(super) enum Mode {
     /// Check every limit, commit all or none (per request).
     Decide,
     /// Give back what an admitted decide took.
@@ -51,7 +51,7 @@ struct LimitArgs {
 
 /// A request's share of a script call: its counters' keys and limits, and what to do with
 /// them. Its keys are all in one cluster slot (the caller's concern).
-pub struct Args {
+pub(super) struct Args {
     mode: Mode,
     /// Names the request's sliding_log members.
     nonce: [u8; 33],
@@ -70,13 +70,13 @@ pub struct Args {
 
 impl Args {
     /// A decide for the request named by `nonce`, with room for `key_bytes` of keys.
-    pub fn decide(nonce: &[u8], key_bytes: usize) -> Args {
+    pub(super) fn decide(nonce: &[u8], key_bytes: usize) -> Args {
         Args::new(Mode::Decide, nonce, 0, Vec::new(), key_bytes)
     }
 
     /// The refund of the decide made at `at` (µs, as its reply said) for the request named by
     /// `nonce`: `marker` is the key (in the slot of its counters) that makes it run once.
-    pub fn refund(nonce: &[u8], at: i64, marker: Vec<u8>, key_bytes: usize) -> Args {
+    pub(super) fn refund(nonce: &[u8], at: i64, marker: Vec<u8>, key_bytes: usize) -> Args {
         Args::new(Mode::Refund, nonce, at, marker, key_bytes)
     }
 
@@ -98,7 +98,7 @@ impl Args {
 
     /// Adds a counter: its key, its limit, the hits to add (refund: to give back) and what an
     /// over verdict does (a quota limit the caller cannot judge across calls goes as shadow).
-    pub fn push(&mut self, key: &[u8], limit: &Limit, hits: u64, enforcement: Enforcement) {
+    pub(super) fn push(&mut self, key: &[u8], limit: &Limit, hits: u64, enforcement: Enforcement) {
         self.keys.extend_from_slice(key);
         self.key_ends.push(self.keys.len() as u32);
         self.limits.push(LimitArgs {
@@ -116,22 +116,22 @@ impl Args {
     }
 
     /// Decide or refund.
-    pub fn mode(&self) -> Mode {
+    pub(super) fn mode(&self) -> Mode {
         self.mode
     }
 
     /// Bytes of its keys.
-    pub fn key_bytes(&self) -> usize {
+    pub(super) fn key_bytes(&self) -> usize {
         self.keys.len()
     }
 
     /// Number of its limits.
-    pub fn limit_count(&self) -> usize {
+    pub(super) fn limit_count(&self) -> usize {
         self.limits.len()
     }
 
     /// Values the script returns for this request.
-    pub fn reply_len(&self) -> usize {
+    pub(super) fn reply_len(&self) -> usize {
         match self.mode {
             Mode::Decide => 2 + 3 * self.limits.len(),
             Mode::Refund => 2,
@@ -155,7 +155,7 @@ const SCAN_LIMITS: usize = 16;
 /// The script call carrying `parts` (all of one mode): EVALSHA, or EVAL with the source after
 /// NOSCRIPT. Each distinct key is sent once and each distinct (key, limit) counter once;
 /// requests name their counters by number (see script.lua).
-pub fn command(parts: &[&Args], by_source: bool) -> Cmd {
+pub(super) fn command(parts: &[&Args], by_source: bool) -> Cmd {
     // Keys → KEYS index, (key, algorithm, requests_per_unit, window, burst) → counter number,
     // both 1-based as Lua counts.
     let limits_in: usize = parts.iter().map(|p| p.limits.len()).sum();
@@ -264,14 +264,14 @@ pub fn command(parts: &[&Args], by_source: bool) -> Cmd {
 }
 
 /// The script's SHA1, as EVALSHA names it (computed once).
-pub fn script_hash() -> &'static str {
+pub(super) fn script_hash() -> &'static str {
     static HASH: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     HASH.get_or_init(|| redis::Script::new(SCRIPT).get_hash().to_owned())
 }
 
 /// A request's share of a decide call's reply: `{admitted, now, then per limit: over,
 /// remaining, reset (µs)}`, admitted being -1 when one of its counters holds foreign data.
-pub enum Decided<'a> {
+pub(super) enum Decided<'a> {
     /// A counter holds data this service did not write: nothing was decided or written.
     ForeignData,
     /// Decided.
@@ -288,7 +288,7 @@ pub enum Decided<'a> {
 impl Decided<'_> {
     /// Reads `values`, a decide's reply for one request (its length checked by the caller
     /// against [`Args::reply_len`]).
-    pub fn parse(values: &[i64]) -> Decided<'_> {
+    pub(super) fn parse(values: &[i64]) -> Decided<'_> {
         match values {
             [admitted, at, limits @ ..] if *admitted >= 0 => Decided::Decided {
                 admitted: *admitted == 1,
@@ -301,7 +301,7 @@ impl Decided<'_> {
 }
 
 /// Each limit's verdict in a decided reply, in the order they were pushed.
-pub fn verdicts(limits: &[i64]) -> impl Iterator<Item = Verdict> + '_ {
+pub(super) fn verdicts(limits: &[i64]) -> impl Iterator<Item = Verdict> + '_ {
     limits.chunks_exact(3).map(|v| Verdict {
         over: v[0] == 1,
         remaining: v[1].max(0) as u64,
