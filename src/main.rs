@@ -4,7 +4,7 @@ use std::io::IsTerminal;
 use std::process::ExitCode;
 
 use anyhow::Context;
-use ratelimitd::settings::{LogFormat, Options, Settings};
+use ratelimitd::settings::{Flags, LogFormatArg, Options};
 use ratelimitd::{Listeners, run};
 use tokio::net::TcpListener;
 use tracing_subscriber::EnvFilter;
@@ -14,16 +14,16 @@ use tracing_subscriber::EnvFilter;
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-fn init_logging(settings: &Settings) -> anyhow::Result<()> {
-    let filter = EnvFilter::try_new(&settings.log_level)
-        .with_context(|| format!("--log-level: invalid filter '{}'", settings.log_level))?;
+fn init_logging(flags: &Flags) -> anyhow::Result<()> {
+    let filter = EnvFilter::try_new(&flags.log_level)
+        .with_context(|| format!("--log-level: invalid filter '{}'", flags.log_level))?;
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal());
-    match settings.log_format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().init(),
+    match flags.log_format {
+        LogFormatArg::Text => builder.init(),
+        LogFormatArg::Json => builder.json().init(),
     }
     Ok(())
 }
@@ -43,18 +43,18 @@ async fn shutdown_signal() {
     let _ = ctrl_c.await;
 }
 
-async fn serve(settings: Settings, options: Options) -> anyhow::Result<()> {
-    init_logging(&settings)?;
-    let grpc = TcpListener::bind(settings.grpc_addr)
+async fn serve(flags: Flags, options: Options) -> anyhow::Result<()> {
+    init_logging(&flags)?;
+    let grpc = TcpListener::bind(flags.grpc_addr)
         .await
-        .with_context(|| format!("--grpc-addr: cannot listen on {}", settings.grpc_addr))?;
-    let http = TcpListener::bind(settings.http_addr)
+        .with_context(|| format!("--grpc-addr: cannot listen on {}", flags.grpc_addr))?;
+    let http = TcpListener::bind(flags.http_addr)
         .await
-        .with_context(|| format!("--http-addr: cannot listen on {}", settings.http_addr))?;
+        .with_context(|| format!("--http-addr: cannot listen on {}", flags.http_addr))?;
     let mut extra_http = Vec::new();
     for (flag, addr) in [
-        ("--debug-addr", settings.debug_addr),
-        ("--metrics-addr", settings.metrics_addr),
+        ("--debug-addr", flags.debug_addr),
+        ("--metrics-addr", flags.metrics_addr),
     ] {
         if let Some(addr) = addr {
             let l = TcpListener::bind(addr)
@@ -63,7 +63,7 @@ async fn serve(settings: Settings, options: Options) -> anyhow::Result<()> {
             extra_http.push(l);
         }
     }
-    for note in &settings.ignored_env {
+    for note in &flags.ignored_env {
         tracing::warn!("{note}");
     }
     run(
@@ -80,8 +80,8 @@ async fn serve(settings: Settings, options: Options) -> anyhow::Result<()> {
 }
 
 fn main() -> ExitCode {
-    let (settings, options) =
-        match Settings::parse_options_with_env(std::env::args(), |k| std::env::var(k).ok()) {
+    let (flags, options) =
+        match ratelimitd::settings::parse(std::env::args(), |k| std::env::var(k).ok()) {
             Ok(parsed) => parsed,
             Err(e) => e.exit(),
         };
@@ -92,7 +92,7 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(serve(settings, options)) {
+    match runtime.block_on(serve(flags, options)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("ratelimitd: {e:#}");

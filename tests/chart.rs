@@ -130,7 +130,7 @@ fn defaults_render_a_safe_deployment_reading_a_valid_config() {
     // Every flag the chart passes is one the binary accepts.
     let mut cli = vec!["ratelimitd".to_owned()];
     cli.extend(args(d));
-    ratelimitd::settings::Settings::parse_with_env(cli, |_| None).unwrap();
+    ratelimitd::settings::parse(cli, |_| None).unwrap();
     let svc = of(&objects, "Service").unwrap();
     assert_eq!(svc["spec"]["ports"][0]["port"], 8081);
     for absent in [
@@ -191,7 +191,7 @@ fn every_feature_switched_on() {
     // string at all); the CA file exists only in the pod.
     let mut cli = vec!["ratelimitd".to_owned()];
     cli.extend(a.into_iter().filter(|a| !a.starts_with("--redis-tls-")));
-    ratelimitd::settings::Settings::parse_with_env(cli, |_| None).unwrap();
+    ratelimitd::settings::parse(cli, |_| None).unwrap();
     let hpa = of(&objects, "HorizontalPodAutoscaler").unwrap();
     assert_eq!(hpa["spec"]["maxReplicas"], 12);
     assert_eq!(

@@ -7,7 +7,7 @@ use crate::metrics::BackendMetrics;
 
 /// The answer while Redis cannot be reached.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum FailureMode {
+pub(crate) enum FailureMode {
     /// gRPC UNAVAILABLE, so Envoy's `failure_mode_deny` decides.
     Error,
     /// Admit everything.
@@ -20,7 +20,7 @@ pub enum FailureMode {
 
 impl FailureMode {
     /// The flag value.
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             FailureMode::Error => "error",
             FailureMode::Allow => "allow",

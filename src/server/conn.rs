@@ -27,7 +27,7 @@ use tokio::time::{Instant, Sleep};
 
 /// The bounds every accepted connection of one listener gets.
 #[derive(Clone, Copy, Debug)]
-pub struct ConnLimits {
+pub(crate) struct ConnLimits {
     /// Connections held at once.
     pub max_connections: usize,
     /// Longest silence (no byte read), and longest time the server's writes may stay blocked.

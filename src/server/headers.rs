@@ -8,8 +8,8 @@ use std::time::Duration;
 use crate::engine::{Code, Response, Status};
 
 /// Which headers to write.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum HeaderMode {
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum HeaderMode {
     /// None.
     Off,
     /// `X-RateLimit-Limit`, `-Remaining`, `-Reset`, as Envoy's DRAFT_VERSION_03 writes them.

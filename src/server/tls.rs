@@ -29,7 +29,7 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The files of the listener's TLS.
 #[derive(Clone, Debug)]
-pub struct TlsFiles {
+pub(crate) struct TlsFiles {
     /// Certificate chain (PEM).
     pub cert: PathBuf,
     /// Private key (PEM).
@@ -55,7 +55,7 @@ fn err(path: &Path, message: impl ToString) -> TlsError {
 
 impl TlsFiles {
     /// Reads and checks the files: a rustls server config speaking HTTP/2 (gRPC).
-    pub fn load(&self) -> Result<Arc<ServerConfig>, TlsError> {
+    pub(crate) fn load(&self) -> Result<Arc<ServerConfig>, TlsError> {
         let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(&self.cert)
             .map_err(|e| err(&self.cert, e))?
             .collect::<Result<_, _>>()

@@ -10,7 +10,7 @@
 
 /// Flags (long name without `--`, value) the environment asks for, and what to log about it.
 #[derive(Debug, Default, PartialEq, Eq)]
-pub struct Translated {
+pub(super) struct Translated {
     /// In the order they were derived.
     pub flags: Vec<(&'static str, String)>,
     /// Variables that are set but have no equivalent (logged once at start).
@@ -157,7 +157,10 @@ fn address(host: Option<String>, port: Option<String>, default_port: u16) -> Str
 
 /// Reads envoyproxy/ratelimit's variables from `env`. `dropin` is true when no config path
 /// was given, so that service's defaults apply too.
-pub fn translate(env: &dyn Fn(&str) -> Option<String>, dropin: bool) -> Result<Translated, String> {
+pub(super) fn translate(
+    env: &dyn Fn(&str) -> Option<String>,
+    dropin: bool,
+) -> Result<Translated, String> {
     let mut t = Translated::default();
     let var = |name: &str| env(name).map(|v| v.trim().to_owned());
     let flag = |t: &mut Translated, name: &'static str, value: String| t.flags.push((name, value));

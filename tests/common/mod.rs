@@ -12,7 +12,6 @@ use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descri
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
-use ratelimitd::settings::Settings;
 use ratelimitd::testing::run_with_clock;
 use ratelimitd::testing::{Clock, SystemClock};
 use ratelimitd::{Listeners, RunError};
@@ -155,14 +154,14 @@ impl TestServer {
             config.display().to_string(),
         ];
         args.extend(flags.iter().map(|s| s.to_string()));
-        let settings = Settings::parse_with_env(args.clone(), |_| None).expect("settings");
+        let (_, options) = ratelimitd::settings::parse(args.clone(), |_| None).expect("settings");
         let grpc_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let http_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let grpc = grpc_listener.local_addr().unwrap();
         let http = http_listener.local_addr().unwrap();
         let (stop, stopped) = oneshot::channel::<()>();
         let task = tokio::spawn(run_with_clock(
-            settings.resolve().expect("options"),
+            options,
             Listeners {
                 grpc: grpc_listener,
                 http: http_listener,

@@ -23,7 +23,7 @@ use crate::limiter::BoxFuture;
 
 /// Where Redis is.
 #[derive(Clone, Debug)]
-pub enum Target {
+pub(crate) enum Target {
     /// One server (`redis://` or `rediss://`).
     Standalone(RedisUrl),
     /// Seed nodes of a Redis Cluster.
@@ -43,7 +43,7 @@ pub enum Target {
 
 /// PEM files for TLS (`rediss://`).
 #[derive(Clone, Debug, Default)]
-pub struct TlsFiles {
+pub(crate) struct TlsFiles {
     /// CA bundle to verify the server with (else the system's roots).
     pub ca: Option<PathBuf>,
     /// Client certificate, for mutual TLS.

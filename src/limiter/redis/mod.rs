@@ -41,7 +41,7 @@ use crate::metrics::BackendMetrics;
 
 /// Everything the Redis backend needs (keys come built: see [`crate::limiter::key`]).
 #[derive(Clone, Debug)]
-pub struct RedisOptions {
+pub(crate) struct RedisOptions {
     /// Where Redis is.
     pub target: Target,
     /// TLS files for `rediss://`.

@@ -1,0 +1,382 @@
+//! The flags as clap parses them, and their value parsers.
+//!
+//! One rule for enums: every flag that takes one of a few words has its own clap `ValueEnum`
+//! here, named `<Thing>Arg`; [`resolve`](super::resolve) maps it to the type of the module that
+//! uses it. So clap stays in `settings`, and a module's type can change without changing a flag.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Parser, ValueEnum};
+
+use crate::limiter::redis::RedisUrl;
+
+/// `--backend`: where counters are kept.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum BackendArg {
+    /// In this process (the default): exact, fast, not shared between replicas.
+    Memory,
+    /// In Redis (standalone, cluster or sentinel), shared by every replica.
+    Redis,
+}
+
+/// `--redis-failure-mode`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum FailureModeArg {
+    /// gRPC UNAVAILABLE: Envoy's failure_mode_deny decides.
+    Error,
+    /// Answer OK.
+    Allow,
+    /// Answer OVER_LIMIT.
+    Deny,
+    /// Decide in this process until Redis is back.
+    Local,
+}
+
+/// `--redis-hash-tag`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum HashTagArg {
+    /// One slot per domain: exact all-or-nothing in one call.
+    Domain,
+    /// One slot per descriptor: spreads a domain over a cluster.
+    Descriptor,
+}
+
+/// `--response-headers`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum HeaderModeArg {
+    /// None.
+    Off,
+    /// `X-RateLimit-Limit`, `-Remaining`, `-Reset`, as Envoy's DRAFT_VERSION_03 writes them.
+    Draft03,
+    /// `RateLimit-Policy` and `RateLimit` (draft-ietf-httpapi-ratelimit-headers).
+    Ietf,
+    /// envoyproxy/ratelimit's own `RateLimit-Limit`, `-Remaining`, `-Reset`
+    /// (`LIMIT_RESPONSE_HEADERS_ENABLED=true`).
+    Reference,
+}
+
+/// Parses a Redis URL flag. A custom parser (not a function) so that a refused value is never
+/// echoed: clap would print the whole value, password included.
+#[derive(Clone)]
+struct RedisUrlParser;
+
+impl clap::builder::TypedValueParser for RedisUrlParser {
+    type Value = RedisUrl;
+
+    fn parse_ref(
+        &self,
+        _cmd: &clap::Command,
+        arg: Option<&clap::Arg>,
+        value: &std::ffi::OsStr,
+    ) -> Result<RedisUrl, clap::Error> {
+        let flag = arg.map_or("a Redis URL".to_owned(), |a| a.to_string());
+        let text = value.to_str().ok_or_else(|| {
+            clap::Error::raw(
+                clap::error::ErrorKind::InvalidUtf8,
+                format!("{flag}: not UTF-8\n"),
+            )
+        })?;
+        RedisUrl::parse(text).map_err(|e| {
+            clap::Error::raw(
+                clap::error::ErrorKind::ValueValidation,
+                format!("invalid value for {flag}: {e}\n"),
+            )
+        })
+    }
+}
+
+/// A flag value that is never shown (`Debug` prints `***`).
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(pub(crate) String);
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("***")
+    }
+}
+
+fn parse_secret(s: &str) -> Result<Secret, String> {
+    Ok(Secret(s.to_owned()))
+}
+
+/// `--log-format`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum LogFormatArg {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// The command line as clap parses it: every flag, each also read from `RATELIMITD_<FLAG>`
+/// when not given. [`parse`](super::parse) resolves it into [`Options`](super::Options).
+#[derive(Clone, Debug, Parser)]
+#[command(
+    name = "ratelimitd",
+    version,
+    about = "Rate-limit service for Envoy and Istio (envoy.service.ratelimit.v3)",
+    after_help = "Every flag can also be set as RATELIMITD_<FLAG>, e.g. RATELIMITD_GRPC_ADDR=0.0.0.0:8081; \
+                  RATELIMITD_CONFIG takes a comma-separated list."
+)]
+pub struct Flags {
+    /// Config file or directory (every *.yaml/*.yml inside, dot-files skipped); repeatable.
+    /// Without it (and without RATELIMITD_CONFIG) the service reads envoyproxy/ratelimit's
+    /// RUNTIME_ROOT/RUNTIME_SUBDIRECTORY/RUNTIME_APPDIRECTORY, as that service does.
+    #[arg(long = "config", value_name = "PATH")]
+    pub config: Vec<PathBuf>,
+
+    /// envoyproxy/ratelimit variables that were set but change nothing here (logged at start).
+    #[arg(skip)]
+    pub ignored_env: Vec<String>,
+
+    /// gRPC listen address (RateLimitService and grpc.health.v1).
+    #[arg(long, default_value = "0.0.0.0:8081")]
+    pub grpc_addr: SocketAddr,
+
+    /// Serve gRPC over TLS with this certificate chain (PEM); with --grpc-tls-key. Reloaded
+    /// when the file changes.
+    #[arg(long, requires = "grpc_tls_key")]
+    pub grpc_tls_cert: Option<PathBuf>,
+
+    /// The gRPC listener's private key (PEM).
+    #[arg(long, requires = "grpc_tls_cert")]
+    pub grpc_tls_key: Option<PathBuf>,
+
+    /// Require client certificates issued by this CA (PEM) on the gRPC listener (mutual TLS).
+    #[arg(long, requires = "grpc_tls_cert")]
+    pub grpc_tls_client_ca: Option<PathBuf>,
+
+    /// HTTP listen address (/healthcheck, /metrics, /rlconfig).
+    #[arg(long, default_value = "0.0.0.0:8080")]
+    pub http_addr: SocketAddr,
+
+    /// Also serve the HTTP endpoints here (envoyproxy/ratelimit's debug port, DEBUG_PORT).
+    #[arg(long)]
+    pub debug_addr: Option<SocketAddr>,
+
+    /// Also serve the HTTP endpoints here (envoyproxy/ratelimit's PROMETHEUS_ADDR).
+    #[arg(long)]
+    pub metrics_addr: Option<SocketAddr>,
+
+    /// Where counters are kept.
+    #[arg(long, value_enum, default_value = "memory")]
+    pub backend: BackendArg,
+
+    /// Log format.
+    #[arg(long, value_enum, default_value = "text")]
+    pub log_format: LogFormatArg,
+
+    /// Log filter: a level (error, warn, info, debug, trace) or tracing directives.
+    #[arg(long, default_value = "info")]
+    pub log_level: String,
+
+    /// Fraction of a limit past which a decision is counted as near_limit.
+    #[arg(long, default_value_t = 0.8, value_parser = parse_ratio)]
+    pub near_limit_ratio: f64,
+
+    /// Answer OK overall whatever the limits say (statuses and metrics still report them).
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub shadow_mode: bool,
+
+    /// Serve the admin API (inspect and reset counters) on the gRPC port. Off by default:
+    /// anyone who can reach the port could reset limits.
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub admin: bool,
+
+    /// Rate-limit headers for Envoy to add to the client's response.
+    #[arg(long, value_enum, default_value = "off")]
+    pub response_headers: HeaderModeArg,
+
+    /// Return the config `metadata` of the descriptors that passed (and the request's
+    /// descriptors) in each response's dynamic_metadata, as envoyproxy/ratelimit does.
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub response_dynamic_metadata: bool,
+
+    /// Most descriptors in one request.
+    #[arg(long, default_value_t = 64)]
+    pub max_descriptors: usize,
+
+    /// Most entries in one descriptor.
+    #[arg(long, default_value_t = 32)]
+    pub max_entries: usize,
+
+    /// Longest entry key, in bytes.
+    #[arg(long, default_value_t = 4096)]
+    pub max_key_bytes: usize,
+
+    /// Longest entry value, in bytes.
+    #[arg(long, default_value_t = 4096)]
+    pub max_value_bytes: usize,
+
+    /// Most counters one request may touch (its descriptors' limits, after merging the same
+    /// counter), so that one request's CPU and Redis time stay bounded.
+    #[arg(long, default_value_t = 256)]
+    pub max_counters: usize,
+
+    /// Redis server (standalone): `redis://[user:pass@]host:port[/db]`, or `rediss://` for TLS.
+    #[arg(long, value_parser = RedisUrlParser)]
+    pub redis_url: Option<RedisUrl>,
+
+    /// Redis Cluster seed nodes, comma-separated URLs.
+    #[arg(long, value_parser = RedisUrlParser, value_delimiter = ',')]
+    pub redis_cluster_nodes: Vec<RedisUrl>,
+
+    /// Redis Sentinel nodes, comma-separated URLs (with --redis-sentinel-master).
+    #[arg(long, value_parser = RedisUrlParser, value_delimiter = ',')]
+    pub redis_sentinel_nodes: Vec<RedisUrl>,
+
+    /// The master name the sentinels monitor.
+    #[arg(long)]
+    pub redis_sentinel_master: Option<String>,
+
+    /// ACL user for Redis data nodes (standalone, cluster, or the master Sentinel names) whose
+    /// URL has no user information. Sentinels take theirs from their own URLs.
+    #[arg(long)]
+    pub redis_username: Option<String>,
+
+    /// Password for Redis data nodes whose URL has none (best set as RATELIMITD_REDIS_PASSWORD
+    /// from a Secret). Sentinels take theirs from their own URLs.
+    #[arg(long, value_parser = parse_secret)]
+    pub redis_password: Option<Secret>,
+
+    /// Reach Redis data nodes over TLS (as if their URLs said rediss://); for Sentinel, the master.
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub redis_tls: bool,
+
+    /// CA certificate (PEM) to verify a rediss:// server.
+    #[arg(long)]
+    pub redis_tls_ca: Option<PathBuf>,
+
+    /// Client certificate (PEM) for mutual TLS.
+    #[arg(long)]
+    pub redis_tls_cert: Option<PathBuf>,
+
+    /// Client key (PEM) for mutual TLS.
+    #[arg(long)]
+    pub redis_tls_key: Option<PathBuf>,
+
+    /// Budget for one Redis call, redirections and retries included.
+    #[arg(long, default_value = "100ms", value_parser = parse_timeout)]
+    pub redis_timeout: Duration,
+
+    /// What to answer while Redis is unavailable.
+    #[arg(long, value_enum, default_value = "error")]
+    pub redis_failure_mode: FailureModeArg,
+
+    /// Prefix of every Redis key.
+    #[arg(long, default_value = "ratelimit:")]
+    pub redis_key_prefix: String,
+
+    /// What a key's cluster hash tag covers.
+    #[arg(long, value_enum, default_value = "domain")]
+    pub redis_hash_tag: HashTagArg,
+
+    /// Redis script calls in flight at once; requests arriving meanwhile share the next call.
+    #[arg(long, default_value_t = 2, value_parser = clap::builder::TypedValueParser::map(clap::value_parser!(u16).range(1..=64), usize::from))]
+    pub redis_pipeline: usize,
+
+    /// Most requests one Redis script call decides (1 turns coalescing off).
+    #[arg(long, default_value_t = 64, value_parser = clap::builder::TypedValueParser::map(clap::value_parser!(u16).range(1..=1024), usize::from))]
+    pub redis_max_batch: usize,
+
+    /// Bytes of the local over-limit cache, keys included (0 = off), e.g. 1MiB.
+    #[arg(long, default_value = "0", value_parser = parse_bytes)]
+    pub local_cache_bytes: u64,
+
+    /// Bytes of counter state the memory backend (or the `local` failure mode) may hold, keys
+    /// included; past it the counters closest to expiry are given up, e.g. 64MiB.
+    #[arg(long, default_value = "64MiB", value_parser = parse_bytes)]
+    pub memory_max_bytes: u64,
+
+    /// How long in-flight calls may take to finish after SIGTERM before the process exits anyway.
+    #[arg(long, default_value = "10s", value_parser = parse_grace)]
+    pub shutdown_grace: Duration,
+
+    /// Most client connections the gRPC port holds at once; one more is closed at accept.
+    #[arg(long, default_value_t = 4096)]
+    pub max_connections: usize,
+
+    /// A connection that sends nothing, or reads nothing the server writes, for this long is
+    /// closed (gRPC clients are pinged every third of it, so a live one never is).
+    #[arg(long, default_value = "30s", value_parser = parse_timeout)]
+    pub connection_idle_timeout: Duration,
+
+    /// Longest time to receive a request and answer it (gRPC and HTTP); a gRPC client's
+    /// shorter `grpc-timeout` wins.
+    #[arg(long, default_value = "5s", value_parser = parse_timeout)]
+    pub request_timeout: Duration,
+
+    /// Bytes of requests one gRPC connection may have in flight (from their first byte until
+    /// answered), e.g. 4MiB; a request past it is refused on that connection only.
+    #[arg(long, default_value = "4MiB", value_parser = parse_bytes)]
+    pub max_connection_request_bytes: u64,
+}
+
+fn parse_ratio(s: &str) -> Result<f64, String> {
+    let v: f64 = s.parse().map_err(|e| format!("{e}"))?;
+    if (0.0..=1.0).contains(&v) {
+        Ok(v)
+    } else {
+        Err(format!("{v} is not between 0 and 1"))
+    }
+}
+
+/// Parses `250ms`, `10s`, `2m` or a bare number of seconds, never more than `max`: a longer
+/// timeout or grace is a typo, and an unbounded one would overflow the runtime's timers.
+fn parse_duration_within(s: &str, max: Duration) -> Result<Duration, String> {
+    let s = s.trim();
+    let split = s
+        .find(|c: char| !c.is_ascii_digit() && c != '.')
+        .unwrap_or(s.len());
+    let (number, unit) = s.split_at(split);
+    let n: f64 = number
+        .parse()
+        .map_err(|_| format!("'{s}' is not a duration (e.g. 250ms, 10s, 2m)"))?;
+    let secs = match unit {
+        "ms" => n / 1000.0,
+        "" | "s" => n,
+        "m" => n * 60.0,
+        _ => return Err(format!("'{s}' has an unknown unit (use ms, s or m)")),
+    };
+    match Duration::try_from_secs_f64(secs) {
+        Ok(d) if d <= max => Ok(d),
+        _ => Err(format!("'{s}' is longer than the maximum of {max:?}")),
+    }
+}
+
+/// `--redis-timeout`: more than 0 and at most a minute (Envoy itself waits 20 ms by default).
+fn parse_timeout(s: &str) -> Result<Duration, String> {
+    let d = parse_duration_within(s, Duration::from_secs(60))?;
+    if d.is_zero() {
+        return Err("must be more than 0".into());
+    }
+    Ok(d)
+}
+
+/// `--shutdown-grace`: at most an hour.
+fn parse_grace(s: &str) -> Result<Duration, String> {
+    parse_duration_within(s, Duration::from_secs(3_600))
+}
+
+/// Parses a byte size: a number with an optional `k`, `m` or `g` suffix (powers of 1024,
+/// optionally followed by `i`/`ib`/`b`), e.g. `64MiB`, `512k`, `1048576`.
+fn parse_bytes(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (number, unit) = t.split_at(split);
+    let n: u64 = number
+        .parse()
+        .map_err(|_| format!("'{s}' is not a size (e.g. 65536, 512KiB, 64MiB, 1GiB)"))?;
+    let shift = match unit.to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kb" | "ki" | "kib" => 10,
+        "m" | "mb" | "mi" | "mib" => 20,
+        "g" | "gb" | "gi" | "gib" => 30,
+        _ => return Err(format!("'{s}' has an unknown unit (use KiB, MiB or GiB)")),
+    };
+    n.checked_mul(1 << shift)
+        .filter(|b| *b <= 1 << 40)
+        .ok_or_else(|| format!("'{s}' is larger than 1 TiB"))
+}
