@@ -7,9 +7,10 @@
 //! 3. The backend decides all hits at once, all-or-nothing.
 //! 4. [`report::statuses`]: verdicts back into per-descriptor statuses; one metric per limit.
 
-pub(crate) mod report;
-pub(crate) mod request;
-pub(crate) mod resolve;
+mod applied;
+mod report;
+mod request;
+mod resolve;
 
 use std::collections::HashSet;
 use std::sync::{Arc, OnceLock};
@@ -18,10 +19,12 @@ use arc_swap::ArcSwap;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 
-pub(crate) use self::report::{Code, CounterView, ReportedLimit, Response, Status};
+use self::applied::Applied;
+pub(crate) use self::applied::ReportedLimit;
+pub(crate) use self::report::{Code, CounterView, Response, Status};
 pub(crate) use self::request::{Descriptor, EngineError, LimitOverride, Request, RequestLimits};
 pub(crate) use self::resolve::OVERRIDE_RULE;
-use self::resolve::{Applied, Resolved, resolve};
+use self::resolve::{Resolved, resolve};
 use crate::config::Snapshot;
 use crate::limiter::key::KeyFormat;
 use crate::limiter::{Algorithm, Backend};
@@ -158,10 +161,10 @@ impl Engine {
     }
 
     fn record(&self, domain: &Arc<String>, a: &Applied<'_>, decision: Decision) {
-        let rule = if a.rule_has_values {
-            self.value_rules.label(&a.rule)
+        let rule = if a.limit.rule_has_values {
+            self.value_rules.label(&a.limit.rule)
         } else {
-            a.rule.clone()
+            a.limit.rule.clone()
         };
         self.decisions
             .get_or_create(&DecisionLabels {
@@ -193,7 +196,7 @@ impl Engine {
             resolve(&snapshot, &req, &self.keys, &self.override_rule);
         let mut limits: Vec<Option<ReportedLimit>> = vec![None; hits.len()];
         for a in applied {
-            limits[a.hit].get_or_insert(a.reported);
+            limits[a.hit].get_or_insert(a.limit.reported);
         }
         let limits = limits
             .into_iter()

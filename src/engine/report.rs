@@ -1,11 +1,9 @@
 //! The report step: verdicts back into per-descriptor statuses, the overall code and the
 //! passed descriptors' metadata, with one decision per applied limit for the metrics.
 
-use std::sync::Arc;
 use std::time::Duration;
 
-use super::resolve::Applied;
-use crate::config::Unit;
+use super::applied::{Applied, ReportedLimit};
 use crate::limiter::{Algorithm, Enforcement, Hit, Outcome, Verdict, quota_rejects};
 use crate::metrics::Decision;
 
@@ -16,19 +14,6 @@ pub enum Code {
     Ok,
     /// Over a limit.
     OverLimit,
-}
-
-/// The limit reported for a descriptor.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ReportedLimit {
-    /// `rate_limit.name`, if configured.
-    pub name: Option<Arc<str>>,
-    /// Hits per unit.
-    pub requests_per_unit: u64,
-    /// The configured unit (not multiplied).
-    pub unit: Unit,
-    /// The window: unit × `unit_multiplier`.
-    pub window: Duration,
 }
 
 /// The answer for one descriptor.
@@ -119,7 +104,7 @@ pub(crate) fn statuses(
     for (k, a) in applied.iter().enumerate() {
         let (hit, v) = (&hits[a.hit], &outcome.verdicts[a.hit]);
         let rejects = v.over
-            && match a.enforcement {
+            && match a.limit.enforcement {
                 Enforcement::Enforce => true,
                 Enforcement::Quota => quota_rejects,
                 Enforcement::Shadow => false,
@@ -134,9 +119,9 @@ pub(crate) fn statuses(
         };
         decided(
             a,
-            decision(hit, a.enforcement, v, remaining, near_limit_ratio),
+            decision(hit, a.limit.enforcement, v, remaining, near_limit_ratio),
         );
-        let slot = &mut best[a.descriptor];
+        let slot = &mut best[a.limit.descriptor];
         let better = match slot {
             None => true,
             Some((r, rem, _)) => (rejects && !*r) || (rejects == *r && remaining < *rem),
@@ -150,7 +135,7 @@ pub(crate) fn statuses(
             None => Status::unlimited(),
             Some((rejects, remaining, k)) => Status {
                 code: if rejects { Code::OverLimit } else { Code::Ok },
-                limit: Some(applied[k].reported.clone()),
+                limit: Some(applied[k].limit.reported.clone()),
                 remaining,
                 reset: Some(outcome.verdicts[applied[k].hit].reset),
             },
@@ -190,11 +175,11 @@ pub(super) fn passed_metadata(
     let mut merged = serde_json::Map::new();
     let mut seen = Vec::new();
     for a in applied {
-        if statuses[a.descriptor].code != Code::Ok || seen.contains(&a.descriptor) {
+        if statuses[a.limit.descriptor].code != Code::Ok || seen.contains(&a.limit.descriptor) {
             continue;
         }
-        seen.push(a.descriptor);
-        if let Some(serde_json::Value::Object(m)) = a.metadata {
+        seen.push(a.limit.descriptor);
+        if let Some(serde_json::Value::Object(m)) = a.limit.metadata {
             merge_metadata(&mut merged, m);
         }
     }

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::report::ReportedLimit;
+use super::applied::{Applicable, Applied, ReportedLimit};
 use super::request::{LimitOverride, Request};
 use crate::config::{LimitRule, NodeLimits, Snapshot};
 use crate::limiter::key::KeyFormat;
@@ -46,24 +46,6 @@ pub(crate) fn override_hit(
 /// Up to this many hits, [`merge`] finds duplicates by a scan.
 const SCAN_HITS: usize = 16;
 
-/// One limit that applies to one descriptor.
-pub(crate) struct Applied<'s> {
-    /// The descriptor's index in the request.
-    pub descriptor: usize,
-    /// The limit as reported in the status.
-    pub reported: ReportedLimit,
-    /// What an over verdict does to the request.
-    pub enforcement: Enforcement,
-    /// The metric `rule` label.
-    pub rule: Arc<String>,
-    /// The rule label carries request values (`detailed_metric`, `value_to_metric`).
-    pub rule_has_values: bool,
-    /// The config node's `metadata`, if any.
-    pub metadata: Option<&'s serde_json::Value>,
-    /// The merged hit this limit's counter is decided in: an index into [`Resolved::hits`].
-    pub hit: usize,
-}
-
 /// A request resolved against a snapshot.
 #[derive(Default)]
 pub(crate) struct Resolved<'s> {
@@ -92,7 +74,8 @@ pub(crate) fn resolve<'s>(
         return Resolved::default();
     };
     let default_hits = req.hits_addend.max(1);
-    let mut applied = Vec::new();
+    // `found[i]` comes with `hits[i]` until `merge` pairs them.
+    let mut found: Vec<Applicable<'s>> = Vec::new();
     let mut hits: Vec<Hit> = Vec::new();
     // Limits that take part in `replaces`: rare, so the common request allocates nothing.
     let mut named: Vec<Named<'s>> = Vec::new();
@@ -105,7 +88,7 @@ pub(crate) fn resolve<'s>(
                 Some(m) => (m.rule, m.rule_has_values),
                 None => (override_rule.clone(), false),
             };
-            applied.push(Applied {
+            found.push(Applicable {
                 descriptor: i,
                 reported: ReportedLimit {
                     name: None,
@@ -117,7 +100,6 @@ pub(crate) fn resolve<'s>(
                 rule,
                 rule_has_values,
                 metadata: None,
-                hit: usize::MAX,
             });
             hits.push(override_hit(keys, req.domain, &d.entries, o, hits_addend));
             continue;
@@ -149,16 +131,15 @@ pub(crate) fn resolve<'s>(
                     .for_limit(&limit, rule.ordinal)
             };
             if rule.name.is_some() || !rule.replaces.is_empty() {
-                named.push((applied.len(), rule.name.as_ref(), &rule.replaces));
+                named.push((found.len(), rule.name.as_ref(), &rule.replaces));
             }
-            applied.push(Applied {
+            found.push(Applicable {
                 descriptor: i,
                 reported: reported(rule),
                 enforcement,
                 rule: matched.rule.clone(),
                 rule_has_values: matched.rule_has_values,
                 metadata: matched.node.metadata.as_deref(),
-                hit: usize::MAX,
             });
             hits.push(Hit {
                 key,
@@ -171,18 +152,18 @@ pub(crate) fn resolve<'s>(
     // `replaces`: a limit named by another applicable limit's `replaces` does not apply.
     if named.iter().any(|(_, _, r)| !r.is_empty()) {
         let replaced: Vec<&Arc<str>> = named.iter().flat_map(|(_, _, r)| r.iter()).collect();
-        let mut keep = vec![true; applied.len()];
+        let mut keep = vec![true; found.len()];
         for (a, name, _) in &named {
             if name.is_some_and(|n| replaced.contains(&n)) {
                 keep[*a] = false;
             }
         }
         let mut k = keep.iter();
-        applied.retain(|_| *k.next().expect("one flag per limit"));
+        found.retain(|_| *k.next().expect("one flag per limit"));
         let mut k = keep.iter();
         hits.retain(|_| *k.next().expect("one flag per hit"));
     }
-    let hits = merge(&mut applied, hits);
+    let (applied, hits) = merge(found, hits);
     Resolved {
         domain: Some(&domain.name),
         applied,
@@ -192,17 +173,18 @@ pub(crate) fn resolve<'s>(
 
 /// Merges hits on the same counter (a request may carry the same descriptor twice, or two
 /// descriptors may share a counter), so each counter is checked once with the sum of its hits:
-/// checked separately, both would fit and both would be committed, over-admitting. Sets each
-/// applied limit's `hit` to its merged hit. `applied[i]` came with `hits[i]`.
+/// checked separately, both would fit and both would be committed, over-admitting. Pairs each
+/// limit with its merged hit. `found[i]` came with `hits[i]`.
 ///
 /// Linear in the number of hits: a short scan for the usual few, an index past [`SCAN_HITS`]
 /// (a scan over thousands of long keys cost a request of 63 descriptors × 100 limits over a
 /// hundred milliseconds of CPU).
-fn merge(applied: &mut [Applied<'_>], hits: Vec<Hit>) -> Vec<Hit> {
+fn merge<'s>(found: Vec<Applicable<'s>>, hits: Vec<Hit>) -> (Vec<Applied<'s>>, Vec<Hit>) {
+    let mut applied = Vec::with_capacity(found.len());
     let mut merged: Vec<Hit> = Vec::with_capacity(hits.len());
     let mut index: std::collections::HashMap<Vec<u8>, usize> = std::collections::HashMap::new();
     let indexed = hits.len() > SCAN_HITS;
-    for (a, hit) in applied.iter_mut().zip(hits) {
+    for (limit, hit) in found.into_iter().zip(hits) {
         let found = if indexed {
             match index.entry(hit.key.as_bytes().to_vec()) {
                 std::collections::hash_map::Entry::Occupied(e) => Some(*e.get()),
@@ -226,15 +208,18 @@ fn merge(applied: &mut [Applied<'_>], hits: Vec<Hit>) -> Vec<Hit> {
                     .min(hit.limit.requests_per_unit);
                 into.limit.burst = into.limit.burst.min(hit.limit.burst);
                 into.enforcement = stricter(into.enforcement, hit.enforcement);
-                a.hit = m;
+                applied.push(Applied { limit, hit: m });
             }
             None => {
-                a.hit = merged.len();
+                applied.push(Applied {
+                    limit,
+                    hit: merged.len(),
+                });
                 merged.push(hit);
             }
         }
     }
-    merged
+    (applied, merged)
 }
 
 fn stricter(a: Enforcement, b: Enforcement) -> Enforcement {
@@ -305,7 +290,7 @@ descriptors:
         assert_eq!(
             r.applied
                 .iter()
-                .map(|a| (a.descriptor, a.hit))
+                .map(|a| (a.limit.descriptor, a.hit))
                 .collect::<Vec<_>>(),
             [(0, 0), (0, 1), (2, 0), (2, 1)]
         );

@@ -1,0 +1,47 @@
+//! What resolution finds and the report reads: the limits that apply to a request's
+//! descriptors, and what each reports. Its own module so that the two steps depend on it and
+//! not on each other.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::config::Unit;
+use crate::limiter::Enforcement;
+
+/// The limit reported for a descriptor.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReportedLimit {
+    /// `rate_limit.name`, if configured.
+    pub name: Option<Arc<str>>,
+    /// Hits per unit.
+    pub requests_per_unit: u64,
+    /// The configured unit (not multiplied).
+    pub unit: Unit,
+    /// The window: unit × `unit_multiplier`.
+    pub window: Duration,
+}
+
+/// One limit that applies to one descriptor.
+pub(crate) struct Applicable<'s> {
+    /// The descriptor's index in the request.
+    pub(crate) descriptor: usize,
+    /// The limit as reported in the status.
+    pub(crate) reported: ReportedLimit,
+    /// What an over verdict does to the request.
+    pub(crate) enforcement: Enforcement,
+    /// The metric `rule` label.
+    pub(crate) rule: Arc<String>,
+    /// The rule label carries request values (`detailed_metric`, `value_to_metric`).
+    pub(crate) rule_has_values: bool,
+    /// The config node's `metadata`, if any.
+    pub(crate) metadata: Option<&'s serde_json::Value>,
+}
+
+/// An applicable limit and the hit its counter is decided in, once hits on the same counter
+/// are merged.
+pub(crate) struct Applied<'s> {
+    /// The limit.
+    pub(crate) limit: Applicable<'s>,
+    /// Its merged hit: an index into [`Resolved::hits`](super::resolve::Resolved::hits).
+    pub(crate) hit: usize,
+}
