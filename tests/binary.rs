@@ -181,9 +181,9 @@ fn rss_kib(pid: u32) -> u64 {
         .unwrap()
 }
 
-/// Issue 6, defect 3: counters of hour-long windows stayed until their window ended, so a
-/// flood of distinct 4 KB values (escaping triples them) grew the process by 236 MB. Counter
-/// state is now bounded in bytes and the process stays near it.
+/// Counter state is bounded in bytes, hour-long windows included: a flood of distinct 4 KB
+/// values (escaping triples them) keeps the process near the bound, where counters kept until
+/// their window ended would grow it by hundreds of megabytes.
 #[tokio::test]
 async fn a_flood_of_distinct_values_stays_within_the_memory_bound() {
     let dir = tempfile::tempdir().unwrap();
@@ -223,8 +223,8 @@ async fn a_flood_of_distinct_values_stays_within_the_memory_bound() {
     assert!(grown < 64 * 1024, "resident memory grew by {grown} KiB");
 }
 
-/// Issue 6, defect 8: a password with an unencoded `/` was not recognised as a password and
-/// was printed in full at start-up. It is now redacted, and still authenticates.
+/// A password with an unencoded `/` is still a password: redacted at start-up, and it
+/// authenticates.
 #[tokio::test]
 async fn a_password_with_a_slash_authenticates_and_is_never_logged() {
     password_stays_secret("s3cr/et@pass", &["s3cr", "et@pass"]).await;
@@ -237,7 +237,7 @@ async fn a_password_with_a_slash_authenticates_and_is_never_logged() {
     assert!(!String::from_utf8_lossy(&out.stderr).contains("s3cr"));
 }
 
-/// Issue 6, defect 9: huge durations panicked (exit 101). Every bad flag is a usage error.
+/// Every bad flag, huge durations included, is a usage error (exit 2), never a panic (101).
 #[test]
 fn bad_flags_exit_2_with_a_message_never_a_panic() {
     for args in [
@@ -268,7 +268,7 @@ fn bad_flags_exit_2_with_a_message_never_a_panic() {
     }
 }
 
-/// Issue 6, defect 12: a test that failed left its daemon running; it now dies with the test.
+/// A daemon a test starts dies with the test, pass or fail.
 #[tokio::test]
 async fn a_daemon_dies_with_its_test() {
     let dir = tempfile::tempdir().unwrap();
@@ -290,7 +290,7 @@ async fn a_daemon_dies_with_its_test() {
     );
 }
 
-/// Issue 7: started with exactly the environment of Istio's sample deployment of
+/// Started with exactly the environment of Istio's sample deployment of
 /// envoyproxy/ratelimit (only the ports are moved to free ones, through RATELIMITD_*, which
 /// win) and a config laid out as its ConfigMap mount, the limits hold and are counted in that
 /// Redis; /rlconfig is on the debug port; a ConfigMap update reloads.

@@ -557,3 +557,25 @@ fn a_large_per_customer_config_loads_and_alias_bombs_do_not() {
     assert!(err.to_string().contains("bomb.yaml"), "{err}");
     assert!(err.to_string().contains("budget"), "{err}");
 }
+
+/// Symlinked directories are read once: a `loop -> .` does not read every file twice (and
+/// fail with "duplicate domain"), and self-links do not multiply the walk.
+#[test]
+fn symlink_loops_are_read_once() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("l.yaml"), "domain: l\ndescriptors: []\n").unwrap();
+    std::os::unix::fs::symlink(".", dir.path().join("loop")).unwrap();
+    let sub = dir.path().join("sub");
+    std::fs::create_dir(&sub).unwrap();
+    std::fs::write(sub.join("other.yaml"), "domain: other\ndescriptors: []\n").unwrap();
+    for i in 0..7 {
+        std::os::unix::fs::symlink(".", sub.join(format!("self{i}"))).unwrap();
+    }
+    std::os::unix::fs::symlink("l.yaml", dir.path().join("alias.yaml")).unwrap();
+    let loaded = load_paths(&[dir.path().to_owned()]).unwrap();
+    assert_eq!(loaded.snapshot.len(), 2);
+    assert_eq!(loaded.files.len(), 2, "{:?}", loaded.files);
+    // The same directory named twice is read once too.
+    let twice = [dir.path().to_owned(), dir.path().join("loop")];
+    assert_eq!(load_paths(&twice).unwrap().files.len(), 2);
+}

@@ -1,5 +1,5 @@
 //! The behavioural suite: a real server, a real gRPC client, every rule of the protocol and
-//! config. Time-exact checks use a manual clock; wall-clock checks poll with deadlines.
+//! config, and the metrics it reports. Time-exact checks use a manual clock; wall-clock checks poll with deadlines.
 
 mod common;
 
@@ -661,3 +661,51 @@ every_backend!(
     concurrent_requests_admit_exactly_the_limit_for_every_algorithm,
     algorithms_recover_on_the_wall_clock_when_they_said,
 );
+
+/// The `rule` label comes from the config, never from a request: an override's entry keys
+/// and detailed_metric values cannot grow the number of series without bound.
+#[tokio::test]
+async fn overrides_and_detailed_metrics_cannot_explode_metric_cardinality() {
+    let yaml = "domain: m\ndescriptors:\n  - key: user\n    detailed_metric: true\n    rate_limit: {unit: hour, requests_per_unit: 5}\n";
+    let s = TestServer::start(&[("m.yaml", yaml)]).await;
+    let mut c = s.client().await;
+    for i in 0..200 {
+        // 64 descriptors, each a random key with an override.
+        let keys: Vec<String> = (0..64).map(|j| format!("k{i}x{j}")).collect();
+        let entries: Vec<[(&str, &str); 1]> = keys.iter().map(|k| [(k.as_str(), "v")]).collect();
+        let descriptors: Vec<&[(&str, &str)]> = entries.iter().map(|e| &e[..]).collect();
+        let mut req = request("m", &descriptors);
+        for d in &mut req.descriptors {
+            d.limit = Some(RateLimitOverride {
+                requests_per_unit: 10,
+                unit: 1,
+            });
+        }
+        call(&mut c, req).await;
+    }
+    for i in 0..1500 {
+        call(&mut c, request("m", &[&[("user", &format!("u{i}"))]])).await;
+    }
+    let (_, m) = s.http_get("/metrics").await;
+    let series = m
+        .lines()
+        .filter(|l| l.starts_with("ratelimit_decisions_total{"))
+        .count();
+    assert!(series <= 1002, "{series} series");
+    assert!(!m.contains("k0x0"), "no request key in any label");
+    assert_eq!(
+        metric(
+            &m,
+            r#"ratelimit_decisions_total{domain="m",rule="_override",decision="within_limit"}"#
+        ),
+        200.0 * 64.0
+    );
+    assert_eq!(
+        metric(
+            &m,
+            r#"ratelimit_decisions_total{domain="m",rule="_other",decision="within_limit"}"#
+        ),
+        500.0
+    );
+    assert!(m.len() < 1 << 20, "/metrics is {} bytes", m.len());
+}

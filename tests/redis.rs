@@ -1,6 +1,7 @@
 //! The Redis backend against real servers the tests start: several ratelimitd instances
 //! sharing counters, key hygiene, every failure mode, stalls, script flushes, start-before-Redis,
-//! the over-limit cache, per-descriptor hash tags with refunds, Sentinel and TLS.
+//! the over-limit cache, per-descriptor hash tags with refunds, what one call costs Redis, the
+//! statuses backend errors become, Sentinel and TLS.
 
 mod common;
 
@@ -9,7 +10,7 @@ use std::time::{Duration, Instant};
 use common::redis::*;
 use common::*;
 use envoy_types::pb::google::protobuf::UInt64Value;
-use ratelimitd::testing::Algorithm;
+use ratelimitd::testing::{Algorithm, slot};
 
 fn algorithms_yaml(domain: &str, rpu: u32) -> String {
     let mut y = format!("domain: {domain}\ndescriptors:\n");
@@ -744,4 +745,222 @@ async fn redis_is_stalled(port: u16) -> bool {
     tokio::time::timeout(Duration::from_millis(50), conn.read(&mut buf))
         .await
         .is_err()
+}
+
+async fn redis_backed(redis: &RedisProc, files: &[(&str, &str)], extra: &[&str]) -> TestServer {
+    let url = redis.url();
+    let target = [&["--redis-url", url.as_str()], extra].concat();
+    redis_server(files, &target, &unique_prefix(), "2s").await
+}
+
+fn with_hits(
+    mut req: envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest,
+    i: usize,
+    hits: u64,
+) -> envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest {
+    req.descriptors[i].hits_addend = Some(UInt64Value { value: hits });
+    req
+}
+
+const QUOTAS: &str = "domain: q\ndescriptors:\n  - key: a\n    quota_mode: true\n    rate_limit: {unit: hour, requests_per_unit: 2}\n  - key: b\n    quota_mode: true\n    rate_limit: {unit: hour, requests_per_unit: 2}\n";
+
+/// With per-descriptor hash tags, a rejected request refunds only what its groups consumed:
+/// never a quota limit that was over and consumed nothing.
+#[tokio::test]
+async fn descriptor_tags_refund_only_what_was_consumed() {
+    assert_ne!(
+        slot(b"q:a:x"),
+        slot(b"q:b:y"),
+        "two groups, two script calls"
+    );
+    for tag in ["domain", "descriptor"] {
+        let redis = shared_standalone();
+        let s = redis_backed(redis, &[("q.yaml", QUOTAS)], &["--redis-hash-tag", tag]).await;
+        let mut c = s.client().await;
+        let mut admitted = 0;
+        for _ in 0..20 {
+            admitted +=
+                is_ok(&call(&mut c, request("q", &[&[("a", "x")], &[("b", "y")]])).await) as usize;
+        }
+        assert_eq!(admitted, 2, "--redis-hash-tag {tag}");
+    }
+}
+
+/// A sliding_log commit or refund costs the same whatever `hits_addend` is: no call shows in
+/// SLOWLOG above 10 ms, where work per hit would block Redis for seconds.
+#[tokio::test]
+async fn a_huge_hits_addend_costs_redis_what_one_hit_costs() {
+    let redis = RedisProc::start(&["--slowlog-log-slower-than", "10000"]);
+    let yaml = "domain: big\ndescriptors:\n  - key: log\n    rate_limit: {unit: hour, requests_per_unit: 2000000, algorithm: sliding_log}\n  - key: tight\n    rate_limit: {unit: hour, requests_per_unit: 1}\n";
+    let s = redis_backed(
+        &redis,
+        &[("b.yaml", yaml)],
+        &["--redis-hash-tag", "descriptor"],
+    )
+    .await;
+    let mut c = s.client().await;
+    let r = call(
+        &mut c,
+        with_hits(request("big", &[&[("log", "a")]]), 0, 2_000_000),
+    )
+    .await;
+    assert!(is_ok(&r));
+    assert_eq!(r.statuses[0].limit_remaining, 0);
+    assert!(is_over(
+        &call(&mut c, request("big", &[&[("log", "a")]])).await
+    ));
+    // A refund of a huge request: the log's group consumes, the tight group rejects.
+    assert!(is_ok(
+        &call(&mut c, request("big", &[&[("tight", "t")]])).await
+    ));
+    let req = with_hits(
+        request("big", &[&[("log", "b")], &[("tight", "t")]]),
+        0,
+        1_999_999,
+    );
+    assert!(is_over(&call(&mut c, req).await));
+    let r = call(&mut c, with_hits(request("big", &[&[("log", "b")]]), 0, 0)).await;
+    assert_eq!(r.statuses[0].limit_remaining, 2_000_000, "refunded exactly");
+    let (_, m) = s.http_get("/metrics").await;
+    assert!(
+        !m.contains("ratelimit_backend_errors_total{"),
+        "no script call failed, refunds included: {m}"
+    );
+    assert_eq!(
+        redis.cli(&["SLOWLOG", "LEN"]),
+        "0",
+        "{}",
+        redis.cli(&["SLOWLOG", "GET"])
+    );
+    let used: u64 = redis
+        .cli(&["INFO", "memory"])
+        .lines()
+        .find_map(|l| l.strip_prefix("used_memory:"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(used < 20 << 20, "Redis holds {used} bytes");
+}
+
+/// Backend errors reach clients as short, stable statuses: no Redis client text ("Connection
+/// refused (os error 111)"), and a permanent error is not UNAVAILABLE like a transient one.
+#[tokio::test]
+async fn backend_errors_reach_clients_as_short_stable_statuses() {
+    let mut redis = RedisProc::start(&[]);
+    let yaml =
+        "domain: e\ndescriptors:\n  - key: k\n    rate_limit: {unit: hour, requests_per_unit: 5}\n";
+    let s = redis_backed(
+        &redis,
+        &[("e.yaml", yaml)],
+        &["--redis-failure-mode", "allow"],
+    )
+    .await;
+    let mut c = s.client().await;
+    assert!(is_ok(&call(&mut c, request("e", &[&[("k", "v")]])).await));
+
+    // A key of the wrong type where the counter lives: a permanent error, never hidden by the
+    // failure mode.
+    let prefix = s
+        .flags
+        .iter()
+        .position(|f| f == "--redis-key-prefix")
+        .map(|i| s.flags[i + 1].clone())
+        .unwrap();
+    let key = format!("{prefix}{{e}}:k:w:f3600000000:0");
+    redis.cli(&["RPUSH", &key, "x"]);
+    let err = c
+        .should_rate_limit(request("e", &[&[("k", "w")]]))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::Internal, "{err:?}");
+    assert_eq!(err.message(), "rate limit backend error");
+
+    // Redis gone: the failure mode answers; in `error` mode the status is short and stable.
+    redis.kill();
+    assert!(is_ok(&call(&mut c, request("e", &[&[("k", "v")]])).await));
+    drop(s);
+    let s = redis_backed(&redis, &[("e.yaml", yaml)], &[]).await;
+    let mut c = s.client().await;
+    let err = c
+        .should_rate_limit(request("e", &[&[("k", "v")]]))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::Unavailable);
+    assert_eq!(err.message(), "rate limit backend unavailable");
+    let (_, m) = s.http_get("/metrics").await;
+    assert!(
+        metric(&m, r#"ratelimit_backend_errors_total{kind="connection"}"#) >= 1.0,
+        "{m}"
+    );
+}
+
+/// Starts ratelimitd on the Sentinel at `sentinel_url` (master `main`) with `flags`, and checks
+/// that a limit of 2 holds and is counted on `master`.
+async fn counts_on_the_master(master: &RedisProc, sentinel_url: &str, flags: &[&str]) {
+    let prefix = unique_prefix();
+    let target = [
+        &[
+            "--redis-sentinel-nodes",
+            sentinel_url,
+            "--redis-sentinel-master",
+            "main",
+        ],
+        flags,
+    ]
+    .concat();
+    let limits = "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: minute, requests_per_unit: 2}\n";
+    let s = redis_server(&[("f.yaml", limits)], &target, &prefix, "2s").await;
+    let mut c = s.client().await;
+    for _ in 0..2 {
+        assert!(is_ok(&call(&mut c, request("d", &[&[("k", "v")]])).await));
+    }
+    assert!(is_over(&call(&mut c, request("d", &[&[("k", "v")]])).await));
+    assert_eq!(
+        keys_with_ttl(master, &prefix).len(),
+        1,
+        "counted on the master"
+    );
+}
+
+/// Through Sentinel, a password-protected master is reached with its own password (the
+/// master and the sentinel here have different ones).
+#[tokio::test]
+async fn sentinel_reaches_a_password_protected_master() {
+    let master = RedisProc::start(&["--requirepass", "master/pass"]);
+    let sentinel = RedisProc::start_sentinel(
+        master.port,
+        "sentinel auth-pass main master/pass\n",
+        &["--requirepass", "sentinel-pass"],
+    );
+    let sentinel_url = format!("redis://:sentinel-pass@127.0.0.1:{}", sentinel.port);
+    counts_on_the_master(&master, &sentinel_url, &["--redis-password", "master/pass"]).await;
+}
+
+/// Through Sentinel, the master is reached over TLS when the settings say so. Here the master
+/// speaks only TLS; the sentinel itself is plain.
+#[tokio::test]
+async fn sentinel_reaches_a_tls_only_master() {
+    let certs_dir = tempfile::tempdir().unwrap();
+    let certs = make_certs(certs_dir.path());
+    let master = RedisProc::start_tls(&certs);
+    let path = |f: &str| certs.join(f).display().to_string();
+    let sentinel = RedisProc::start_sentinel(
+        master.port,
+        &format!(
+            "tls-replication yes\ntls-cert-file {}\ntls-key-file {}\ntls-ca-cert-file {}\n\
+             tls-auth-clients no\n",
+            path("server.crt"),
+            path("server.key"),
+            path("ca.crt"),
+        ),
+        &[],
+    );
+    let ca = path("ca.crt");
+    counts_on_the_master(
+        &master,
+        &sentinel.url(),
+        &["--redis-tls", "--redis-tls-ca", &ca],
+    )
+    .await;
 }

@@ -1,5 +1,6 @@
 //! Hot reload through a real file watcher: in-place edits, atomic renames, Kubernetes
-//! ConfigMap `..data` swaps, and bad reloads that must leave the previous config in force.
+//! ConfigMap `..data` swaps, replaced directories, bad reloads that must leave the previous
+//! config in force, and counts that survive limits being reordered or added.
 
 mod common;
 
@@ -169,4 +170,109 @@ async fn requests_in_flight_during_reloads_always_see_a_whole_config() {
         assert!(matches!(got, Some(100) | Some(200)), "{got:?}");
     }
     writer.await.unwrap();
+}
+
+fn with_hits(
+    mut req: envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest,
+    i: usize,
+    hits: u64,
+) -> envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest {
+    req.descriptors[i].hits_addend = Some(UInt64Value { value: hits });
+    req
+}
+
+const DAILY: &str = "domain: r\ndescriptors:\n  - key: k\n    rate_limits:\n      - {unit: day, requests_per_unit: 3}\n";
+const SECOND_IN_FRONT: &str = "domain: r\ndescriptors:\n  - key: k\n    rate_limits:\n      - {unit: second, requests_per_unit: 100}\n      - {unit: day, requests_per_unit: 3, name: daily}\n";
+const DAILY_OF_FOUR: &str = "domain: r\ndescriptors:\n  - key: k\n    rate_limits:\n      - {unit: day, requests_per_unit: 4}\n      - {unit: second, requests_per_unit: 100}\n";
+
+/// A counter is named by its limit, not by its position in `rate_limits`: inserting a limit
+/// in front of a used-up one neither resets it nor hands its count to the newcomer.
+async fn counts_survive_reordering_and_new_limits(kind: Kind) {
+    let s = start(kind, &[("r.yaml", DAILY)], &[]).await;
+    let mut c = s.client().await;
+    for _ in 0..3 {
+        assert!(is_ok(&call(&mut c, request("r", &[&[("k", "v")]])).await));
+    }
+    assert!(is_over(&call(&mut c, request("r", &[&[("k", "v")]])).await));
+
+    // A per-second limit in front, and a name on the daily one: still used up.
+    s.write("r.yaml", SECOND_IN_FRONT);
+    poll(Duration::from_secs(5), || {
+        let mut c = c.clone();
+        async move {
+            let r = call(&mut c, with_hits(request("r", &[&[("k", "v")]]), 0, 0)).await;
+            (r.statuses[0].current_limit.as_ref()?.name == "daily").then_some(())
+        }
+    })
+    .await;
+    assert!(is_over(&call(&mut c, request("r", &[&[("k", "v")]])).await));
+
+    // Reordered again, the daily limit raised to 4: exactly one more fits.
+    s.write("r.yaml", DAILY_OF_FOUR);
+    poll(Duration::from_secs(5), || {
+        let mut c = c.clone();
+        async move {
+            let r = call(&mut c, with_hits(request("r", &[&[("k", "v")]]), 0, 0)).await;
+            (rpu_of(&r, 0) == Some(4)).then_some(())
+        }
+    })
+    .await;
+    assert!(is_ok(&call(&mut c, request("r", &[&[("k", "v")]])).await));
+    assert!(is_over(&call(&mut c, request("r", &[&[("k", "v")]])).await));
+}
+
+every_backend!(counts_survive_reordering_and_new_limits);
+
+/// Replacing the config directory (`mv limits old; mkdir limits`) keeps hot reload working:
+/// the watch follows the path, not the directory it first found there.
+#[tokio::test]
+async fn hot_reload_follows_a_replaced_config_directory() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("limits");
+    std::fs::create_dir(&dir).unwrap();
+    std::fs::write(dir.join("l.yaml"), limits(1)).unwrap();
+    let s = TestServer::start_at(
+        tempfile::tempdir().unwrap(),
+        Some(dir.clone()),
+        &[],
+        Arc::new(SystemClock),
+    )
+    .await;
+    let c = s.client().await;
+    until_rpu(&c, 1).await;
+
+    std::fs::rename(&dir, root.path().join("old")).unwrap();
+    std::fs::create_dir(&dir).unwrap();
+    std::fs::write(dir.join("l.yaml"), limits(2)).unwrap();
+    until_rpu(&c, 2).await;
+    // The new directory is watched, and the old one no longer matters.
+    std::fs::write(dir.join("l.yaml"), limits(3)).unwrap();
+    until_rpu(&c, 3).await;
+    std::fs::write(root.path().join("old/l.yaml"), limits(9)).unwrap();
+    std::fs::write(dir.join("l.yaml"), limits(4)).unwrap();
+    until_rpu(&c, 4).await;
+}
+
+/// The same when the configured path is a file whose directory is replaced.
+#[tokio::test]
+async fn hot_reload_follows_a_configured_file_whose_directory_is_replaced() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("limits");
+    std::fs::create_dir(&dir).unwrap();
+    std::fs::write(dir.join("l.yaml"), limits(1)).unwrap();
+    let s = TestServer::start_at(
+        tempfile::tempdir().unwrap(),
+        Some(dir.join("l.yaml")),
+        &[],
+        Arc::new(SystemClock),
+    )
+    .await;
+    let c = s.client().await;
+    until_rpu(&c, 1).await;
+    std::fs::rename(&dir, root.path().join("old")).unwrap();
+    std::fs::create_dir(&dir).unwrap();
+    std::fs::write(dir.join("l.yaml"), limits(2)).unwrap();
+    until_rpu(&c, 2).await;
+    std::fs::write(dir.join("l.yaml"), limits(3)).unwrap();
+    until_rpu(&c, 3).await;
 }
