@@ -246,14 +246,7 @@ async fn a_password_given_as_a_flag_reaches_redis_byte_for_byte() {
     )
     .await;
     let mut c = s.client().await;
-    for _ in 0..10 {
-        assert!(is_ok(
-            &call(&mut c, request("v", &[&[("victim", "p")]])).await
-        ));
-    }
-    assert!(is_over(
-        &call(&mut c, request("v", &[&[("victim", "p")]])).await
-    ));
+    admits_exactly(&mut c, &request("v", &[&[("victim", "p")]]), 10).await;
 }
 
 fn limit_of(rpu: u32) -> String {
@@ -276,14 +269,7 @@ async fn a_reload_that_raises_a_limit_is_not_hidden_by_the_over_limit_cache() {
     )
     .await;
     let mut c = s.client().await;
-    for _ in 0..3 {
-        assert!(is_ok(
-            &call(&mut c, request("v", &[&[("victim", "r")]])).await
-        ));
-    }
-    assert!(is_over(
-        &call(&mut c, request("v", &[&[("victim", "r")]])).await
-    ));
+    admits_exactly(&mut c, &request("v", &[&[("victim", "r")]]), 3).await;
     s.write("v.yaml", &limit_of(100));
     poll(Duration::from_secs(5), || {
         let mut c = c.clone();

@@ -636,10 +636,7 @@ async fn sentinel_finds_the_master_and_follows_a_failover() {
     ];
     let s = redis_server(&[("f.yaml", ONE)], &target, &prefix, "500ms").await;
     let mut c = s.client().await;
-    for _ in 0..2 {
-        assert!(is_ok(&call(&mut c, request("f", &[&[("k", "v")]])).await));
-    }
-    assert!(is_over(&call(&mut c, request("f", &[&[("k", "v")]])).await));
+    admits_exactly(&mut c, &request("f", &[&[("k", "v")]]), 2).await;
     assert_eq!(
         keys_with_ttl(&master, &prefix).len(),
         1,
@@ -912,10 +909,7 @@ async fn counts_on_the_master(master: &RedisProc, sentinel_url: &str, flags: &[&
     let limits = "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: minute, requests_per_unit: 2}\n";
     let s = redis_server(&[("f.yaml", limits)], &target, &prefix, "2s").await;
     let mut c = s.client().await;
-    for _ in 0..2 {
-        assert!(is_ok(&call(&mut c, request("d", &[&[("k", "v")]])).await));
-    }
-    assert!(is_over(&call(&mut c, request("d", &[&[("k", "v")]])).await));
+    admits_exactly(&mut c, &request("d", &[&[("k", "v")]]), 2).await;
     assert_eq!(
         keys_with_ttl(master, &prefix).len(),
         1,

@@ -25,6 +25,27 @@ use http_body::{Body as HttpBody, Frame, SizeHint};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::time::{Instant, Sleep};
 
+/// Pause after a failed accept (out of descriptors, a connection reset before it was taken):
+/// the error is likely to repeat at once, and retrying without a pause would spin a core.
+const ACCEPT_RETRY: Duration = Duration::from_millis(50);
+
+/// The next connection on `listener` (`what` names the port in the log). A failed accept is
+/// logged and retried after [`ACCEPT_RETRY`]; the listener itself stays open. Cancel-safe.
+pub(crate) async fn accept(
+    listener: &tokio::net::TcpListener,
+    what: &'static str,
+) -> (tokio::net::TcpStream, std::net::SocketAddr) {
+    loop {
+        match listener.accept().await {
+            Ok(accepted) => return accepted,
+            Err(e) => {
+                tracing::warn!(error = %e, "{what} accept failed");
+                tokio::time::sleep(ACCEPT_RETRY).await;
+            }
+        }
+    }
+}
+
 /// The bounds every accepted connection of one listener gets.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct ConnLimits {

@@ -12,7 +12,7 @@ use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::{get, post};
 
-use super::conn::Tracker;
+use super::conn::{Tracker, accept};
 use super::grpc::{to_request, to_response, to_status, unix_now};
 use super::headers::HeaderMode;
 use super::json::{parse_request, response_json};
@@ -79,14 +79,7 @@ pub(crate) async fn serve(
     tokio::pin!(stopped);
     loop {
         let (tcp, _) = tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok(a) => a,
-                Err(e) => {
-                    tracing::warn!(error = %e, "HTTP accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
+            accepted = accept(&listener, "HTTP") => accepted,
             () = &mut stopped => break,
         };
         let Some(io) = tracker.admit(tcp) else {

@@ -19,7 +19,7 @@ use tokio_rustls::rustls::server::WebPkiClientVerifier;
 use tokio_rustls::rustls::{RootCertStore, ServerConfig};
 use tokio_rustls::server::TlsStream;
 
-use super::conn::{Tracked, Tracker};
+use super::conn::{Tracked, Tracker, accept};
 use crate::metrics::{LoadResult, Metrics};
 
 /// How often the files are checked for changes.
@@ -152,14 +152,7 @@ pub(crate) fn incoming(
     let (tx, rx) = tokio::sync::mpsc::channel::<Accepted>(128);
     let accept = tokio::spawn(async move {
         loop {
-            let (tcp, peer) = match listener.accept().await {
-                Ok(c) => c,
-                Err(e) => {
-                    tracing::warn!(error = %e, "gRPC accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            };
+            let (tcp, peer) = accept(&listener, "gRPC").await;
             let _ = tcp.set_nodelay(true);
             // Counted and bounded from accept: handshakes in progress hold a place too.
             let Some(tcp) = tracker.admit(tcp) else {

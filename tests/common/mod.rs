@@ -321,6 +321,16 @@ pub(crate) async fn call(client: &mut Client, req: RateLimitRequest) -> RateLimi
         .into_inner()
 }
 
+/// Sends `req` `n` times, each admitted, then once more, refused: exactly `n` hits were left.
+pub(crate) async fn admits_exactly(client: &mut Client, req: &RateLimitRequest, n: usize) {
+    for i in 1..=n {
+        let r = call(client, req.clone()).await;
+        assert!(is_ok(&r), "call {i} of {n} refused: {r:?}");
+    }
+    let r = call(client, req.clone()).await;
+    assert!(is_over(&r), "call {} admitted past {n}: {r:?}", n + 1);
+}
+
 pub(crate) fn is_ok(resp: &RateLimitResponse) -> bool {
     resp.overall_code == Code::Ok as i32
 }
