@@ -54,7 +54,7 @@ const IGNORED: &[(&str, &str)] = &[
     ),
     (
         "REDIS_CLUSTER_PIPELINE_PARALLELISM",
-        "one script call per request",
+        "script calls are pipelined on one connection per node",
     ),
     (
         "EXPIRATION_JITTER_MAX_SECONDS",
@@ -143,7 +143,7 @@ fn truthy(v: &str) -> Result<bool, String> {
     }
 }
 
-fn address(host: Option<String>, port: Option<String>, default_port: u16) -> String {
+fn address_of(host: Option<String>, port: Option<String>, default_port: u16) -> String {
     let host = host
         .filter(|h| !h.is_empty())
         .unwrap_or_else(|| "0.0.0.0".into());
@@ -155,215 +155,268 @@ fn address(host: Option<String>, port: Option<String>, default_port: u16) -> Str
     }
 }
 
+/// The environment as envoyproxy/ratelimit reads it: trimmed values, its booleans.
+struct Env<'a>(&'a dyn Fn(&str) -> Option<String>);
+
+impl Env<'_> {
+    fn var(&self, name: &str) -> Option<String> {
+        (self.0)(name).map(|v| v.trim().to_owned())
+    }
+
+    /// A set, non-empty variable.
+    fn non_empty(&self, name: &str) -> Option<String> {
+        self.var(name).filter(|v| !v.is_empty())
+    }
+
+    fn bool_var(&self, name: &str) -> Result<Option<bool>, String> {
+        self.var(name)
+            .map(|v| truthy(&v).map_err(|e| format!("{name}: {e}")))
+            .transpose()
+    }
+}
+
+impl Translated {
+    fn flag(&mut self, name: &'static str, value: String) {
+        self.flags.push((name, value));
+    }
+}
+
 /// Reads envoyproxy/ratelimit's variables from `env`. `dropin` is true when no config path
 /// was given, so that service's defaults apply too.
 pub(super) fn translate(
     env: &dyn Fn(&str) -> Option<String>,
     dropin: bool,
 ) -> Result<Translated, String> {
+    let env = Env(env);
     let mut t = Translated::default();
-    let var = |name: &str| env(name).map(|v| v.trim().to_owned());
-    let flag = |t: &mut Translated, name: &'static str, value: String| t.flags.push((name, value));
-    let bool_var = |name: &str| -> Result<Option<bool>, String> {
-        var(name)
-            .map(|v| truthy(&v).map_err(|e| format!("{name}: {e}")))
-            .transpose()
-    };
-
     for name in REFUSED {
-        if let Some(v) = var(name)
+        if let Some(v) = env.var(name)
             && let Some(why) = refuse(name, &v)
         {
             return Err(why);
         }
     }
-
     if dropin {
-        let root = var("RUNTIME_ROOT").unwrap_or_else(|| "/srv/runtime_data/current".into());
-        let sub = var("RUNTIME_SUBDIRECTORY").unwrap_or_default();
-        let app = var("RUNTIME_APPDIRECTORY").unwrap_or_else(|| "config".into());
-        let dir: std::path::PathBuf = [root, sub, app].iter().filter(|p| !p.is_empty()).collect();
-        flag(&mut t, "config", dir.display().to_string());
-        if bool_var("RUNTIME_IGNOREDOTFILES")? != Some(true) {
-            t.ignored.push(
-                "RUNTIME_IGNOREDOTFILES is false: dot-files and dot-directories are skipped anyway"
-                    .into(),
-            );
-        }
+        config_directory(&env, &mut t)?;
     }
+    listeners(&env, dropin, &mut t)?;
+    behaviour(&env, dropin, &mut t)?;
+    grpc_tls(&env, &mut t)?;
+    if let Some(url) = env.non_empty("REDIS_URL") {
+        redis(&env, &url, &mut t)?;
+    }
+    ignored(&env, &mut t);
+    Ok(t)
+}
 
-    if var("HOST").is_some() || var("PORT").is_some() {
-        flag(&mut t, "http-addr", address(var("HOST"), var("PORT"), 8080));
-    }
-    if var("GRPC_HOST").is_some() || var("GRPC_PORT").is_some() {
-        flag(
-            &mut t,
-            "grpc-addr",
-            address(var("GRPC_HOST"), var("GRPC_PORT"), 8081),
+/// `RUNTIME_ROOT/RUNTIME_SUBDIRECTORY/RUNTIME_APPDIRECTORY`, with that service's defaults.
+fn config_directory(env: &Env<'_>, t: &mut Translated) -> Result<(), String> {
+    let root = env
+        .var("RUNTIME_ROOT")
+        .unwrap_or_else(|| "/srv/runtime_data/current".into());
+    let sub = env.var("RUNTIME_SUBDIRECTORY").unwrap_or_default();
+    let app = env
+        .var("RUNTIME_APPDIRECTORY")
+        .unwrap_or_else(|| "config".into());
+    let dir: std::path::PathBuf = [root, sub, app].iter().filter(|p| !p.is_empty()).collect();
+    t.flag("config", dir.display().to_string());
+    if env.bool_var("RUNTIME_IGNOREDOTFILES")? != Some(true) {
+        t.ignored.push(
+            "RUNTIME_IGNOREDOTFILES is false: dot-files and dot-directories are skipped anyway"
+                .into(),
         );
     }
-    if dropin || var("DEBUG_HOST").is_some() || var("DEBUG_PORT").is_some() {
-        flag(
-            &mut t,
-            "debug-addr",
-            address(var("DEBUG_HOST"), var("DEBUG_PORT"), 6070),
-        );
+    Ok(())
+}
+
+/// The HTTP, gRPC, debug and Prometheus addresses.
+fn listeners(env: &Env<'_>, dropin: bool, t: &mut Translated) -> Result<(), String> {
+    let address = |host: &str, port: &str, default_port| {
+        (env.var(host).is_some() || env.var(port).is_some())
+            .then(|| address_of(env.var(host), env.var(port), default_port))
+    };
+    if let Some(addr) = address("HOST", "PORT", 8080) {
+        t.flag("http-addr", addr);
     }
-    if bool_var("USE_PROMETHEUS")? == Some(true) {
-        let addr = var("PROMETHEUS_ADDR").unwrap_or_else(|| ":9090".into());
+    if let Some(addr) = address("GRPC_HOST", "GRPC_PORT", 8081) {
+        t.flag("grpc-addr", addr);
+    }
+    match address("DEBUG_HOST", "DEBUG_PORT", 6070) {
+        Some(addr) => t.flag("debug-addr", addr),
+        None if dropin => t.flag("debug-addr", address_of(None, None, 6070)),
+        None => {}
+    }
+    if env.bool_var("USE_PROMETHEUS")? == Some(true) {
+        let addr = env.var("PROMETHEUS_ADDR").unwrap_or_else(|| ":9090".into());
         let addr = match addr.strip_prefix(':') {
             Some(port) => format!("0.0.0.0:{port}"),
             None => addr,
         };
-        flag(&mut t, "metrics-addr", addr);
+        t.flag("metrics-addr", addr);
     }
-    match var("LOG_LEVEL") {
+    Ok(())
+}
+
+/// Logging, decisions and responses.
+fn behaviour(env: &Env<'_>, dropin: bool, t: &mut Translated) -> Result<(), String> {
+    match env.var("LOG_LEVEL") {
         Some(level) => {
             let level = match level.to_ascii_lowercase().as_str() {
                 "warning" => "warn".to_owned(),
                 "fatal" | "panic" => "error".to_owned(),
                 other => other.to_owned(),
             };
-            flag(&mut t, "log-level", level);
+            t.flag("log-level", level);
         }
-        None if dropin => flag(&mut t, "log-level", "warn".into()),
+        None if dropin => t.flag("log-level", "warn".into()),
         None => {}
     }
-    if let Some(format) = var("LOG_FORMAT") {
-        flag(&mut t, "log-format", format.to_ascii_lowercase());
+    if let Some(format) = env.var("LOG_FORMAT") {
+        t.flag("log-format", format.to_ascii_lowercase());
     }
-    if let Some(r) = var("NEAR_LIMIT_RATIO") {
-        flag(&mut t, "near-limit-ratio", r);
+    if let Some(r) = env.var("NEAR_LIMIT_RATIO") {
+        t.flag("near-limit-ratio", r);
     }
-    if let Some(s) = bool_var("SHADOW_MODE")? {
-        flag(&mut t, "shadow-mode", s.to_string());
+    if let Some(s) = env.bool_var("SHADOW_MODE")? {
+        t.flag("shadow-mode", s.to_string());
     }
-    if bool_var("LIMIT_RESPONSE_HEADERS_ENABLED")? == Some(true) {
-        flag(&mut t, "response-headers", "reference".into());
+    if env.bool_var("LIMIT_RESPONSE_HEADERS_ENABLED")? == Some(true) {
+        t.flag("response-headers", "reference".into());
     }
-    if let Some(m) = bool_var("RESPONSE_DYNAMIC_METADATA")? {
-        flag(&mut t, "response-dynamic-metadata", m.to_string());
+    if let Some(m) = env.bool_var("RESPONSE_DYNAMIC_METADATA")? {
+        t.flag("response-dynamic-metadata", m.to_string());
     }
-    if let Some(b) = var("LOCAL_CACHE_SIZE_IN_BYTES") {
-        flag(&mut t, "local-cache-bytes", b);
+    if let Some(b) = env.var("LOCAL_CACHE_SIZE_IN_BYTES") {
+        t.flag("local-cache-bytes", b);
     }
-    if let Some(p) = var("CACHE_KEY_PREFIX") {
-        flag(&mut t, "redis-key-prefix", p);
+    if let Some(p) = env.var("CACHE_KEY_PREFIX") {
+        t.flag("redis-key-prefix", p);
     }
-    if let Some(timeout) = var("REDIS_TIMEOUT") {
-        flag(&mut t, "redis-timeout", timeout);
+    if let Some(timeout) = env.var("REDIS_TIMEOUT") {
+        t.flag("redis-timeout", timeout);
     }
+    Ok(())
+}
 
-    // gRPC TLS.
-    if bool_var("GRPC_SERVER_USE_TLS")? == Some(true) {
-        let cert =
-            var("GRPC_SERVER_TLS_CERT").ok_or("GRPC_SERVER_USE_TLS needs GRPC_SERVER_TLS_CERT")?;
-        let key =
-            var("GRPC_SERVER_TLS_KEY").ok_or("GRPC_SERVER_USE_TLS needs GRPC_SERVER_TLS_KEY")?;
-        flag(&mut t, "grpc-tls-cert", cert);
-        flag(&mut t, "grpc-tls-key", key);
-        if let Some(ca) = var("GRPC_CLIENT_TLS_CACERT").filter(|c| !c.is_empty()) {
-            flag(&mut t, "grpc-tls-client-ca", ca);
+/// TLS on the gRPC listener.
+fn grpc_tls(env: &Env<'_>, t: &mut Translated) -> Result<(), String> {
+    if env.bool_var("GRPC_SERVER_USE_TLS")? != Some(true) {
+        return Ok(());
+    }
+    let cert = env
+        .var("GRPC_SERVER_TLS_CERT")
+        .ok_or("GRPC_SERVER_USE_TLS needs GRPC_SERVER_TLS_CERT")?;
+    let key = env
+        .var("GRPC_SERVER_TLS_KEY")
+        .ok_or("GRPC_SERVER_USE_TLS needs GRPC_SERVER_TLS_KEY")?;
+    t.flag("grpc-tls-cert", cert);
+    t.flag("grpc-tls-key", key);
+    if let Some(ca) = env.non_empty("GRPC_CLIENT_TLS_CACERT") {
+        t.flag("grpc-tls-client-ca", ca);
+    }
+    Ok(())
+}
+
+/// The Redis backend at `url`: its shape (`REDIS_TYPE`), credentials and TLS.
+fn redis(env: &Env<'_>, url: &str, t: &mut Translated) -> Result<(), String> {
+    let tls = env.bool_var("REDIS_TLS")?.unwrap_or(false);
+    let unix = env
+        .var("REDIS_SOCKET_TYPE")
+        .unwrap_or_else(|| "unix".into())
+        .eq_ignore_ascii_case("unix");
+    let scheme = if tls { "rediss" } else { "redis" };
+    let node = |hostport: &str| {
+        if unix {
+            format!("unix://{hostport}")
+        } else {
+            format!("{scheme}://{hostport}")
+        }
+    };
+    t.flag("backend", "redis".into());
+    match env
+        .var("REDIS_TYPE")
+        .unwrap_or_else(|| "SINGLE".into())
+        .to_ascii_uppercase()
+        .as_str()
+    {
+        "SINGLE" => t.flag("redis-url", node(url)),
+        "CLUSTER" => {
+            let nodes: Vec<String> = url.split(',').map(|n| node(n.trim())).collect();
+            t.flag("redis-cluster-nodes", nodes.join(","));
+        }
+        "SENTINEL" => {
+            let mut parts = url.split(',').map(str::trim);
+            let master = parts.next().unwrap_or_default().to_owned();
+            let auth = env.non_empty("REDIS_SENTINEL_AUTH");
+            let sentinels: Vec<String> = parts
+                .map(|hostport| match &auth {
+                    Some(a) if a.contains(':') => format!("{scheme}://{a}@{hostport}"),
+                    Some(a) => format!("{scheme}://:{a}@{hostport}"),
+                    None => format!("{scheme}://{hostport}"),
+                })
+                .collect();
+            if master.is_empty() || sentinels.is_empty() {
+                return Err(
+                    "REDIS_TYPE=SENTINEL needs REDIS_URL=<master name>,<host:port>[,…]".into(),
+                );
+            }
+            t.flag("redis-sentinel-master", master);
+            t.flag("redis-sentinel-nodes", sentinels.join(","));
+            if tls {
+                t.flag("redis-tls", "true".into());
+            }
+        }
+        other => {
+            return Err(format!(
+                "REDIS_TYPE={other} is not one of SINGLE, CLUSTER, SENTINEL"
+            ));
         }
     }
-
-    // Redis.
-    if let Some(url) = var("REDIS_URL").filter(|u| !u.is_empty()) {
-        let tls = bool_var("REDIS_TLS")?.unwrap_or(false);
-        let unix = var("REDIS_SOCKET_TYPE")
-            .unwrap_or_else(|| "unix".into())
-            .eq_ignore_ascii_case("unix");
-        let scheme = if tls { "rediss" } else { "redis" };
-        let node = |hostport: &str| {
-            if unix {
-                format!("unix://{hostport}")
-            } else {
-                format!("{scheme}://{hostport}")
+    if let Some(auth) = env.non_empty("REDIS_AUTH") {
+        match auth.split_once(':') {
+            Some((user, pass)) => {
+                t.flag("redis-username", user.to_owned());
+                t.flag("redis-password", pass.to_owned());
             }
-        };
-        flag(&mut t, "backend", "redis".into());
-        match var("REDIS_TYPE")
-            .unwrap_or_else(|| "SINGLE".into())
-            .to_ascii_uppercase()
-            .as_str()
-        {
-            "SINGLE" => flag(&mut t, "redis-url", node(&url)),
-            "CLUSTER" => {
-                let nodes: Vec<String> = url.split(',').map(|n| node(n.trim())).collect();
-                flag(&mut t, "redis-cluster-nodes", nodes.join(","));
-            }
-            "SENTINEL" => {
-                let mut parts = url.split(',').map(str::trim);
-                let master = parts.next().unwrap_or_default().to_owned();
-                let auth = var("REDIS_SENTINEL_AUTH").filter(|a| !a.is_empty());
-                let sentinels: Vec<String> = parts
-                    .map(|hostport| match &auth {
-                        Some(a) if a.contains(':') => format!("{scheme}://{a}@{hostport}"),
-                        Some(a) => format!("{scheme}://:{a}@{hostport}"),
-                        None => format!("{scheme}://{hostport}"),
-                    })
-                    .collect();
-                if master.is_empty() || sentinels.is_empty() {
-                    return Err(
-                        "REDIS_TYPE=SENTINEL needs REDIS_URL=<master name>,<host:port>[,…]".into(),
-                    );
-                }
-                flag(&mut t, "redis-sentinel-master", master);
-                flag(&mut t, "redis-sentinel-nodes", sentinels.join(","));
-                if tls {
-                    flag(&mut t, "redis-tls", "true".into());
-                }
-            }
-            other => {
-                return Err(format!(
-                    "REDIS_TYPE={other} is not one of SINGLE, CLUSTER, SENTINEL"
-                ));
-            }
-        }
-        if let Some(auth) = var("REDIS_AUTH").filter(|a| !a.is_empty()) {
-            match auth.split_once(':') {
-                Some((user, pass)) => {
-                    flag(&mut t, "redis-username", user.to_owned());
-                    flag(&mut t, "redis-password", pass.to_owned());
-                }
-                None => flag(&mut t, "redis-password", auth),
-            }
-        }
-        for (name, to) in [
-            ("REDIS_TLS_CACERT", "redis-tls-ca"),
-            ("REDIS_TLS_CLIENT_CERT", "redis-tls-cert"),
-            ("REDIS_TLS_CLIENT_KEY", "redis-tls-key"),
-        ] {
-            if let Some(v) = var(name).filter(|v| !v.is_empty()) {
-                flag(&mut t, to, v);
-            }
+            None => t.flag("redis-password", auth),
         }
     }
+    for (name, to) in [
+        ("REDIS_TLS_CACERT", "redis-tls-ca"),
+        ("REDIS_TLS_CLIENT_CERT", "redis-tls-cert"),
+        ("REDIS_TLS_CLIENT_KEY", "redis-tls-key"),
+    ] {
+        if let Some(v) = env.non_empty(name) {
+            t.flag(to, v);
+        }
+    }
+    Ok(())
+}
 
+/// One note per variable of that service that is set and changes nothing here.
+fn ignored(env: &Env<'_>, t: &mut Translated) {
     for (name, why) in IGNORED {
-        if let Some(v) = var(name) {
-            // A variable set to what this service does anyway is not worth a line.
-            let harmless = matches!(
-                (*name, truthy(&v)),
-                (
-                    "USE_STATSD"
-                        | "USE_DOG_STATSD"
-                        | "DISABLE_STATS"
-                        | "REDIS_PERSECOND"
-                        | "TRACING_ENABLED"
-                        | "QUOTA_MODE"
-                        | "MERGE_DOMAIN_CONFIG",
-                    Ok(false)
-                )
-            ) || matches!(*name, "RUNTIME_WATCH_ROOT" | "REDIS_POOL_SIZE");
-            if !harmless {
-                t.ignored.push(format!(
-                    "{name}={v} has no equivalent here and is ignored ({why})"
-                ));
-            }
+        let Some(v) = env.var(name) else { continue };
+        // A variable set to what this service does anyway is not worth a line.
+        let harmless = matches!(
+            (*name, truthy(&v)),
+            (
+                "USE_STATSD"
+                    | "USE_DOG_STATSD"
+                    | "DISABLE_STATS"
+                    | "REDIS_PERSECOND"
+                    | "TRACING_ENABLED"
+                    | "QUOTA_MODE"
+                    | "MERGE_DOMAIN_CONFIG",
+                Ok(false)
+            )
+        ) || matches!(*name, "RUNTIME_WATCH_ROOT" | "REDIS_POOL_SIZE");
+        if !harmless {
+            t.ignored.push(format!(
+                "{name}={v} has no equivalent here and is ignored ({why})"
+            ));
         }
     }
-    Ok(t)
 }
 
 #[cfg(test)]
