@@ -750,15 +750,6 @@ async fn redis_backed(redis: &RedisProc, files: &[(&str, &str)], extra: &[&str])
     redis_server(files, &target, &unique_prefix(), "2s").await
 }
 
-fn with_hits(
-    mut req: envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest,
-    i: usize,
-    hits: u64,
-) -> envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest {
-    req.descriptors[i].hits_addend = Some(UInt64Value { value: hits });
-    req
-}
-
 const QUOTAS: &str = "domain: q\ndescriptors:\n  - key: a\n    quota_mode: true\n    rate_limit: {unit: hour, requests_per_unit: 2}\n  - key: b\n    quota_mode: true\n    rate_limit: {unit: hour, requests_per_unit: 2}\n";
 
 /// With per-descriptor hash tags, a rejected request refunds only what its groups consumed:

@@ -172,15 +172,6 @@ async fn requests_in_flight_during_reloads_always_see_a_whole_config() {
     writer.await.unwrap();
 }
 
-fn with_hits(
-    mut req: envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest,
-    i: usize,
-    hits: u64,
-) -> envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest {
-    req.descriptors[i].hits_addend = Some(UInt64Value { value: hits });
-    req
-}
-
 const DAILY: &str = "domain: r\ndescriptors:\n  - key: k\n    rate_limits:\n      - {unit: day, requests_per_unit: 3}\n";
 const SECOND_IN_FRONT: &str = "domain: r\ndescriptors:\n  - key: k\n    rate_limits:\n      - {unit: second, requests_per_unit: 100}\n      - {unit: day, requests_per_unit: 3, name: daily}\n";
 const DAILY_OF_FOUR: &str = "domain: r\ndescriptors:\n  - key: k\n    rate_limits:\n      - {unit: day, requests_per_unit: 4}\n      - {unit: second, requests_per_unit: 100}\n";
@@ -220,17 +211,22 @@ async fn counts_survive_reordering_and_new_limits(kind: Kind) {
 
 every_backend!(counts_survive_reordering_and_new_limits);
 
-/// Replacing the config directory (`mv limits old; mkdir limits`) keeps hot reload working:
-/// the watch follows the path, not the directory it first found there.
-#[tokio::test]
-async fn hot_reload_follows_a_replaced_config_directory() {
+/// Replaces the config directory (`mv limits old; mkdir limits`) under a server configured
+/// with the directory, or with the file in it, and checks that hot reload keeps working: the
+/// watch follows the path, not the directory it first found there.
+async fn hot_reload_follows_a_replaced_directory(config_is_the_file: bool) {
     let root = tempfile::tempdir().unwrap();
     let dir = root.path().join("limits");
     std::fs::create_dir(&dir).unwrap();
     std::fs::write(dir.join("l.yaml"), limits(1)).unwrap();
+    let configured = if config_is_the_file {
+        dir.join("l.yaml")
+    } else {
+        dir.clone()
+    };
     let s = TestServer::start_at(
         tempfile::tempdir().unwrap(),
-        Some(dir.clone()),
+        Some(configured),
         &[],
         Arc::new(SystemClock),
     )
@@ -250,26 +246,12 @@ async fn hot_reload_follows_a_replaced_config_directory() {
     until_rpu(&c, 4).await;
 }
 
-/// The same when the configured path is a file whose directory is replaced.
+#[tokio::test]
+async fn hot_reload_follows_a_replaced_config_directory() {
+    hot_reload_follows_a_replaced_directory(false).await;
+}
+
 #[tokio::test]
 async fn hot_reload_follows_a_configured_file_whose_directory_is_replaced() {
-    let root = tempfile::tempdir().unwrap();
-    let dir = root.path().join("limits");
-    std::fs::create_dir(&dir).unwrap();
-    std::fs::write(dir.join("l.yaml"), limits(1)).unwrap();
-    let s = TestServer::start_at(
-        tempfile::tempdir().unwrap(),
-        Some(dir.join("l.yaml")),
-        &[],
-        Arc::new(SystemClock),
-    )
-    .await;
-    let c = s.client().await;
-    until_rpu(&c, 1).await;
-    std::fs::rename(&dir, root.path().join("old")).unwrap();
-    std::fs::create_dir(&dir).unwrap();
-    std::fs::write(dir.join("l.yaml"), limits(2)).unwrap();
-    until_rpu(&c, 2).await;
-    std::fs::write(dir.join("l.yaml"), limits(3)).unwrap();
-    until_rpu(&c, 3).await;
+    hot_reload_follows_a_replaced_directory(true).await;
 }

@@ -12,6 +12,7 @@ use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descri
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use envoy_types::pb::google::protobuf::UInt64Value;
 use ratelimitd::testing::run_with_clock;
 use ratelimitd::testing::{Clock, SystemClock};
 use ratelimitd::{Listeners, RunError};
@@ -319,6 +320,12 @@ pub(crate) async fn call(client: &mut Client, req: RateLimitRequest) -> RateLimi
         .await
         .expect("ShouldRateLimit")
         .into_inner()
+}
+
+/// `req` with descriptor `i` carrying `hits_addend = hits`.
+pub(crate) fn with_hits(mut req: RateLimitRequest, i: usize, hits: u64) -> RateLimitRequest {
+    req.descriptors[i].hits_addend = Some(UInt64Value { value: hits });
+    req
 }
 
 /// Sends `req` `n` times, each admitted, then once more, refused: exactly `n` hits were left.
