@@ -22,7 +22,7 @@ pub use crate::server::admin::pb as admin;
 #[doc(hidden)]
 pub mod testing {
     pub use crate::config::{
-        ConfigError, Domain, NodeLimits, Snapshot, Unit, Wildcard, compile_file, load_paths,
+        Domain, NodeLimits, Snapshot, Unit, Wildcard, compile_file, load_paths,
     };
     pub use crate::engine::{Engine, EngineOptions};
     pub use crate::limiter::redis::{RedisUrl, SCRIPT, slot};

@@ -6,6 +6,7 @@ mod common;
 use std::path::Path;
 
 use common::fixtures;
+use ratelimitd::ConfigError;
 use ratelimitd::testing::*;
 use ratelimitd::testing::{Algorithm, CounterKey, KeyFormat};
 
