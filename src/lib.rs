@@ -119,9 +119,10 @@ pub async fn run(
     run_with_clock(options, listeners, shutdown, Arc::new(SystemClock)).await
 }
 
-/// [`run`] with the memory backend reading time from `clock`. The service comes up in named
-/// steps: the config (and its watcher), the backend, the engine, the shutdown fan-out, then the
-/// servers; every background task it starts ends with it.
+/// [`run`] with the memory backend reading time from `clock` (for tests, through `testing`).
+/// The service comes up in named steps: the config (and its watcher), the backend, the engine,
+/// the shutdown fan-out, then the servers; every background task it starts ends with it.
+#[doc(hidden)]
 pub async fn run_with_clock(
     options: Options,
     listeners: Listeners,
