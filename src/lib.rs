@@ -10,6 +10,7 @@ mod limiter;
 mod metrics;
 mod server;
 pub mod settings;
+mod xds;
 
 pub use crate::config::ConfigError;
 pub use crate::limiter::redis::SetupError;
@@ -33,6 +34,9 @@ pub mod testing {
     pub use crate::metrics::Metrics;
     pub use crate::run_with_clock;
     pub use crate::server::grpc::to_request;
+    pub use crate::xds::TYPE_URL as XDS_TYPE_URL;
+    /// The `RateLimitConfig` messages served over xDS.
+    pub use crate::xds::pb as rls_conf;
 }
 
 use std::future::Future;
@@ -54,7 +58,7 @@ use crate::limiter::{Backend, Clock, MemoryBackend, SystemClock};
 use crate::metrics::{LoadResult, Metrics};
 use crate::server::grpc::GrpcService;
 use crate::server::http::{HttpState, router};
-use crate::settings::{BackendOptions, Options};
+use crate::settings::{BackendOptions, ConfigSource, Options};
 
 /// gRPC health service names reported SERVING: the default, the name envoyproxy/ratelimit
 /// registers (so existing probes keep working) and the service's full name.
@@ -134,7 +138,19 @@ pub async fn run_with_clock(
     let _ = rustls::crypto::ring::default_provider().install_default();
     let metrics = Arc::new(Metrics::new());
     let mut tasks = Tasks::default();
-    let config = load_config(&options.config, &metrics, &mut tasks)?;
+    let (health, health_service) = tonic_health::server::health_reporter();
+    let stop = Stop::start(shutdown, health, &mut tasks).await;
+    let config = match &options.config {
+        ConfigSource::Files(paths) => watch_files(paths, &metrics, &mut tasks)?,
+        ConfigSource::Xds(xds) => {
+            let (config, mut loaded) = follow_xds(xds, &metrics, &mut tasks);
+            // As envoyproxy/ratelimit does: nothing is served before the first config.
+            tokio::select! {
+                _ = loaded.wait_for(|l| *l) => config,
+                () = stop.stopped() => return Ok(()),
+            }
+        }
+    };
     let backend = start_backend(&options, clock, &metrics, &mut tasks)?;
     let engine = Arc::new(Engine::new(
         config,
@@ -143,8 +159,6 @@ pub async fn run_with_clock(
         metrics.decisions.clone(),
         options.engine,
     ));
-    let (health, health_service) = tonic_health::server::health_reporter();
-    let stop = Stop::start(shutdown, health, &mut tasks).await;
 
     let grpc_addr = listeners.grpc.local_addr().ok();
     let http_addr = listeners.http.local_addr().ok();
@@ -194,9 +208,50 @@ impl Drop for Tasks {
     }
 }
 
-/// Loads the config (the service does not start without one) and watches it: a reload swaps
-/// in the new snapshot, a bad one is logged and counted and the previous one stays in force.
-fn load_config(
+/// Follows the config an xDS server sends: each accepted snapshot is swapped in, a refused one
+/// is logged and counted and the previous one stays in force. The receiver turns true with
+/// the first accepted snapshot; until then the config is empty.
+fn follow_xds(
+    options: &xds::XdsOptions,
+    metrics: &Arc<Metrics>,
+    tasks: &mut Tasks,
+) -> (Arc<ArcSwap<Snapshot>>, tokio::sync::watch::Receiver<bool>) {
+    let config = Arc::new(ArcSwap::from_pointee(Snapshot::default()));
+    let (loaded_tx, loaded) = tokio::sync::watch::channel(false);
+    let accepted = {
+        let (config, metrics) = (config.clone(), metrics.clone());
+        move |snapshot: Snapshot, version: &str| {
+            let rules = snapshot.rule_count();
+            tracing::info!(
+                version,
+                domains = snapshot.len(),
+                rules,
+                "config accepted from xDS"
+            );
+            config.store(Arc::new(snapshot));
+            metrics.config_load(LoadResult::success);
+            metrics.config_rules.set(rules as i64);
+            loaded_tx.send_replace(true);
+        }
+    };
+    let refused = {
+        let metrics = metrics.clone();
+        move |why: &str| {
+            tracing::error!(
+                error = why,
+                "xDS config refused; the previous config stays in force"
+            );
+            metrics.config_load(LoadResult::error);
+        }
+    };
+    tasks.push(tokio::spawn(xds::run(options.clone(), accepted, refused)));
+    (config, loaded)
+}
+
+/// Loads the config files (the service does not start without them) and watches them: a
+/// reload swaps in the new snapshot, a bad one is logged and counted and the previous one stays
+/// in force.
+fn watch_files(
     paths: &[std::path::PathBuf],
     metrics: &Arc<Metrics>,
     tasks: &mut Tasks,

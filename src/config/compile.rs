@@ -73,6 +73,31 @@ pub fn compile_file(file: &Path, text: &str) -> Result<Domain, ConfigError> {
     })
 }
 
+/// Validates one domain that arrives already parsed (a `RateLimitConfig` over xDS), by the
+/// same rules as a file: errors name `source` and the field, without a line.
+pub(crate) fn compile_parsed(
+    source: &Path,
+    domain: String,
+    descriptors: Vec<RawDescriptor>,
+) -> Result<Domain, ConfigError> {
+    let c = Compiler { file: source };
+    if domain.is_empty() {
+        return Err(c.err(None, "domain", "a config cannot have an empty domain"));
+    }
+    let descriptors = descriptors.into_iter().map(unlocated).collect();
+    let root = c.level(descriptors, "descriptors", "")?;
+    Ok(Domain {
+        name: Arc::new(domain),
+        root,
+        line: 0,
+    })
+}
+
+/// `value` without a place in a text: what a parsed source gives (its errors have no line).
+pub(crate) fn unlocated<T>(value: T) -> Spanned<T> {
+    Spanned::new(value, Location::UNKNOWN, Location::UNKNOWN)
+}
+
 /// The fields of a config file (any other is refused, naming these).
 #[derive(Deserialize)]
 #[serde(field_identifier, rename_all = "snake_case")]

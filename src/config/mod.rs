@@ -8,7 +8,7 @@ mod compile;
 mod error;
 mod load;
 mod matcher;
-mod schema;
+pub(crate) mod schema;
 pub(crate) mod watch;
 
 use std::collections::HashMap;
@@ -18,6 +18,7 @@ use std::sync::Arc;
 use crate::limiter::{Algorithm, Limit};
 
 pub use compile::compile_file;
+pub(crate) use compile::{compile_parsed, unlocated};
 pub use error::ConfigError;
 pub(crate) use load::LoadedConfig;
 pub use load::load_paths;

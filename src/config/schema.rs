@@ -1,4 +1,6 @@
-//! The YAML file format, exactly as written: envoyproxy/ratelimit's schema plus our extensions.
+//! The config format, exactly as written: envoyproxy/ratelimit's schema plus our extensions.
+//! Files are read into these types; a config received parsed (xDS) is converted into them, so
+//! both meet the same checks.
 //! Every field is optional here so that `compile` can say which one is missing, and where.
 //! Unknown fields are refused by the deserializer.
 
@@ -11,7 +13,7 @@ use serde_saphyr::Spanned;
 /// A node of the descriptor tree.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub(super) struct RawDescriptor {
+pub(crate) struct RawDescriptor {
     pub key: Option<Spanned<String>>,
     pub value: Option<Spanned<String>>,
     pub rate_limit: Option<Spanned<RawLimit>>,
@@ -30,7 +32,7 @@ pub(super) struct RawDescriptor {
 /// A limit as written under `rate_limit` (or an item of `rate_limits`).
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub(super) struct RawLimit {
+pub(crate) struct RawLimit {
     pub unit: Option<Spanned<String>>,
     pub requests_per_unit: Option<Spanned<u64>>,
     pub unlimited: Option<Spanned<bool>>,
@@ -47,6 +49,6 @@ pub(super) struct RawLimit {
 /// An item of `replaces`.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub(super) struct RawReplace {
+pub(crate) struct RawReplace {
     pub name: Option<Spanned<String>>,
 }

@@ -46,7 +46,8 @@ pub(super) fn overlay(
     }
     // envoyproxy/ratelimit's variables fill whatever is still missing.
     let given: Vec<String> = args.clone();
-    let dropin = !on_command_line(&given, "--config");
+    // A config source named natively: not a drop-in for envoyproxy/ratelimit's defaults.
+    let dropin = !on_command_line(&given, "--config") && !on_command_line(&given, "--xds-server");
     let translated = envoyproxy::translate(&env, dropin).map_err(|message| {
         Flags::command().error(clap::error::ErrorKind::ValueValidation, message)
     })?;

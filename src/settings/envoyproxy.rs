@@ -115,6 +115,9 @@ const REFUSED: [&str; 5] = [
     "MEMCACHE_SRV",
 ];
 
+/// `CONFIG_TYPE` for the config over xDS.
+const XDS: &str = "GRPC_XDS_SOTW";
+
 /// Variables whose values cannot be honoured at all: refused rather than misread.
 fn refuse(name: &str, value: &str) -> Option<String> {
     let v = value.trim();
@@ -122,8 +125,8 @@ fn refuse(name: &str, value: &str) -> Option<String> {
         "BACKEND_TYPE" if !v.eq_ignore_ascii_case("redis") => Some(format!(
             "BACKEND_TYPE={v} is not supported (redis, or no REDIS_URL for the in-process backend)"
         )),
-        "CONFIG_TYPE" if !v.eq_ignore_ascii_case("FILE") => {
-            Some(format!("CONFIG_TYPE={v} is not supported (only FILE)"))
+        "CONFIG_TYPE" if !v.eq_ignore_ascii_case("FILE") && !v.eq_ignore_ascii_case(XDS) => {
+            Some(format!("CONFIG_TYPE={v} is not supported (FILE or {XDS})"))
         }
         "GRPC_UDS" if !v.is_empty() => {
             Some("GRPC_UDS is not supported: use GRPC_HOST and GRPC_PORT".into())
@@ -196,7 +199,12 @@ pub(super) fn translate(
             return Err(why);
         }
     }
-    if dropin {
+    let xds = env
+        .var("CONFIG_TYPE")
+        .is_some_and(|v| v.eq_ignore_ascii_case(XDS));
+    if xds {
+        xds_source(&env, &mut t)?;
+    } else if dropin {
         config_directory(&env, &mut t)?;
     }
     listeners(&env, dropin, &mut t)?;
@@ -227,6 +235,91 @@ fn config_directory(env: &Env<'_>, t: &mut Translated) -> Result<(), String> {
         );
     }
     Ok(())
+}
+
+/// `CONFIG_TYPE=GRPC_XDS_SOTW`: the xDS server, the node, the stream's headers and backoff.
+fn xds_source(env: &Env<'_>, t: &mut Translated) -> Result<(), String> {
+    if env.bool_var("CONFIG_GRPC_XDS_SERVER_USE_TLS")? == Some(true) {
+        return Err("CONFIG_GRPC_XDS_SERVER_USE_TLS=true is not supported yet: TLS to the xDS server is not implemented".into());
+    }
+    let server = env
+        .non_empty("CONFIG_GRPC_XDS_SERVER_URL")
+        .unwrap_or_else(|| "localhost:18000".into());
+    t.flag("xds-server", server);
+    if let Some(id) = env.non_empty("CONFIG_GRPC_XDS_NODE_ID") {
+        t.flag("xds-node-id", id);
+    }
+    if let Some(metadata) = env.non_empty("CONFIG_GRPC_XDS_NODE_METADATA") {
+        // `key=value` pairs; a pair without `=` is skipped, as that service skips it.
+        let pairs: Vec<&str> = metadata.split(',').filter(|p| p.contains('=')).collect();
+        t.flag("xds-node-metadata", pairs.join(","));
+    }
+    if let Some(headers) = env.non_empty("CONFIG_GRPC_XDS_CLIENT_ADDITIONAL_HEADERS") {
+        // envconfig's map syntax: `key:value` pairs.
+        let mut pairs = Vec::new();
+        for pair in headers.split(',').filter(|p| !p.trim().is_empty()) {
+            let (k, v) = pair.split_once(':').ok_or_else(|| {
+                format!("CONFIG_GRPC_XDS_CLIENT_ADDITIONAL_HEADERS: '{pair}' is not key:value")
+            })?;
+            pairs.push(format!("{}={}", k.trim(), v.trim()));
+        }
+        t.flag("xds-headers", pairs.join(","));
+    }
+    for (name, flag) in [
+        ("XDS_CLIENT_BACKOFF_INITIAL_INTERVAL", "xds-backoff-initial"),
+        ("XDS_CLIENT_BACKOFF_MAX_INTERVAL", "xds-backoff-max"),
+    ] {
+        if let Some(v) = env.non_empty(name) {
+            let d = go_duration(&v).map_err(|e| format!("{name}: {e}"))?;
+            t.flag(flag, format!("{}ms", d.as_secs_f64() * 1000.0));
+        }
+    }
+    if let Some(f) = env.non_empty("XDS_CLIENT_BACKOFF_RANDOM_FACTOR") {
+        t.flag("xds-backoff-factor", f);
+    }
+    if let Some(j) = env.bool_var("XDS_CLIENT_BACKOFF_JITTER")? {
+        t.flag("xds-backoff-jitter", j.to_string());
+    }
+    if let Some(n) = env.non_empty("XDS_CLIENT_MAX_MSG_SIZE_IN_BYTES") {
+        t.flag("xds-max-message-bytes", n);
+    }
+    Ok(())
+}
+
+/// Parses Go's duration syntax (`300ms`, `1m30s`, `2h`, `1.5s`; units ns, us, µs, ms, s, m, h).
+fn go_duration(text: &str) -> Result<std::time::Duration, String> {
+    let bad = || format!("'{text}' is not a duration (e.g. 10s, 1m30s, 500ms)");
+    let mut rest = text.trim();
+    if rest == "0" {
+        return Ok(std::time::Duration::ZERO);
+    }
+    if rest.is_empty() {
+        return Err(bad());
+    }
+    let mut secs = 0.0f64;
+    while !rest.is_empty() {
+        let number_end = rest
+            .find(|c: char| !c.is_ascii_digit() && c != '.')
+            .ok_or_else(bad)?;
+        let (number, tail) = rest.split_at(number_end);
+        let n: f64 = number.parse().map_err(|_| bad())?;
+        let unit_end = tail
+            .find(|c: char| c.is_ascii_digit() || c == '.')
+            .unwrap_or(tail.len());
+        let (unit, tail) = tail.split_at(unit_end);
+        let scale = match unit {
+            "ns" => 1e-9,
+            "us" | "µs" | "μs" => 1e-6,
+            "ms" => 1e-3,
+            "s" => 1.0,
+            "m" => 60.0,
+            "h" => 3600.0,
+            _ => return Err(bad()),
+        };
+        secs += n * scale;
+        rest = tail;
+    }
+    std::time::Duration::try_from_secs_f64(secs).map_err(|_| bad())
 }
 
 /// The HTTP, gRPC, debug and Prometheus addresses.
@@ -571,7 +664,7 @@ mod tests {
                 .contains("BACKEND_TYPE")
         );
         assert!(
-            run(&[("CONFIG_TYPE", "GRPC_XDS_SOTW")], false)
+            run(&[("CONFIG_TYPE", "GRPC_XDS_TLS")], false)
                 .unwrap_err()
                 .contains("CONFIG_TYPE")
         );
@@ -590,5 +683,68 @@ mod tests {
                 .unwrap_err()
                 .contains("SHADOW_MODE")
         );
+    }
+
+    #[test]
+    fn xds_variables_become_xds_flags_and_no_config_directory() {
+        let t = run(
+            &[
+                ("CONFIG_TYPE", "GRPC_XDS_SOTW"),
+                ("CONFIG_GRPC_XDS_SERVER_URL", "envoy-gateway:18001"),
+                ("CONFIG_GRPC_XDS_NODE_ID", "envoy-ratelimit"),
+                ("CONFIG_GRPC_XDS_NODE_METADATA", "a=1,skipped,b=x=y"),
+                ("CONFIG_GRPC_XDS_CLIENT_ADDITIONAL_HEADERS", "k1:v1, k2:v2"),
+                ("XDS_CLIENT_BACKOFF_INITIAL_INTERVAL", "1m30s"),
+                ("XDS_CLIENT_BACKOFF_MAX_INTERVAL", "250ms"),
+                ("XDS_CLIENT_BACKOFF_JITTER", "false"),
+            ],
+            true,
+        )
+        .unwrap();
+        let f = flags(&t);
+        for want in [
+            ("xds-server", "envoy-gateway:18001"),
+            ("xds-node-id", "envoy-ratelimit"),
+            ("xds-node-metadata", "a=1,b=x=y"),
+            ("xds-headers", "k1=v1,k2=v2"),
+            ("xds-backoff-initial", "90000ms"),
+            ("xds-backoff-max", "250ms"),
+            ("xds-backoff-jitter", "false"),
+        ] {
+            assert!(f.contains(&want), "{want:?} in {f:?}");
+        }
+        assert!(!f.iter().any(|(k, _)| *k == "config"), "{f:?}");
+        assert!(
+            run(
+                &[
+                    ("CONFIG_TYPE", "GRPC_XDS_SOTW"),
+                    ("XDS_CLIENT_BACKOFF_MAX_INTERVAL", "ten seconds"),
+                ],
+                true
+            )
+            .unwrap_err()
+            .contains("XDS_CLIENT_BACKOFF_MAX_INTERVAL")
+        );
+    }
+
+    #[test]
+    fn go_durations() {
+        for (text, ms) in [
+            ("10s", 10_000.0),
+            ("1m30s", 90_000.0),
+            ("1.5h", 5_400_000.0),
+            ("500ms", 500.0),
+            ("0", 0.0),
+            ("1h2m3s4ms", 3_723_004.0),
+        ] {
+            assert_eq!(
+                go_duration(text).unwrap().as_secs_f64() * 1000.0,
+                ms,
+                "{text}"
+            );
+        }
+        for bad in ["", "10", "s", "1d", "-1s", "1.2.3s"] {
+            assert!(go_duration(bad).is_err(), "{bad}");
+        }
     }
 }

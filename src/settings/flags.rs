@@ -127,6 +127,44 @@ pub struct Flags {
     #[arg(long = "config", value_name = "PATH")]
     pub config: Vec<PathBuf>,
 
+    /// Read the config from this xDS control plane (`host:port` or `http://host:port`) instead of
+    /// files: one ADS stream of envoyproxy/ratelimit's RateLimitConfig, as Envoy Gateway serves
+    /// it. The service starts once the first config is accepted.
+    #[arg(long, value_name = "URL", conflicts_with = "config")]
+    pub xds_server: Option<String>,
+
+    /// node.id presented to the xDS server (it serves the snapshot kept for this id).
+    #[arg(long, default_value = "default")]
+    pub xds_node_id: String,
+
+    /// node.metadata presented to the xDS server: comma-separated `key=value` pairs.
+    #[arg(long, default_value = "")]
+    pub xds_node_metadata: String,
+
+    /// gRPC metadata sent on the xDS stream: comma-separated `key=value` pairs.
+    #[arg(long, default_value = "")]
+    pub xds_headers: String,
+
+    /// Shortest wait before reopening a failed xDS stream.
+    #[arg(long, default_value = "10s", value_parser = parse_backoff)]
+    pub xds_backoff_initial: Duration,
+
+    /// Longest wait before reopening a failed xDS stream.
+    #[arg(long, default_value = "60s", value_parser = parse_backoff)]
+    pub xds_backoff_max: Duration,
+
+    /// Growth of the wait per failed attempt (envoyproxy/ratelimit's default, 0.5, never grows).
+    #[arg(long, default_value_t = 0.5)]
+    pub xds_backoff_factor: f64,
+
+    /// Draw each wait at random between the shortest and the computed one.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub xds_backoff_jitter: bool,
+
+    /// Largest xDS response accepted, e.g. 4MiB.
+    #[arg(long, default_value = "4MiB", value_parser = parse_bytes)]
+    pub xds_max_message_bytes: u64,
+
     /// envoyproxy/ratelimit variables that were set but change nothing here (logged at start).
     #[arg(skip)]
     pub ignored_env: Vec<String>,
@@ -349,6 +387,15 @@ fn parse_duration_within(s: &str, max: Duration) -> Result<Duration, String> {
 /// `--redis-timeout`: more than 0 and at most a minute (Envoy itself waits 20 ms by default).
 fn parse_timeout(s: &str) -> Result<Duration, String> {
     let d = parse_duration_within(s, Duration::from_secs(60))?;
+    if d.is_zero() {
+        return Err("must be more than 0".into());
+    }
+    Ok(d)
+}
+
+/// `--xds-backoff-*`: more than 0 and at most an hour.
+fn parse_backoff(s: &str) -> Result<Duration, String> {
+    let d = parse_duration_within(s, Duration::from_secs(3_600))?;
     if d.is_zero() {
         return Err("must be more than 0".into());
     }

@@ -14,7 +14,7 @@ use clap::Parser;
 pub use self::flags::{
     BackendArg, FailureModeArg, Flags, HashTagArg, HeaderModeArg, LogFormatArg, Secret,
 };
-pub(crate) use self::resolve::{BackendOptions, GrpcTls};
+pub(crate) use self::resolve::{BackendOptions, ConfigSource, GrpcTls};
 pub use self::resolve::{Options, SettingsError};
 
 /// Parses `args` (program name first), filling flags they lack from `env`, and resolves them:
@@ -67,6 +67,36 @@ mod tests {
             s.resolve().unwrap().engine.request_limits,
             RequestLimits::default()
         );
+    }
+
+    #[test]
+    fn the_reference_xds_environment_reads_the_config_from_xds_alone() {
+        let env: HashMap<&str, &str> = [
+            ("CONFIG_TYPE", "GRPC_XDS_SOTW"),
+            ("CONFIG_GRPC_XDS_SERVER_URL", "envoy-gateway:18001"),
+            ("CONFIG_GRPC_XDS_NODE_ID", "envoy-ratelimit"),
+            ("RUNTIME_ROOT", "/data"),
+        ]
+        .into();
+        let (flags, options) =
+            super::parse(["ratelimitd"], |k| env.get(k).map(|v| v.to_string())).unwrap();
+        assert!(
+            flags.config.is_empty(),
+            "no config directory: {:?}",
+            flags.config
+        );
+        match options.config {
+            ConfigSource::Xds(x) => {
+                assert_eq!(x.server, "http://envoy-gateway:18001");
+                assert_eq!(x.node_id, "envoy-ratelimit");
+            }
+            ConfigSource::Files(f) => panic!("files {f:?}"),
+        }
+        // A config path and an xDS server at once is a usage error.
+        let err = parse(&["--config", "x", "--xds-server", "h:1"], &[]).unwrap_err();
+        assert_eq!(err.kind(), clap::error::ErrorKind::ArgumentConflict);
+        let err = parse(&["--xds-server", "h:1", "--xds-headers", "novalue"], &[]).unwrap_err();
+        assert!(err.to_string().contains("--xds-headers"), "{err}");
     }
 
     #[test]

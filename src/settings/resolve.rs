@@ -14,6 +14,7 @@ use crate::limiter::key::{HashTag, KeyFormat, PrefixError};
 use crate::limiter::redis::{Credentials, RedisOptions, RedisUrl, Target, TlsFiles};
 use crate::server::conn::ConnLimits;
 use crate::server::headers::HeaderMode;
+use crate::xds::{Backoff, XdsOptions};
 
 impl Flags {
     /// Resolves and validates the settings into what the service runs with: every
@@ -37,7 +38,7 @@ impl Flags {
             }
         };
         Ok(Options {
-            config: self.config.clone(),
+            config: self.config_source()?,
             backend,
             keys,
             engine: EngineOptions {
@@ -143,6 +144,46 @@ impl Flags {
         })
     }
 
+    /// Files, or the xDS server.
+    fn config_source(&self) -> Result<ConfigSource, SettingsError> {
+        let Some(server) = &self.xds_server else {
+            return Ok(ConfigSource::Files(self.config.clone()));
+        };
+        let server = if server.contains("://") {
+            server.clone()
+        } else {
+            format!("http://{server}")
+        };
+        let pairs =
+            |flag: &'static str, text: &str| -> Result<Vec<(String, String)>, SettingsError> {
+                text.split(',')
+                    .filter(|p| !p.trim().is_empty())
+                    .map(|p| match p.split_once('=') {
+                        Some((k, v)) if !k.trim().is_empty() => {
+                            Ok((k.trim().to_owned(), v.trim().to_owned()))
+                        }
+                        _ => Err(SettingsError::Pairs {
+                            flag,
+                            pair: p.to_owned(),
+                        }),
+                    })
+                    .collect()
+            };
+        Ok(ConfigSource::Xds(XdsOptions {
+            server,
+            node_id: self.xds_node_id.clone(),
+            node_metadata: pairs("--xds-node-metadata", &self.xds_node_metadata)?,
+            headers: pairs("--xds-headers", &self.xds_headers)?,
+            backoff: Backoff {
+                initial: self.xds_backoff_initial,
+                max: self.xds_backoff_max,
+                factor: self.xds_backoff_factor,
+                jitter: self.xds_backoff_jitter,
+            },
+            max_message_bytes: usize::try_from(self.xds_max_message_bytes).unwrap_or(usize::MAX),
+        }))
+    }
+
     /// `--redis-hash-tag` as the key format's type.
     fn hash_tag(&self) -> HashTag {
         match self.redis_hash_tag {
@@ -176,8 +217,8 @@ impl Flags {
 /// name found, the gRPC TLS files loaded. Made by [`parse`](super::parse), taken by
 /// [`run`](crate::run).
 pub struct Options {
-    /// Config files and directories.
-    pub(crate) config: Vec<PathBuf>,
+    /// Where the config comes from.
+    pub(crate) config: ConfigSource,
     /// Where counters live.
     pub(crate) backend: BackendOptions,
     /// How counter keys are built.
@@ -198,6 +239,14 @@ pub struct Options {
     pub(crate) grpc_connections: ConnLimits,
     /// Longest time to receive and answer one request.
     pub(crate) request_timeout: Duration,
+}
+
+/// Where the config comes from.
+pub(crate) enum ConfigSource {
+    /// Files and directories, watched.
+    Files(Vec<PathBuf>),
+    /// An xDS control plane.
+    Xds(XdsOptions),
 }
 
 /// The chosen backend.
@@ -248,6 +297,14 @@ pub enum SettingsError {
         path: PathBuf,
         /// Why.
         source: std::io::Error,
+    },
+    /// A list of pairs with one that is not `key=value`.
+    #[error("{flag}: '{pair}' is not key=value")]
+    Pairs {
+        /// The flag.
+        flag: &'static str,
+        /// The pair.
+        pair: String,
     },
     /// A key prefix with braces.
     #[error("--redis-key-prefix: {0}")]

@@ -149,11 +149,11 @@ impl TestServer {
         clock: Arc<dyn Clock>,
     ) -> TestServer {
         let config = config.unwrap_or_else(|| dir.path().to_owned());
-        let mut args = vec![
-            "ratelimitd".to_string(),
-            "--config".into(),
-            config.display().to_string(),
-        ];
+        let mut args = vec!["ratelimitd".to_string()];
+        // A server reading its config over xDS has no config path.
+        if !flags.iter().any(|f| f.starts_with("--xds-server")) {
+            args.extend(["--config".into(), config.display().to_string()]);
+        }
         args.extend(flags.iter().map(|s| s.to_string()));
         let (_, options) = ratelimitd::settings::parse(args.clone(), |_| None).expect("settings");
         let grpc_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();

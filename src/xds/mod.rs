@@ -1,0 +1,290 @@
+//! Rate-limit config over xDS, as Envoy Gateway serves it to envoyproxy/ratelimit: one ADS
+//! State-of-the-World stream (`StreamAggregatedResources`) subscribed to every
+//! `RateLimitConfig` (a wildcard subscription), with the node on the first request of each
+//! stream.
+//!
+//! Each response is the whole state: one `RateLimitConfig` per domain. It is converted to the
+//! same snapshot a directory of files gives ([`convert`]), by the same checks, and handed on in
+//! one piece, or refused in one piece: an accepted response is ACKed (its version and nonce
+//! echoed), a refused one NACKed (the last accepted version, the refused nonce and why, naming
+//! the config), and the previous snapshot stays in force. A control plane that resends a
+//! refused snapshot gets a NACK each time. When the stream ends or cannot be opened, it is
+//! opened again after envoyproxy/ratelimit's backoff, the last snapshot staying in force.
+
+mod convert;
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use envoy_types::pb::envoy::config::core::v3::Node;
+use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_client::AggregatedDiscoveryServiceClient;
+use envoy_types::pb::envoy::service::discovery::v3::{DiscoveryRequest, DiscoveryResponse};
+use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
+use envoy_types::pb::google::rpc::Status;
+use prost::Message;
+use tonic::transport::Endpoint;
+
+use crate::config::Snapshot;
+
+/// The generated `ratelimit.config.ratelimit.v3` messages (proto/ratelimit/).
+pub mod pb {
+    tonic::include_proto!("ratelimit.config.ratelimit.v3");
+}
+
+/// The resource type ratelimitd subscribes to.
+pub const TYPE_URL: &str = "type.googleapis.com/ratelimit.config.ratelimit.v3.RateLimitConfig";
+
+/// Longest wait for the control plane to accept a connection.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Where the config comes from and how to ask for it.
+#[derive(Clone, Debug)]
+pub(crate) struct XdsOptions {
+    /// The control plane, as a URI (`http://host:port`).
+    pub(crate) server: String,
+    /// `node.id`: the control plane serves the snapshot it keeps for this id.
+    pub(crate) node_id: String,
+    /// `node.metadata`, as string values.
+    pub(crate) node_metadata: Vec<(String, String)>,
+    /// gRPC metadata sent with the stream.
+    pub(crate) headers: Vec<(String, String)>,
+    /// Pause between attempts to open the stream.
+    pub(crate) backoff: Backoff,
+    /// Largest response accepted.
+    pub(crate) max_message_bytes: usize,
+}
+
+/// envoyproxy/ratelimit's reconnection backoff (`XDS_CLIENT_BACKOFF_*`), with its arithmetic:
+/// attempt `n` waits `initial × factor^n`, drawn between `initial` and that when `jitter` is
+/// on, and always within `[initial, max]`. A factor of at most 0 means 2. With that service's
+/// defaults (10 s, 60 s, 0.5, jitter) every attempt waits 10 s: a factor below 1 never grows.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Backoff {
+    /// The shortest wait.
+    pub(crate) initial: Duration,
+    /// The longest wait.
+    pub(crate) max: Duration,
+    /// The growth factor per attempt.
+    pub(crate) factor: f64,
+    /// Draw each wait at random between `initial` and the computed one.
+    pub(crate) jitter: bool,
+}
+
+impl Backoff {
+    /// The wait before attempt `attempt` (0 for the first retry).
+    fn delay(&self, attempt: u32) -> Duration {
+        let factor = if self.factor <= 0.0 { 2.0 } else { self.factor };
+        let min = self.initial.as_secs_f64();
+        let mut d = min * factor.powi(attempt.min(64) as i32);
+        if self.jitter {
+            // A fresh RandomState is randomly keyed: enough randomness for a jitter, without a
+            // random-number crate.
+            let r = std::hash::BuildHasher::hash_one(&std::hash::RandomState::new(), attempt);
+            d = (r as f64 / u64::MAX as f64) * (d - min) + min;
+        }
+        let d = Duration::try_from_secs_f64(d).unwrap_or(self.max);
+        d.clamp(self.initial, self.max.max(self.initial))
+    }
+}
+
+/// Runs the ADS client until the task is aborted. `accepted` receives every snapshot the
+/// client accepts, in order; `refused` every response it NACKs, with why.
+pub(crate) async fn run(
+    options: XdsOptions,
+    mut accepted: impl FnMut(Snapshot, &str) + Send,
+    mut refused: impl FnMut(&str) + Send,
+) {
+    let mut attempt = 0;
+    // The version of the last accepted response: sent with every NACK, across streams.
+    let mut version = String::new();
+    loop {
+        match stream(
+            &options,
+            &mut version,
+            &mut attempt,
+            &mut accepted,
+            &mut refused,
+        )
+        .await
+        {
+            Ok(()) => tracing::warn!(server = %options.server, "xDS stream closed by the server"),
+            Err(e) => tracing::warn!(server = %options.server, error = %e, "xDS stream failed"),
+        }
+        let wait = options.backoff.delay(attempt);
+        attempt = attempt.saturating_add(1);
+        tracing::info!(?wait, "reconnecting to the xDS server");
+        tokio::time::sleep(wait).await;
+    }
+}
+
+/// Why a stream ended.
+#[derive(Debug, thiserror::Error)]
+enum StreamError {
+    #[error("cannot connect: {0}")]
+    Connect(#[from] tonic::transport::Error),
+    #[error("{0}")]
+    Status(#[from] tonic::Status),
+    #[error("invalid header {0}")]
+    Header(String),
+}
+
+/// One stream: opens it, then answers each response until it ends.
+async fn stream(
+    options: &XdsOptions,
+    version: &mut String,
+    attempt: &mut u32,
+    accepted: &mut (impl FnMut(Snapshot, &str) + Send),
+    refused: &mut (impl FnMut(&str) + Send),
+) -> Result<(), StreamError> {
+    let channel = Endpoint::from_shared(options.server.clone())?
+        .connect_timeout(CONNECT_TIMEOUT)
+        .connect()
+        .await?;
+    let mut client = AggregatedDiscoveryServiceClient::new(channel)
+        .max_decoding_message_size(options.max_message_bytes);
+    let (tx, rx) = tokio::sync::mpsc::channel::<DiscoveryRequest>(4);
+    // The first request of every stream carries the node; ACKs and NACKs do not need it.
+    let first = DiscoveryRequest {
+        version_info: version.clone(),
+        node: Some(node(options)),
+        type_url: TYPE_URL.to_owned(),
+        ..Default::default()
+    };
+    // The channel holds four: a send cannot wait here, before the stream reads any.
+    let _ = tx.send(first).await;
+    let requests =
+        futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|r| (r, rx)) });
+    let mut request = tonic::Request::new(requests);
+    for (k, v) in &options.headers {
+        let key = tonic::metadata::MetadataKey::from_bytes(k.as_bytes())
+            .map_err(|_| StreamError::Header(k.clone()))?;
+        let value = v.parse().map_err(|_| StreamError::Header(k.clone()))?;
+        request.metadata_mut().insert(key, value);
+    }
+    let mut responses = client
+        .stream_aggregated_resources(request)
+        .await?
+        .into_inner();
+    tracing::info!(server = %options.server, node = %options.node_id, "xDS stream open");
+    while let Some(response) = responses.message().await? {
+        *attempt = 0;
+        let reply = match snapshot_of(&response) {
+            Ok(snapshot) => {
+                accepted(snapshot, &response.version_info);
+                version.clone_from(&response.version_info);
+                DiscoveryRequest {
+                    version_info: response.version_info,
+                    type_url: TYPE_URL.to_owned(),
+                    response_nonce: response.nonce,
+                    ..Default::default()
+                }
+            }
+            Err(why) => {
+                refused(&why);
+                DiscoveryRequest {
+                    version_info: version.clone(),
+                    type_url: TYPE_URL.to_owned(),
+                    response_nonce: response.nonce,
+                    error_detail: Some(Status {
+                        // google.rpc.Code INVALID_ARGUMENT: the config, not the stream, is bad.
+                        code: 3,
+                        message: why,
+                        details: Vec::new(),
+                    }),
+                    ..Default::default()
+                }
+            }
+        };
+        if tx.send(reply).await.is_err() {
+            break; // the request side ended with the stream
+        }
+    }
+    Ok(())
+}
+
+/// The node this client presents.
+fn node(options: &XdsOptions) -> Node {
+    let fields: HashMap<String, Value> = options
+        .node_metadata
+        .iter()
+        .map(|(k, v)| {
+            let value = Value {
+                kind: Some(Kind::StringValue(v.clone())),
+            };
+            (k.clone(), value)
+        })
+        .collect();
+    Node {
+        id: options.node_id.clone(),
+        metadata: Some(Struct { fields }),
+        user_agent_name: "ratelimitd".to_owned(),
+        ..Default::default()
+    }
+}
+
+/// The snapshot a response describes, or why it is refused.
+fn snapshot_of(response: &DiscoveryResponse) -> Result<Snapshot, String> {
+    if response.type_url != TYPE_URL {
+        return Err(format!(
+            "unexpected resource type '{}' (expected {TYPE_URL})",
+            response.type_url
+        ));
+    }
+    let mut domains = Vec::with_capacity(response.resources.len());
+    // Domain → the name of the config that gave it.
+    let mut seen: HashMap<String, String> = HashMap::new();
+    for (i, resource) in response.resources.iter().enumerate() {
+        if resource.type_url != TYPE_URL {
+            return Err(format!(
+                "resources[{i}]: unexpected type '{}' (expected {TYPE_URL})",
+                resource.type_url
+            ));
+        }
+        let config = pb::RateLimitConfig::decode(resource.value.as_slice())
+            .map_err(|e| format!("resources[{i}]: not a RateLimitConfig: {e}"))?;
+        let name = config.name.clone();
+        let domain = convert::domain(config).map_err(|e| e.to_string())?;
+        if let Some(other) = seen.insert(domain.name.to_string(), name.clone()) {
+            return Err(format!(
+                "config '{name}': duplicate domain '{}' (also in config '{other}')",
+                domain.name
+            ));
+        }
+        domains.push(domain);
+    }
+    Ok(Snapshot::new(domains))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_follows_the_reference_arithmetic() {
+        let reference = Backoff {
+            initial: Duration::from_secs(10),
+            max: Duration::from_secs(60),
+            factor: 0.5,
+            jitter: true,
+        };
+        for attempt in 0..10 {
+            assert_eq!(reference.delay(attempt), Duration::from_secs(10));
+        }
+        let doubling = Backoff {
+            initial: Duration::from_millis(100),
+            max: Duration::from_secs(1),
+            factor: 2.0,
+            jitter: false,
+        };
+        let waits: Vec<u128> = (0..6).map(|a| doubling.delay(a).as_millis()).collect();
+        assert_eq!(waits, [100, 200, 400, 800, 1000, 1000]);
+        let jittered = Backoff {
+            jitter: true,
+            ..doubling
+        };
+        for attempt in 0..40 {
+            let d = jittered.delay(attempt);
+            assert!(d >= doubling.initial && d <= doubling.max, "{d:?}");
+        }
+    }
+}

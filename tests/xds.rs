@@ -1,0 +1,556 @@
+//! The config over xDS, against a small ADS server the tests run on loopback: it keeps one
+//! snapshot (a version and its `RateLimitConfig`s), pushes it to every open stream when it
+//! changes, can resend a refused snapshot at once as go-control-plane's cache does, and records
+//! every request it receives.
+
+mod common;
+
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::*;
+use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_server::{
+    AggregatedDiscoveryService, AggregatedDiscoveryServiceServer,
+};
+use envoy_types::pb::envoy::service::discovery::v3::{
+    DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse,
+};
+use envoy_types::pb::google::protobuf::Any;
+use futures_util::{Stream, StreamExt};
+use prost::Message;
+use ratelimitd::testing::rls_conf as pb;
+use ratelimitd::testing::{SystemClock, XDS_TYPE_URL};
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+
+/// What the ADS server holds and has seen.
+#[derive(Default)]
+struct State {
+    version: String,
+    resources: Vec<Any>,
+    /// Every request received, in order.
+    requests: Vec<DiscoveryRequest>,
+    /// Streams opened so far.
+    streams: usize,
+    /// How many NACKs to answer by resending the refused snapshot at once.
+    resend_on_nack: usize,
+    nonce: u64,
+    /// The open streams' senders.
+    open: Vec<mpsc::Sender<Result<DiscoveryResponse, tonic::Status>>>,
+}
+
+impl State {
+    fn response(&mut self) -> DiscoveryResponse {
+        self.nonce += 1;
+        DiscoveryResponse {
+            version_info: self.version.clone(),
+            resources: self.resources.clone(),
+            type_url: XDS_TYPE_URL.to_owned(),
+            nonce: self.nonce.to_string(),
+            ..Default::default()
+        }
+    }
+}
+
+#[derive(Clone)]
+struct Ads(Arc<Mutex<State>>, tokio::sync::watch::Sender<bool>);
+
+impl Default for Ads {
+    fn default() -> Ads {
+        Ads(Arc::default(), tokio::sync::watch::channel(false).0)
+    }
+}
+
+type Responses = Pin<Box<dyn Stream<Item = Result<DiscoveryResponse, tonic::Status>> + Send>>;
+
+#[tonic::async_trait]
+impl AggregatedDiscoveryService for Ads {
+    type StreamAggregatedResourcesStream = Responses;
+
+    async fn stream_aggregated_resources(
+        &self,
+        request: tonic::Request<tonic::Streaming<DiscoveryRequest>>,
+    ) -> Result<tonic::Response<Responses>, tonic::Status> {
+        let headers = request.metadata().clone();
+        let mut requests = request.into_inner();
+        let (tx, rx) = mpsc::channel(16);
+        {
+            let mut s = self.0.lock().unwrap();
+            s.streams += 1;
+            s.open.push(tx.clone());
+        }
+        let state = self.0.clone();
+        let mut killed = self.1.subscribe();
+        tokio::spawn(async move {
+            loop {
+                let next = tokio::select! {
+                    next = requests.next() => next,
+                    _ = killed.wait_for(|k| *k) => break,
+                };
+                let Some(Ok(mut req)) = next else { break };
+                // The stream's headers travel with its first request, for the tests to see.
+                if let Some(v) = headers.get("x-test")
+                    && req.node.is_some()
+                {
+                    req.resource_names
+                        .push(format!("x-test={}", v.to_str().unwrap()));
+                }
+                let reply = {
+                    let mut s = state.lock().unwrap();
+                    let first = req.response_nonce.is_empty();
+                    let nack = req.error_detail.is_some();
+                    s.requests.push(req);
+                    if (first && !s.version.is_empty()) || (nack && s.resend_on_nack > 0) {
+                        if nack {
+                            s.resend_on_nack -= 1;
+                        }
+                        Some(s.response())
+                    } else {
+                        None
+                    }
+                };
+                if let Some(r) = reply
+                    && tx.send(Ok(r)).await.is_err()
+                {
+                    break;
+                }
+            }
+        });
+        let stream =
+            futures_util::stream::unfold(
+                rx,
+                |mut rx| async move { rx.recv().await.map(|r| (r, rx)) },
+            );
+        Ok(tonic::Response::new(Box::pin(stream)))
+    }
+
+    type DeltaAggregatedResourcesStream =
+        Pin<Box<dyn Stream<Item = Result<DeltaDiscoveryResponse, tonic::Status>> + Send>>;
+
+    async fn delta_aggregated_resources(
+        &self,
+        _: tonic::Request<tonic::Streaming<DeltaDiscoveryRequest>>,
+    ) -> Result<tonic::Response<Self::DeltaAggregatedResourcesStream>, tonic::Status> {
+        Err(tonic::Status::unimplemented("state of the world only"))
+    }
+}
+
+/// A running ADS server.
+struct AdsServer {
+    ads: Ads,
+    addr: std::net::SocketAddr,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl AdsServer {
+    async fn start() -> AdsServer {
+        Self::start_on(
+            TcpListener::bind("127.0.0.1:0").await.unwrap(),
+            Ads::default(),
+        )
+    }
+
+    fn start_on(listener: TcpListener, ads: Ads) -> AdsServer {
+        let addr = listener.local_addr().unwrap();
+        let incoming = tonic::transport::server::TcpIncoming::from(listener);
+        let service = AggregatedDiscoveryServiceServer::new(ads.clone());
+        let task = tokio::spawn(async move {
+            let _ = tonic::transport::Server::builder()
+                .add_service(service)
+                .serve_with_incoming(incoming)
+                .await;
+        });
+        AdsServer { ads, addr, task }
+    }
+
+    /// Serves `configs` as `version`, pushing it to every open stream.
+    async fn set(&self, version: &str, configs: &[pb::RateLimitConfig]) {
+        let (senders, response) = {
+            let mut s = self.ads.0.lock().unwrap();
+            s.version = version.to_owned();
+            s.resources = configs
+                .iter()
+                .map(|c| Any {
+                    type_url: XDS_TYPE_URL.to_owned(),
+                    value: c.encode_to_vec(),
+                })
+                .collect();
+            s.open.retain(|tx| !tx.is_closed());
+            (s.open.clone(), s.response())
+        };
+        for tx in senders {
+            let _ = tx.send(Ok(response.clone())).await;
+        }
+    }
+
+    fn requests(&self) -> Vec<DiscoveryRequest> {
+        self.ads.0.lock().unwrap().requests.clone()
+    }
+
+    fn flags(&self) -> Vec<String> {
+        vec![
+            "--xds-server".into(),
+            format!("http://{}", self.addr),
+            "--xds-node-id".into(),
+            "test-node".into(),
+            "--xds-backoff-initial".into(),
+            "50ms".into(),
+            "--xds-backoff-max".into(),
+            "200ms".into(),
+        ]
+    }
+
+    /// Waits until a request matching `pred` (`what`) has been received; returns it.
+    async fn until_request(
+        &self,
+        what: &str,
+        pred: impl Fn(&DiscoveryRequest) -> bool,
+    ) -> DiscoveryRequest {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Some(r) = self.requests().into_iter().find(|r| pred(r)) {
+                return r;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no {what} within 10 s: {:#?}",
+                self.requests()
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+}
+
+impl AdsServer {
+    /// The nonce of the last response made.
+    fn nonce(&self) -> String {
+        self.ads.0.lock().unwrap().nonce.to_string()
+    }
+}
+
+/// Stopping the server ends its streams, as a control plane going away does.
+impl Drop for AdsServer {
+    fn drop(&mut self) {
+        self.ads.1.send_replace(true);
+        self.ads.0.lock().unwrap().open.clear();
+        self.task.abort();
+    }
+}
+
+fn limit(key: &str, rpu: u32, unit: pb::RateLimitUnit) -> pb::RateLimitDescriptor {
+    pb::RateLimitDescriptor {
+        key: key.into(),
+        rate_limit: Some(pb::RateLimitPolicy {
+            unit: unit as i32,
+            requests_per_unit: rpu,
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+fn config(domain: &str, descriptors: Vec<pb::RateLimitDescriptor>) -> pb::RateLimitConfig {
+    pb::RateLimitConfig {
+        name: domain.into(),
+        domain: domain.into(),
+        descriptors,
+    }
+}
+
+async fn server(ads: &AdsServer, extra: &[&str]) -> TestServer {
+    let mut flags = ads.flags();
+    flags.extend(extra.iter().map(|s| s.to_string()));
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    TestServer::start_with(&[], &flags, Arc::new(SystemClock)).await
+}
+
+/// The configured requests_per_unit for `key`, checked without consuming.
+async fn rpu(c: &mut Client, domain: &str, key: &str) -> Option<u32> {
+    rpu_of(
+        &call(c, with_hits(request(domain, &[&[(key, "v")]]), 0, 0)).await,
+        0,
+    )
+}
+
+async fn until_rpu(c: &Client, domain: &str, key: &str, want: Option<u32>) {
+    poll(Duration::from_secs(10), || {
+        let mut c = c.clone();
+        async move { (rpu(&mut c, domain, key).await == want).then_some(()) }
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn the_first_config_is_enforced_and_acked_with_its_version_and_nonce() {
+    let ads = AdsServer::start().await;
+    ads.set(
+        "v1",
+        &[config("d", vec![limit("k", 3, pb::RateLimitUnit::Hour)])],
+    )
+    .await;
+    let s = server(
+        &ads,
+        &[
+            "--xds-node-metadata",
+            "zone=a,team=rl",
+            "--xds-headers",
+            "x-test=yes",
+        ],
+    )
+    .await;
+    let mut c = s.client().await;
+    admits_exactly(&mut c, &request("d", &[&[("k", "v")]]), 3).await;
+
+    let first = ads.requests()[0].clone();
+    let node = first.node.expect("the first request names the node");
+    assert_eq!(node.id, "test-node");
+    let metadata = node.metadata.expect("node metadata");
+    assert_eq!(metadata.fields.len(), 2, "{metadata:?}");
+    assert_eq!(first.type_url, XDS_TYPE_URL);
+    assert!(
+        first.resource_names.contains(&"x-test=yes".to_owned()),
+        "the stream's headers"
+    );
+    let ack = ads
+        .until_request("ACK", |r| !r.response_nonce.is_empty())
+        .await;
+    assert_eq!(ack.version_info, "v1");
+    assert_eq!(ack.response_nonce, ads.nonce());
+    assert!(ack.error_detail.is_none());
+    assert!(
+        ack.node.is_none(),
+        "only the first request carries the node"
+    );
+}
+
+#[tokio::test]
+async fn an_update_takes_effect_and_keeps_the_counts_of_unchanged_limits() {
+    let ads = AdsServer::start().await;
+    ads.set(
+        "v1",
+        &[config("d", vec![limit("k", 3, pb::RateLimitUnit::Hour)])],
+    )
+    .await;
+    let s = server(&ads, &[]).await;
+    let mut c = s.client().await;
+    for _ in 0..2 {
+        assert!(is_ok(&call(&mut c, request("d", &[&[("k", "v")]])).await));
+    }
+    // A new limit beside it; the used one unchanged: one hit of it left.
+    ads.set(
+        "v2",
+        &[config(
+            "d",
+            vec![
+                limit("k", 3, pb::RateLimitUnit::Hour),
+                limit("other", 7, pb::RateLimitUnit::Minute),
+            ],
+        )],
+    )
+    .await;
+    until_rpu(&c, "d", "other", Some(7)).await;
+    admits_exactly(&mut c, &request("d", &[&[("k", "v")]]), 1).await;
+    let ack = ads
+        .until_request("ACK of v2", |r| r.version_info == "v2")
+        .await;
+    assert!(ack.error_detail.is_none());
+}
+
+/// Every refusal envoyproxy/ratelimit makes: NACKed, naming the config, with the last accepted
+/// version and the refused nonce; the previous config stays in force.
+#[tokio::test]
+async fn a_refused_update_is_nacked_and_the_previous_config_stays() {
+    let ads = AdsServer::start().await;
+    let good = config("d", vec![limit("k", 2, pb::RateLimitUnit::Hour)]);
+    ads.set("v1", std::slice::from_ref(&good)).await;
+    let s = server(&ads, &[]).await;
+    let mut c = s.client().await;
+    assert!(is_ok(&call(&mut c, request("d", &[&[("k", "v")]])).await));
+
+    let unlimited_with_unit = pb::RateLimitDescriptor {
+        key: "u".into(),
+        rate_limit: Some(pb::RateLimitPolicy {
+            unlimited: true,
+            unit: pb::RateLimitUnit::Second as i32,
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let self_replacing = pb::RateLimitDescriptor {
+        key: "r".into(),
+        rate_limit: Some(pb::RateLimitPolicy {
+            unit: pb::RateLimitUnit::Second as i32,
+            requests_per_unit: 1,
+            name: "a".into(),
+            replaces: vec![pb::RateLimitReplace { name: "a".into() }],
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let bad: Vec<(Vec<pb::RateLimitConfig>, &str)> = vec![
+        (vec![good.clone(), config("d", vec![])], "duplicate domain"),
+        (vec![config("", vec![])], "empty domain"),
+        (
+            vec![config("e", vec![limit("", 1, pb::RateLimitUnit::Second)])],
+            "empty key",
+        ),
+        (
+            vec![config(
+                "e",
+                vec![
+                    limit("k", 1, pb::RateLimitUnit::Second),
+                    limit("k", 2, pb::RateLimitUnit::Second),
+                ],
+            )],
+            "duplicate descriptor",
+        ),
+        (
+            vec![config("e", vec![limit("k", 1, pb::RateLimitUnit::Unknown)])],
+            "unit",
+        ),
+        (vec![config("e", vec![unlimited_with_unit])], "unlimited"),
+        (vec![config("e", vec![self_replacing])], "replaces itself"),
+    ];
+    for (i, (configs, why)) in bad.into_iter().enumerate() {
+        let version = format!("bad{i}");
+        ads.set(&version, &configs).await;
+        let nonce = ads.ads.0.lock().unwrap().nonce.to_string();
+        let nack = ads.until_request(why, |r| r.response_nonce == nonce).await;
+        let detail = nack.error_detail.expect("a NACK carries why");
+        assert!(
+            detail.message.contains(why),
+            "{} should say {why}",
+            detail.message
+        );
+        assert_eq!(nack.version_info, "v1", "the last accepted version");
+        // The previous config is still the one in force.
+        assert_eq!(rpu(&mut c, "d", "k").await, Some(2));
+    }
+    // A resource that does not parse as a RateLimitConfig.
+    {
+        let mut st = ads.ads.0.lock().unwrap();
+        st.version = "garbage".into();
+        st.resources = vec![Any {
+            type_url: XDS_TYPE_URL.into(),
+            value: vec![0xff, 0xff, 0xff],
+        }];
+    }
+    let (senders, response) = {
+        let mut st = ads.ads.0.lock().unwrap();
+        (st.open.clone(), st.response())
+    };
+    for tx in senders {
+        let _ = tx.send(Ok(response.clone())).await;
+    }
+    let nack = ads
+        .until_request("garbage", |r| r.response_nonce == response.nonce)
+        .await;
+    assert!(
+        nack.error_detail
+            .unwrap()
+            .message
+            .contains("not a RateLimitConfig")
+    );
+    admits_exactly(&mut c, &request("d", &[&[("k", "v")]]), 1).await;
+    // Health stays SERVING throughout.
+    let (status, _) = s.http_get("/healthcheck").await;
+    assert_eq!(status, 200);
+}
+
+/// go-control-plane answers a NACK by resending the same snapshot at once: each is NACKed,
+/// the service stays healthy, and the next good version is ACKed and enforced.
+#[tokio::test]
+async fn a_snapshot_resent_after_each_nack_is_nacked_each_time_then_the_next_good_one_acked() {
+    let ads = AdsServer::start().await;
+    ads.set(
+        "v1",
+        &[config("d", vec![limit("k", 5, pb::RateLimitUnit::Hour)])],
+    )
+    .await;
+    let s = server(&ads, &[]).await;
+    let mut c = s.client().await;
+    until_rpu(&c, "d", "k", Some(5)).await;
+    ads.ads.0.lock().unwrap().resend_on_nack = 20;
+    ads.set("bad", &[config("", vec![])]).await;
+    poll(Duration::from_secs(10), || {
+        let nacks = ads
+            .requests()
+            .iter()
+            .filter(|r| r.error_detail.is_some())
+            .count();
+        async move { (nacks >= 21).then_some(()) }
+    })
+    .await;
+    assert_eq!(rpu(&mut c, "d", "k").await, Some(5));
+    ads.set(
+        "v2",
+        &[config("d", vec![limit("k", 9, pb::RateLimitUnit::Hour)])],
+    )
+    .await;
+    until_rpu(&c, "d", "k", Some(9)).await;
+    let ack = ads
+        .until_request("ACK of v2", |r| r.version_info == "v2")
+        .await;
+    assert!(ack.error_detail.is_none());
+    let (status, _) = s.http_get("/healthcheck").await;
+    assert_eq!(status, 200);
+}
+
+/// When the control plane goes away the last config stays in force; when it comes back the
+/// client reconnects (presenting its node again) and follows the new snapshot.
+#[tokio::test]
+async fn a_restarted_control_plane_is_reconnected_and_the_config_kept_meanwhile() {
+    let ads = AdsServer::start().await;
+    let addr = ads.addr;
+    ads.set(
+        "v1",
+        &[config("d", vec![limit("k", 4, pb::RateLimitUnit::Hour)])],
+    )
+    .await;
+    let s = server(&ads, &[]).await;
+    let mut c = s.client().await;
+    until_rpu(&c, "d", "k", Some(4)).await;
+    drop(ads);
+    // Down: the config in force does not change.
+    for _ in 0..5 {
+        assert_eq!(rpu(&mut c, "d", "k").await, Some(4));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let listener = poll(Duration::from_secs(10), || async move {
+        TcpListener::bind(addr).await.ok()
+    })
+    .await;
+    let back = AdsServer::start_on(listener, Ads::default());
+    back.set(
+        "v2",
+        &[config("d", vec![limit("k", 6, pb::RateLimitUnit::Hour)])],
+    )
+    .await;
+    until_rpu(&c, "d", "k", Some(6)).await;
+    let first = back.requests()[0].clone();
+    assert_eq!(
+        first.node.expect("a new stream names the node").id,
+        "test-node"
+    );
+    assert_eq!(first.version_info, "v1", "the version in force");
+}
+
+/// An unknown domain, and descriptors no limit matches, are OK as with files.
+#[tokio::test]
+async fn the_snapshot_serves_rlconfig_like_files() {
+    let ads = AdsServer::start().await;
+    ads.set(
+        "v1",
+        &[config("d", vec![limit("k", 3, pb::RateLimitUnit::Minute)])],
+    )
+    .await;
+    let s = server(&ads, &[]).await;
+    let mut c = s.client().await;
+    assert!(is_ok(
+        &call(&mut c, request("nope", &[&[("k", "v")]])).await
+    ));
+    let (status, body) = s.http_get("/rlconfig").await;
+    assert_eq!(status, 200);
+    assert!(body.contains("d.k"), "{body}");
+}
