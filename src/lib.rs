@@ -139,18 +139,28 @@ pub async fn run_with_clock(
     let metrics = Arc::new(Metrics::new());
     let mut tasks = Tasks::default();
     let (health, health_service) = tonic_health::server::health_reporter();
-    let stop = Stop::start(shutdown, health, &mut tasks).await;
-    let config = match &options.config {
-        ConfigSource::Files(paths) => watch_files(paths, &metrics, &mut tasks)?,
+    let (config, loaded) = match &options.config {
+        ConfigSource::Files(paths) => (watch_files(paths, &metrics, &mut tasks)?, None),
         ConfigSource::Xds(xds) => {
-            let (config, mut loaded) = follow_xds(xds, &metrics, &mut tasks);
-            // As envoyproxy/ratelimit does: nothing is served before the first config.
-            tokio::select! {
-                _ = loaded.wait_for(|l| *l) => config,
-                () = stop.stopped() => return Ok(()),
-            }
+            let (config, loaded) = follow_xds(xds, &metrics, &mut tasks);
+            (config, Some(loaded))
         }
     };
+    // Health waits for the first config only when asked to.
+    let ready = loaded.clone().filter(|_| options.unhealthy_until_config);
+    let stop = Stop::start(shutdown, health, ready, &mut tasks).await;
+    if let Some(mut loaded) = loaded
+        && !options.start_without_config
+    {
+        // As envoyproxy/ratelimit does: nothing is served before the first config.
+        let first = tokio::select! {
+            l = loaded.wait_for(|l| *l) => l.is_ok(),
+            () = stop.stopped() => false,
+        };
+        if !first {
+            return Ok(());
+        }
+    }
     let backend = start_backend(&options, clock, &metrics, &mut tasks)?;
     let engine = Arc::new(Engine::new(
         config,
@@ -216,7 +226,7 @@ fn follow_xds(
     metrics: &Arc<Metrics>,
     tasks: &mut Tasks,
 ) -> (Arc<ArcSwap<Snapshot>>, tokio::sync::watch::Receiver<bool>) {
-    let config = Arc::new(ArcSwap::from_pointee(Snapshot::default()));
+    let config = Arc::new(ArcSwap::from_pointee(Snapshot::not_loaded()));
     let (loaded_tx, loaded) = tokio::sync::watch::channel(false);
     let accepted = {
         let (config, metrics) = (config.clone(), metrics.clone());
@@ -344,7 +354,8 @@ fn start_backend(
 }
 
 /// The shutdown fan-out: when the caller's `shutdown` resolves, health turns NOT_SERVING
-/// first, then every server stops accepting.
+/// first, then every server stops accepting. Health starts SERVING, or, given `ready`, turns
+/// SERVING when it does.
 struct Stop {
     /// False once shutdown has begun (`/healthcheck` answers 500).
     serving: Arc<AtomicBool>,
@@ -355,19 +366,44 @@ impl Stop {
     async fn start(
         shutdown: impl Future<Output = ()> + Send + 'static,
         health: tonic_health::server::HealthReporter,
+        ready: Option<tokio::sync::watch::Receiver<bool>>,
         tasks: &mut Tasks,
     ) -> Stop {
+        let status = match ready {
+            None => ServingStatus::Serving,
+            Some(_) => ServingStatus::NotServing,
+        };
         for name in HEALTH_SERVICES {
-            health
-                .set_service_status(name, ServingStatus::Serving)
-                .await;
+            health.set_service_status(name, status).await;
         }
-        let serving = Arc::new(AtomicBool::new(true));
+        let serving = Arc::new(AtomicBool::new(ready.is_none()));
         let (stop_tx, stopped) = tokio::sync::watch::channel(false);
         tasks.push({
             let serving = serving.clone();
             tokio::spawn(async move {
-                shutdown.await;
+                tokio::pin!(shutdown);
+                // One task for both, so that a late `ready` can never undo a shutdown.
+                let mut down = false;
+                if let Some(mut ready) = ready {
+                    let became_ready = tokio::select! {
+                        r = ready.wait_for(|r| *r) => r.is_ok(),
+                        () = &mut shutdown => {
+                            down = true;
+                            false
+                        }
+                    };
+                    if became_ready {
+                        serving.store(true, Ordering::SeqCst);
+                        for name in HEALTH_SERVICES {
+                            health
+                                .set_service_status(name, ServingStatus::Serving)
+                                .await;
+                        }
+                    }
+                }
+                if !down {
+                    shutdown.await;
+                }
                 tracing::info!("shutting down: finishing in-flight calls");
                 serving.store(false, Ordering::SeqCst);
                 for name in HEALTH_SERVICES {

@@ -554,3 +554,93 @@ async fn the_snapshot_serves_rlconfig_like_files() {
     assert_eq!(status, 200);
     assert!(body.contains("d.k"), "{body}");
 }
+
+/// gRPC health of the service's default name.
+async fn grpc_health(s: &TestServer) -> i32 {
+    use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", s.grpc))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    HealthClient::new(channel)
+        .check(HealthCheckRequest {
+            service: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .status
+}
+
+/// FORCE_START_WITHOUT_INITIAL_CONFIG and HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED, as Envoy
+/// Gateway sets them: ports open at once, requests fail as the reference fails them, health
+/// waits for the first config.
+#[tokio::test]
+async fn started_without_a_config_requests_fail_until_the_first_arrives() {
+    let ads = AdsServer::start().await;
+    let s = server(
+        &ads,
+        &["--start-without-config", "--unhealthy-until-config"],
+    )
+    .await;
+    let mut c = s.client().await;
+    let err = c
+        .should_rate_limit(request("d", &[&[("k", "v")]]))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::Unknown);
+    assert_eq!(err.message(), "no rate limit configuration loaded");
+    assert_eq!(s.http_get("/healthcheck").await.0, 500);
+    assert_eq!(grpc_health(&s).await, 2, "NOT_SERVING");
+
+    ads.set(
+        "v1",
+        &[config("d", vec![limit("k", 2, pb::RateLimitUnit::Hour)])],
+    )
+    .await;
+    poll(Duration::from_secs(10), || {
+        let mut c = c.clone();
+        async move {
+            let r = c.should_rate_limit(with_hits(request("d", &[&[("k", "v")]]), 0, 0));
+            r.await.ok()
+        }
+    })
+    .await;
+    assert_eq!(rpu(&mut c, "d", "k").await, Some(2));
+    // Health follows the config, not necessarily in the same instant.
+    poll(Duration::from_secs(10), || async {
+        (s.http_get("/healthcheck").await.0 == 200 && grpc_health(&s).await == 1).then_some(())
+    })
+    .await;
+}
+
+/// Without it, nothing is served until the first config; then everything is.
+#[tokio::test]
+async fn otherwise_nothing_is_served_before_the_first_config() {
+    let ads = AdsServer::start().await;
+    let s = server(&ads, &[]).await;
+    let url = format!("http://{}", s.grpc);
+    let early =
+        tokio::time::timeout(Duration::from_millis(500), ratelimitd_client(url.clone())).await;
+    assert!(
+        !matches!(early, Ok(Some(_))),
+        "a call was answered before the first config"
+    );
+    ads.set(
+        "v1",
+        &[config("d", vec![limit("k", 2, pb::RateLimitUnit::Hour)])],
+    )
+    .await;
+    let mut c = s.client().await;
+    admits_exactly(&mut c, &request("d", &[&[("k", "v")]]), 2).await;
+}
+
+/// A client that made one call, if the server answered it.
+async fn ratelimitd_client(url: String) -> Option<Client> {
+    let mut c = Client::connect(url).await.ok()?;
+    c.should_rate_limit(request("d", &[&[("k", "v")]]))
+        .await
+        .ok()?;
+    Some(c)
+}

@@ -287,15 +287,32 @@ pub struct Domain {
 
 /// An immutable, validated set of domains. Requests in flight keep the snapshot they started
 /// with while a reload swaps in the next one.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Snapshot {
     domains: HashMap<String, Domain>,
+    /// False only for the stand-in of a service started before its first config.
+    loaded: bool,
 }
 
 impl Snapshot {
+    /// The stand-in until a first config arrives (a service started without one): no domain,
+    /// and [`Snapshot::is_loaded`] false, so requests are answered with an error, not OK.
+    pub(crate) fn not_loaded() -> Snapshot {
+        Snapshot {
+            domains: HashMap::new(),
+            loaded: false,
+        }
+    }
+
+    /// False for [`Snapshot::not_loaded`].
+    pub(crate) fn is_loaded(&self) -> bool {
+        self.loaded
+    }
+
     /// A snapshot of `domains`; the caller has checked they are distinct.
     pub fn new(domains: Vec<Domain>) -> Snapshot {
         Snapshot {
+            loaded: true,
             domains: domains
                 .into_iter()
                 .map(|d| (d.name.as_str().to_owned(), d))

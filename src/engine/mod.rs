@@ -122,6 +122,9 @@ impl Engine {
     pub async fn should_rate_limit(&self, req: &Request<'_>) -> Result<Response, EngineError> {
         request::validate(req, &self.options.request_limits)?;
         let snapshot = self.config.load();
+        if !snapshot.is_loaded() {
+            return Err(EngineError::NoConfig);
+        }
         let Resolved {
             domain,
             applied,

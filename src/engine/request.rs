@@ -73,6 +73,9 @@ pub enum EngineError {
     /// The backend could not decide.
     #[error(transparent)]
     Backend(#[from] BackendError),
+    /// No config has been loaded yet (a service started without one).
+    #[error("no rate limit configuration loaded")]
+    NoConfig,
 }
 
 /// Checks a request against `bounds`: an `InvalidArgument` naming the first offending field.

@@ -47,6 +47,8 @@ impl GrpcService {
 pub(crate) fn to_status(e: EngineError) -> Status {
     match e {
         EngineError::InvalidArgument(m) => Status::invalid_argument(m),
+        // envoyproxy/ratelimit's answer before its first config.
+        EngineError::NoConfig => Status::unknown(EngineError::NoConfig.to_string()),
         EngineError::Backend(e) if e.is_transient() => {
             tracing::warn!(error = %e, "backend unavailable");
             Status::unavailable("rate limit backend unavailable")

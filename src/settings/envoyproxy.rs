@@ -88,14 +88,6 @@ const IGNORED: &[(&str, &str)] = &[
         "RUNTIME_WATCH_ROOT",
         "the config directory is always watched, the root's swaps too",
     ),
-    (
-        "FORCE_START_WITHOUT_INITIAL_CONFIG",
-        "an invalid first config stops the service",
-    ),
-    (
-        "HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED",
-        "healthy once the first config loaded",
-    ),
     ("LIMIT_LIMIT_HEADER", "header names are fixed"),
     ("LIMIT_REMAINING_HEADER", "header names are fixed"),
     ("LIMIT_RESET_HEADER", "header names are fixed"),
@@ -204,8 +196,20 @@ pub(super) fn translate(
         .is_some_and(|v| v.eq_ignore_ascii_case(XDS));
     if xds {
         xds_source(&env, &mut t)?;
-    } else if dropin {
-        config_directory(&env, &mut t)?;
+    } else {
+        if dropin {
+            config_directory(&env, &mut t)?;
+        }
+        for name in [
+            "FORCE_START_WITHOUT_INITIAL_CONFIG",
+            "HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED",
+        ] {
+            if env.bool_var(name)? == Some(true) {
+                t.ignored.push(format!(
+                    "{name}=true applies to CONFIG_TYPE={XDS} only: config files load before the service starts, and an invalid one stops it"
+                ));
+            }
+        }
     }
     listeners(&env, dropin, &mut t)?;
     behaviour(&env, dropin, &mut t)?;
@@ -282,6 +286,12 @@ fn xds_source(env: &Env<'_>, t: &mut Translated) -> Result<(), String> {
     }
     if let Some(n) = env.non_empty("XDS_CLIENT_MAX_MSG_SIZE_IN_BYTES") {
         t.flag("xds-max-message-bytes", n);
+    }
+    if let Some(force) = env.bool_var("FORCE_START_WITHOUT_INITIAL_CONFIG")? {
+        t.flag("start-without-config", force.to_string());
+    }
+    if let Some(healthy) = env.bool_var("HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED")? {
+        t.flag("unhealthy-until-config", healthy.to_string());
     }
     Ok(())
 }

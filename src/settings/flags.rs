@@ -165,6 +165,17 @@ pub struct Flags {
     #[arg(long, default_value = "4MiB", value_parser = parse_bytes)]
     pub xds_max_message_bytes: u64,
 
+    /// With --xds-server: serve at once, before the first config arrives; until then requests
+    /// fail (UNKNOWN, "no rate limit configuration loaded"). Without it nothing is served until
+    /// the first config.
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub start_without_config: bool,
+
+    /// With --xds-server: health (gRPC and /healthcheck) reports not serving until the first
+    /// config is accepted.
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub unhealthy_until_config: bool,
+
     /// envoyproxy/ratelimit variables that were set but change nothing here (logged at start).
     #[arg(skip)]
     pub ignored_env: Vec<String>,

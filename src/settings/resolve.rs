@@ -39,6 +39,8 @@ impl Flags {
         };
         Ok(Options {
             config: self.config_source()?,
+            start_without_config: self.start_without_config,
+            unhealthy_until_config: self.unhealthy_until_config,
             backend,
             keys,
             engine: EngineOptions {
@@ -219,6 +221,10 @@ impl Flags {
 pub struct Options {
     /// Where the config comes from.
     pub(crate) config: ConfigSource,
+    /// Serve before the first config (xDS).
+    pub(crate) start_without_config: bool,
+    /// Health waits for the first config (xDS).
+    pub(crate) unhealthy_until_config: bool,
     /// Where counters live.
     pub(crate) backend: BackendOptions,
     /// How counter keys are built.
