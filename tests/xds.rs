@@ -152,11 +152,36 @@ impl AdsServer {
     }
 
     fn start_on(listener: TcpListener, ads: Ads) -> AdsServer {
+        Self::serve(listener, ads, None)
+    }
+
+    /// Over mutual TLS, as Envoy Gateway's xDS server: `certs` from `make_certs`.
+    async fn start_tls(certs: &std::path::Path) -> AdsServer {
+        let read = |f: &str| std::fs::read(certs.join(f)).unwrap();
+        let tls = tonic::transport::ServerTlsConfig::new()
+            .identity(tonic::transport::Identity::from_pem(
+                read("server.crt"),
+                read("server.key"),
+            ))
+            .client_ca_root(tonic::transport::Certificate::from_pem(read("ca.crt")));
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        Self::serve(listener, Ads::default(), Some(tls))
+    }
+
+    fn serve(
+        listener: TcpListener,
+        ads: Ads,
+        tls: Option<tonic::transport::ServerTlsConfig>,
+    ) -> AdsServer {
         let addr = listener.local_addr().unwrap();
         let incoming = tonic::transport::server::TcpIncoming::from(listener);
         let service = AggregatedDiscoveryServiceServer::new(ads.clone());
         let task = tokio::spawn(async move {
-            let _ = tonic::transport::Server::builder()
+            let mut builder = tonic::transport::Server::builder();
+            if let Some(tls) = tls {
+                builder = builder.tls_config(tls).unwrap();
+            }
+            let _ = builder
                 .add_service(service)
                 .serve_with_incoming(incoming)
                 .await;
@@ -643,4 +668,74 @@ async fn ratelimitd_client(url: String) -> Option<Client> {
         .await
         .ok()?;
     Some(c)
+}
+
+/// TLS as Envoy Gateway sets it up: its server requires a client certificate from its CA. A
+/// handshake it refuses is logged and retried (the files are read again at each attempt), the
+/// service serving meanwhile; once the certificate is right, the config arrives.
+#[tokio::test]
+async fn mutual_tls_to_the_control_plane_and_a_refused_handshake_retried() {
+    let dir = tempfile::tempdir().unwrap();
+    let certs = common::redis::make_certs(dir.path());
+    let other = tempfile::tempdir().unwrap();
+    let stranger = common::redis::make_certs(other.path());
+    let ads = AdsServer::start_tls(&certs).await;
+    ads.set(
+        "v1",
+        &[config("d", vec![limit("k", 2, pb::RateLimitUnit::Hour)])],
+    )
+    .await;
+    // The client's certificate comes from another CA at first.
+    let client = tempfile::tempdir().unwrap();
+    for f in ["client.crt", "client.key"] {
+        std::fs::copy(stranger.join(f), client.path().join(f)).unwrap();
+    }
+    let path = |d: &std::path::Path, f: &str| d.join(f).to_str().unwrap().to_owned();
+    let (ca, cert, key) = (
+        path(&certs, "ca.crt"),
+        path(client.path(), "client.crt"),
+        path(client.path(), "client.key"),
+    );
+    let s = server(
+        &ads,
+        &[
+            "--xds-tls-ca",
+            &ca,
+            "--xds-tls-cert",
+            &cert,
+            "--xds-tls-key",
+            &key,
+            "--xds-tls-server-name",
+            "localhost",
+            "--start-without-config",
+        ],
+    )
+    .await;
+    let mut c = s.client().await;
+    // Refused handshakes: no config, the service still answering (with the reference's error).
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let err = c
+        .should_rate_limit(request("d", &[&[("k", "v")]]))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::Unknown);
+    assert!(
+        ads.requests().is_empty(),
+        "a stream opened without a valid client certificate"
+    );
+    assert_eq!(s.http_get("/healthcheck").await.0, 200);
+    // The right certificate: the next attempt gets through.
+    for f in ["client.crt", "client.key"] {
+        std::fs::copy(certs.join(f), client.path().join(f)).unwrap();
+    }
+    poll(Duration::from_secs(10), || {
+        let mut c = c.clone();
+        async move {
+            let r = c.should_rate_limit(with_hits(request("d", &[&[("k", "v")]]), 0, 0));
+            r.await.ok()
+        }
+    })
+    .await;
+    admits_exactly(&mut c, &request("d", &[&[("k", "v")]]), 2).await;
+    assert_eq!(ads.requests()[0].node.as_ref().unwrap().id, "test-node");
 }

@@ -244,7 +244,19 @@ fn config_directory(env: &Env<'_>, t: &mut Translated) -> Result<(), String> {
 /// `CONFIG_TYPE=GRPC_XDS_SOTW`: the xDS server, the node, the stream's headers and backoff.
 fn xds_source(env: &Env<'_>, t: &mut Translated) -> Result<(), String> {
     if env.bool_var("CONFIG_GRPC_XDS_SERVER_USE_TLS")? == Some(true) {
-        return Err("CONFIG_GRPC_XDS_SERVER_USE_TLS=true is not supported yet: TLS to the xDS server is not implemented".into());
+        let ca = env.non_empty("CONFIG_GRPC_XDS_SERVER_TLS_CACERT").ok_or(
+            "CONFIG_GRPC_XDS_SERVER_USE_TLS needs CONFIG_GRPC_XDS_SERVER_TLS_CACERT (system roots are not read)",
+        )?;
+        t.flag("xds-tls-ca", ca);
+        let cert = env.non_empty("CONFIG_GRPC_XDS_CLIENT_TLS_CERT");
+        let key = env.non_empty("CONFIG_GRPC_XDS_CLIENT_TLS_KEY");
+        if let (Some(cert), Some(key)) = (cert, key) {
+            t.flag("xds-tls-cert", cert);
+            t.flag("xds-tls-key", key);
+        }
+        if let Some(san) = env.non_empty("CONFIG_GRPC_XDS_SERVER_TLS_SAN") {
+            t.flag("xds-tls-server-name", san);
+        }
     }
     let server = env
         .non_empty("CONFIG_GRPC_XDS_SERVER_URL")
@@ -707,6 +719,11 @@ mod tests {
                 ("XDS_CLIENT_BACKOFF_INITIAL_INTERVAL", "1m30s"),
                 ("XDS_CLIENT_BACKOFF_MAX_INTERVAL", "250ms"),
                 ("XDS_CLIENT_BACKOFF_JITTER", "false"),
+                ("CONFIG_GRPC_XDS_SERVER_USE_TLS", "true"),
+                ("CONFIG_GRPC_XDS_SERVER_TLS_CACERT", "/certs/ca.crt"),
+                ("CONFIG_GRPC_XDS_CLIENT_TLS_CERT", "/certs/tls.crt"),
+                ("CONFIG_GRPC_XDS_CLIENT_TLS_KEY", "/certs/tls.key"),
+                ("CONFIG_GRPC_XDS_SERVER_TLS_SAN", "envoy-gateway"),
             ],
             true,
         )
@@ -720,6 +737,10 @@ mod tests {
             ("xds-backoff-initial", "90000ms"),
             ("xds-backoff-max", "250ms"),
             ("xds-backoff-jitter", "false"),
+            ("xds-tls-ca", "/certs/ca.crt"),
+            ("xds-tls-cert", "/certs/tls.crt"),
+            ("xds-tls-key", "/certs/tls.key"),
+            ("xds-tls-server-name", "envoy-gateway"),
         ] {
             assert!(f.contains(&want), "{want:?} in {f:?}");
         }

@@ -161,6 +161,22 @@ pub struct Flags {
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
     pub xds_backoff_jitter: bool,
 
+    /// Connect to the xDS server over TLS, trusting this CA bundle (PEM).
+    #[arg(long, value_name = "PATH")]
+    pub xds_tls_ca: Option<PathBuf>,
+
+    /// Client certificate chain (PEM) for TLS to the xDS server; with --xds-tls-key.
+    #[arg(long, value_name = "PATH", requires = "xds_tls_key")]
+    pub xds_tls_cert: Option<PathBuf>,
+
+    /// Client key (PEM) for TLS to the xDS server; with --xds-tls-cert.
+    #[arg(long, value_name = "PATH", requires = "xds_tls_cert")]
+    pub xds_tls_key: Option<PathBuf>,
+
+    /// The name the xDS server's certificate must carry (default: the server URL's host).
+    #[arg(long, value_name = "NAME")]
+    pub xds_tls_server_name: Option<String>,
+
     /// Largest xDS response accepted, e.g. 4MiB.
     #[arg(long, default_value = "4MiB", value_parser = parse_bytes)]
     pub xds_max_message_bytes: u64,

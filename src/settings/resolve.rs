@@ -14,7 +14,7 @@ use crate::limiter::key::{HashTag, KeyFormat, PrefixError};
 use crate::limiter::redis::{Credentials, RedisOptions, RedisUrl, Target, TlsFiles};
 use crate::server::conn::ConnLimits;
 use crate::server::headers::HeaderMode;
-use crate::xds::{Backoff, XdsOptions};
+use crate::xds::{Backoff, XdsOptions, XdsTls};
 
 impl Flags {
     /// Resolves and validates the settings into what the service runs with: every
@@ -151,10 +151,12 @@ impl Flags {
         let Some(server) = &self.xds_server else {
             return Ok(ConfigSource::Files(self.config.clone()));
         };
-        let server = if server.contains("://") {
-            server.clone()
-        } else {
-            format!("http://{server}")
+        let tls = self.xds_tls()?;
+        let scheme = if tls.is_some() { "https" } else { "http" };
+        let server = match server.split_once("://") {
+            Some(("https", _)) if tls.is_none() => return Err(SettingsError::XdsTlsCa),
+            Some((_, rest)) => format!("{scheme}://{rest}"),
+            None => format!("{scheme}://{server}"),
         };
         let pairs =
             |flag: &'static str, text: &str| -> Result<Vec<(String, String)>, SettingsError> {
@@ -171,7 +173,7 @@ impl Flags {
                     })
                     .collect()
             };
-        Ok(ConfigSource::Xds(XdsOptions {
+        Ok(ConfigSource::Xds(Box::new(XdsOptions {
             server,
             node_id: self.xds_node_id.clone(),
             node_metadata: pairs("--xds-node-metadata", &self.xds_node_metadata)?,
@@ -183,6 +185,39 @@ impl Flags {
                 jitter: self.xds_backoff_jitter,
             },
             max_message_bytes: usize::try_from(self.xds_max_message_bytes).unwrap_or(usize::MAX),
+            tls,
+        })))
+    }
+
+    /// TLS to the xDS server, when any `--xds-tls-*` flag asks for it.
+    fn xds_tls(&self) -> Result<Option<XdsTls>, SettingsError> {
+        let asked = self.xds_tls_cert.is_some() || self.xds_tls_server_name.is_some();
+        let Some(ca) = &self.xds_tls_ca else {
+            return if asked {
+                Err(SettingsError::XdsTlsCa)
+            } else {
+                Ok(None)
+            };
+        };
+        for (flag, file) in [
+            ("--xds-tls-ca", Some(ca)),
+            ("--xds-tls-cert", self.xds_tls_cert.as_ref()),
+            ("--xds-tls-key", self.xds_tls_key.as_ref()),
+        ] {
+            if let Some(file) = file
+                && let Err(source) = std::fs::metadata(file)
+            {
+                return Err(SettingsError::File {
+                    flag,
+                    path: file.clone(),
+                    source,
+                });
+            }
+        }
+        Ok(Some(XdsTls {
+            ca: ca.clone(),
+            identity: self.xds_tls_cert.clone().zip(self.xds_tls_key.clone()),
+            server_name: self.xds_tls_server_name.clone(),
         }))
     }
 
@@ -252,7 +287,7 @@ pub(crate) enum ConfigSource {
     /// Files and directories, watched.
     Files(Vec<PathBuf>),
     /// An xDS control plane.
-    Xds(XdsOptions),
+    Xds(Box<XdsOptions>),
 }
 
 /// The chosen backend.
@@ -304,6 +339,9 @@ pub enum SettingsError {
         /// Why.
         source: std::io::Error,
     },
+    /// TLS to the xDS server without a CA to verify it.
+    #[error("TLS to the xDS server needs --xds-tls-ca")]
+    XdsTlsCa,
     /// A list of pairs with one that is not `key=value`.
     #[error("{flag}: '{pair}' is not key=value")]
     Pairs {

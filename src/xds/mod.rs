@@ -14,6 +14,7 @@
 mod convert;
 
 use std::collections::HashMap;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use envoy_types::pb::envoy::config::core::v3::Node;
@@ -22,7 +23,7 @@ use envoy_types::pb::envoy::service::discovery::v3::{DiscoveryRequest, Discovery
 use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
 use envoy_types::pb::google::rpc::Status;
 use prost::Message;
-use tonic::transport::Endpoint;
+use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
 
 use crate::config::Snapshot;
 
@@ -52,6 +53,38 @@ pub(crate) struct XdsOptions {
     pub(crate) backoff: Backoff,
     /// Largest response accepted.
     pub(crate) max_message_bytes: usize,
+    /// TLS to the control plane, if any.
+    pub(crate) tls: Option<XdsTls>,
+}
+
+/// TLS to the control plane: the CA that signs its certificate, this client's certificate
+/// (Envoy Gateway requires one), and the name to verify the server's certificate against.
+/// The files are read at every connection attempt, so renewed certificates are picked up.
+#[derive(Clone, Debug)]
+pub(crate) struct XdsTls {
+    /// PEM CA bundle.
+    pub(crate) ca: PathBuf,
+    /// PEM client certificate chain and key, both or neither.
+    pub(crate) identity: Option<(PathBuf, PathBuf)>,
+    /// The name the server's certificate must carry; by default the server URL's host.
+    pub(crate) server_name: Option<String>,
+}
+
+impl XdsTls {
+    fn config(&self) -> Result<ClientTlsConfig, StreamError> {
+        let read = |p: &PathBuf| {
+            std::fs::read(p).map_err(|e| StreamError::TlsFile(format!("{}: {e}", p.display())))
+        };
+        let mut config =
+            ClientTlsConfig::new().ca_certificate(Certificate::from_pem(read(&self.ca)?));
+        if let Some((cert, key)) = &self.identity {
+            config = config.identity(Identity::from_pem(read(cert)?, read(key)?));
+        }
+        if let Some(name) = &self.server_name {
+            config = config.domain_name(name.clone());
+        }
+        Ok(config)
+    }
 }
 
 /// envoyproxy/ratelimit's reconnection backoff (`XDS_CLIENT_BACKOFF_*`), with its arithmetic:
@@ -126,6 +159,8 @@ enum StreamError {
     Status(#[from] tonic::Status),
     #[error("invalid header {0}")]
     Header(String),
+    #[error("cannot read a TLS file: {0}")]
+    TlsFile(String),
 }
 
 /// One stream: opens it, then answers each response until it ends.
@@ -136,10 +171,12 @@ async fn stream(
     accepted: &mut (impl FnMut(Snapshot, &str) + Send),
     refused: &mut (impl FnMut(&str) + Send),
 ) -> Result<(), StreamError> {
-    let channel = Endpoint::from_shared(options.server.clone())?
-        .connect_timeout(CONNECT_TIMEOUT)
-        .connect()
-        .await?;
+    let mut endpoint =
+        Endpoint::from_shared(options.server.clone())?.connect_timeout(CONNECT_TIMEOUT);
+    if let Some(tls) = &options.tls {
+        endpoint = endpoint.tls_config(tls.config()?)?;
+    }
+    let channel = endpoint.connect().await?;
     let mut client = AggregatedDiscoveryServiceClient::new(channel)
         .max_decoding_message_size(options.max_message_bytes);
     let (tx, rx) = tokio::sync::mpsc::channel::<DiscoveryRequest>(4);
