@@ -113,6 +113,78 @@ fn value_less_keys_count_each_value_apart() {
     assert_ne!(a, b);
 }
 
+/// As envoyproxy/ratelimit reads it, `value: ""` is no value: the value-less key, one counter
+/// per distinct value (Envoy Gateway renders its "distinct" rules so).
+#[test]
+fn an_empty_value_is_no_value() {
+    let d = yaml(
+        "domain: d\ndescriptors:\n  - key: user\n    value: \"\"\n    rate_limit: {unit: second, requests_per_unit: 5}\n",
+    )
+    .unwrap();
+    assert_eq!(rpu(&d, &[("user", "alice")]), Some(5));
+    assert_ne!(
+        counter_key(&d, &[("user", "alice")]),
+        counter_key(&d, &[("user", "bob")])
+    );
+    // And it is the same node as a missing value: both at once are duplicates.
+    let dup = "domain: d\ndescriptors:\n  - key: user\n  - key: user\n    value: \"\"\n";
+    assert!(yaml(dup).unwrap_err().message.contains("duplicate"));
+}
+
+/// envoyproxy/ratelimit accepts any key it knows at any level and ignores it where it means
+/// nothing (Envoy Gateway's rendered configs carry a top-level `name`): so does ratelimitd, with
+/// a warning. A key it does not know anywhere is still an error.
+#[test]
+fn known_keys_out_of_place_are_ignored_and_unknown_keys_refused() {
+    let text = "name: my-policy
+domain: d
+descriptors:
+  - key: k
+    unit: hour
+    name: n
+    rate_limit:
+      unit: minute
+      requests_per_unit: 3
+      key: x
+      descriptors: []
+      shadow_mode: true
+";
+    let d = yaml(text).unwrap();
+    assert_eq!(rpu(&d, &[("k", "v")]), Some(3));
+    let err = yaml("domain: d\nfoo: 1\ndescriptors: []\n").unwrap_err();
+    assert_eq!((err.field.as_str(), err.line), ("foo", Some(2)), "{err}");
+    let err = yaml("domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: hour, bogus: 1}\n")
+        .unwrap_err();
+    assert_eq!(err.field, "bogus", "{err}");
+}
+
+/// Several YAML documents in one file: refused in the user's terms.
+#[test]
+fn a_file_of_several_documents_is_refused_saying_so() {
+    let err = yaml("domain: a\ndescriptors: []\n---\ndomain: b\ndescriptors: []\n").unwrap_err();
+    assert!(err.message.contains("one YAML document"), "{err}");
+    assert!(!err.message.contains("from_str"), "{err}");
+}
+
+/// Envoy Gateway's rendered configs load as files too, each single-document one.
+#[test]
+fn envoy_gateway_rendered_configs_load_as_files() {
+    let Some(corpus) = common::envoy_gateway_corpus() else {
+        return;
+    };
+    let mut loaded = 0;
+    for entry in std::fs::read_dir(corpus).unwrap() {
+        let path = entry.unwrap().path();
+        let text = std::fs::read_to_string(&path).unwrap();
+        if path.to_str().unwrap().ends_with(".routes.yaml") || text.contains("\n---") {
+            continue;
+        }
+        compile_file(&path, &text).unwrap_or_else(|e| panic!("{e}"));
+        loaded += 1;
+    }
+    assert!(loaded >= 20, "{loaded}");
+}
+
 #[test]
 fn wildcards_match_in_file_order_after_exact_values() {
     let Some(d) = fixture("good/wildcard.yaml") else {

@@ -739,3 +739,150 @@ async fn mutual_tls_to_the_control_plane_and_a_refused_handshake_retried() {
     admits_exactly(&mut c, &request("d", &[&[("k", "v")]]), 2).await;
     assert_eq!(ads.requests()[0].node.as_ref().unwrap().id, "test-node");
 }
+
+/// One `RateLimitConfig` from its YAML rendering in Envoy Gateway's corpus.
+fn pb_config(v: &serde_json::Value) -> pb::RateLimitConfig {
+    pb::RateLimitConfig {
+        name: v["name"].as_str().unwrap_or_default().into(),
+        domain: v["domain"].as_str().unwrap_or_default().into(),
+        descriptors: pb_descriptors(&v["descriptors"]),
+    }
+}
+
+fn pb_descriptors(v: &serde_json::Value) -> Vec<pb::RateLimitDescriptor> {
+    let Some(list) = v.as_array() else {
+        return Vec::new();
+    };
+    list.iter()
+        .map(|d| pb::RateLimitDescriptor {
+            key: d["key"].as_str().unwrap_or_default().into(),
+            value: d["value"].as_str().unwrap_or_default().into(),
+            rate_limit: d["rate_limit"].is_object().then(|| {
+                let l = &d["rate_limit"];
+                pb::RateLimitPolicy {
+                    unit: pb::RateLimitUnit::from_str_name(l["unit"].as_str().unwrap_or("UNKNOWN"))
+                        .expect("a unit name") as i32,
+                    requests_per_unit: l["requests_per_unit"].as_u64().unwrap_or(0) as u32,
+                    unlimited: l["unlimited"].as_bool().unwrap_or(false),
+                    name: l["name"].as_str().unwrap_or_default().into(),
+                    replaces: l["replaces"]
+                        .as_array()
+                        .map(|r| {
+                            r.iter()
+                                .map(|r| pb::RateLimitReplace {
+                                    name: r["name"].as_str().unwrap_or_default().into(),
+                                })
+                                .collect()
+                        })
+                        .unwrap_or_default(),
+                }
+            }),
+            descriptors: pb_descriptors(&d["descriptors"]),
+            shadow_mode: d["shadow_mode"].as_bool().unwrap_or(false),
+            detailed_metric: d["detailed_metric"].as_bool().unwrap_or(false),
+            quota_mode: d["quota_mode"].as_bool().unwrap_or(false),
+            metadata: None,
+        })
+        .collect()
+}
+
+/// The descriptor a route's rate-limit actions produce for a request that matches them all
+/// (a request header's value is `alice`).
+fn entries_of(actions: &serde_json::Value) -> Vec<(String, String)> {
+    let mut entries = Vec::new();
+    for a in actions.as_array().unwrap() {
+        let spec = &a["ActionSpecifier"];
+        let (kind, body) = spec.as_object().unwrap().iter().next().unwrap();
+        let key = |default: &str| {
+            body["descriptor_key"]
+                .as_str()
+                .unwrap_or(default)
+                .to_owned()
+        };
+        let value = || {
+            body["descriptor_value"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned()
+        };
+        entries.push(match kind.as_str() {
+            "GenericKey" => (key("generic_key"), value()),
+            "HeaderValueMatch" => (key("header_match"), value()),
+            "QueryParameterValueMatch" => (key("query_match"), value()),
+            "RemoteAddressMatch" => (key("remote_address_match"), value()),
+            "RequestHeaders" => (key("request_headers"), "alice".to_owned()),
+            other => panic!("an action the test does not know: {other}"),
+        });
+    }
+    entries
+}
+
+/// Envoy Gateway's translator corpus, pushed over ADS as its control plane would: for every
+/// route's rate-limit actions, the descriptor they produce meets exactly the limit the
+/// translator meant (shadow rules never reject). Time is a manual clock, moved two years on
+/// between rules so that no window carries over, and no second boundary falls in a check.
+#[tokio::test]
+async fn envoy_gateway_corpus_over_ads_admits_each_rule_exactly_its_limit() {
+    let Some(corpus) = envoy_gateway_corpus() else {
+        return;
+    };
+    let mut checked = 0;
+    let mut names: Vec<_> = std::fs::read_dir(&corpus)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| !p.to_str().unwrap().ends_with(".routes.yaml"))
+        .collect();
+    names.sort();
+    for path in names {
+        let text = std::fs::read_to_string(&path).unwrap();
+        let configs: Vec<serde_json::Value> = serde_saphyr::from_multiple(&text).unwrap();
+        let routes_text = std::fs::read_to_string(path.with_extension("routes.yaml")).unwrap();
+        let routes: Vec<serde_json::Value> = serde_saphyr::from_multiple(&routes_text).unwrap();
+        let shadow = text.contains("shadow_mode: true");
+
+        let ads = AdsServer::start().await;
+        let configs: Vec<pb::RateLimitConfig> = configs.iter().map(pb_config).collect();
+        ads.set("v1", &configs).await;
+        let clock = Arc::new(ratelimitd::testing::ManualClock::new(1_000_000));
+        let mut flags = ads.flags();
+        flags.push("--start-without-config".into());
+        let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+        let s = TestServer::start_with(&[], &flags, clock.clone()).await;
+        let mut c = s.client().await;
+        let file = path.file_name().unwrap().to_str().unwrap();
+        for route in &routes {
+            for (domain, limits) in route["rateLimitsByDomain"].as_object().unwrap() {
+                for rule in limits.as_array().unwrap() {
+                    let entries = entries_of(&rule["actions"]);
+                    let refs: Vec<(&str, &str)> = entries
+                        .iter()
+                        .map(|(k, v)| (k.as_str(), v.as_str()))
+                        .collect();
+                    let req = request(domain, &[&refs]);
+                    clock.advance(Duration::from_secs(2 * 365 * 86_400));
+                    let probe = poll(Duration::from_secs(10), || {
+                        let mut c = c.clone();
+                        let req = with_hits(req.clone(), 0, 0);
+                        async move { c.should_rate_limit(req).await.ok() }
+                    })
+                    .await
+                    .into_inner();
+                    let rpu = rpu_of(&probe, 0)
+                        .unwrap_or_else(|| panic!("{file}: no limit for {domain} {entries:?}"));
+                    if shadow {
+                        for _ in 0..=rpu.min(20) {
+                            assert!(is_ok(&call(&mut c, req.clone()).await), "{file}: shadow");
+                        }
+                    } else if rpu <= 1000 {
+                        admits_exactly(&mut c, &req, rpu as usize).await;
+                    } else {
+                        assert!(is_ok(&call(&mut c, req.clone()).await), "{file}");
+                    }
+                    checked += 1;
+                }
+            }
+        }
+    }
+    eprintln!("{checked} rules checked");
+    assert!(checked >= 26, "{checked} rules checked");
+}

@@ -98,12 +98,52 @@ pub(crate) fn unlocated<T>(value: T) -> Spanned<T> {
     Spanned::new(value, Location::UNKNOWN, Location::UNKNOWN)
 }
 
-/// The fields of a config file (any other is refused, naming these).
+/// The fields of a config file (any other is refused, naming these), and the keys
+/// envoyproxy/ratelimit accepts at any level, ignored here with a warning (Envoy Gateway's
+/// rendered configs carry a top-level `name`).
 #[derive(Deserialize)]
 #[serde(field_identifier, rename_all = "snake_case")]
 enum FileField {
     Domain,
     Descriptors,
+    Key,
+    Value,
+    RateLimit,
+    Unit,
+    RequestsPerUnit,
+    Unlimited,
+    ShadowMode,
+    QuotaMode,
+    Name,
+    Replaces,
+    DetailedMetric,
+    ValueToMetric,
+    ShareThreshold,
+    Metadata,
+}
+
+impl FileField {
+    /// The key as written.
+    fn name(&self) -> &'static str {
+        match self {
+            FileField::Domain => "domain",
+            FileField::Descriptors => "descriptors",
+            FileField::Key => "key",
+            FileField::Value => "value",
+            FileField::RateLimit => "rate_limit",
+            FileField::Unit => "unit",
+            FileField::RequestsPerUnit => "requests_per_unit",
+            FileField::Unlimited => "unlimited",
+            FileField::ShadowMode => "shadow_mode",
+            FileField::QuotaMode => "quota_mode",
+            FileField::Name => "name",
+            FileField::Replaces => "replaces",
+            FileField::DetailedMetric => "detailed_metric",
+            FileField::ValueToMetric => "value_to_metric",
+            FileField::ShareThreshold => "share_threshold",
+            FileField::Metadata => "metadata",
+        }
+    }
 }
 
 /// Deserializes a config file, compiling its top-level descriptors as they arrive.
@@ -143,6 +183,10 @@ impl<'de> Visitor<'de> for FileSeed<'_, '_> {
                         c: self.c,
                         invalid: &mut *self.invalid,
                     })?);
+                }
+                misplaced => {
+                    let at = map.next_value::<Spanned<de::IgnoredAny>>()?.referenced;
+                    self.c.ignored(&at, misplaced.name());
                 }
             }
         }
@@ -246,6 +290,17 @@ impl Compiler<'_> {
         ConfigError::at(self.file, at.and_then(loc), field, message)
     }
 
+    /// Warns of `field` at `at`: a key envoyproxy/ratelimit accepts there and ignores.
+    fn ignored(&self, at: &Location, field: &str) {
+        let shown = ConfigError::at(
+            self.file,
+            loc(at),
+            field,
+            "ignored: this key means nothing here (envoyproxy/ratelimit ignores it too)",
+        );
+        tracing::warn!("{shown}");
+    }
+
     fn level(
         &self,
         descriptors: Vec<Spanned<RawDescriptor>>,
@@ -310,6 +365,9 @@ impl Compiler<'_> {
         at: Location,
         parent_path: &str,
     ) -> Result<(Box<str>, Node), ConfigError> {
+        for (name, at) in raw.misplaced() {
+            self.ignored(&at, &format!("{field}.{name}"));
+        }
         let key = match raw.key {
             Some(k) if !k.value.is_empty() => k.value,
             other => {
@@ -321,7 +379,8 @@ impl Compiler<'_> {
                 ));
             }
         };
-        let value = raw.value.map(|v| v.value);
+        // `value: ""` is no value, as envoyproxy/ratelimit reads it: the value-less key.
+        let value = raw.value.map(|v| v.value).filter(|v| !v.is_empty());
         let segment = match &value {
             Some(v) => format!("{key}_{v}"),
             None => key.clone(),
@@ -429,6 +488,9 @@ impl Compiler<'_> {
         in_list: bool,
     ) -> Result<NodeLimits, ConfigError> {
         let sub = |name: &str| format!("{field}.{name}");
+        for (name, at) in raw.misplaced() {
+            self.ignored(&at, &sub(name));
+        }
         if let Some(unlimited) = &raw.unlimited
             && unlimited.value
         {

@@ -45,6 +45,12 @@ impl ConfigError {
     pub fn from_yaml(file: &Path, err: &serde_saphyr::Error) -> ConfigError {
         let location = err.location().map(|l| (l.line(), l.column()));
         let mut message = err.without_snippet().to_string();
+        if message.contains("multiple YAML documents") {
+            // The parser's own message names its API.
+            message = "a config file holds one YAML document (one domain): split the documents \
+                       separated by `---` into files"
+                .into();
+        }
         if let Some(at) = message.rfind(" at line ") {
             message.truncate(at);
         }

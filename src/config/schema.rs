@@ -5,13 +5,29 @@
 //! Unknown fields are refused by the deserializer.
 
 use serde::Deserialize;
-use serde_saphyr::Spanned;
+use serde::de::IgnoredAny;
+use serde_saphyr::{Location, Spanned};
+
+/// A key envoyproxy/ratelimit knows but that means nothing where it stands (its key check
+/// accepts any known key at any level; its parser then ignores it): accepted and ignored here
+/// too, with a warning naming the file and line. Any other unknown key is an error.
+pub(crate) type Misplaced = Option<Spanned<IgnoredAny>>;
+
+/// The misplaced keys present, with where each stands.
+fn present<const N: usize>(
+    fields: [(&'static str, &Misplaced); N],
+) -> Vec<(&'static str, Location)> {
+    fields
+        .into_iter()
+        .filter_map(|(name, m)| m.as_ref().map(|m| (name, m.referenced)))
+        .collect()
+}
 
 // A file is a mapping of `domain` (a string) and `descriptors` (a list of `RawDescriptor`),
 // read field by field by `compile::FileSeed` so that descriptors are compiled as they arrive.
 
 /// A node of the descriptor tree.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct RawDescriptor {
     pub key: Option<Spanned<String>>,
@@ -27,10 +43,36 @@ pub(crate) struct RawDescriptor {
     pub quota_mode: Option<bool>,
     /// Accepted and kept for dynamic metadata; any YAML mapping.
     pub metadata: Option<serde_json::Value>,
+    #[serde(rename = "domain", default)]
+    pub(crate) misplaced_domain: Misplaced,
+    #[serde(rename = "unit", default)]
+    pub(crate) misplaced_unit: Misplaced,
+    #[serde(rename = "requests_per_unit", default)]
+    pub(crate) misplaced_requests_per_unit: Misplaced,
+    #[serde(rename = "unlimited", default)]
+    pub(crate) misplaced_unlimited: Misplaced,
+    #[serde(rename = "name", default)]
+    pub(crate) misplaced_name: Misplaced,
+    #[serde(rename = "replaces", default)]
+    pub(crate) misplaced_replaces: Misplaced,
+}
+
+impl RawDescriptor {
+    /// Known keys that mean nothing on a descriptor.
+    pub(crate) fn misplaced(&self) -> Vec<(&'static str, Location)> {
+        present([
+            ("domain", &self.misplaced_domain),
+            ("unit", &self.misplaced_unit),
+            ("requests_per_unit", &self.misplaced_requests_per_unit),
+            ("unlimited", &self.misplaced_unlimited),
+            ("name", &self.misplaced_name),
+            ("replaces", &self.misplaced_replaces),
+        ])
+    }
 }
 
 /// A limit as written under `rate_limit` (or an item of `rate_limits`).
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct RawLimit {
     pub unit: Option<Spanned<String>>,
@@ -44,6 +86,47 @@ pub(crate) struct RawLimit {
     pub burst: Option<Spanned<u64>>,
     /// Extension: window = unit × unit_multiplier.
     pub unit_multiplier: Option<Spanned<u64>>,
+    #[serde(rename = "domain", default)]
+    pub(crate) misplaced_domain: Misplaced,
+    #[serde(rename = "key", default)]
+    pub(crate) misplaced_key: Misplaced,
+    #[serde(rename = "value", default)]
+    pub(crate) misplaced_value: Misplaced,
+    #[serde(rename = "descriptors", default)]
+    pub(crate) misplaced_descriptors: Misplaced,
+    #[serde(rename = "rate_limit", default)]
+    pub(crate) misplaced_rate_limit: Misplaced,
+    #[serde(rename = "shadow_mode", default)]
+    pub(crate) misplaced_shadow_mode: Misplaced,
+    #[serde(rename = "quota_mode", default)]
+    pub(crate) misplaced_quota_mode: Misplaced,
+    #[serde(rename = "detailed_metric", default)]
+    pub(crate) misplaced_detailed_metric: Misplaced,
+    #[serde(rename = "value_to_metric", default)]
+    pub(crate) misplaced_value_to_metric: Misplaced,
+    #[serde(rename = "share_threshold", default)]
+    pub(crate) misplaced_share_threshold: Misplaced,
+    #[serde(rename = "metadata", default)]
+    pub(crate) misplaced_metadata: Misplaced,
+}
+
+impl RawLimit {
+    /// Known keys that mean nothing on a limit.
+    pub(crate) fn misplaced(&self) -> Vec<(&'static str, Location)> {
+        present([
+            ("domain", &self.misplaced_domain),
+            ("key", &self.misplaced_key),
+            ("value", &self.misplaced_value),
+            ("descriptors", &self.misplaced_descriptors),
+            ("rate_limit", &self.misplaced_rate_limit),
+            ("shadow_mode", &self.misplaced_shadow_mode),
+            ("quota_mode", &self.misplaced_quota_mode),
+            ("detailed_metric", &self.misplaced_detailed_metric),
+            ("value_to_metric", &self.misplaced_value_to_metric),
+            ("share_threshold", &self.misplaced_share_threshold),
+            ("metadata", &self.misplaced_metadata),
+        ])
+    }
 }
 
 /// An item of `replaces`.

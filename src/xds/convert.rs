@@ -46,6 +46,7 @@ fn descriptor(d: pb::RateLimitDescriptor) -> RawDescriptor {
         value_to_metric: None,
         quota_mode: Some(d.quota_mode),
         metadata: d.metadata.map(|m| json_of_struct(&m)),
+        ..RawDescriptor::default()
     }
 }
 
@@ -71,9 +72,7 @@ fn limit(p: pb::RateLimitPolicy) -> RawLimit {
                 })
                 .collect(),
         ),
-        algorithm: None,
-        burst: None,
-        unit_multiplier: None,
+        ..RawLimit::default()
     }
 }
 

@@ -382,6 +382,21 @@ pub(crate) fn fixtures() -> Option<PathBuf> {
     None
 }
 
+/// Envoy Gateway's translator corpus (`../shared/fixtures/envoy-gateway/ratelimit-config`),
+/// beside the reference service's fixtures; `None` (the test skips) where they are missing.
+pub(crate) fn envoy_gateway_corpus() -> Option<PathBuf> {
+    let dir = fixtures()?.parent()?.join("envoy-gateway/ratelimit-config");
+    if dir.is_dir() {
+        return Some(dir);
+    }
+    assert!(
+        std::env::var_os("RATELIMITD_REQUIRE_FIXTURES").is_none(),
+        "fixtures required but missing at {}",
+        dir.display()
+    );
+    None
+}
+
 /// The value of a metric line (exact label set) in Prometheus text, or 0.
 pub(crate) fn metric(text: &str, series: &str) -> f64 {
     text.lines()
