@@ -113,6 +113,26 @@ pub enum RunError {
     Http(#[from] std::io::Error),
 }
 
+/// Loads the config files `options` name, as the service would at start, without running it:
+/// the rules as `/rlconfig` prints them, or the first error with its file, line and field.
+pub fn check_config(options: &Options) -> Result<String, CheckError> {
+    match &options.config {
+        ConfigSource::Files(paths) => Ok(load_paths(paths)?.snapshot.dump()),
+        ConfigSource::Xds(_) => Err(CheckError::NotFiles),
+    }
+}
+
+/// Why [`check_config`] found no config to print.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckError {
+    /// A file is invalid (or missing).
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The config comes over xDS: there are no files to check.
+    #[error("--check reads config files; this config comes from an xDS server")]
+    NotFiles,
+}
+
 /// Runs the service until `shutdown` resolves, then stops accepting, lets in-flight calls
 /// finish (up to `options.shutdown_grace`) and returns.
 pub async fn run(

@@ -5,7 +5,7 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use ratelimitd::settings::{Flags, LogFormatArg, Options};
-use ratelimitd::{Listeners, run};
+use ratelimitd::{Listeners, check_config, run};
 use tokio::net::TcpListener;
 use tracing_subscriber::EnvFilter;
 
@@ -44,7 +44,6 @@ async fn shutdown_signal() {
 }
 
 async fn serve(flags: Flags, options: Options) -> anyhow::Result<()> {
-    init_logging(&flags)?;
     let grpc = TcpListener::bind(flags.grpc_addr)
         .await
         .with_context(|| format!("--grpc-addr: cannot listen on {}", flags.grpc_addr))?;
@@ -85,6 +84,22 @@ fn main() -> ExitCode {
             Ok(parsed) => parsed,
             Err(e) => e.exit(),
         };
+    if let Err(e) = init_logging(&flags) {
+        eprintln!("ratelimitd: {e:#}");
+        return ExitCode::from(2);
+    }
+    if flags.check {
+        return match check_config(&options) {
+            Ok(rules) => {
+                print!("{rules}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("ratelimitd: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(r) => r,
         Err(e) => {

@@ -44,6 +44,55 @@ fn an_invalid_first_config_exits_non_zero_naming_file_line_and_field() {
     );
 }
 
+/// `--check`: the rules as /rlconfig prints them and exit 0, or exit 1 naming file, line and
+/// field; nothing is served either way (no address is even given), and a misplaced key is
+/// warned about with its place.
+#[test]
+fn check_prints_the_rules_or_the_first_error_and_serves_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = dir.path().join("good.yaml");
+    std::fs::write(
+        &good,
+        "name: eg\ndomain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: minute, requests_per_unit: 7}\n",
+    )
+    .unwrap();
+    let out = Command::new(BIN)
+        .args(["--check", "--config", good.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stdout.contains("d.k") && stdout.contains("requests_per_unit=7"),
+        "{stdout}"
+    );
+    assert!(
+        stderr.contains(&format!("{}:1:", good.display())) && stderr.contains("name"),
+        "the misplaced key is warned about with its place: {stderr}"
+    );
+
+    let bad = dir.path().join("bad.yaml");
+    std::fs::write(
+        &bad,
+        "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: fortnight, requests_per_unit: 7}\n",
+    )
+    .unwrap();
+    let out = Command::new(BIN)
+        .args(["--check", "--config", dir.path().to_str().unwrap()])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains(&format!("{}:4:", bad.display()))
+            && stderr.contains("descriptors[0].rate_limit.unit"),
+        "{stderr}"
+    );
+}
+
 #[test]
 fn invalid_flags_and_missing_paths_exit_non_zero_with_a_message() {
     let out = Command::new(BIN)

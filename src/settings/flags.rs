@@ -192,6 +192,11 @@ pub struct Flags {
     #[arg(long, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
     pub unhealthy_until_config: bool,
 
+    /// Load the config files, print their rules as /rlconfig does and exit: 0 when they are
+    /// valid, 1 with the file, line and field of the first error. For CI and pre-commit hooks.
+    #[arg(long)]
+    pub check: bool,
+
     /// envoyproxy/ratelimit variables that were set but change nothing here (logged at start).
     #[arg(skip)]
     pub ignored_env: Vec<String>,
