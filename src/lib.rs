@@ -50,7 +50,7 @@ use tokio::net::TcpListener;
 use tonic::transport::server::TcpIncoming;
 use tonic_health::ServingStatus;
 
-use crate::config::{Snapshot, load_paths};
+use crate::config::{CompileOptions, Snapshot, load_paths_with};
 use crate::engine::Engine;
 use crate::limiter::fallback::Fallback;
 use crate::limiter::redis::{RedisBackend, RedisOptions};
@@ -117,7 +117,7 @@ pub enum RunError {
 /// the rules as `/rlconfig` prints them, or the first error with its file, line and field.
 pub fn check_config(options: &Options) -> Result<String, CheckError> {
     match &options.config {
-        ConfigSource::Files(paths) => Ok(load_paths(paths)?.snapshot.dump()),
+        ConfigSource::Files(paths) => Ok(load_paths_with(paths, options.compile)?.snapshot.dump()),
         ConfigSource::Xds(_) => Err(CheckError::NotFiles),
     }
 }
@@ -160,9 +160,12 @@ pub async fn run_with_clock(
     let mut tasks = Tasks::default();
     let (health, health_service) = tonic_health::server::health_reporter();
     let (config, loaded) = match &options.config {
-        ConfigSource::Files(paths) => (watch_files(paths, &metrics, &mut tasks)?, None),
+        ConfigSource::Files(paths) => (
+            watch_files(paths, options.compile, &metrics, &mut tasks)?,
+            None,
+        ),
         ConfigSource::Xds(xds) => {
-            let (config, loaded) = follow_xds(xds, &metrics, &mut tasks);
+            let (config, loaded) = follow_xds(xds, options.compile, &metrics, &mut tasks);
             (config, Some(loaded))
         }
     };
@@ -243,6 +246,7 @@ impl Drop for Tasks {
 /// the first accepted snapshot; until then the config is empty.
 fn follow_xds(
     options: &xds::XdsOptions,
+    compile: CompileOptions,
     metrics: &Arc<Metrics>,
     tasks: &mut Tasks,
 ) -> (Arc<ArcSwap<Snapshot>>, tokio::sync::watch::Receiver<bool>) {
@@ -274,7 +278,12 @@ fn follow_xds(
             metrics.config_load(LoadResult::error);
         }
     };
-    tasks.push(tokio::spawn(xds::run(options.clone(), accepted, refused)));
+    tasks.push(tokio::spawn(xds::run(
+        options.clone(),
+        compile,
+        accepted,
+        refused,
+    )));
     (config, loaded)
 }
 
@@ -283,10 +292,12 @@ fn follow_xds(
 /// in force.
 fn watch_files(
     paths: &[std::path::PathBuf],
+    compile: CompileOptions,
     metrics: &Arc<Metrics>,
     tasks: &mut Tasks,
 ) -> Result<Arc<ArcSwap<Snapshot>>, RunError> {
-    let loaded = load_paths(paths).inspect_err(|_| metrics.config_load(LoadResult::error))?;
+    let loaded =
+        load_paths_with(paths, compile).inspect_err(|_| metrics.config_load(LoadResult::error))?;
     metrics.config_load(LoadResult::success);
     metrics
         .config_rules
@@ -303,6 +314,7 @@ fn watch_files(
         let metrics = metrics.clone();
         config::watch::spawn(
             paths.to_vec(),
+            compile,
             loaded.fingerprint,
             move |result| match result {
                 Ok(loaded) => {

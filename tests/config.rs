@@ -158,6 +158,56 @@ descriptors:
     assert_eq!(err.field, "bogus", "{err}");
 }
 
+/// `metadata.ratelimitd` sets a descriptor's limit extensions, which the limit itself
+/// overrides; anything else there is an error naming the field.
+#[test]
+fn metadata_extensions_set_the_algorithm_where_the_limit_does_not() {
+    let d = yaml(
+        "domain: d
+descriptors:
+  - key: a
+    metadata: {ratelimitd: {algorithm: token_bucket, burst: 9, unit_multiplier: 2}}
+    rate_limit: {unit: second, requests_per_unit: 3}
+  - key: b
+    metadata: {ratelimitd: {algorithm: token_bucket}}
+    rate_limit: {unit: second, requests_per_unit: 3, algorithm: sliding_log}
+",
+    )
+    .unwrap();
+    let dump = Snapshot::new(vec![d]).dump();
+    assert!(
+        dump.contains(
+            "d.a: unit=SECOND requests_per_unit=3 unit_multiplier=2, algorithm=token_bucket burst=9"
+        ),
+        "{dump}"
+    );
+    assert!(
+        dump.contains("d.b: unit=SECOND requests_per_unit=3, algorithm=sliding_log"),
+        "{dump}"
+    );
+    for (bad, field) in [
+        (
+            "{ratelimitd: {algorithm: fast}}",
+            "descriptors[0].rate_limit.algorithm",
+        ),
+        (
+            "{ratelimitd: {burst: -1}}",
+            "descriptors[0].metadata.ratelimitd.burst",
+        ),
+        (
+            "{ratelimitd: {colour: red}}",
+            "descriptors[0].metadata.ratelimitd.colour",
+        ),
+        ("{ratelimitd: 3}", "descriptors[0].metadata.ratelimitd"),
+    ] {
+        let text = format!(
+            "domain: d\ndescriptors:\n  - key: a\n    metadata: {bad}\n    rate_limit: {{unit: second, requests_per_unit: 3}}\n"
+        );
+        let err = yaml(&text).unwrap_err();
+        assert_eq!(err.field, field, "{err}");
+    }
+}
+
 /// Several YAML documents in one file: refused in the user's terms.
 #[test]
 fn a_file_of_several_documents_is_refused_saying_so() {

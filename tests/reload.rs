@@ -255,3 +255,25 @@ async fn hot_reload_follows_a_replaced_config_directory() {
 async fn hot_reload_follows_a_configured_file_whose_directory_is_replaced() {
     hot_reload_follows_a_replaced_directory(true).await;
 }
+
+/// `--default-algorithm` applies to the files' limits that name none, at start and on reload.
+#[tokio::test]
+async fn the_default_algorithm_holds_across_reloads() {
+    let s = TestServer::start_with(
+        &[("limits.yaml", &limits(1))],
+        &["--default-algorithm", "sliding-log"],
+        Arc::new(SystemClock),
+    )
+    .await;
+    let c = s.client().await;
+    until_rpu(&c, 1).await;
+    let (_, rules) = s.http_get("/rlconfig").await;
+    assert!(rules.contains("algorithm=sliding_log"), "{rules}");
+    s.write("limits.yaml", &limits(2));
+    until_rpu(&c, 2).await;
+    let (_, rules) = s.http_get("/rlconfig").await;
+    assert!(
+        rules.contains("requests_per_unit=2, algorithm=sliding_log"),
+        "{rules}"
+    );
+}

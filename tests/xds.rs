@@ -886,3 +886,58 @@ async fn envoy_gateway_corpus_over_ads_admits_each_rule_exactly_its_limit() {
     eprintln!("{checked} rules checked");
     assert!(checked >= 26, "{checked} rules checked");
 }
+
+/// Envoy Gateway's API has no field for an algorithm: `--default-algorithm` applies to every
+/// limit that names none, and a descriptor's `metadata.ratelimitd` (numbers arrive as floats in
+/// a protobuf Struct) sets algorithm, burst and unit_multiplier for its limits.
+#[tokio::test]
+async fn the_default_algorithm_and_metadata_extensions_reach_xds_limits() {
+    use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
+    let ads = AdsServer::start().await;
+    let extensions = Struct {
+        fields: [
+            ("algorithm", Kind::StringValue("token_bucket".into())),
+            ("burst", Kind::NumberValue(20.0)),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), Value { kind: Some(v) }))
+        .collect(),
+    };
+    let mut bucket = limit("bucket", 5, pb::RateLimitUnit::Second);
+    bucket.metadata = Some(Struct {
+        fields: [(
+            "ratelimitd".to_owned(),
+            Value {
+                kind: Some(Kind::StructValue(extensions)),
+            },
+        )]
+        .into(),
+    });
+    ads.set(
+        "v1",
+        &[config(
+            "d",
+            vec![limit("plain", 3, pb::RateLimitUnit::Minute), bucket],
+        )],
+    )
+    .await;
+    let s = server(&ads, &["--default-algorithm", "sliding-window"]).await;
+    let c = s.client().await;
+    until_rpu(&c, "d", "plain", Some(3)).await;
+    let (_, rules) = s.http_get("/rlconfig").await;
+    let line = |key: &str| {
+        rules
+            .lines()
+            .find(|l| l.starts_with(&format!("d.{key}:")))
+            .unwrap_or_else(|| panic!("no rule for {key}: {rules}"))
+            .to_owned()
+    };
+    assert!(
+        line("plain").contains("algorithm=sliding_window"),
+        "{rules}"
+    );
+    assert!(
+        line("bucket").contains("algorithm=token_bucket burst=20"),
+        "{rules}"
+    );
+}

@@ -18,6 +18,17 @@ use super::{
 };
 use crate::limiter::Algorithm;
 
+/// Sets `slot` to `value` (placed at `at`) unless the config set it already.
+fn fill<T>(slot: &mut Option<Spanned<T>>, value: Option<T>, at: Location) {
+    if slot.is_none() {
+        *slot = value.map(|v| Spanned::new(v, at, at));
+    }
+}
+
+/// The key under a descriptor's `metadata` that sets our limit extensions (`algorithm`,
+/// `burst`, `unit_multiplier`) where a control plane can set metadata but not those fields.
+pub(crate) const METADATA_KEY: &str = "ratelimitd";
+
 /// Largest `unit_multiplier`: keeps every window (up to 10 000 years) within u64 microseconds.
 pub(super) const MAX_UNIT_MULTIPLIER: u64 = 10_000;
 
@@ -34,15 +45,34 @@ fn budget(text: &str) -> serde_saphyr::Budget {
     b
 }
 
+/// What compiling a config takes from the service's settings.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct CompileOptions {
+    /// The algorithm of every limit that names none (`--default-algorithm`).
+    pub(crate) default_algorithm: Algorithm,
+}
+
+/// Parses and validates one config file, with the default compile options.
+pub fn compile_file(file: &Path, text: &str) -> Result<Domain, ConfigError> {
+    compile_file_with(file, text, CompileOptions::default())
+}
+
 /// Parses and validates one config file.
 ///
 /// The file's top-level descriptors are compiled one by one as the parser reaches them, so the
 /// parsed form of only one of them (with what is nested under it) is held at a time: a
 /// 100,000-descriptor file costs its compiled rules, not also a copy of itself as parsed YAML.
-pub fn compile_file(file: &Path, text: &str) -> Result<Domain, ConfigError> {
+pub(crate) fn compile_file_with(
+    file: &Path,
+    text: &str,
+    compile: CompileOptions,
+) -> Result<Domain, ConfigError> {
     let mut options = serde_saphyr::Options::default();
     options.budget = Some(budget(text));
-    let c = Compiler { file };
+    let c = Compiler {
+        file,
+        options: compile,
+    };
     // A descriptor's own error, kept here while the parser is told to stop.
     let mut invalid = None;
     let parsed = serde_saphyr::with_deserializer_from_str_with_options(text, options, |de| {
@@ -79,8 +109,12 @@ pub(crate) fn compile_parsed(
     source: &Path,
     domain: String,
     descriptors: Vec<RawDescriptor>,
+    options: CompileOptions,
 ) -> Result<Domain, ConfigError> {
-    let c = Compiler { file: source };
+    let c = Compiler {
+        file: source,
+        options,
+    };
     if domain.is_empty() {
         return Err(c.err(None, "domain", "a config cannot have an empty domain"));
     }
@@ -279,6 +313,7 @@ impl LevelBuilder {
 
 struct Compiler<'a> {
     file: &'a Path,
+    options: CompileOptions,
 }
 
 fn loc(l: &Location) -> Option<(u64, u64)> {
@@ -288,6 +323,60 @@ fn loc(l: &Location) -> Option<(u64, u64)> {
 impl Compiler<'_> {
     fn err(&self, at: Option<&Location>, field: &str, message: impl Into<String>) -> ConfigError {
         ConfigError::at(self.file, at.and_then(loc), field, message)
+    }
+
+    /// The extensions a descriptor's `metadata.ratelimitd` sets for its limits (for control
+    /// planes that can set metadata but have no field for them): algorithm, burst and
+    /// unit_multiplier, each checked as if written in the limit, which wins when it sets one.
+    #[allow(clippy::type_complexity)]
+    fn metadata_extensions(
+        &self,
+        extensions: &serde_json::Value,
+        at: Location,
+        field: &str,
+    ) -> Result<(Option<String>, Option<u64>, Option<u64>), ConfigError> {
+        let Some(map) = extensions.as_object() else {
+            return Err(self.err(Some(&at), field, "must be a mapping"));
+        };
+        let number = |name: &str| -> Result<Option<u64>, ConfigError> {
+            match map.get(name) {
+                None => Ok(None),
+                // Over xDS a Struct's numbers are floats: a whole one is fine.
+                Some(v) => v
+                    .as_u64()
+                    .or_else(|| {
+                        v.as_f64()
+                            .filter(|f| f.fract() == 0.0 && *f >= 0.0 && *f < 1e15)
+                            .map(|f| f as u64)
+                    })
+                    .map(Some)
+                    .ok_or_else(|| {
+                        self.err(
+                            Some(&at),
+                            &format!("{field}.{name}"),
+                            "must be a whole number",
+                        )
+                    }),
+            }
+        };
+        let algorithm = match map.get("algorithm") {
+            None => None,
+            Some(serde_json::Value::String(a)) => Some(a.clone()),
+            Some(_) => {
+                return Err(self.err(Some(&at), &format!("{field}.algorithm"), "must be a string"));
+            }
+        };
+        if let Some(other) = map
+            .keys()
+            .find(|k| !["algorithm", "burst", "unit_multiplier"].contains(&k.as_str()))
+        {
+            return Err(self.err(
+                Some(&at),
+                &format!("{field}.{other}"),
+                "unknown key (expected algorithm, burst or unit_multiplier)",
+            ));
+        }
+        Ok((algorithm, number("burst")?, number("unit_multiplier")?))
     }
 
     /// Warns of `field` at `at`: a key envoyproxy/ratelimit accepts there and ignores.
@@ -409,7 +498,30 @@ impl Compiler<'_> {
             ));
         }
 
-        let limits = match (raw.rate_limit, raw.rate_limits) {
+        let (mut rate_limit, mut rate_limits) = (raw.rate_limit, raw.rate_limits);
+        if let Some(extensions) = raw.metadata.as_ref().and_then(|m| m.get(METADATA_KEY)) {
+            let field = format!("{field}.metadata.{METADATA_KEY}");
+            let (algorithm, burst, multiplier) =
+                self.metadata_extensions(extensions, at, &field)?;
+            let limits: Vec<&mut RawLimit> = match (&mut rate_limit, &mut rate_limits) {
+                (Some(one), _) => vec![&mut one.value],
+                (None, Some(list)) => list.value.iter_mut().map(|l| &mut l.value).collect(),
+                (None, None) => {
+                    return Err(self.err(
+                        Some(&at),
+                        &field,
+                        "applies to a rate_limit, and this descriptor has none",
+                    ));
+                }
+            };
+            for limit in limits {
+                fill(&mut limit.algorithm, algorithm.clone(), at);
+                fill(&mut limit.burst, burst, at);
+                fill(&mut limit.unit_multiplier, multiplier, at);
+            }
+        }
+
+        let limits = match (rate_limit, rate_limits) {
             (Some(_), Some(list)) => {
                 return Err(self.err(
                     Some(&list.referenced),
@@ -543,7 +655,7 @@ impl Compiler<'_> {
             ));
         }
         let algorithm = match &raw.algorithm {
-            None => Algorithm::default(),
+            None => self.options.default_algorithm,
             Some(a) => Algorithm::parse(&a.value).ok_or_else(|| {
                 self.err(
                     Some(&a.referenced),

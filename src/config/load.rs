@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::path::{Path, PathBuf};
 
-use super::{ConfigError, Snapshot, compile_file};
+use super::{CompileOptions, ConfigError, Snapshot, compile_file_with};
 
 /// Directory nesting followed below a config path.
 const MAX_DEPTH: usize = 8;
@@ -64,8 +64,17 @@ pub struct LoadedConfig {
     pub fingerprint: u64,
 }
 
-/// Reads every config file under `paths` and builds one snapshot, or fails as a whole.
+/// Reads every config file under `paths` and builds one snapshot, or fails as a whole, with
+/// the default compile options.
 pub fn load_paths(paths: &[PathBuf]) -> Result<LoadedConfig, ConfigError> {
+    load_paths_with(paths, CompileOptions::default())
+}
+
+/// Reads every config file under `paths` and builds one snapshot, or fails as a whole.
+pub(crate) fn load_paths_with(
+    paths: &[PathBuf],
+    options: CompileOptions,
+) -> Result<LoadedConfig, ConfigError> {
     let mut files = Vec::new();
     let mut seen = Seen::default();
     for path in paths {
@@ -77,7 +86,7 @@ pub fn load_paths(paths: &[PathBuf]) -> Result<LoadedConfig, ConfigError> {
     for file in &files {
         let text = read_bounded(file)?;
         (file, &text).hash(&mut hasher);
-        let domain = compile_file(file, &text)?;
+        let domain = compile_file_with(file, &text, options)?;
         if let Some(first) = seen.get(domain.name.as_str()) {
             return Err(ConfigError::at(
                 file,

@@ -17,11 +17,13 @@ use std::sync::Arc;
 
 use crate::limiter::{Algorithm, Limit};
 
+pub(crate) use compile::CompileOptions;
 pub use compile::compile_file;
-pub(crate) use compile::{compile_parsed, unlocated};
+pub(crate) use compile::{compile_file_with, compile_parsed, unlocated};
 pub use error::ConfigError;
 pub(crate) use load::LoadedConfig;
 pub use load::load_paths;
+pub(crate) use load::load_paths_with;
 
 /// A time unit of a limit. Month is 30 days and year 365 days, as in envoyproxy/ratelimit.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -10,7 +10,7 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
 use super::load::{self, Identity};
-use super::{ConfigError, LoadedConfig, load_paths};
+use super::{CompileOptions, ConfigError, LoadedConfig, load_paths_with};
 
 /// Quiet time after the last event before reloading; a burst longer than `MAX_DELAY` reloads
 /// anyway. Together they keep a change in force well within a second.
@@ -28,6 +28,7 @@ const CHECK_EVERY: Duration = Duration::from_secs(1);
 /// before (`mv limits old; mkdir limits`), the watch moves to the new one and says so in the log.
 pub(crate) fn spawn<F>(
     paths: Vec<PathBuf>,
+    compile: CompileOptions,
     mut fingerprint: u64,
     apply: F,
 ) -> Result<JoinHandle<()>, notify::Error>
@@ -98,7 +99,9 @@ where
                 w.follow(&mut watcher);
             }
             let paths = paths.clone();
-            let Ok(result) = tokio::task::spawn_blocking(move || load_paths(&paths)).await else {
+            let Ok(result) =
+                tokio::task::spawn_blocking(move || load_paths_with(&paths, compile)).await
+            else {
                 continue;
             };
             match result {

@@ -57,6 +57,19 @@ pub enum HeaderModeArg {
     Reference,
 }
 
+/// `--default-algorithm`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum AlgorithmArg {
+    /// Counter per aligned window (envoyproxy/ratelimit's).
+    FixedWindow,
+    /// Two windows, the previous one weighted: no burst at the boundary.
+    SlidingWindow,
+    /// Every hit's time: exact, memory per hit.
+    SlidingLog,
+    /// Refills continuously up to a burst.
+    TokenBucket,
+}
+
 /// Parses a Redis URL flag. A custom parser (not a function) so that a refused value is never
 /// echoed: clap would print the whole value, password included.
 #[derive(Clone)]
@@ -191,6 +204,11 @@ pub struct Flags {
     /// config is accepted.
     #[arg(long, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
     pub unhealthy_until_config: bool,
+
+    /// The algorithm of every limit that names none, in files and over xDS alike (Envoy
+    /// Gateway's API has no field for one: set RATELIMITD_DEFAULT_ALGORITHM in its deployment).
+    #[arg(long, value_enum, default_value = "fixed-window")]
+    pub default_algorithm: AlgorithmArg,
 
     /// Load the config files, print their rules as /rlconfig does and exit: 0 when they are
     /// valid, 1 with the file, line and field of the first error. For CI and pre-commit hooks.

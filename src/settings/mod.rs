@@ -12,7 +12,8 @@ mod resolve;
 use clap::Parser;
 
 pub use self::flags::{
-    BackendArg, FailureModeArg, Flags, HashTagArg, HeaderModeArg, LogFormatArg, Secret,
+    AlgorithmArg, BackendArg, FailureModeArg, Flags, HashTagArg, HeaderModeArg, LogFormatArg,
+    Secret,
 };
 pub(crate) use self::resolve::{BackendOptions, ConfigSource, GrpcTls};
 pub use self::resolve::{Options, SettingsError};

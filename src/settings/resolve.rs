@@ -7,8 +7,10 @@ use std::time::Duration;
 
 use clap::CommandFactory;
 
-use super::flags::{BackendArg, FailureModeArg, Flags, HashTagArg, HeaderModeArg};
+use super::flags::{AlgorithmArg, BackendArg, FailureModeArg, Flags, HashTagArg, HeaderModeArg};
+use crate::config::CompileOptions;
 use crate::engine::{EngineOptions, RequestLimits};
+use crate::limiter::Algorithm;
 use crate::limiter::fallback::FailureMode;
 use crate::limiter::key::{HashTag, KeyFormat, PrefixError};
 use crate::limiter::redis::{Credentials, RedisOptions, RedisUrl, Target, TlsFiles};
@@ -39,6 +41,9 @@ impl Flags {
         };
         Ok(Options {
             config: self.config_source()?,
+            compile: CompileOptions {
+                default_algorithm: self.default_algorithm(),
+            },
             start_without_config: self.start_without_config,
             unhealthy_until_config: self.unhealthy_until_config,
             backend,
@@ -221,6 +226,16 @@ impl Flags {
         }))
     }
 
+    /// `--default-algorithm` as the limiter's type.
+    fn default_algorithm(&self) -> Algorithm {
+        match self.default_algorithm {
+            AlgorithmArg::FixedWindow => Algorithm::FixedWindow,
+            AlgorithmArg::SlidingWindow => Algorithm::SlidingWindow,
+            AlgorithmArg::SlidingLog => Algorithm::SlidingLog,
+            AlgorithmArg::TokenBucket => Algorithm::TokenBucket,
+        }
+    }
+
     /// `--redis-hash-tag` as the key format's type.
     fn hash_tag(&self) -> HashTag {
         match self.redis_hash_tag {
@@ -256,6 +271,8 @@ impl Flags {
 pub struct Options {
     /// Where the config comes from.
     pub(crate) config: ConfigSource,
+    /// How the config is compiled.
+    pub(crate) compile: CompileOptions,
     /// Serve before the first config (xDS).
     pub(crate) start_without_config: bool,
     /// Health waits for the first config (xDS).

@@ -9,10 +9,13 @@ use envoy_types::pb::google::protobuf::{ListValue, Struct, Value, value::Kind};
 
 use super::pb;
 use crate::config::schema::{RawDescriptor, RawLimit, RawReplace};
-use crate::config::{ConfigError, Domain, compile_parsed, unlocated};
+use crate::config::{CompileOptions, ConfigError, Domain, compile_parsed, unlocated};
 
 /// Compiles one config; its errors name it as `xds:<name>` (its domain when it has no name).
-pub(super) fn domain(config: pb::RateLimitConfig) -> Result<Domain, ConfigError> {
+pub(super) fn domain(
+    config: pb::RateLimitConfig,
+    options: CompileOptions,
+) -> Result<Domain, ConfigError> {
     let name = if config.name.is_empty() {
         &config.domain
     } else {
@@ -20,7 +23,7 @@ pub(super) fn domain(config: pb::RateLimitConfig) -> Result<Domain, ConfigError>
     };
     let source = PathBuf::from(format!("xds:{name}"));
     let descriptors = config.descriptors.into_iter().map(descriptor).collect();
-    compile_parsed(&source, config.domain, descriptors)
+    compile_parsed(&source, config.domain, descriptors, options)
 }
 
 fn non_empty(s: String) -> Option<String> {
@@ -123,22 +126,25 @@ mod tests {
 
     #[test]
     fn defaults_mean_what_the_reference_makes_of_them() {
-        let d = domain(config(vec![
-            pb::RateLimitDescriptor {
-                key: "k".into(),
-                value: String::new(),
-                rate_limit: Some(policy(pb::RateLimitUnit::Minute, 5)),
-                ..Default::default()
-            },
-            pb::RateLimitDescriptor {
-                key: "free".into(),
-                rate_limit: Some(pb::RateLimitPolicy {
-                    unlimited: true,
+        let d = domain(
+            config(vec![
+                pb::RateLimitDescriptor {
+                    key: "k".into(),
+                    value: String::new(),
+                    rate_limit: Some(policy(pb::RateLimitUnit::Minute, 5)),
                     ..Default::default()
-                }),
-                ..Default::default()
-            },
-        ]))
+                },
+                pb::RateLimitDescriptor {
+                    key: "free".into(),
+                    rate_limit: Some(pb::RateLimitPolicy {
+                        unlimited: true,
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                },
+            ]),
+            CompileOptions::default(),
+        )
         .unwrap();
         let snapshot = crate::config::Snapshot::new(vec![d]);
         let domain = snapshot.domain("d").unwrap();
@@ -225,7 +231,9 @@ mod tests {
             ),
         ];
         for (config, why) in refused {
-            let err = domain(config).unwrap_err().to_string();
+            let err = domain(config, CompileOptions::default())
+                .unwrap_err()
+                .to_string();
             assert!(err.starts_with("xds:c"), "{err}");
             assert!(err.contains(why), "{err} should say {why}");
         }

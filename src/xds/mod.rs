@@ -25,7 +25,7 @@ use envoy_types::pb::google::rpc::Status;
 use prost::Message;
 use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
 
-use crate::config::Snapshot;
+use crate::config::{CompileOptions, Snapshot};
 
 /// The generated `ratelimit.config.ratelimit.v3` messages (proto/ratelimit/).
 pub mod pb {
@@ -124,6 +124,7 @@ impl Backoff {
 /// client accepts, in order; `refused` every response it NACKs, with why.
 pub(crate) async fn run(
     options: XdsOptions,
+    compile: CompileOptions,
     mut accepted: impl FnMut(Snapshot, &str) + Send,
     mut refused: impl FnMut(&str) + Send,
 ) {
@@ -133,6 +134,7 @@ pub(crate) async fn run(
     loop {
         match stream(
             &options,
+            compile,
             &mut version,
             &mut attempt,
             &mut accepted,
@@ -166,6 +168,7 @@ enum StreamError {
 /// One stream: opens it, then answers each response until it ends.
 async fn stream(
     options: &XdsOptions,
+    compile: CompileOptions,
     version: &mut String,
     attempt: &mut u32,
     accepted: &mut (impl FnMut(Snapshot, &str) + Send),
@@ -205,7 +208,7 @@ async fn stream(
     tracing::info!(server = %options.server, node = %options.node_id, "xDS stream open");
     while let Some(response) = responses.message().await? {
         *attempt = 0;
-        let reply = match snapshot_of(&response) {
+        let reply = match snapshot_of(&response, compile) {
             Ok(snapshot) => {
                 accepted(snapshot, &response.version_info);
                 version.clone_from(&response.version_info);
@@ -260,7 +263,7 @@ fn node(options: &XdsOptions) -> Node {
 }
 
 /// The snapshot a response describes, or why it is refused.
-fn snapshot_of(response: &DiscoveryResponse) -> Result<Snapshot, String> {
+fn snapshot_of(response: &DiscoveryResponse, compile: CompileOptions) -> Result<Snapshot, String> {
     if response.type_url != TYPE_URL {
         return Err(format!(
             "unexpected resource type '{}' (expected {TYPE_URL})",
@@ -280,7 +283,7 @@ fn snapshot_of(response: &DiscoveryResponse) -> Result<Snapshot, String> {
         let config = pb::RateLimitConfig::decode(resource.value.as_slice())
             .map_err(|e| format!("resources[{i}]: not a RateLimitConfig: {e}"))?;
         let name = config.name.clone();
-        let domain = convert::domain(config).map_err(|e| e.to_string())?;
+        let domain = convert::domain(config, compile).map_err(|e| e.to_string())?;
         if let Some(other) = seen.insert(domain.name.to_string(), name.clone()) {
             return Err(format!(
                 "config '{name}': duplicate domain '{}' (also in config '{other}')",
