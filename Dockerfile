@@ -13,6 +13,9 @@ RUN cargo build --release --locked --bin ratelimitd
 
 FROM debian:bookworm-slim
 COPY --from=build /src/target/release/ratelimitd /usr/local/bin/ratelimitd
+# Envoy Gateway starts the rate-limit container as /bin/ratelimit (envoyproxy/ratelimit's
+# path), whatever the image: the same binary answers there.
+RUN ln -s /usr/local/bin/ratelimitd /bin/ratelimit
 USER 65532:65532
 EXPOSE 8080 8081 6070
 ENTRYPOINT ["/usr/local/bin/ratelimitd"]

@@ -322,6 +322,10 @@ fn the_compose_walkthrough_matches_the_examples() {
     assert!(dockerfile.contains("cargo build --release"));
     assert!(makefile.contains("$(CARGO) build --release"));
     assert!(dockerfile.contains("USER 65532"), "non-root");
+    assert!(
+        dockerfile.contains("ln -s /usr/local/bin/ratelimitd /bin/ratelimit"),
+        "Envoy Gateway's command, /bin/ratelimit, is the binary"
+    );
     // Everything the build reads is copied in.
     for input in ["build.rs", "proto", "src", "benches", "Cargo.lock"] {
         assert!(dockerfile.contains(input), "{input}");
@@ -340,4 +344,12 @@ fn the_compose_walkthrough_matches_the_examples() {
     }
     assert!(docker(&["build", "-t", "ratelimitd:test", "."]));
     assert!(docker(&["run", "--rm", "ratelimitd:test", "--version"]));
+    assert!(docker(&[
+        "run",
+        "--rm",
+        "--entrypoint",
+        "/bin/ratelimit",
+        "ratelimitd:test",
+        "--version"
+    ]));
 }

@@ -941,3 +941,90 @@ async fn the_default_algorithm_and_metadata_extensions_reach_xds_limits() {
         "{rules}"
     );
 }
+
+/// Envoy Gateway's rate-limit container, as its resource.go builds it: the binary with no
+/// arguments and exactly that environment (xDS over mutual TLS with one certificate mounted
+/// for serving and for the xDS client, gRPC over TLS, Redis over TCP, Prometheus, force
+/// start); only the ports move to free loopback ones, through RATELIMITD_*, which win. The
+/// config arrives over xDS and is enforced, counted in that Redis.
+#[tokio::test]
+async fn the_envoy_gateway_environment_runs_unchanged() {
+    use common::daemon::{BIN, Daemon};
+    use common::redis::{RedisProc, free_port, make_certs};
+    let redis = RedisProc::start(&[]);
+    let dir = tempfile::tempdir().unwrap();
+    let certs = make_certs(dir.path());
+    // EG mounts tls.crt, tls.key and ca.crt at /certs.
+    let mount = dir.path().join("mount");
+    std::fs::create_dir(&mount).unwrap();
+    for (from, to) in [
+        ("server.crt", "tls.crt"),
+        ("server.key", "tls.key"),
+        ("ca.crt", "ca.crt"),
+    ] {
+        std::fs::copy(certs.join(from), mount.join(to)).unwrap();
+    }
+    let file = |f: &str| mount.join(f).to_str().unwrap().to_owned();
+    let ads = AdsServer::start_tls(&certs).await;
+    ads.set(
+        "v1",
+        &[config("eg", vec![limit("k", 2, pb::RateLimitUnit::Hour)])],
+    )
+    .await;
+    let (debug, metrics) = (free_port(), free_port());
+    let mut cmd = std::process::Command::new(BIN);
+    cmd.env("RUNTIME_ROOT", "/data")
+        .env("RUNTIME_SUBDIRECTORY", "ratelimit")
+        .env("RUNTIME_IGNOREDOTFILES", "true")
+        .env("RUNTIME_WATCH_ROOT", "false")
+        .env("LOG_LEVEL", "info")
+        .env("USE_STATSD", "false")
+        .env("CONFIG_TYPE", "GRPC_XDS_SOTW")
+        .env("CONFIG_GRPC_XDS_SERVER_URL", ads.addr.to_string())
+        .env("CONFIG_GRPC_XDS_NODE_ID", "envoy-ratelimit")
+        .env("GRPC_SERVER_USE_TLS", "true")
+        .env("GRPC_SERVER_TLS_CERT", file("tls.crt"))
+        .env("GRPC_SERVER_TLS_KEY", file("tls.key"))
+        .env("GRPC_SERVER_TLS_CA_CERT", file("ca.crt"))
+        .env("CONFIG_GRPC_XDS_SERVER_USE_TLS", "true")
+        .env("CONFIG_GRPC_XDS_CLIENT_TLS_CERT", file("tls.crt"))
+        .env("CONFIG_GRPC_XDS_CLIENT_TLS_KEY", file("tls.key"))
+        .env("CONFIG_GRPC_XDS_SERVER_TLS_CACERT", file("ca.crt"))
+        .env("FORCE_START_WITHOUT_INITIAL_CONFIG", "true")
+        .env("REDIS_SOCKET_TYPE", "tcp")
+        .env("REDIS_URL", format!("127.0.0.1:{}", redis.port))
+        .env("USE_PROMETHEUS", "true")
+        .env("PROMETHEUS_ADDR", ":19001")
+        .env("PROMETHEUS_MAPPER_YAML", "/etc/statsd-exporter/conf.yaml")
+        .env("RATELIMITD_METRICS_ADDR", format!("127.0.0.1:{metrics}"))
+        .env("RATELIMITD_DEBUG_ADDR", format!("127.0.0.1:{debug}"));
+    let d = Daemon::start(cmd).await;
+    let channel = tonic::transport::Endpoint::from_shared(format!("https://localhost:{}", d.grpc))
+        .unwrap()
+        .tls_config(tonic::transport::ClientTlsConfig::new().ca_certificate(
+            tonic::transport::Certificate::from_pem(std::fs::read(certs.join("ca.crt")).unwrap()),
+        ))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut c = Client::new(channel);
+    poll(Duration::from_secs(20), || {
+        let mut c = c.clone();
+        async move {
+            let r = c.should_rate_limit(with_hits(request("eg", &[&[("k", "v")]]), 0, 0));
+            r.await.ok()
+        }
+    })
+    .await;
+    admits_exactly(&mut c, &request("eg", &[&[("k", "v")]]), 2).await;
+    let keys = redis.cli(&["--scan", "--pattern", "*eg*"]);
+    assert_eq!(keys.lines().count(), 1, "counted in that Redis: {keys}");
+    let metrics_addr: std::net::SocketAddr = format!("127.0.0.1:{metrics}").parse().unwrap();
+    assert_eq!(http_get(metrics_addr, "/metrics").await.0, 200);
+    let node = ads.requests()[0].node.clone().unwrap();
+    assert_eq!(node.id, "envoy-ratelimit");
+    let (exit, stderr) = d.terminate().await;
+    assert!(exit.success(), "{stderr}");
+    assert!(!stderr.contains("ERROR"), "{stderr}");
+}

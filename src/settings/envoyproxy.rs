@@ -78,6 +78,10 @@ const IGNORED: &[(&str, &str)] = &[
         "PROMETHEUS_RESPONSE_TIME_AS_MILLISECONDS",
         "durations are in seconds",
     ),
+    (
+        "GRPC_SERVER_TLS_CA_CERT",
+        "Envoy Gateway's name, which envoyproxy/ratelimit ignores too; GRPC_CLIENT_TLS_CACERT asks for client certificates",
+    ),
     ("GRPC_MAX_CONNECTION_AGE", "not supported"),
     ("GRPC_MAX_CONNECTION_AGE_GRACE", "not supported"),
     (
