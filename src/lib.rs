@@ -156,7 +156,7 @@ pub async fn run_with_clock(
     // rediss:// uses rustls, which needs one crypto provider chosen per process; ring builds
     // with the C compiler alone (aws-lc also wants cmake). A second install is a harmless no-op.
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let metrics = Arc::new(Metrics::new());
+    let metrics = Arc::new(Metrics::with_reference(options.reference_metrics));
     let mut tasks = Tasks::default();
     let (health, health_service) = tonic_health::server::health_reporter();
     let (config, loaded) = match &options.config {

@@ -35,6 +35,63 @@ pub struct DecisionLabels {
     pub decision: Decision,
 }
 
+/// Labels of envoyproxy/ratelimit's per-rule families, as Envoy Gateway's statsd mapping cuts
+/// them from that service's stat key `domain.key1.key2…`: `key2` only for rules two levels or
+/// more deep (the mapping's two rules).
+#[derive(Clone, Debug, Hash, PartialEq, Eq)]
+pub struct ReferenceLabels {
+    /// The domain.
+    pub domain: Arc<String>,
+    /// The rule path's first level (`key` or `key_value`).
+    pub key1: Arc<str>,
+    /// Its second level, if any.
+    pub key2: Option<Arc<str>>,
+}
+
+impl prometheus_client::encoding::EncodeLabelSet for ReferenceLabels {
+    fn encode(
+        &self,
+        encoder: &mut prometheus_client::encoding::LabelSetEncoder<'_>,
+    ) -> Result<(), std::fmt::Error> {
+        use prometheus_client::encoding::EncodeLabel;
+        ("domain", self.domain.as_str()).encode(encoder.encode_label())?;
+        ("key1", &*self.key1).encode(encoder.encode_label())?;
+        if let Some(key2) = &self.key2 {
+            ("key2", &**key2).encode(encoder.encode_label())?;
+        }
+        Ok(())
+    }
+}
+
+/// A monotonic count exposed without the `_total` suffix OpenMetrics gives counters: the names
+/// Envoy Gateway's dashboard queries are the statsd exporter's, which have none.
+pub(crate) type BareCounter = Gauge<u64, std::sync::atomic::AtomicU64>;
+
+/// envoyproxy/ratelimit's per-rule families, `ratelimit_service_rate_limit_*`, counted as
+/// that service counts them (hits, not calls; see `engine::report::reference_counts`).
+#[derive(Clone, Default)]
+pub struct ReferenceMetrics {
+    /// `total_hits`.
+    pub total_hits: Family<ReferenceLabels, BareCounter>,
+    /// `within_limit`.
+    pub within_limit: Family<ReferenceLabels, BareCounter>,
+    /// `near_limit`.
+    pub near_limit: Family<ReferenceLabels, BareCounter>,
+    /// `over_limit`.
+    pub over_limit: Family<ReferenceLabels, BareCounter>,
+    /// `shadow_mode`.
+    pub shadow_mode: Family<ReferenceLabels, BareCounter>,
+}
+
+/// What the engine records for each decided limit.
+#[derive(Clone, Default)]
+pub struct DecisionMetrics {
+    /// `ratelimit_decisions_total{domain,rule,decision}`.
+    pub decisions: Family<DecisionLabels, Counter>,
+    /// envoyproxy/ratelimit's families, when enabled (`--reference-metrics`).
+    pub reference: Option<ReferenceMetrics>,
+}
+
 /// Result of a config load.
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
 #[allow(non_camel_case_types)]
@@ -136,8 +193,11 @@ impl BackendMetrics {
 /// The service's metrics and the registry that exports them.
 pub struct Metrics {
     registry: Registry,
-    /// `ratelimit_decisions_total{domain,rule,decision}`.
-    pub decisions: Family<DecisionLabels, Counter>,
+    /// What the engine records per decided limit.
+    pub decisions: DecisionMetrics,
+    /// `process_resident_memory_bytes` and `process_virtual_memory_bytes`, read at each scrape
+    /// (with `--reference-metrics`, for Envoy Gateway's dashboard).
+    process: Option<(Gauge, Gauge)>,
     /// `ratelimit_config_loads_total{result}`.
     pub config_loads: Family<LoadLabels, Counter>,
     /// `ratelimit_config_rules`: rules in the snapshot in force.
@@ -165,6 +225,12 @@ impl Default for Metrics {
 impl Metrics {
     /// Fresh metrics in a new registry.
     pub fn new() -> Metrics {
+        Self::with_reference(false)
+    }
+
+    /// Fresh metrics, with envoyproxy/ratelimit's per-rule families and the process's memory
+    /// when `reference` (for Envoy Gateway's dashboard).
+    pub fn with_reference(reference: bool) -> Metrics {
         let mut registry = Registry::default();
         let decisions = Family::<DecisionLabels, Counter>::default();
         registry.register(
@@ -172,6 +238,48 @@ impl Metrics {
             "Limit decisions per domain, rule and outcome",
             decisions.clone(),
         );
+        let (reference, process) = if reference {
+            let r = ReferenceMetrics::default();
+            for (name, help, family) in [
+                ("total_hits", "Hits on the rule", &r.total_hits),
+                ("within_limit", "Hits within the limit", &r.within_limit),
+                (
+                    "near_limit",
+                    "Hits past the near-limit ratio",
+                    &r.near_limit,
+                ),
+                ("over_limit", "Hits over the limit", &r.over_limit),
+                (
+                    "shadow_mode",
+                    "Hits over a shadow-mode limit",
+                    &r.shadow_mode,
+                ),
+            ] {
+                registry.register(
+                    format!("ratelimit_service_rate_limit_{name}"),
+                    help,
+                    family.clone(),
+                );
+            }
+            let (rss, vsz) = (Gauge::default(), Gauge::default());
+            registry.register(
+                "process_resident_memory_bytes",
+                "Resident memory",
+                rss.clone(),
+            );
+            registry.register(
+                "process_virtual_memory_bytes",
+                "Virtual memory",
+                vsz.clone(),
+            );
+            (Some(r), Some((rss, vsz)))
+        } else {
+            (None, None)
+        };
+        let decisions = DecisionMetrics {
+            decisions,
+            reference,
+        };
         let config_loads = Family::<LoadLabels, Counter>::default();
         registry.register(
             "ratelimit_config_loads",
@@ -260,6 +368,7 @@ impl Metrics {
             backend,
             registry,
             decisions,
+            process,
             config_loads,
             config_rules,
             request_duration,
@@ -281,6 +390,19 @@ impl Metrics {
 
     /// The Prometheus text exposition of every metric.
     pub fn encode(&self) -> String {
+        if let Some((rss, vsz)) = &self.process
+            && let Ok(status) = std::fs::read_to_string("/proc/self/status")
+        {
+            let kib = |field: &str| {
+                status
+                    .lines()
+                    .find_map(|l| l.strip_prefix(field))
+                    .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<i64>().ok())
+                    .unwrap_or(0)
+            };
+            rss.set(kib("VmRSS:") * 1024);
+            vsz.set(kib("VmSize:") * 1024);
+        }
         let mut out = String::new();
         prometheus_client::encoding::text::encode(&mut out, &self.registry)
             .expect("writing to a String cannot fail");

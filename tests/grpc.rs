@@ -709,3 +709,52 @@ async fn overrides_and_detailed_metrics_cannot_explode_metric_cardinality() {
     );
     assert!(m.len() < 1 << 20, "/metrics is {} bytes", m.len());
 }
+
+/// `--reference-metrics`: envoyproxy/ratelimit's per-rule families as Envoy Gateway's statsd
+/// mapping names them (`key2` for the second level, none deeper), shadow hits counted as over
+/// and as shadow; without the flag they are absent.
+#[tokio::test]
+async fn reference_metric_families_name_rules_as_envoy_gateway_reads_them() {
+    let yaml = "domain: eg
+descriptors:
+  - key: route
+    value: r1
+    descriptors:
+      - key: user
+        shadow_mode: true
+        rate_limit: {unit: hour, requests_per_unit: 1}
+";
+    let s = TestServer::start_with(
+        &[("eg.yaml", yaml)],
+        &["--reference-metrics"],
+        Arc::new(ManualClock::new(1_000_000)),
+    )
+    .await;
+    let mut c = s.client().await;
+    for _ in 0..3 {
+        let r = call(&mut c, request("eg", &[&[("route", "r1"), ("user", "u")]])).await;
+        assert!(is_ok(&r), "shadow mode never rejects");
+    }
+    let (_, m) = s.http_get("/metrics").await;
+    let series = |family: &str| {
+        format!(
+            "ratelimit_service_rate_limit_{family}{{domain=\"eg\",key1=\"route_r1\",key2=\"user\"}}"
+        )
+    };
+    for (family, n) in [
+        ("total_hits", 3.0),
+        ("within_limit", 1.0),
+        ("near_limit", 1.0),
+        ("over_limit", 2.0),
+        ("shadow_mode", 2.0),
+    ] {
+        assert_eq!(metric(&m, &series(family)), n, "{family}\n{m}");
+    }
+
+    let plain = TestServer::start(&[("eg.yaml", yaml)]).await;
+    let mut c = plain.client().await;
+    call(&mut c, request("eg", &[&[("route", "r1"), ("user", "u")]])).await;
+    let (_, m) = plain.http_get("/metrics").await;
+    assert!(!m.contains("ratelimit_service_"), "{m}");
+    assert!(!m.contains("process_resident_memory_bytes"), "{m}");
+}

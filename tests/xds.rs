@@ -1021,7 +1021,25 @@ async fn the_envoy_gateway_environment_runs_unchanged() {
     let keys = redis.cli(&["--scan", "--pattern", "*eg*"]);
     assert_eq!(keys.lines().count(), 1, "counted in that Redis: {keys}");
     let metrics_addr: std::net::SocketAddr = format!("127.0.0.1:{metrics}").parse().unwrap();
-    assert_eq!(http_get(metrics_addr, "/metrics").await.0, 200);
+    let (status, m) = http_get(metrics_addr, "/metrics").await;
+    assert_eq!(status, 200);
+    // envoyproxy/ratelimit's families as the dashboard reads them, counted as it counts:
+    // 3 hits (the probe adds none), 2 within, 1 past floor(2 × 0.8), 1 over.
+    for (family, n) in [
+        ("total_hits", 3.0),
+        ("within_limit", 2.0),
+        ("near_limit", 1.0),
+        ("over_limit", 1.0),
+    ] {
+        let series = format!("ratelimit_service_rate_limit_{family}{{domain=\"eg\",key1=\"k\"}}");
+        assert_eq!(metric(&m, &series), n, "{series}\n{m}");
+    }
+    assert!(
+        !m.contains("ratelimit_service_rate_limit_total_hits_total"),
+        "no _total suffix"
+    );
+    assert!(metric(&m, "process_resident_memory_bytes") > 1e6, "{m}");
+    assert!(metric(&m, "process_virtual_memory_bytes") > 1e6, "{m}");
     let node = ads.requests()[0].node.clone().unwrap();
     assert_eq!(node.id, "envoy-ratelimit");
     let (exit, stderr) = d.terminate().await;

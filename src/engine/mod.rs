@@ -16,11 +16,10 @@ use std::collections::HashSet;
 use std::sync::{Arc, OnceLock};
 
 use arc_swap::ArcSwap;
-use prometheus_client::metrics::counter::Counter;
-use prometheus_client::metrics::family::Family;
 
 use self::applied::Applied;
 pub(crate) use self::applied::ReportedLimit;
+use self::report::Tally;
 pub(crate) use self::report::{Code, CounterView, Response, Status};
 pub(crate) use self::request::{Descriptor, EngineError, LimitOverride, Request, RequestLimits};
 pub(crate) use self::resolve::OVERRIDE_RULE;
@@ -28,7 +27,7 @@ use self::resolve::{Resolved, resolve};
 use crate::config::Snapshot;
 use crate::limiter::key::KeyFormat;
 use crate::limiter::{Algorithm, Backend};
-use crate::metrics::{Decision, DecisionLabels};
+use crate::metrics::{Decision, DecisionLabels, DecisionMetrics, ReferenceLabels};
 
 /// How the engine decides, beyond the config.
 #[derive(Clone, Copy, Debug)]
@@ -86,7 +85,7 @@ pub struct Engine {
     config: Arc<ArcSwap<Snapshot>>,
     backend: Arc<dyn Backend>,
     keys: KeyFormat,
-    decisions: Family<DecisionLabels, Counter>,
+    decisions: DecisionMetrics,
     options: EngineOptions,
     value_rules: ValueRules,
     override_rule: Arc<String>,
@@ -99,7 +98,7 @@ impl Engine {
         config: Arc<ArcSwap<Snapshot>>,
         backend: Arc<dyn Backend>,
         keys: KeyFormat,
-        decisions: Family<DecisionLabels, Counter>,
+        decisions: DecisionMetrics,
         options: EngineOptions,
     ) -> Engine {
         Engine {
@@ -145,7 +144,7 @@ impl Engine {
             &hits,
             &outcome,
             self.options.near_limit_ratio,
-            |a, decision| self.record(domain, a, decision),
+            |a, decision, tally| self.record(domain, a, decision, tally),
         );
         let overall = if outcome.admitted || self.options.global_shadow_mode {
             Code::Ok
@@ -163,13 +162,39 @@ impl Engine {
         })
     }
 
-    fn record(&self, domain: &Arc<String>, a: &Applied<'_>, decision: Decision) {
+    fn record(&self, domain: &Arc<String>, a: &Applied<'_>, decision: Decision, tally: Tally) {
         let rule = if a.limit.rule_has_values {
             self.value_rules.label(&a.limit.rule)
         } else {
             a.limit.rule.clone()
         };
+        if let Some(reference) = &self.decisions.reference {
+            let counts = report::reference_counts(
+                tally,
+                self.options.near_limit_ratio,
+                a.limit.enforcement == crate::limiter::Enforcement::Shadow,
+            );
+            let mut levels = rule.split('.');
+            let labels = ReferenceLabels {
+                domain: domain.clone(),
+                key1: levels.next().unwrap_or_default().into(),
+                key2: levels.next().map(Into::into),
+            };
+            let families = [
+                &reference.total_hits,
+                &reference.within_limit,
+                &reference.near_limit,
+                &reference.over_limit,
+                &reference.shadow_mode,
+            ];
+            for (family, n) in families.into_iter().zip(counts) {
+                if n > 0 {
+                    family.get_or_create(&labels).inc_by(n);
+                }
+            }
+        }
         self.decisions
+            .decisions
             .get_or_create(&DecisionLabels {
                 domain: domain.clone(),
                 rule,

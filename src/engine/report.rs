@@ -97,7 +97,7 @@ pub(crate) fn statuses(
     hits: &[Hit],
     outcome: &Outcome,
     near_limit_ratio: f64,
-    mut decided: impl FnMut(&Applied<'_>, Decision),
+    mut decided: impl FnMut(&Applied<'_>, Decision, Tally),
 ) -> Vec<Status> {
     let quota_rejects = quota_rejects(hits, |i| outcome.verdicts[i].over);
     let mut best: Vec<Option<(bool, u64, usize)>> = vec![None; descriptors];
@@ -117,9 +117,16 @@ pub(crate) fn statuses(
             // Nothing was consumed: what the verdict counted for this request is still there.
             v.remaining.saturating_add(hit.hits)
         };
+        let tally = Tally {
+            hits: hit.hits,
+            limit: hit.limit.requests_per_unit,
+            // The counter with this request's hits in it; unknown when over.
+            used_after: (!v.over).then(|| hit.limit.requests_per_unit.saturating_sub(v.remaining)),
+        };
         decided(
             a,
             decision(hit, a.limit.enforcement, v, remaining, near_limit_ratio),
+            tally,
         );
         let slot = &mut best[a.limit.descriptor];
         let better = match slot {
@@ -141,6 +148,46 @@ pub(crate) fn statuses(
             },
         })
         .collect()
+}
+
+/// One limit's part in a request, for envoyproxy/ratelimit's counts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Tally {
+    /// The hits the request adds.
+    pub(crate) hits: u64,
+    /// The limit's requests per unit.
+    pub(crate) limit: u64,
+    /// The counter including those hits, when within the limit.
+    pub(crate) used_after: Option<u64>,
+}
+
+/// What envoyproxy/ratelimit adds to a rule's stats for `tally`: total hits, within, near,
+/// over and shadow, in hits. As that service does: hits past the near-limit threshold are
+/// near, and a request that crosses the limit is over. When over, the count before the
+/// request is not known here, so all its hits count as over (exact for one hit per request;
+/// the reference would count the part below the limit as near).
+pub(crate) fn reference_counts(tally: Tally, near_limit_ratio: f64, shadow: bool) -> [u64; 5] {
+    let Tally {
+        hits,
+        limit,
+        used_after,
+    } = tally;
+    // As the reference computes it: float32, floored.
+    let near = (limit as f32 * near_limit_ratio as f32).floor() as u64;
+    match used_after {
+        Some(after) => {
+            let before = after.saturating_sub(hits);
+            let near_hits = if after <= near {
+                0
+            } else if before >= near {
+                hits
+            } else {
+                after - near
+            };
+            [hits, hits, near_hits, 0, 0]
+        }
+        None => [hits, 0, 0, hits, if shadow { hits } else { 0 }],
+    }
 }
 
 fn decision(
@@ -184,4 +231,27 @@ pub(super) fn passed_metadata(
         }
     }
     merged
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_follow_the_reference() {
+        let t = |hits, used_after| Tally {
+            hits,
+            limit: 10,
+            used_after,
+        };
+        // Near threshold: floor(10 × 0.8) = 8.
+        assert_eq!(reference_counts(t(1, Some(5)), 0.8, false), [1, 1, 0, 0, 0]);
+        assert_eq!(reference_counts(t(1, Some(9)), 0.8, false), [1, 1, 1, 0, 0]);
+        assert_eq!(
+            reference_counts(t(3, Some(10)), 0.8, false),
+            [3, 3, 2, 0, 0]
+        );
+        assert_eq!(reference_counts(t(1, None), 0.8, false), [1, 0, 0, 1, 0]);
+        assert_eq!(reference_counts(t(2, None), 0.8, true), [2, 0, 0, 2, 2]);
+    }
 }

@@ -73,7 +73,10 @@ const IGNORED: &[(&str, &str)] = &[
     ("STATS_FLUSH_INTERVAL", "no statsd"),
     ("DISABLE_STATS", "metrics are always on /metrics"),
     ("PROMETHEUS_PATH", "metrics are served at /metrics"),
-    ("PROMETHEUS_MAPPER_YAML", "metric names are fixed"),
+    (
+        "PROMETHEUS_MAPPER_YAML",
+        "the families Envoy Gateway's mapping makes are exported as such",
+    ),
     (
         "PROMETHEUS_RESPONSE_TIME_AS_MILLISECONDS",
         "durations are in seconds",
@@ -372,6 +375,8 @@ fn listeners(env: &Env<'_>, dropin: bool, t: &mut Translated) -> Result<(), Stri
             None => addr,
         };
         t.flag("metrics-addr", addr);
+        // What a Prometheus scraping envoyproxy/ratelimit reads (Envoy Gateway's dashboard).
+        t.flag("reference-metrics", "true".into());
     }
     Ok(())
 }

@@ -210,6 +210,13 @@ pub struct Flags {
     #[arg(long, value_enum, default_value = "fixed-window")]
     pub default_algorithm: AlgorithmArg,
 
+    /// Also export envoyproxy/ratelimit's per-rule families on /metrics
+    /// (`ratelimit_service_rate_limit_{total_hits,within_limit,near_limit,over_limit,shadow_mode}`
+    /// with labels domain, key1, key2, as Envoy Gateway's dashboard reads them) and the process's
+    /// memory. Set by USE_PROMETHEUS=true.
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub reference_metrics: bool,
+
     /// Load the config files, print their rules as /rlconfig does and exit: 0 when they are
     /// valid, 1 with the file, line and field of the first error. For CI and pre-commit hooks.
     #[arg(long)]

@@ -45,6 +45,7 @@ impl Flags {
                 default_algorithm: self.default_algorithm(),
             },
             start_without_config: self.start_without_config,
+            reference_metrics: self.reference_metrics,
             unhealthy_until_config: self.unhealthy_until_config,
             backend,
             keys,
@@ -273,6 +274,8 @@ pub struct Options {
     pub(crate) config: ConfigSource,
     /// How the config is compiled.
     pub(crate) compile: CompileOptions,
+    /// Export envoyproxy/ratelimit's metric families too.
+    pub(crate) reference_metrics: bool,
     /// Serve before the first config (xDS).
     pub(crate) start_without_config: bool,
     /// Health waits for the first config (xDS).
