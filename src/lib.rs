@@ -10,6 +10,7 @@ mod limiter;
 mod metrics;
 mod server;
 pub mod settings;
+pub mod telemetry;
 mod xds;
 
 pub use crate::config::ConfigError;

@@ -1,32 +1,16 @@
 //! The `ratelimitd` binary: flags and environment, logging, listeners, signals.
 
-use std::io::IsTerminal;
 use std::process::ExitCode;
 
 use anyhow::Context;
-use ratelimitd::settings::{Flags, LogFormatArg, Options};
+use ratelimitd::settings::{Flags, Options};
 use ratelimitd::{Listeners, check_config, run};
 use tokio::net::TcpListener;
-use tracing_subscriber::EnvFilter;
 
 /// mimalloc: the hot path allocates small, short-lived buffers per request (decoded protos, keys,
 /// responses); a thread-caching allocator measurably beats the system one there (`make bench`).
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
-fn init_logging(flags: &Flags) -> anyhow::Result<()> {
-    let filter = EnvFilter::try_new(&flags.log_level)
-        .with_context(|| format!("--log-level: invalid filter '{}'", flags.log_level))?;
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal());
-    match flags.log_format {
-        LogFormatArg::Text => builder.init(),
-        LogFormatArg::Json => builder.json().init(),
-    }
-    Ok(())
-}
 
 async fn shutdown_signal() {
     let ctrl_c = tokio::signal::ctrl_c();
@@ -84,12 +68,26 @@ fn main() -> ExitCode {
             Ok(parsed) => parsed,
             Err(e) => e.exit(),
         };
-    if let Err(e) = init_logging(&flags) {
-        eprintln!("ratelimitd: {e:#}");
-        return ExitCode::from(2);
-    }
-    if flags.check {
-        return match check_config(&options) {
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("ratelimitd: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    // Logging first (--check shows the files' warnings too); span export runs on the runtime.
+    let telemetry = {
+        let _inside = runtime.enter();
+        match ratelimitd::telemetry::init(&flags, &options) {
+            Ok(t) => t,
+            Err(e) => {
+                eprintln!("ratelimitd: {e}");
+                return ExitCode::from(2);
+            }
+        }
+    };
+    let code = if flags.check {
+        match check_config(&options) {
             Ok(rules) => {
                 print!("{rules}");
                 ExitCode::SUCCESS
@@ -98,20 +96,18 @@ fn main() -> ExitCode {
                 eprintln!("ratelimitd: {e}");
                 ExitCode::FAILURE
             }
-        };
-    }
-    let runtime = match tokio::runtime::Runtime::new() {
-        Ok(r) => r,
-        Err(e) => {
-            eprintln!("ratelimitd: cannot start the runtime: {e}");
-            return ExitCode::FAILURE;
+        }
+    } else {
+        match runtime.block_on(serve(flags, options)) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("ratelimitd: {e:#}");
+                ExitCode::FAILURE
+            }
         }
     };
-    match runtime.block_on(serve(flags, options)) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("ratelimitd: {e:#}");
-            ExitCode::FAILURE
-        }
-    }
+    // Flushes the spans not yet exported, while the runtime that sends them still runs.
+    let _inside = runtime.enter();
+    drop(telemetry);
+    code
 }

@@ -313,17 +313,27 @@ impl RateLimitService for GrpcService {
         self.metrics.in_flight.inc();
         let _done = InFlight(&self.metrics);
         let req = request.get_ref();
-        let result = match to_request(req) {
-            Err(e) => Err(Status::invalid_argument(e.to_string())),
-            Ok(req) => match self.engine.should_rate_limit(&req).await {
-                Ok(resp) => Ok(Response::new(to_response(
-                    request.get_ref(),
-                    resp,
-                    self.headers,
-                    unix_now(),
-                ))),
-                Err(e) => Err(to_status(e)),
-            },
+        let decide = async {
+            match to_request(req) {
+                Err(e) => Err(Status::invalid_argument(e.to_string())),
+                Ok(req) => match self.engine.should_rate_limit(&req).await {
+                    Ok(resp) => Ok(Response::new(to_response(
+                        request.get_ref(),
+                        resp,
+                        self.headers,
+                        unix_now(),
+                    ))),
+                    Err(e) => Err(to_status(e)),
+                },
+            }
+        };
+        // Without tracing no span is made: one flag read.
+        let result = if crate::telemetry::enabled() {
+            use tracing::Instrument;
+            let span = crate::telemetry::request_span(request.metadata(), &req.domain);
+            decide.instrument(span).await
+        } else {
+            decide.await
         };
         self.metrics
             .request_duration

@@ -100,7 +100,6 @@ const IGNORED: &[(&str, &str)] = &[
     ("LIMIT_RESET_HEADER", "header names are fixed"),
     ("QUOTA_MODE", "not supported: use quota_mode on descriptors"),
     ("MERGE_DOMAIN_CONFIG", "not supported: one domain per file"),
-    ("TRACING_ENABLED", "not supported"),
     ("REDIS_PERSECOND", "one Redis for every window"),
     ("REDIS_PERSECOND_URL", "one Redis for every window"),
 ];
@@ -221,6 +220,7 @@ pub(super) fn translate(
     listeners(&env, dropin, &mut t)?;
     behaviour(&env, dropin, &mut t)?;
     grpc_tls(&env, &mut t)?;
+    tracing(&env, &mut t)?;
     if let Some(url) = env.non_empty("REDIS_URL") {
         redis(&env, &url, &mut t)?;
     }
@@ -422,6 +422,35 @@ fn behaviour(env: &Env<'_>, dropin: bool, t: &mut Translated) -> Result<(), Stri
     Ok(())
 }
 
+/// OpenTelemetry tracing (`TRACING_*`, `OTEL_EXPORTER_OTLP_ENDPOINT`).
+fn tracing(env: &Env<'_>, t: &mut Translated) -> Result<(), String> {
+    if env.bool_var("TRACING_ENABLED")? != Some(true) {
+        return Ok(());
+    }
+    t.flag("tracing", "true".into());
+    if let Some(p) = env.non_empty("TRACING_EXPORTER_PROTOCOL") {
+        t.flag("tracing-protocol", p.to_ascii_lowercase());
+    }
+    if let Some(e) = env.non_empty("OTEL_EXPORTER_OTLP_ENDPOINT") {
+        t.flag("tracing-endpoint", e);
+    }
+    // That service's default name.
+    let name = env
+        .non_empty("TRACING_SERVICE_NAME")
+        .unwrap_or_else(|| "RateLimit".into());
+    t.flag("tracing-service-name", name);
+    if let Some(ns) = env.non_empty("TRACING_SERVICE_NAMESPACE") {
+        t.flag("tracing-service-namespace", ns);
+    }
+    if let Some(id) = env.non_empty("TRACING_SERVICE_INSTANCE_ID") {
+        t.flag("tracing-service-instance-id", id);
+    }
+    if let Some(r) = env.non_empty("TRACING_SAMPLING_RATE") {
+        t.flag("tracing-sampling-rate", r);
+    }
+    Ok(())
+}
+
 /// TLS on the gRPC listener.
 fn grpc_tls(env: &Env<'_>, t: &mut Translated) -> Result<(), String> {
     if env.bool_var("GRPC_SERVER_USE_TLS")? != Some(true) {
@@ -529,7 +558,6 @@ fn ignored(env: &Env<'_>, t: &mut Translated) {
                     | "USE_DOG_STATSD"
                     | "DISABLE_STATS"
                     | "REDIS_PERSECOND"
-                    | "TRACING_ENABLED"
                     | "QUOTA_MODE"
                     | "MERGE_DOMAIN_CONFIG",
                 Ok(false)

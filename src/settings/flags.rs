@@ -57,6 +57,15 @@ pub enum HeaderModeArg {
     Reference,
 }
 
+/// `--tracing-protocol`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum TracingProtocolArg {
+    /// OTLP over HTTP (protobuf).
+    Http,
+    /// OTLP over gRPC.
+    Grpc,
+}
+
 /// `--default-algorithm`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum AlgorithmArg {
@@ -216,6 +225,35 @@ pub struct Flags {
     /// memory. Set by USE_PROMETHEUS=true.
     #[arg(long, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
     pub reference_metrics: bool,
+
+    /// Export a span per ShouldRateLimit call (and its Redis wait) over OTLP, continuing the
+    /// caller's W3C traceparent.
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub tracing: bool,
+
+    /// OTLP transport for --tracing: http (to <endpoint>/v1/traces) or grpc.
+    #[arg(long, value_enum, default_value = "http")]
+    pub tracing_protocol: TracingProtocolArg,
+
+    /// The OTLP collector's base URL (default: localhost on 4318 for http, 4317 for grpc).
+    #[arg(long, value_name = "URL")]
+    pub tracing_endpoint: Option<String>,
+
+    /// The traces' service.name.
+    #[arg(long, default_value = "ratelimitd")]
+    pub tracing_service_name: String,
+
+    /// The traces' service.namespace.
+    #[arg(long)]
+    pub tracing_service_namespace: Option<String>,
+
+    /// The traces' service.instance.id.
+    #[arg(long)]
+    pub tracing_service_instance_id: Option<String>,
+
+    /// Fraction of new traces sampled, 0 to 1; a caller's sampling decision is followed.
+    #[arg(long, default_value_t = 1.0, value_parser = parse_ratio)]
+    pub tracing_sampling_rate: f64,
 
     /// Load the config files, print their rules as /rlconfig does and exit: 0 when they are
     /// valid, 1 with the file, line and field of the first error. For CI and pre-commit hooks.

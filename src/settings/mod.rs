@@ -13,7 +13,7 @@ use clap::Parser;
 
 pub use self::flags::{
     AlgorithmArg, BackendArg, FailureModeArg, Flags, HashTagArg, HeaderModeArg, LogFormatArg,
-    Secret,
+    Secret, TracingProtocolArg,
 };
 pub(crate) use self::resolve::{BackendOptions, ConfigSource, GrpcTls};
 pub use self::resolve::{Options, SettingsError};

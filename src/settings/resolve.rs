@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use clap::CommandFactory;
 
-use super::flags::{AlgorithmArg, BackendArg, FailureModeArg, Flags, HashTagArg, HeaderModeArg};
+use super::flags::{
+    AlgorithmArg, BackendArg, FailureModeArg, Flags, HashTagArg, HeaderModeArg, TracingProtocolArg,
+};
 use crate::config::CompileOptions;
 use crate::engine::{EngineOptions, RequestLimits};
 use crate::limiter::Algorithm;
@@ -16,6 +18,7 @@ use crate::limiter::key::{HashTag, KeyFormat, PrefixError};
 use crate::limiter::redis::{Credentials, RedisOptions, RedisUrl, Target, TlsFiles};
 use crate::server::conn::ConnLimits;
 use crate::server::headers::HeaderMode;
+use crate::telemetry::{Protocol, TracingOptions};
 use crate::xds::{Backoff, XdsOptions, XdsTls};
 
 impl Flags {
@@ -46,6 +49,7 @@ impl Flags {
             },
             start_without_config: self.start_without_config,
             reference_metrics: self.reference_metrics,
+            tracing: self.tracing.then(|| self.tracing_options()),
             unhealthy_until_config: self.unhealthy_until_config,
             backend,
             keys,
@@ -227,6 +231,25 @@ impl Flags {
         }))
     }
 
+    /// `--tracing-*` as telemetry's options.
+    fn tracing_options(&self) -> TracingOptions {
+        let (protocol, port) = match self.tracing_protocol {
+            TracingProtocolArg::Http => (Protocol::Http, 4318),
+            TracingProtocolArg::Grpc => (Protocol::Grpc, 4317),
+        };
+        TracingOptions {
+            protocol,
+            endpoint: self
+                .tracing_endpoint
+                .clone()
+                .unwrap_or_else(|| format!("http://localhost:{port}")),
+            service_name: self.tracing_service_name.clone(),
+            service_namespace: self.tracing_service_namespace.clone(),
+            service_instance_id: self.tracing_service_instance_id.clone(),
+            sampling_rate: self.tracing_sampling_rate,
+        }
+    }
+
     /// `--default-algorithm` as the limiter's type.
     fn default_algorithm(&self) -> Algorithm {
         match self.default_algorithm {
@@ -274,6 +297,8 @@ pub struct Options {
     pub(crate) config: ConfigSource,
     /// How the config is compiled.
     pub(crate) compile: CompileOptions,
+    /// Span export, when on.
+    pub(crate) tracing: Option<TracingOptions>,
     /// Export envoyproxy/ratelimit's metric families too.
     pub(crate) reference_metrics: bool,
     /// Serve before the first config (xDS).

@@ -449,6 +449,17 @@ impl Backend for RedisBackend {
             if let Some(outcome) = self.decide_cached(hits) {
                 return Ok(outcome);
             }
+            if crate::telemetry::enabled() {
+                use tracing::Instrument;
+                // A child of the request's span: this request's wait for Redis (its script
+                // call may carry other requests too).
+                let span = tracing::info_span!(
+                    target: crate::telemetry::SPAN_TARGET,
+                    "redis",
+                    counters = hits.len()
+                );
+                return self.decide_remote(hits).instrument(span).await;
+            }
             self.decide_remote(hits).await
         })
     }

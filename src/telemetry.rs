@@ -1,0 +1,188 @@
+//! Logs and traces. Tracing is OpenTelemetry as envoyproxy/ratelimit offers it (`TRACING_*`):
+//! spans exported over OTLP (HTTP, its default, or gRPC) with the service's name, namespace and
+//! instance id as resource attributes, sampled parent-based at a ratio. A ShouldRateLimit call
+//! is a span that continues the caller's W3C `traceparent`; its wait for a Redis answer is a
+//! child span.
+//!
+//! When tracing is off no span is made at all: the request path checks one flag
+//! ([`enabled`]) and goes on.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use opentelemetry::propagation::{Extractor, TextMapPropagator};
+use opentelemetry::trace::TracerProvider as _;
+use opentelemetry_otlp::WithExportConfig;
+use opentelemetry_sdk::propagation::TraceContextPropagator;
+use opentelemetry_sdk::trace::{Sampler, SdkTracerProvider};
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
+use tracing_subscriber::{EnvFilter, Layer};
+
+use crate::settings::{Flags, LogFormatArg, Options};
+
+/// Whether spans are exported; set once, at start.
+static ENABLED: AtomicBool = AtomicBool::new(false);
+
+/// True when ShouldRateLimit calls are traced.
+pub(crate) fn enabled() -> bool {
+    ENABLED.load(Ordering::Relaxed)
+}
+
+/// How spans leave the process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Protocol {
+    /// OTLP over HTTP (protobuf), to `<endpoint>/v1/traces`.
+    Http,
+    /// OTLP over gRPC.
+    Grpc,
+}
+
+/// Tracing as configured (`--tracing-*`).
+#[derive(Clone, Debug)]
+pub(crate) struct TracingOptions {
+    /// HTTP or gRPC.
+    pub(crate) protocol: Protocol,
+    /// The collector's base URL (`OTEL_EXPORTER_OTLP_ENDPOINT`).
+    pub(crate) endpoint: String,
+    /// `service.name`.
+    pub(crate) service_name: String,
+    /// `service.namespace`, if any.
+    pub(crate) service_namespace: Option<String>,
+    /// `service.instance.id`, if any.
+    pub(crate) service_instance_id: Option<String>,
+    /// Fraction of root traces sampled (a caller's sampled flag decides for its traces).
+    pub(crate) sampling_rate: f64,
+}
+
+/// Why logging or tracing could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum TelemetryError {
+    /// `--log-level` is not a filter.
+    #[error("--log-level: invalid filter '{0}'")]
+    Filter(String),
+    /// The OTLP exporter refused its settings.
+    #[error("--tracing-endpoint: {0}")]
+    Exporter(String),
+}
+
+/// What keeps the exporter running; dropping it flushes the spans not yet sent.
+pub struct Telemetry {
+    provider: Option<SdkTracerProvider>,
+}
+
+impl Drop for Telemetry {
+    fn drop(&mut self) {
+        if let Some(p) = self.provider.take() {
+            let _ = p.shutdown();
+        }
+    }
+}
+
+/// Starts logging to stderr as `flags` say and, when `options` ask for tracing, span export.
+/// Must run inside a tokio runtime when tracing (the exporter runs on it).
+pub fn init(flags: &Flags, options: &Options) -> Result<Telemetry, TelemetryError> {
+    let filter = EnvFilter::try_new(&flags.log_level)
+        .map_err(|_| TelemetryError::Filter(flags.log_level.clone()))?;
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let fmt = tracing_subscriber::fmt::layer()
+        .with_writer(std::io::stderr)
+        .with_ansi(ansi);
+    let fmt = match flags.log_format {
+        LogFormatArg::Text => fmt.boxed(),
+        LogFormatArg::Json => fmt.json().boxed(),
+    };
+    let registry = tracing_subscriber::registry().with(fmt.with_filter(filter));
+    let Some(options) = &options.tracing else {
+        registry.init();
+        return Ok(Telemetry { provider: None });
+    };
+    let provider = provider(options)?;
+    let tracer = provider.tracer("ratelimitd");
+    // Only this module's spans go to the exporter, whatever the log level.
+    let spans = tracing_opentelemetry::layer()
+        .with_tracer(tracer)
+        .with_filter(tracing_subscriber::filter::filter_fn(|m| {
+            m.target() == SPAN_TARGET
+        }));
+    registry.with(spans).init();
+    ENABLED.store(true, Ordering::Relaxed);
+    Ok(Telemetry {
+        provider: Some(provider),
+    })
+}
+
+/// The target of every span this service exports.
+pub(crate) const SPAN_TARGET: &str = "ratelimitd::trace";
+
+fn provider(options: &TracingOptions) -> Result<SdkTracerProvider, TelemetryError> {
+    let exporter = match options.protocol {
+        Protocol::Http => opentelemetry_otlp::SpanExporter::builder()
+            .with_http()
+            .with_endpoint(format!(
+                "{}/v1/traces",
+                options.endpoint.trim_end_matches('/')
+            ))
+            .build(),
+        Protocol::Grpc => opentelemetry_otlp::SpanExporter::builder()
+            .with_tonic()
+            .with_endpoint(options.endpoint.clone())
+            .build(),
+    }
+    .map_err(|e| TelemetryError::Exporter(e.to_string()))?;
+    let processor =
+        opentelemetry_sdk::trace::span_processor_with_async_runtime::BatchSpanProcessor::builder(
+            exporter,
+            opentelemetry_sdk::runtime::Tokio,
+        )
+        .build();
+    let mut resource =
+        opentelemetry_sdk::Resource::builder().with_service_name(options.service_name.clone());
+    if let Some(ns) = &options.service_namespace {
+        resource = resource.with_attribute(opentelemetry::KeyValue::new(
+            "service.namespace",
+            ns.clone(),
+        ));
+    }
+    if let Some(id) = &options.service_instance_id {
+        resource = resource.with_attribute(opentelemetry::KeyValue::new(
+            "service.instance.id",
+            id.clone(),
+        ));
+    }
+    Ok(SdkTracerProvider::builder()
+        .with_span_processor(processor)
+        .with_sampler(Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(
+            options.sampling_rate,
+        ))))
+        .with_resource(resource.build())
+        .build())
+}
+
+/// The span of one ShouldRateLimit call, continuing the caller's trace (`traceparent` in
+/// `metadata`) when there is one.
+pub(crate) fn request_span(metadata: &tonic::metadata::MetadataMap, domain: &str) -> tracing::Span {
+    use tracing_opentelemetry::OpenTelemetrySpanExt;
+    let span = tracing::info_span!(target: SPAN_TARGET, "ShouldRateLimit", domain);
+    let parent = TraceContextPropagator::new().extract(&Metadata(metadata));
+    let _ = span.set_parent(parent);
+    span
+}
+
+/// gRPC metadata as the propagator reads it.
+struct Metadata<'a>(&'a tonic::metadata::MetadataMap);
+
+impl Extractor for Metadata<'_> {
+    fn get(&self, key: &str) -> Option<&str> {
+        self.0.get(key).and_then(|v| v.to_str().ok())
+    }
+
+    fn keys(&self) -> Vec<&str> {
+        self.0
+            .keys()
+            .filter_map(|k| match k {
+                tonic::metadata::KeyRef::Ascii(k) => Some(k.as_str()),
+                tonic::metadata::KeyRef::Binary(_) => None,
+            })
+            .collect()
+    }
+}
