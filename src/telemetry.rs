@@ -5,7 +5,7 @@
 //! child span.
 //!
 //! When tracing is off no span is made at all: the request path checks one flag
-//! ([`enabled`]) and goes on.
+//! (`enabled`) and goes on.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 

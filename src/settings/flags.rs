@@ -231,7 +231,7 @@ pub struct Flags {
     #[arg(long, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
     pub tracing: bool,
 
-    /// OTLP transport for --tracing: http (to <endpoint>/v1/traces) or grpc.
+    /// OTLP transport for --tracing: http (to ENDPOINT/v1/traces) or grpc.
     #[arg(long, value_enum, default_value = "http")]
     pub tracing_protocol: TracingProtocolArg,
 
