@@ -290,6 +290,19 @@ async fn server(ads: &AdsServer, extra: &[&str]) -> TestServer {
     TestServer::start_with(&[], &flags, Arc::new(SystemClock)).await
 }
 
+/// Waits until a check-only call on `domain` (key `k`) is answered at all: the first config
+/// has arrived.
+async fn until_answered(c: &Client, domain: &str, within: Duration) {
+    poll(within, || {
+        let mut c = c.clone();
+        async move {
+            let r = c.should_rate_limit(with_hits(request(domain, &[&[("k", "v")]]), 0, 0));
+            r.await.ok()
+        }
+    })
+    .await;
+}
+
 /// The configured requests_per_unit for `key`, checked without consuming.
 async fn rpu(c: &mut Client, domain: &str, key: &str) -> Option<u32> {
     rpu_of(
@@ -624,14 +637,7 @@ async fn started_without_a_config_requests_fail_until_the_first_arrives() {
         &[config("d", vec![limit("k", 2, pb::RateLimitUnit::Hour)])],
     )
     .await;
-    poll(Duration::from_secs(10), || {
-        let mut c = c.clone();
-        async move {
-            let r = c.should_rate_limit(with_hits(request("d", &[&[("k", "v")]]), 0, 0));
-            r.await.ok()
-        }
-    })
-    .await;
+    until_answered(&c, "d", Duration::from_secs(10)).await;
     assert_eq!(rpu(&mut c, "d", "k").await, Some(2));
     // Health follows the config, not necessarily in the same instant.
     poll(Duration::from_secs(10), || async {
@@ -728,14 +734,7 @@ async fn mutual_tls_to_the_control_plane_and_a_refused_handshake_retried() {
     for f in ["client.crt", "client.key"] {
         std::fs::copy(certs.join(f), client.path().join(f)).unwrap();
     }
-    poll(Duration::from_secs(10), || {
-        let mut c = c.clone();
-        async move {
-            let r = c.should_rate_limit(with_hits(request("d", &[&[("k", "v")]]), 0, 0));
-            r.await.ok()
-        }
-    })
-    .await;
+    until_answered(&c, "d", Duration::from_secs(10)).await;
     admits_exactly(&mut c, &request("d", &[&[("k", "v")]]), 2).await;
     assert_eq!(ads.requests()[0].node.as_ref().unwrap().id, "test-node");
 }
@@ -1044,14 +1043,7 @@ async fn the_envoy_gateway_environment_runs_unchanged() {
         .await
         .unwrap();
     let mut c = Client::new(channel);
-    poll(Duration::from_secs(20), || {
-        let mut c = c.clone();
-        async move {
-            let r = c.should_rate_limit(with_hits(request("eg", &[&[("k", "v")]]), 0, 0));
-            r.await.ok()
-        }
-    })
-    .await;
+    until_answered(&c, "eg", Duration::from_secs(20)).await;
     admits_exactly(&mut c, &request("eg", &[&[("k", "v")]]), 2).await;
     let keys = redis.cli(&["--scan", "--pattern", "*eg*"]);
     assert_eq!(keys.lines().count(), 1, "counted in that Redis: {keys}");

@@ -370,6 +370,11 @@ pub(crate) fn fixtures() -> Option<PathBuf> {
         .unwrap_or_else(|| {
             Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/fixtures/envoyproxy-ratelimit")
         });
+    required(dir)
+}
+
+/// `dir` if it exists; else `None` (the test skips), unless CI requires the fixtures.
+fn required(dir: PathBuf) -> Option<PathBuf> {
     if dir.is_dir() {
         return Some(dir);
     }
@@ -385,16 +390,7 @@ pub(crate) fn fixtures() -> Option<PathBuf> {
 /// Envoy Gateway's translator corpus (`../shared/fixtures/envoy-gateway/ratelimit-config`),
 /// beside the reference service's fixtures; `None` (the test skips) where they are missing.
 pub(crate) fn envoy_gateway_corpus() -> Option<PathBuf> {
-    let dir = fixtures()?.parent()?.join("envoy-gateway/ratelimit-config");
-    if dir.is_dir() {
-        return Some(dir);
-    }
-    assert!(
-        std::env::var_os("RATELIMITD_REQUIRE_FIXTURES").is_none(),
-        "fixtures required but missing at {}",
-        dir.display()
-    );
-    None
+    required(fixtures()?.parent()?.join("envoy-gateway/ratelimit-config"))
 }
 
 /// The value of a metric line (exact label set) in Prometheus text, or 0.
