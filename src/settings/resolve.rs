@@ -118,21 +118,11 @@ impl Flags {
         if self.redis_tls_cert.is_some() != self.redis_tls_key.is_some() {
             return Err(SettingsError::RedisTlsPair);
         }
-        for (flag, file) in [
-            ("--redis-tls-ca", &self.redis_tls_ca),
-            ("--redis-tls-cert", &self.redis_tls_cert),
-            ("--redis-tls-key", &self.redis_tls_key),
-        ] {
-            if let Some(file) = file
-                && let Err(source) = std::fs::metadata(file)
-            {
-                return Err(SettingsError::File {
-                    flag,
-                    path: file.clone(),
-                    source,
-                });
-            }
-        }
+        files_exist([
+            ("--redis-tls-ca", self.redis_tls_ca.as_ref()),
+            ("--redis-tls-cert", self.redis_tls_cert.as_ref()),
+            ("--redis-tls-key", self.redis_tls_key.as_ref()),
+        ])?;
         Ok(RedisOptions {
             target,
             tls: TlsFiles {
@@ -209,21 +199,11 @@ impl Flags {
                 Ok(None)
             };
         };
-        for (flag, file) in [
+        files_exist([
             ("--xds-tls-ca", Some(ca)),
             ("--xds-tls-cert", self.xds_tls_cert.as_ref()),
             ("--xds-tls-key", self.xds_tls_key.as_ref()),
-        ] {
-            if let Some(file) = file
-                && let Err(source) = std::fs::metadata(file)
-            {
-                return Err(SettingsError::File {
-                    flag,
-                    path: file.clone(),
-                    source,
-                });
-            }
-        }
+        ])?;
         Ok(Some(XdsTls {
             ca: ca.clone(),
             identity: self.xds_tls_cert.clone().zip(self.xds_tls_key.clone()),
@@ -287,6 +267,24 @@ impl Flags {
             FailureModeArg::Local => FailureMode::Local,
         }
     }
+}
+
+/// Each file the flags name that is given exists, or the error names the first missing one.
+fn files_exist<const N: usize>(
+    files: [(&'static str, Option<&PathBuf>); N],
+) -> Result<(), SettingsError> {
+    for (flag, file) in files {
+        if let Some(file) = file
+            && let Err(source) = std::fs::metadata(file)
+        {
+            return Err(SettingsError::File {
+                flag,
+                path: file.clone(),
+                source,
+            });
+        }
+    }
+    Ok(())
 }
 
 /// What the service runs with: every flag resolved, validated and typed, every file the flags
