@@ -53,7 +53,7 @@ fn check_prints_the_rules_or_the_first_error_and_serves_nothing() {
     let good = dir.path().join("good.yaml");
     std::fs::write(
         &good,
-        "name: eg\ndomain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: minute, requests_per_unit: 7}\n",
+        "name: eg\ndomain: d\ndescriptors:\n  - key: k\n    rate_limit:\n      unit: minute\n      requests_per_unit: 7\n      replaces:\n        - name: other\n          unit: hour\n",
     )
     .unwrap();
     let out = Command::new(BIN)
@@ -72,6 +72,11 @@ fn check_prints_the_rules_or_the_first_error_and_serves_nothing() {
     assert!(
         stderr.contains(&format!("{}:1:", good.display())) && stderr.contains("name"),
         "the misplaced key is warned about with its place: {stderr}"
+    );
+    assert!(
+        stderr.contains(&format!("{}:10:", good.display()))
+            && stderr.contains("descriptors[0].rate_limit.replaces[0].unit"),
+        "inside a replaces item too: {stderr}"
     );
 
     let bad = dir.path().join("bad.yaml");

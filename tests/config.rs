@@ -156,6 +156,14 @@ descriptors:
     let err = yaml("domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: hour, bogus: 1}\n")
         .unwrap_err();
     assert_eq!(err.field, "bogus", "{err}");
+    let replaces = |item: &str| {
+        yaml(&format!(
+            "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {{unit: hour, requests_per_unit: 1, replaces: [{item}]}}\n"
+        ))
+    };
+    assert!(replaces("{name: a, unit: hour, key: x}").is_ok());
+    let err = replaces("{name: a, colour: red}").unwrap_err();
+    assert_eq!((err.field.as_str(), err.line), ("colour", Some(4)), "{err}");
 }
 
 /// `metadata.ratelimitd` sets a descriptor's limit extensions, which the limit itself

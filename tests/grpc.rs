@@ -642,7 +642,39 @@ async fn algorithms_recover_on_the_wall_clock_when_they_said(kind: Kind) {
     }
 }
 
+/// envoyproxy/ratelimit's counts for a request of several hits that crosses a limit: the hits
+/// past the limit are over, those between the near threshold and the limit near. Windows of
+/// 1000 days, so no window boundary falls between the calls.
+async fn reference_counts_split_a_request_that_crosses_the_limit(kind: Kind) {
+    let yaml = Algorithm::ALL
+        .map(|a| format!("  - key: {a}\n    rate_limit: {{unit: day, unit_multiplier: 1000, requests_per_unit: 10, algorithm: {a}}}\n"))
+        .concat();
+    let yaml = format!("domain: x\ndescriptors:\n{yaml}");
+    let s = start(kind, &[("x.yaml", &yaml)], &["--reference-metrics"]).await;
+    let mut c = s.client().await;
+    for key in Algorithm::ALL.map(|a| a.as_str()) {
+        let req = |hits| with_hits(request("x", &[&[(key, "v")]]), 0, hits);
+        // 7 within; then 5 from 7 cross 10: 8..10 are 2 near (threshold floor(10 × 0.8) = 8),
+        // 11 and 12 over, nothing consumed; then 2 from 7 fit: 7..9, 1 near.
+        assert!(is_ok(&call(&mut c, req(7)).await), "{key}");
+        assert!(is_over(&call(&mut c, req(5)).await), "{key}");
+        assert!(is_ok(&call(&mut c, req(2)).await), "{key}");
+        let (_, m) = s.http_get("/metrics").await;
+        for (family, n) in [
+            ("total_hits", 14.0),
+            ("within_limit", 9.0),
+            ("near_limit", 3.0),
+            ("over_limit", 2.0),
+        ] {
+            let series =
+                format!("ratelimit_service_rate_limit_{family}{{domain=\"x\",key1=\"{key}\"}}");
+            assert_eq!(metric(&m, &series), n, "{kind:?} {key} {family}\n{m}");
+        }
+    }
+}
+
 every_backend!(
+    reference_counts_split_a_request_that_crosses_the_limit,
     one_counter_twice_in_a_request_counts_both_hits,
     fixed_window_admits_up_to_the_limit_and_reports_it,
     unknown_domains_and_unmatched_descriptors_are_not_limited,

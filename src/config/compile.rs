@@ -696,7 +696,11 @@ impl Compiler<'_> {
         let name = raw.name.map(|n| Arc::<str>::from(n.value));
         let mut replaces = Vec::new();
         for (k, r) in raw.replaces.unwrap_or_default().into_iter().enumerate() {
-            let field = format!("{field}.replaces[{k}].name");
+            let item = format!("{field}.replaces[{k}]");
+            for (name, at) in &r.value.misplaced {
+                self.ignored(at, &format!("{item}.{name}"));
+            }
+            let field = format!("{item}.name");
             let replaced = match r.value.name {
                 Some(n) if !n.value.is_empty() => n.value,
                 _ => {

@@ -129,9 +129,63 @@ impl RawLimit {
     }
 }
 
-/// An item of `replaces`.
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
+/// An item of `replaces`: a `name`; any other key envoyproxy/ratelimit knows is misplaced
+/// (ignored, with a warning), any other key an error.
+#[derive(Debug, Default)]
 pub(crate) struct RawReplace {
     pub name: Option<Spanned<String>>,
+    pub(crate) misplaced: Vec<(&'static str, Location)>,
+}
+
+/// Every key envoyproxy/ratelimit's config check accepts, at any level.
+const KNOWN_KEYS: [&str; 16] = [
+    "domain",
+    "key",
+    "value",
+    "descriptors",
+    "rate_limit",
+    "unit",
+    "requests_per_unit",
+    "unlimited",
+    "shadow_mode",
+    "quota_mode",
+    "name",
+    "replaces",
+    "detailed_metric",
+    "value_to_metric",
+    "share_threshold",
+    "metadata",
+];
+
+impl<'de> Deserialize<'de> for RawReplace {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl<'de> serde::de::Visitor<'de> for Visitor {
+            type Value = RawReplace;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a mapping with a `name`")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<RawReplace, A::Error> {
+                let mut out = RawReplace::default();
+                while let Some(key) = map.next_key::<String>()? {
+                    if key == "name" {
+                        if out.name.is_some() {
+                            return Err(serde::de::Error::duplicate_field("name"));
+                        }
+                        out.name = map.next_value()?;
+                    } else if let Some(known) = KNOWN_KEYS.iter().find(|k| **k == key) {
+                        let at: Spanned<IgnoredAny> = map.next_value()?;
+                        out.misplaced.push((known, at.referenced));
+                    } else {
+                        return Err(serde::de::Error::unknown_field(&key, &["name"]));
+                    }
+                }
+                Ok(out)
+            }
+        }
+        d.deserialize_map(Visitor)
+    }
 }

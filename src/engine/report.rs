@@ -117,11 +117,16 @@ pub(crate) fn statuses(
             // Nothing was consumed: what the verdict counted for this request is still there.
             v.remaining.saturating_add(hit.hits)
         };
+        let limit = hit.limit.requests_per_unit;
         let tally = Tally {
             hits: hit.hits,
-            limit: hit.limit.requests_per_unit,
-            // The counter with this request's hits in it; unknown when over.
-            used_after: (!v.over).then(|| hit.limit.requests_per_unit.saturating_sub(v.remaining)),
+            limit,
+            over: v.over,
+            used_before: if v.over {
+                limit.saturating_sub(v.fits)
+            } else {
+                limit.saturating_sub(v.remaining.saturating_add(hit.hits))
+            },
         };
         decided(
             a,
@@ -157,36 +162,48 @@ pub(crate) struct Tally {
     pub(crate) hits: u64,
     /// The limit's requests per unit.
     pub(crate) limit: u64,
-    /// The counter including those hits, when within the limit.
-    pub(crate) used_after: Option<u64>,
+    /// The hits did not fit.
+    pub(crate) over: bool,
+    /// The counter before those hits (the limit when not known, e.g. from the over-limit cache).
+    pub(crate) used_before: u64,
 }
 
 /// What envoyproxy/ratelimit adds to a rule's stats for `tally`: total hits, within, near,
-/// over and shadow, in hits. As that service does: hits past the near-limit threshold are
-/// near, and a request that crosses the limit is over. When over, the count before the
-/// request is not known here, so all its hits count as over (exact for one hit per request;
-/// the reference would count the part below the limit as near).
+/// over and shadow, in hits, with that service's arithmetic: hits past the near-limit threshold
+/// are near; of a request that crosses the limit, the hits past it are over and those below
+/// it (past the near threshold) near; a shadow-mode limit counts its over hits as shadow too.
 pub(crate) fn reference_counts(tally: Tally, near_limit_ratio: f64, shadow: bool) -> [u64; 5] {
     let Tally {
         hits,
         limit,
-        used_after,
+        over,
+        used_before: before,
     } = tally;
     // As the reference computes it: float32, floored.
     let near = (limit as f32 * near_limit_ratio as f32).floor() as u64;
-    match used_after {
-        Some(after) => {
-            let before = after.saturating_sub(hits);
-            let near_hits = if after <= near {
-                0
-            } else if before >= near {
-                hits
-            } else {
-                after - near
-            };
-            [hits, hits, near_hits, 0, 0]
-        }
-        None => [hits, 0, 0, hits, if shadow { hits } else { 0 }],
+    let after = before.saturating_add(hits);
+    if over {
+        let (over_hits, near_hits) = if before >= limit || after <= limit {
+            (hits, 0)
+        } else {
+            (after - limit, limit - near.max(before))
+        };
+        [
+            hits,
+            0,
+            near_hits,
+            over_hits,
+            if shadow { over_hits } else { 0 },
+        ]
+    } else {
+        let near_hits = if after <= near {
+            0
+        } else if before >= near {
+            hits
+        } else {
+            after - near
+        };
+        [hits, hits, near_hits, 0, 0]
     }
 }
 
@@ -239,19 +256,39 @@ mod tests {
 
     #[test]
     fn counts_follow_the_reference() {
-        let t = |hits, used_after| Tally {
+        let t = |hits, used_before, over| Tally {
             hits,
             limit: 10,
-            used_after,
+            over,
+            used_before,
         };
         // Near threshold: floor(10 × 0.8) = 8.
-        assert_eq!(reference_counts(t(1, Some(5)), 0.8, false), [1, 1, 0, 0, 0]);
-        assert_eq!(reference_counts(t(1, Some(9)), 0.8, false), [1, 1, 1, 0, 0]);
         assert_eq!(
-            reference_counts(t(3, Some(10)), 0.8, false),
+            reference_counts(t(1, 4, false), 0.8, false),
+            [1, 1, 0, 0, 0]
+        );
+        assert_eq!(
+            reference_counts(t(1, 8, false), 0.8, false),
+            [1, 1, 1, 0, 0]
+        );
+        assert_eq!(
+            reference_counts(t(3, 7, false), 0.8, false),
             [3, 3, 2, 0, 0]
         );
-        assert_eq!(reference_counts(t(1, None), 0.8, false), [1, 0, 0, 1, 0]);
-        assert_eq!(reference_counts(t(2, None), 0.8, true), [2, 0, 0, 2, 2]);
+        // Already at the limit: every hit is over.
+        assert_eq!(
+            reference_counts(t(1, 10, true), 0.8, false),
+            [1, 0, 0, 1, 0]
+        );
+        assert_eq!(reference_counts(t(2, 10, true), 0.8, true), [2, 0, 0, 2, 2]);
+        // Crossing it from 7 with 5 hits: 8..10 near (2), 11 and 12 over (2); shadow counts
+        // the over part only.
+        assert_eq!(reference_counts(t(5, 7, true), 0.8, false), [5, 0, 2, 2, 0]);
+        assert_eq!(reference_counts(t(5, 7, true), 0.8, true), [5, 0, 2, 2, 2]);
+        // From below the near threshold: near counts from the threshold.
+        assert_eq!(
+            reference_counts(t(12, 3, true), 0.8, false),
+            [12, 0, 2, 5, 0]
+        );
     }
 }

@@ -182,9 +182,10 @@ impl State {
         self.advance(limit, now);
         let rpu = limit.requests_per_unit;
         let w = limit.window_us;
-        let never = Verdict {
+        let never = |fits: u64| Verdict {
             over: true,
             remaining: 0,
+            fits,
             reset: us(w as u128),
         };
         match self {
@@ -194,6 +195,7 @@ impl State {
                 Verdict {
                     over,
                     remaining: if over { 0 } else { rpu - after },
+                    fits: rpu.saturating_sub(*count),
                     reset: us((*start + w - now) as u128),
                 }
             }
@@ -215,11 +217,13 @@ impl State {
                     return Verdict {
                         over: false,
                         remaining: (rpu_n - after) as u64,
+                        fits: 0,
                         reset: us(reset),
                     };
                 }
+                let fits = rpu_n.saturating_sub(weighted_prev + cur_n) as u64;
                 if rpu == 0 || hits > rpu {
-                    return never;
+                    return never(fits);
                 }
                 let room = rpu_n - hits as u128; // what prev-weight + cur may add up to
                 let wait = if cur_n <= room {
@@ -235,6 +239,7 @@ impl State {
                 Verdict {
                     over: true,
                     remaining: 0,
+                    fits,
                     reset: us(wait),
                 }
             }
@@ -249,11 +254,13 @@ impl State {
                     return Verdict {
                         over: false,
                         remaining: rpu - after,
+                        fits: 0,
                         reset: us(reset),
                     };
                 }
+                let fits = rpu.saturating_sub(*total);
                 if rpu == 0 || hits > rpu {
-                    return never;
+                    return never(fits);
                 }
                 // The request fits once `after − rpu` logged hits have left the window. Only
                 // the oldest LOG_SCAN_MAX entries are looked at (this runs under a shard lock,
@@ -270,12 +277,13 @@ impl State {
                 Verdict {
                     over: true,
                     remaining: 0,
+                    fits,
                     reset: us(wait),
                 }
             }
             State::Bucket { tat, scale } => {
                 if rpu == 0 {
-                    return never;
+                    return never(0);
                 }
                 // Scaled time: 1 unit = 1/rpu µs, so one emission interval is exactly `w` units.
                 let scale = *scale as u128;
@@ -288,15 +296,18 @@ impl State {
                     return Verdict {
                         over: false,
                         remaining: ((now_s + capacity - new_tat) / w) as u64,
+                        fits: 0,
                         reset: us(div_ceil(new_tat - now_s, scale)),
                     };
                 }
+                let fits = ((now_s + capacity).saturating_sub(base) / w) as u64;
                 if hits > limit.burst {
-                    return never;
+                    return never(fits);
                 }
                 Verdict {
                     over: true,
                     remaining: 0,
+                    fits,
                     reset: us(div_ceil(new_tat - now_s - capacity, scale)),
                 }
             }

@@ -62,6 +62,7 @@ impl Fallback {
                 .map(|h| Verdict {
                     over,
                     remaining: if over { 0 } else { h.limit.requests_per_unit },
+                    fits: 0,
                     reset: std::time::Duration::ZERO,
                 })
                 .collect()

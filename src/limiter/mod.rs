@@ -61,6 +61,9 @@ pub struct Verdict {
     pub over: bool,
     /// Hits still available after this request (0 when over).
     pub remaining: u64,
+    /// Over: how many of the request's hits would have fit (fewer than it asked for; 0 when
+    /// unknown). Unused when within the limit. Only statistics read it.
+    pub fits: u64,
     /// Admitted: time until the limit is fully available again (fixed window: the window end).
     /// Over: time until this request would fit.
     pub reset: Duration,

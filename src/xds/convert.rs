@@ -71,6 +71,7 @@ fn limit(p: pb::RateLimitPolicy) -> RawLimit {
                 .map(|r| {
                     unlocated(RawReplace {
                         name: Some(unlocated(r.name)),
+                        ..RawReplace::default()
                     })
                 })
                 .collect(),

@@ -326,6 +326,7 @@ impl RedisBackend {
             Verdict {
                 over: false,
                 remaining: 0,
+                fits: 0,
                 reset: Duration::ZERO
             };
             hits.len()
@@ -420,6 +421,7 @@ impl RedisBackend {
                         Verdict {
                             over: true,
                             remaining: 0,
+                            fits: 0,
                             reset: until - now,
                         }
                     }
@@ -427,6 +429,7 @@ impl RedisBackend {
                     None => Verdict {
                         over: false,
                         remaining: 0,
+                        fits: 0,
                         reset: Duration::ZERO,
                     },
                 }

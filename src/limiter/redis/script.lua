@@ -44,6 +44,7 @@
 -- arguments was most of what Redis spent on a coalesced request.
 --
 -- decide returns, per request, {admitted, now, then per limit: over, remaining, reset (µs)},
+-- where remaining, for a limit that is over, is how many hits would have fit (for statistics),
 -- all requests' replies concatenated. Nothing is written for a request unless it is admitted;
 -- then every limit that fits is consumed and every key written gets an expiry. refund undoes an
 -- admitted decide of the same KEYS and ARGV and returns {1, now} per request.
@@ -263,7 +264,7 @@ local function decide()
       end
       local after = st.count + hits
       o = rpu == 0 or after > rpu
-      if not o then rem = rpu - after end
+      if not o then rem = rpu - after else rem = max(rpu - st.count, 0) end
       rst = start + w - now
     elseif algo == 's' then
       local st = cached(key, load_s)
@@ -277,6 +278,7 @@ local function decide()
       local faded = p * (w - e) -- the previous window's weight, times w
       local room = rpu - c - hits
       o = rpu == 0 or faded > room * w
+      if o then rem = max(rpu - c - ceil(faded / w), 0) end
       if not o then
         rem = room - ceil(faded / w)
         if c + hits > 0 then rst = 2 * w - e elseif p > 0 then rst = w - e else rst = 0 end
@@ -292,6 +294,7 @@ local function decide()
       local count = log_total(key, now - w)
       local after = count + hits
       o = rpu == 0 or after > rpu
+      if o then rem = max(rpu - count, 0) end
       if not o then
         rem = rpu - after
         if hits > 0 then
@@ -320,8 +323,9 @@ local function decide()
           rem = floor((cap - (new_tat - now)) / interval + 0.000001)
           rst = ceil(new_tat - now - 0.001)
           st.next = new_tat
-        elseif hits <= burst then
-          rst = ceil(new_tat - now - cap - 0.001)
+        else
+          rem = max(floor((cap - (tat - now)) / interval + 0.000001), 0)
+          if hits <= burst then rst = ceil(new_tat - now - cap - 0.001) end
         end
       end
     else

@@ -302,10 +302,15 @@ impl Decided<'_> {
 
 /// Each limit's verdict in a decided reply, in the order they were pushed.
 pub(super) fn verdicts(limits: &[i64]) -> impl Iterator<Item = Verdict> + '_ {
-    limits.chunks_exact(3).map(|v| Verdict {
-        over: v[0] == 1,
-        remaining: v[1].max(0) as u64,
-        reset: Duration::from_micros(v[2].max(0) as u64),
+    limits.chunks_exact(3).map(|v| {
+        // The script's second field: what is left when within, what would have fit when over.
+        let (over, left) = (v[0] == 1, v[1].max(0) as u64);
+        Verdict {
+            over,
+            remaining: if over { 0 } else { left },
+            fits: if over { left } else { 0 },
+            reset: Duration::from_micros(v[2].max(0) as u64),
+        }
     })
 }
 
