@@ -8,6 +8,7 @@ mod config;
 mod engine;
 mod limiter;
 mod metrics;
+mod quota;
 mod server;
 pub mod settings;
 pub mod telemetry;
@@ -59,7 +60,9 @@ use crate::limiter::{Backend, Clock, MemoryBackend, SystemClock};
 use crate::metrics::{LoadResult, Metrics};
 use crate::server::grpc::GrpcService;
 use crate::server::http::{HttpState, router};
+use crate::server::rlqs::RlqsService;
 use crate::settings::{BackendOptions, ConfigSource, Options};
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_server::RateLimitQuotaServiceServer;
 
 /// gRPC health service names reported SERVING: the default, the name envoyproxy/ratelimit
 /// registers (so existing probes keep working) and the service's full name.
@@ -186,6 +189,15 @@ pub async fn run_with_clock(
         }
     }
     let backend = start_backend(&options, clock, &metrics, &mut tasks)?;
+    let quota = RlqsService::new(
+        config.clone(),
+        options.keys.clone(),
+        options.quota,
+        options.engine.request_limits,
+        options.engine.global_shadow_mode,
+        metrics.quota.clone(),
+    );
+    tasks.push(tokio::spawn(quota.clone().sweep_forever()));
     let engine = Arc::new(Engine::new(
         config,
         backend.clone(),
@@ -199,7 +211,10 @@ pub async fn run_with_clock(
     let grpc = serve_grpc(
         &options,
         listeners.grpc,
-        engine.clone(),
+        Protocols {
+            engine: engine.clone(),
+            quota,
+        },
         health_service,
         &metrics,
         &stop,
@@ -462,12 +477,18 @@ impl Stop {
 /// A server running until [`Stop::stopped`].
 type Serving<E> = std::pin::Pin<Box<dyn Future<Output = Result<(), E>> + Send>>;
 
-/// The gRPC server on `listener`: rate limit service, health and (if enabled) admin, plain or
-/// TLS, behind the per-connection bounds.
+/// The two protocols' front ends: RLS over the engine, RLQS over the quota pools.
+struct Protocols {
+    engine: Arc<Engine>,
+    quota: RlqsService,
+}
+
+/// The gRPC server on `listener`: rate limit service, quota service, health and (if enabled)
+/// admin, plain or TLS, behind the per-connection bounds.
 fn serve_grpc(
     options: &Options,
     listener: TcpListener,
-    engine: Arc<Engine>,
+    Protocols { engine, quota }: Protocols,
     health_service: tonic_health::pb::health_server::HealthServer<
         impl tonic_health::pb::health_server::Health,
     >,
@@ -495,6 +516,9 @@ fn serve_grpc(
                 options.response_headers,
             ))
             .max_decoding_message_size(MAX_MESSAGE_BYTES),
+        )
+        .add_service(
+            RateLimitQuotaServiceServer::new(quota).max_decoding_message_size(MAX_MESSAGE_BYTES),
         )
         .add_optional_service(admin.map(|a| a.max_decoding_message_size(MAX_MESSAGE_BYTES)));
     let tracker = server::conn::Tracker::new(conns);

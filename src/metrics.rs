@@ -190,6 +190,65 @@ impl BackendMetrics {
     }
 }
 
+/// Labels of the RLQS families counted by a fixed set of names.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct NameLabels {
+    /// allow_all, deny_all or token_bucket (assignments); the fault (skipped entries).
+    pub kind: &'static str,
+}
+
+/// The quota server's (RLQS) metrics; never labelled by bucket id, which clients choose.
+#[derive(Clone, Default)]
+pub struct QuotaMetrics {
+    /// `ratelimit_rlqs_streams`: open streams.
+    pub streams: Gauge,
+    /// `ratelimit_rlqs_buckets`: buckets the open streams hold.
+    pub buckets: Gauge,
+    /// `ratelimit_rlqs_pools`: quota pools held (leases of closed streams included).
+    pub pools: Gauge,
+    /// `ratelimit_rlqs_assignments_total{kind}`: assignments sent, by strategy.
+    pub assignments: Family<NameLabels, Counter>,
+    /// `ratelimit_rlqs_skipped_entries_total{kind}`: report entries skipped, by fault.
+    pub skipped: Family<NameLabels, Counter>,
+    /// `ratelimit_rlqs_abandons_total`: idle buckets abandoned.
+    pub abandons: Counter,
+}
+
+impl QuotaMetrics {
+    fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "ratelimit_rlqs_streams",
+            "Open RLQS streams",
+            self.streams.clone(),
+        );
+        registry.register(
+            "ratelimit_rlqs_buckets",
+            "Buckets the open RLQS streams hold",
+            self.buckets.clone(),
+        );
+        registry.register(
+            "ratelimit_rlqs_pools",
+            "Quota pools held, leases of closed streams included",
+            self.pools.clone(),
+        );
+        registry.register(
+            "ratelimit_rlqs_assignments",
+            "RLQS assignments sent, by strategy",
+            self.assignments.clone(),
+        );
+        registry.register(
+            "ratelimit_rlqs_skipped_entries",
+            "RLQS report entries skipped (the stream goes on), by fault",
+            self.skipped.clone(),
+        );
+        registry.register(
+            "ratelimit_rlqs_abandons",
+            "Idle RLQS buckets told to go away",
+            self.abandons.clone(),
+        );
+    }
+}
+
 /// The service's metrics and the registry that exports them.
 pub struct Metrics {
     registry: Registry,
@@ -214,6 +273,8 @@ pub struct Metrics {
     pub memory: MemoryMetrics,
     /// `ratelimit_tls_reloads_total{result}`: reloads of the gRPC listener's TLS files.
     pub tls_reloads: Family<LoadLabels, Counter>,
+    /// The quota server's.
+    pub quota: QuotaMetrics,
 }
 
 impl Default for Metrics {
@@ -361,7 +422,10 @@ impl Metrics {
             "Reloads of the gRPC listener's TLS files by result; a failed one keeps the previous",
             tls_reloads.clone(),
         );
+        let quota = QuotaMetrics::default();
+        quota.register(&mut registry);
         Metrics {
+            quota,
             tls_reloads,
             memory,
             in_flight,

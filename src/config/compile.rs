@@ -284,6 +284,8 @@ struct LevelBuilder {
 
 #[derive(Default)]
 struct KeyNodesBuilder {
+    /// How many distinct keys the level had before this one: file order.
+    first: u32,
     exact: HashMap<Box<str>, Node>,
     wildcards: Vec<(Wildcard, Node)>,
     any: Option<Box<Node>>,
@@ -298,6 +300,7 @@ impl LevelBuilder {
                 let mut wildcards = nodes.wildcards;
                 wildcards.shrink_to_fit();
                 let nodes = KeyNodes {
+                    first: nodes.first,
                     exact: Index::new(nodes.exact),
                     wildcards,
                     any: nodes.any,
@@ -434,7 +437,11 @@ impl Compiler<'_> {
                 slot.insert(at.line());
             }
         }
-        let nodes = level.keys.entry(key).or_default();
+        let distinct = level.keys.len() as u32;
+        let nodes = level.keys.entry(key).or_insert_with(|| KeyNodesBuilder {
+            first: distinct,
+            ..KeyNodesBuilder::default()
+        });
         match node.value.clone() {
             None => nodes.any = Some(Box::new(node)),
             Some(v) => match Wildcard::new(&v) {

@@ -7,7 +7,7 @@
 use std::borrow::Cow;
 use std::sync::Arc;
 
-use super::{Domain, Node};
+use super::{Domain, KeyNodes, Node};
 use smallvec::SmallVec;
 
 use crate::limiter::key::{CounterKey, KeyFormat};
@@ -29,7 +29,52 @@ pub struct Matched<'s> {
     pub rule_has_values: bool,
 }
 
+impl KeyNodes {
+    /// The node `value` lands on: exact first, then wildcards in file order, then the
+    /// value-less key.
+    fn pick(&self, value: &str) -> Option<&Node> {
+        self.exact
+            .get(value)
+            .or_else(|| {
+                self.wildcards
+                    .iter()
+                    .find(|(pattern, _)| pattern.matches(value))
+                    .map(|(_, node)| node)
+            })
+            .or(self.any.as_deref())
+    }
+}
+
 impl Domain {
+    /// Orders an unordered set of entries (an RLQS bucket id) as a descriptor: level by level,
+    /// the key among the unused entries that comes first in the file at that level, its node
+    /// picked by value as for a descriptor. `None` unless every entry is used and the walk
+    /// ends on a node with limits (or `unlimited`). One entry is exactly a one-entry descriptor.
+    pub(crate) fn order_entries<'e>(
+        &self,
+        entries: &[(&'e str, &'e str)],
+    ) -> Option<SmallVec<[(&'e str, &'e str); 8]>> {
+        let mut level = &self.root;
+        let mut used = vec![false; entries.len()];
+        let mut ordered = SmallVec::new();
+        let mut last = None;
+        for _ in 0..entries.len() {
+            let (i, nodes) = entries
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| !used[*i])
+                .filter_map(|(i, (k, _))| level.keys.get(k).map(|n| (i, n)))
+                .min_by_key(|(_, n)| n.first)?;
+            let node = nodes.pick(entries[i].1)?;
+            used[i] = true;
+            ordered.push(entries[i]);
+            level = &node.children;
+            last = Some(node);
+        }
+        last?.limits.as_ref()?;
+        Some(ordered)
+    }
+
     /// Resolves a descriptor's entries to the node whose limits apply, if any.
     pub fn resolve<'s>(
         &'s self,
@@ -40,18 +85,7 @@ impl Domain {
         // Trees deeper than 8 are rare: no allocation for the walk itself.
         let mut path: SmallVec<[&'s Node; 8]> = SmallVec::new();
         for &(key, value) in entries {
-            let nodes = level.keys.get(key)?;
-            let node = nodes
-                .exact
-                .get(value)
-                .or_else(|| {
-                    nodes
-                        .wildcards
-                        .iter()
-                        .find(|(pattern, _)| pattern.matches(value))
-                        .map(|(_, node)| node)
-                })
-                .or(nodes.any.as_deref())?;
+            let node = level.keys.get(key)?.pick(value)?;
             path.push(node);
             level = &node.children;
         }

@@ -186,6 +186,8 @@ pub struct Level {
 /// All nodes of one level that share a key, in matching order.
 #[derive(Debug, Default)]
 struct KeyNodes {
+    /// The key's place among the level's keys in the file (for RLQS's unordered bucket ids).
+    first: u32,
     exact: Index<Node>,
     /// Wildcard patterns in file order.
     wildcards: Vec<(Wildcard, Node)>,

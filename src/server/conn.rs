@@ -283,6 +283,10 @@ impl Drop for Held {
 struct Counted {
     inner: tonic::body::Body,
     held: Arc<Held>,
+    /// A long-lived stream of messages (RLQS): each frame is given back when the next one is
+    /// read (the one before has been taken in by then), so the stream holds one frame's worth
+    /// of the budget, not everything it ever sent.
+    streaming: bool,
 }
 
 impl HttpBody for Counted {
@@ -294,6 +298,10 @@ impl HttpBody for Counted {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, tonic::Status>>> {
         let frame = std::task::ready!(Pin::new(&mut self.inner).poll_frame(cx));
+        if self.streaming {
+            let before = self.held.bytes.swap(0, Ordering::AcqRel);
+            self.held.budget.used.fetch_sub(before, Ordering::AcqRel);
+        }
         if let Some(Ok(f)) = &frame
             && let Some(data) = f.data_ref()
             && !self.held.take(data.len())
@@ -314,6 +322,9 @@ impl HttpBody for Counted {
         self.inner.size_hint()
     }
 }
+
+/// The one method whose request is a long-lived stream of messages (RLQS).
+const STREAMING_METHOD: &str = "/StreamRateLimitQuotas";
 
 /// Counts each gRPC request against its connection's request-byte budget.
 #[derive(Clone, Copy, Debug, Default)]
@@ -362,10 +373,12 @@ where
             bytes: AtomicUsize::new(0),
         });
         let body_held = held.clone();
+        let streaming = req.uri().path().ends_with(STREAMING_METHOD);
         let req = req.map(|inner| {
             tonic::body::Body::new(Counted {
                 inner,
                 held: body_held,
+                streaming,
             })
         });
         let answer = self.inner.call(req);

@@ -6,4 +6,5 @@ pub(crate) mod grpc;
 pub(crate) mod headers;
 pub(crate) mod http;
 pub(crate) mod json;
+pub(crate) mod rlqs;
 pub(crate) mod tls;

@@ -445,6 +445,35 @@ pub struct Flags {
     /// answered), e.g. 4MiB; a request past it is refused on that connection only.
     #[arg(long, default_value = "4MiB", value_parser = parse_bytes)]
     pub max_connection_request_bytes: u64,
+
+    /// How long an RLQS quota assignment lasts, in whole seconds (Envoy reads no fraction and
+    /// expires a shorter one at once); refreshed in the answer to every report.
+    #[arg(long, default_value = "20s", value_parser = parse_ttl)]
+    pub rlqs_assignment_ttl: Duration,
+
+    /// An RLQS bucket reported with no requests for this long is abandoned (Envoy then forgets
+    /// it until its next request).
+    #[arg(long, default_value = "60s", value_parser = parse_grace)]
+    pub rlqs_abandon_after: Duration,
+
+    /// How often RLQS clients are expected to report (Envoy: every 5 s); a client silent for
+    /// twice this long is measured on the server's clock.
+    #[arg(long, default_value = "5s", value_parser = parse_timeout)]
+    pub rlqs_report_interval: Duration,
+
+    /// Buckets one RLQS stream may hold; a report opening one more ends the stream with
+    /// RESOURCE_EXHAUSTED.
+    #[arg(long, default_value_t = 10_000)]
+    pub rlqs_max_buckets: usize,
+}
+
+/// `--rlqs-assignment-ttl`: whole seconds, at least one, at most an hour.
+fn parse_ttl(s: &str) -> Result<Duration, String> {
+    let d = parse_duration_within(s, Duration::from_secs(3_600))?;
+    if d.subsec_nanos() != 0 || d.is_zero() {
+        return Err("must be a whole number of seconds, at least 1s".into());
+    }
+    Ok(d)
 }
 
 fn parse_ratio(s: &str) -> Result<f64, String> {

@@ -16,6 +16,7 @@ use crate::limiter::Algorithm;
 use crate::limiter::fallback::FailureMode;
 use crate::limiter::key::{HashTag, KeyFormat, PrefixError};
 use crate::limiter::redis::{Credentials, RedisOptions, RedisUrl, Target, TlsFiles};
+use crate::quota::QuotaOptions;
 use crate::server::conn::ConnLimits;
 use crate::server::headers::HeaderMode;
 use crate::telemetry::{Protocol, TracingOptions};
@@ -25,6 +26,9 @@ impl Flags {
     /// Resolves and validates the settings into what the service runs with: every
     /// combination checked, every file the flags name found, the gRPC TLS files loaded.
     pub(super) fn resolve(&self) -> Result<Options, SettingsError> {
+        if self.rlqs_assignment_ttl <= self.rlqs_report_interval {
+            return Err(SettingsError::RlqsTtl);
+        }
         let (backend, keys) = match self.backend {
             BackendArg::Memory => (BackendOptions::Memory, KeyFormat::default()),
             BackendArg::Redis => (
@@ -78,6 +82,12 @@ impl Flags {
                     .unwrap_or(usize::MAX),
             },
             request_timeout: self.request_timeout,
+            quota: QuotaOptions {
+                assignment_ttl: self.rlqs_assignment_ttl,
+                abandon_after: self.rlqs_abandon_after,
+                report_interval: self.rlqs_report_interval,
+                max_buckets_per_stream: self.rlqs_max_buckets.max(1),
+            },
         })
     }
 
@@ -323,6 +333,8 @@ pub struct Options {
     pub(crate) grpc_connections: ConnLimits,
     /// Longest time to receive and answer one request.
     pub(crate) request_timeout: Duration,
+    /// The quota server's (RLQS) behaviour.
+    pub(crate) quota: QuotaOptions,
 }
 
 /// Where the config comes from.
@@ -382,6 +394,9 @@ pub enum SettingsError {
         /// Why.
         source: std::io::Error,
     },
+    /// Assignments that would expire between two reports.
+    #[error("--rlqs-assignment-ttl must be longer than --rlqs-report-interval")]
+    RlqsTtl,
     /// TLS to the xDS server without a CA to verify it.
     #[error("TLS to the xDS server needs --xds-tls-ca")]
     XdsTlsCa,

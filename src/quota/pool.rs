@@ -1,0 +1,373 @@
+//! Quota pools on this replica: who shares each limit, what each was last granted, and the
+//! fair shares that decide the next grants.
+//!
+//! A pool is one limit's counter (the counter RLS would use); its participants are buckets of
+//! RLQS streams. Every grant is a lease: the client holds it until its TTL runs out, whether or
+//! not its stream is still open, so a pool's capacity is what its limit allows minus the leases
+//! others hold. A grant never takes more than that (whole tokens, at least one), so the tokens
+//! granted per window add up to at most the limit, leases of disconnected clients included.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+use super::share::fair_shares;
+
+/// A participant: one bucket of one stream, unique in the process.
+pub(crate) type ParticipantId = u64;
+
+/// A share moving by more than this fraction (and at least one token) is pushed to its stream
+/// at once; smaller moves ride on the answer to the client's next report.
+const SHARE_MOVE: f64 = 0.1;
+/// Weight of the newest report in the smoothed demand: the requests and the time reported are
+/// smoothed apart and divided, so a slow client's reports of 0, 0, 0 and 4 requests read as
+/// the 1 per interval it asks, not as a rate jumping between none and four.
+const SMOOTHING: f64 = 0.25;
+
+/// A client's demand: its reported requests over the time they took, both smoothed.
+#[derive(Clone, Copy, Debug, Default)]
+struct Demand {
+    requests: f64,
+    seconds: f64,
+}
+
+impl Demand {
+    fn add(&mut self, requests: f64, seconds: f64) {
+        if self.seconds == 0.0 {
+            *self = Demand { requests, seconds };
+        } else {
+            self.requests += SMOOTHING * (requests - self.requests);
+            self.seconds += SMOOTHING * (seconds - self.seconds);
+        }
+    }
+
+    /// Requests per second.
+    fn rate(&self) -> Option<f64> {
+        (self.seconds > 0.0).then(|| self.requests / self.seconds)
+    }
+}
+
+/// One report of a participant's usage: requests (allowed and denied) over `seconds`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Usage {
+    pub(crate) requests: u64,
+    pub(crate) seconds: f64,
+}
+
+/// How a stream learns that some of its buckets' grants moved.
+#[derive(Default)]
+pub(crate) struct Signal {
+    /// Woken when `moved` gained participants.
+    pub(crate) notify: Notify,
+    /// The stream's participants whose grants should be sent again.
+    moved: Mutex<HashSet<ParticipantId>>,
+}
+
+impl Signal {
+    /// The participants that moved since the last call.
+    pub(crate) fn take(&self) -> HashSet<ParticipantId> {
+        std::mem::take(&mut *self.moved.lock())
+    }
+
+    fn mark(&self, pid: ParticipantId) {
+        self.moved.lock().insert(pid);
+        self.notify.notify_one();
+    }
+}
+
+/// A limit as a pool applies it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct PoolSpec {
+    /// The counter's key: the pool's identity.
+    pub(crate) key: Box<[u8]>,
+    /// Tokens per window (the limit's requests_per_unit, > 0).
+    pub(crate) limit: u64,
+    /// The window in whole seconds.
+    pub(crate) window_s: u64,
+    /// Most tokens that may be spent at once, over all participants.
+    pub(crate) burst: u64,
+}
+
+/// A participant's part of one pool.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Grant {
+    /// Tokens per window of the pool.
+    pub(crate) tokens: u64,
+    /// Its part of the pool's burst.
+    pub(crate) max_tokens: u64,
+}
+
+struct Member {
+    /// Smoothed demand.
+    demand: Demand,
+    /// When it last reported.
+    reported: Instant,
+    /// Its fair share, tokens per window.
+    share: f64,
+    /// What it was last granted, and until when it may use it.
+    held: Option<(Grant, Instant)>,
+    connected: bool,
+    signal: Weak<Signal>,
+}
+
+impl Member {
+    fn holds(&self, now: Instant) -> Option<Grant> {
+        self.held.filter(|(_, until)| *until > now).map(|(g, _)| g)
+    }
+}
+
+struct Pool {
+    spec: PoolSpec,
+    members: HashMap<ParticipantId, Member>,
+}
+
+impl Pool {
+    /// Whole tokens of a share: rounded down, at least one.
+    fn whole(share: f64) -> u64 {
+        (share.floor() as u64).max(1)
+    }
+
+    /// Drops what no longer counts, recomputes every connected member's share and marks the
+    /// members whose grant should move at once.
+    fn rebalance(&mut self, now: Instant, stale: Duration) {
+        self.members
+            .retain(|_, m| m.connected || m.holds(now).is_some());
+        let leased: u64 = self
+            .members
+            .values()
+            .filter(|m| !m.connected)
+            .filter_map(|m| m.holds(now))
+            .map(|g| g.tokens)
+            .sum();
+        let capacity = self.spec.limit.saturating_sub(leased) as f64;
+        let window = self.spec.window_s as f64;
+        let (ids, demands): (Vec<ParticipantId>, Vec<Option<f64>>) = self
+            .members
+            .iter()
+            .filter(|(_, m)| m.connected)
+            .map(|(id, m)| {
+                // A member that stopped reporting is idle, whatever it asked before.
+                let fresh = now.duration_since(m.reported) <= stale;
+                (*id, m.demand.rate().filter(|_| fresh).map(|d| d * window))
+            })
+            .unzip();
+        for (id, share) in ids.into_iter().zip(fair_shares(capacity, &demands)) {
+            let m = self.members.get_mut(&id).expect("listed above");
+            m.share = share;
+            if let Some(held) = m.holds(now) {
+                let (now_tokens, next) = (held.tokens as f64, Self::whole(share) as f64);
+                if (next - now_tokens).abs() > (now_tokens * SHARE_MOVE).max(1.0)
+                    && let Some(signal) = m.signal.upgrade()
+                {
+                    signal.mark(id);
+                }
+            }
+        }
+    }
+
+    /// What `pid` may hold now: its share, within what the others' leases leave.
+    fn grant(&mut self, pid: ParticipantId, now: Instant, ttl: Duration) -> Option<Grant> {
+        let others: u64 = self
+            .members
+            .iter()
+            .filter(|(id, _)| **id != pid)
+            .filter_map(|(_, m)| m.holds(now))
+            .map(|g| g.tokens)
+            .sum();
+        let free = self.spec.limit.saturating_sub(others);
+        let m = self.members.get_mut(&pid)?;
+        let tokens = Self::whole(m.share).min(free).max(1);
+        let max_tokens = (u128::from(self.spec.burst) * u128::from(tokens)
+            / u128::from(self.spec.limit.max(1))) as u64;
+        let g = Grant {
+            tokens,
+            max_tokens: max_tokens.max(1),
+        };
+        m.held = Some((g, now + ttl));
+        Some(g)
+    }
+}
+
+/// Every pool of this replica.
+pub(crate) struct Pools {
+    pools: Mutex<HashMap<Box<[u8]>, Pool>>,
+    ttl: Duration,
+    /// A demand older than this no longer counts (a few report intervals).
+    stale: Duration,
+}
+
+impl Pools {
+    /// Pools whose grants last `ttl`, for clients reporting every `report_interval`.
+    pub(crate) fn new(ttl: Duration, report_interval: Duration) -> Pools {
+        Pools {
+            pools: Mutex::default(),
+            ttl,
+            stale: report_interval * 3,
+        }
+    }
+
+    /// Makes `pid` a connected participant of `spec`'s pool (taking the spec's limit as the
+    /// pool's from now on) and rebalances.
+    pub(crate) fn join(
+        &self,
+        spec: &PoolSpec,
+        pid: ParticipantId,
+        signal: &Arc<Signal>,
+        now: Instant,
+    ) {
+        let mut pools = self.pools.lock();
+        let pool = pools.entry(spec.key.clone()).or_insert_with(|| Pool {
+            spec: spec.clone(),
+            members: HashMap::new(),
+        });
+        pool.spec = spec.clone();
+        let m = pool.members.entry(pid).or_insert_with(|| Member {
+            demand: Demand::default(),
+            reported: now,
+            share: 0.0,
+            held: None,
+            connected: true,
+            signal: Arc::downgrade(signal),
+        });
+        m.connected = true;
+        pool.rebalance(now, self.stale);
+    }
+
+    /// Records `pid`'s usage (`None`: no measure in this report),
+    /// rebalances, and grants it its part.
+    pub(crate) fn report(
+        &self,
+        key: &[u8],
+        pid: ParticipantId,
+        usage: Option<Usage>,
+        now: Instant,
+    ) -> Option<Grant> {
+        let mut pools = self.pools.lock();
+        let pool = pools.get_mut(key)?;
+        let m = pool.members.get_mut(&pid)?;
+        m.reported = now;
+        if let Some(u) = usage
+            && u.seconds > 0.0
+        {
+            m.demand.add(u.requests as f64, u.seconds);
+        }
+        pool.rebalance(now, self.stale);
+        pool.grant(pid, now, self.ttl)
+    }
+
+    /// Grants `pid` its current part without a new measure (a push).
+    pub(crate) fn regrant(&self, key: &[u8], pid: ParticipantId, now: Instant) -> Option<Grant> {
+        self.pools.lock().get_mut(key)?.grant(pid, now, self.ttl)
+    }
+
+    /// `pid`'s stream no longer asks for this pool: its lease counts until it runs out.
+    pub(crate) fn leave(&self, key: &[u8], pid: ParticipantId, now: Instant) {
+        let mut pools = self.pools.lock();
+        if let Some(pool) = pools.get_mut(key) {
+            if let Some(m) = pool.members.get_mut(&pid) {
+                m.connected = false;
+            }
+            pool.rebalance(now, self.stale);
+            if pool.members.is_empty() {
+                pools.remove(key);
+            }
+        }
+    }
+
+    /// Drops expired leases and empty pools; the members left get the capacity freed.
+    pub(crate) fn sweep(&self, now: Instant) {
+        let stale = self.stale;
+        self.pools.lock().retain(|_, pool| {
+            let expired = pool
+                .members
+                .values()
+                .any(|m| !m.connected && m.holds(now).is_none());
+            if expired {
+                pool.rebalance(now, stale);
+            }
+            !pool.members.is_empty()
+        });
+    }
+
+    /// Pools held now.
+    pub(crate) fn len(&self) -> usize {
+        self.pools.lock().len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(limit: u64) -> PoolSpec {
+        PoolSpec {
+            key: b"k".as_slice().into(),
+            limit,
+            window_s: 60,
+            burst: limit,
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn grants_never_add_up_past_the_limit_and_leases_outlive_streams() {
+        let pools = Pools::new(Duration::from_secs(20), Duration::from_secs(5));
+        let s = Arc::new(Signal::default());
+        let now = Instant::now();
+        let sp = spec(600);
+        for pid in 1..=3 {
+            pools.join(&sp, pid, &s, now);
+        }
+        // Demands of 1, 6 and 20 per second, reported a few times.
+        let mut grants = [None; 3];
+        for _ in 0..5 {
+            for (i, d) in [1, 6, 20].into_iter().enumerate() {
+                let u = Usage {
+                    requests: d * 5,
+                    seconds: 5.0,
+                };
+                grants[i] = pools.report(&sp.key, i as u64 + 1, Some(u), now);
+            }
+        }
+        let tokens: Vec<u64> = grants.iter().map(|g| g.unwrap().tokens).collect();
+        assert!(tokens.iter().sum::<u64>() <= 600, "{tokens:?}");
+        assert!(
+            tokens[0] >= 60,
+            "the small client keeps what it needs: {tokens:?}"
+        );
+        assert!(tokens[1].abs_diff(tokens[2]) <= 1, "{tokens:?}");
+
+        // The big client leaves: its lease still counts until it runs out.
+        pools.leave(&sp.key, 3, now);
+        let g = pools
+            .report(
+                &sp.key,
+                2,
+                Some(Usage {
+                    requests: 30,
+                    seconds: 5.0,
+                }),
+                now,
+            )
+            .unwrap();
+        assert!(g.tokens + tokens[0] + tokens[2] <= 600);
+        let later = now + Duration::from_secs(21);
+        pools.sweep(later);
+        let g2 = pools
+            .report(
+                &sp.key,
+                2,
+                Some(Usage {
+                    requests: 30,
+                    seconds: 5.0,
+                }),
+                later,
+            )
+            .unwrap();
+        assert!(g2.tokens > g.tokens, "{g2:?} after {g:?}");
+        assert!(s.take().len() <= 3);
+    }
+}

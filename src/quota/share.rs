@@ -1,0 +1,97 @@
+//! Max-min fair shares of one pool's limit: the pure arithmetic, no clock, no I/O.
+
+/// A participant's demand counts at least this fraction of an equal split, so that a new or
+/// idle client (no demand seen yet) holds some quota and is never starved.
+pub(crate) const FLOOR_OF_EQUAL_SPLIT: f64 = 0.25;
+/// Demand is met with this much room above what was measured, so a client whose need grows a
+/// little is not refused before its next report shows it.
+pub(crate) const HEADROOM: f64 = 1.1;
+
+/// Splits `capacity` (tokens per window) among clients whose demands (tokens per window; `None`
+/// when not measured yet) are given, max-min fairly: a client asking less than an equal split
+/// of what is left keeps what it asks (with [`HEADROOM`]); the rest is split equally among the
+/// others. Every client asks at least the floor. What nobody asks for is split equally among all,
+/// so the shares add up to `capacity` exactly.
+pub(crate) fn fair_shares(capacity: f64, demands: &[Option<f64>]) -> Vec<f64> {
+    let n = demands.len();
+    if n == 0 {
+        return Vec::new();
+    }
+    let capacity = capacity.max(0.0);
+    let floor = capacity / n as f64 * FLOOR_OF_EQUAL_SPLIT;
+    // What each asks, bounded: nobody can ask more than the whole (a client's absurd report
+    // weighs no more than an honest "everything").
+    let asks: Vec<f64> = demands
+        .iter()
+        .map(|d| match d {
+            Some(d) if *d > 0.0 => (d * HEADROOM).min(capacity).max(floor),
+            _ => floor,
+        })
+        .collect();
+    let mut order: Vec<usize> = (0..n).collect();
+    order.sort_by(|&a, &b| asks[a].total_cmp(&asks[b]));
+    let mut shares = vec![0.0; n];
+    let mut left = capacity;
+    for (k, &i) in order.iter().enumerate() {
+        let equal = left / (n - k) as f64;
+        shares[i] = asks[i].min(equal);
+        left -= shares[i];
+    }
+    if left > 0.0 {
+        let extra = left / n as f64;
+        for s in &mut shares {
+            *s += extra;
+        }
+    }
+    shares
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn close(a: f64, b: f64) -> bool {
+        (a - b).abs() < 1e-9
+    }
+
+    #[test]
+    fn small_demands_are_met_and_the_rest_is_split_equally() {
+        // 600 per minute among clients asking 60, 360 and 1200 per minute.
+        let s = fair_shares(600.0, &[Some(60.0), Some(360.0), Some(1200.0)]);
+        assert!(close(s[0], 66.0), "{s:?}");
+        assert!(close(s[1], 267.0) && close(s[2], 267.0), "{s:?}");
+        assert!(close(s.iter().sum(), 600.0));
+    }
+
+    #[test]
+    fn unused_capacity_is_spread_over_everyone() {
+        let s = fair_shares(100.0, &[Some(20.0), Some(30.0)]);
+        assert!(
+            close(s[0], 22.0 + 22.5) && close(s[1], 33.0 + 22.5),
+            "{s:?}"
+        );
+    }
+
+    #[test]
+    fn new_and_idle_clients_keep_a_floor() {
+        // Four clients, one busy: the three others keep a quarter of an equal split each.
+        let s = fair_shares(400.0, &[Some(10_000.0), None, Some(0.0), None]);
+        for &idle in &s[1..] {
+            assert!(close(idle, 25.0), "{s:?}");
+        }
+        assert!(close(s[0], 325.0), "{s:?}");
+    }
+
+    #[test]
+    fn absurd_demands_weigh_as_much_as_the_whole() {
+        let honest = fair_shares(100.0, &[Some(100.0), Some(30.0)]);
+        for absurd in [f64::INFINITY, 1e300, u64::MAX as f64] {
+            assert_eq!(fair_shares(100.0, &[Some(absurd), Some(30.0)]), honest);
+        }
+        assert_eq!(
+            fair_shares(100.0, &[Some(f64::NAN), Some(30.0)]),
+            fair_shares(100.0, &[None, Some(30.0)])
+        );
+        assert!(fair_shares(0.0, &[Some(5.0)]).iter().all(|s| *s == 0.0));
+    }
+}

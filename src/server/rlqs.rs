@@ -1,0 +1,512 @@
+//! RLQS (`envoy.service.rate_limit_quota.v3.RateLimitQuotaService`): Envoy's quota protocol
+//! over the same config as RLS. One task per stream holds the stream's buckets; the quota
+//! pools (`quota::Pools`) decide what each gets. The protocol stops here: `quota` sees entries,
+//! demands and grants.
+//!
+//! Bounds per stream: its buckets (`--rlqs-max-buckets`, then RESOURCE_EXHAUSTED), each at most
+//! `--max-entries` pairs of `--max-key-bytes`/`--max-value-bytes` (else the entry is skipped and
+//! counted, never the stream ended: Envoy would drop every bucket and resend the same entry),
+//! answers queued (a few messages; a client that reads none for [`SEND_TIMEOUT`] is dropped).
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use envoy_types::pb::envoy::r#type::v3::rate_limit_strategy::{BlanketRule, Strategy};
+use envoy_types::pb::envoy::r#type::v3::{RateLimitStrategy, TokenBucket};
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::bucket_action::{
+    self, AbandonAction, QuotaAssignmentAction,
+};
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::BucketAction;
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_server::RateLimitQuotaService;
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_usage_reports::BucketQuotaUsage;
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::{
+    BucketId, RateLimitQuotaResponse, RateLimitQuotaUsageReports,
+};
+use envoy_types::pb::google::protobuf::{Duration as PbDuration, UInt32Value};
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::config::Snapshot;
+use crate::engine::RequestLimits;
+use crate::limiter::key::KeyFormat;
+use crate::metrics::{NameLabels, QuotaMetrics};
+use crate::quota::{
+    self, Assignment, Grant, ParticipantId, Pools, QuotaOptions, Signal, Target, Usage,
+};
+
+/// Answers a stream may have waiting for the client.
+const QUEUE: usize = 4;
+/// A client that takes no answer for this long is dropped (its leases run out as usual).
+const SEND_TIMEOUT: Duration = Duration::from_secs(30);
+/// How often a stream looks for a new config (a reload reaches its buckets within this).
+const CONFIG_CHECK: Duration = Duration::from_secs(1);
+/// Reports claiming less time than this are measured on the server's clock instead.
+const MIN_ELAPSED: Duration = Duration::from_millis(10);
+
+/// What every stream shares.
+pub(crate) struct Shared {
+    pub(crate) config: Arc<ArcSwap<Snapshot>>,
+    pub(crate) pools: Arc<Pools>,
+    pub(crate) keys: KeyFormat,
+    pub(crate) options: QuotaOptions,
+    pub(crate) limits: RequestLimits,
+    pub(crate) global_shadow: bool,
+    pub(crate) metrics: QuotaMetrics,
+    next_id: AtomicU64,
+}
+
+/// The RLQS gRPC service.
+#[derive(Clone)]
+pub(crate) struct RlqsService {
+    shared: Arc<Shared>,
+}
+
+impl RlqsService {
+    pub(crate) fn new(
+        config: Arc<ArcSwap<Snapshot>>,
+        keys: KeyFormat,
+        options: QuotaOptions,
+        limits: RequestLimits,
+        global_shadow: bool,
+        metrics: QuotaMetrics,
+    ) -> RlqsService {
+        RlqsService {
+            shared: Arc::new(Shared {
+                config,
+                pools: Arc::new(Pools::new(options.assignment_ttl, options.report_interval)),
+                keys,
+                options,
+                limits,
+                global_shadow,
+                metrics,
+                next_id: AtomicU64::new(1),
+            }),
+        }
+    }
+
+    /// Drops expired leases now and then, so pools nobody reports on go away.
+    pub(crate) async fn sweep_forever(self) {
+        let mut every = tokio::time::interval(CONFIG_CHECK);
+        loop {
+            every.tick().await;
+            self.shared.pools.sweep(Instant::now());
+            self.shared
+                .metrics
+                .pools
+                .set(self.shared.pools.len() as i64);
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl RateLimitQuotaService for RlqsService {
+    type StreamRateLimitQuotasStream = ReceiverStream<Result<RateLimitQuotaResponse, Status>>;
+
+    async fn stream_rate_limit_quotas(
+        &self,
+        request: Request<Streaming<RateLimitQuotaUsageReports>>,
+    ) -> Result<Response<Self::StreamRateLimitQuotasStream>, Status> {
+        let (tx, rx) = mpsc::channel(QUEUE);
+        let stream = QuotaStream::new(self.shared.clone());
+        tokio::spawn(stream.run(request.into_inner(), tx));
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+/// A bucket id's pairs, sorted: the bucket's identity within a stream.
+type BucketKey = Box<[(Box<str>, Box<str>)]>;
+
+struct Bucket {
+    id: BucketId,
+    key: BucketKey,
+    target: Target,
+    /// When its requests were last reported non-zero (or it was created).
+    last_used: Instant,
+    /// When it was last reported.
+    last_report: Instant,
+}
+
+/// One stream's state, owned by its task.
+struct QuotaStream {
+    shared: Arc<Shared>,
+    domain: Option<String>,
+    buckets: HashMap<ParticipantId, Bucket>,
+    by_key: HashMap<BucketKey, ParticipantId>,
+    signal: Arc<Signal>,
+    /// The snapshot the buckets were resolved against.
+    snapshot: Arc<Snapshot>,
+}
+
+/// Why an entry of a report is skipped.
+fn fault<'u>(
+    usage: &'u BucketQuotaUsage,
+    limits: &RequestLimits,
+) -> Result<(&'u BucketId, BucketKey), &'static str> {
+    let Some(id) = usage.bucket_id.as_ref() else {
+        return Err("no_bucket_id");
+    };
+    if id.bucket.len() > limits.max_entries {
+        return Err("too_many_pairs");
+    }
+    let mut pairs = Vec::with_capacity(id.bucket.len());
+    for (k, v) in &id.bucket {
+        if k.is_empty() || v.is_empty() {
+            return Err("empty_key_or_value");
+        }
+        if k.len() > limits.max_key_bytes || v.len() > limits.max_value_bytes {
+            return Err("too_long");
+        }
+        pairs.push((k.as_str().into(), v.as_str().into()));
+    }
+    pairs.sort();
+    Ok((id, pairs.into_boxed_slice()))
+}
+
+impl QuotaStream {
+    fn new(shared: Arc<Shared>) -> QuotaStream {
+        shared.metrics.streams.inc();
+        let snapshot = shared.config.load_full();
+        QuotaStream {
+            shared,
+            domain: None,
+            buckets: HashMap::new(),
+            by_key: HashMap::new(),
+            signal: Arc::new(Signal::default()),
+            snapshot,
+        }
+    }
+
+    async fn run(
+        mut self,
+        mut inbound: Streaming<RateLimitQuotaUsageReports>,
+        tx: mpsc::Sender<Result<RateLimitQuotaResponse, Status>>,
+    ) {
+        let mut config_check = tokio::time::interval(CONFIG_CHECK);
+        config_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            let answer = tokio::select! {
+                message = inbound.message() => match message {
+                    Ok(Some(reports)) => self.on_reports(reports),
+                    Ok(None) => break,
+                    Err(status) => {
+                        tracing::debug!(%status, "RLQS stream ended by the client");
+                        break;
+                    }
+                },
+                () = self.signal.notify.notified() => Ok(self.on_moved()),
+                _ = config_check.tick() => Ok(self.on_config_check()),
+            };
+            let (actions, end) = match answer {
+                Ok(actions) => (actions, None),
+                Err(status) => (Vec::new(), Some(status)),
+            };
+            if !actions.is_empty() {
+                self.count(&actions);
+                let message = RateLimitQuotaResponse {
+                    bucket_action: actions,
+                };
+                if tx.send_timeout(Ok(message), SEND_TIMEOUT).await.is_err() {
+                    break;
+                }
+            }
+            if let Some(status) = end {
+                let _ = tx.send_timeout(Err(status), SEND_TIMEOUT).await;
+                break;
+            }
+        }
+        self.close();
+    }
+
+    fn count(&self, actions: &[BucketAction]) {
+        for a in actions {
+            let kind = match &a.bucket_action {
+                Some(bucket_action::BucketAction::AbandonAction(_)) => continue,
+                Some(bucket_action::BucketAction::QuotaAssignmentAction(q)) => {
+                    match q.rate_limit_strategy.and_then(|s| s.strategy) {
+                        Some(Strategy::TokenBucket(_)) => "token_bucket",
+                        Some(Strategy::BlanketRule(r)) if r == BlanketRule::DenyAll as i32 => {
+                            "deny_all"
+                        }
+                        _ => "allow_all",
+                    }
+                }
+                None => continue,
+            };
+            self.shared
+                .metrics
+                .assignments
+                .get_or_create(&NameLabels { kind })
+                .inc();
+        }
+    }
+
+    /// One report message: each entry's bucket is created, measured and answered, or skipped.
+    fn on_reports(
+        &mut self,
+        reports: RateLimitQuotaUsageReports,
+    ) -> Result<Vec<BucketAction>, Status> {
+        match (&self.domain, reports.domain.as_str()) {
+            (None, "") => {
+                return Err(Status::invalid_argument(
+                    "the first RLQS report must name its domain",
+                ));
+            }
+            (None, d) => self.domain = Some(d.to_owned()),
+            (Some(_), "") => {}
+            (Some(ours), d) if ours == d => {}
+            (Some(ours), d) => {
+                return Err(Status::invalid_argument(format!(
+                    "this stream's domain is '{ours}'; a report named '{d}'"
+                )));
+            }
+        }
+        let now = Instant::now();
+        let mut actions = Vec::with_capacity(reports.bucket_quota_usages.len());
+        for usage in &reports.bucket_quota_usages {
+            let (id, key) = match fault(usage, &self.shared.limits) {
+                Ok(ok) => ok,
+                Err(kind) => {
+                    self.shared
+                        .metrics
+                        .skipped
+                        .get_or_create(&NameLabels { kind })
+                        .inc();
+                    continue;
+                }
+            };
+            let pid = match self.by_key.get(&key) {
+                Some(pid) => *pid,
+                None => {
+                    if self.buckets.len() >= self.shared.options.max_buckets_per_stream {
+                        return Err(Status::resource_exhausted(format!(
+                            "this stream holds {} buckets, the most it may",
+                            self.buckets.len()
+                        )));
+                    }
+                    self.open(id.clone(), key, now)
+                }
+            };
+            actions.push(self.report(pid, usage, now));
+        }
+        Ok(actions)
+    }
+
+    /// A new bucket: resolved, and a participant of its pools.
+    fn open(&mut self, id: BucketId, key: BucketKey, now: Instant) -> ParticipantId {
+        let pid = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
+        let target = self.resolve(&key);
+        self.join(pid, &target, now);
+        self.by_key.insert(key.clone(), pid);
+        self.buckets.insert(
+            pid,
+            Bucket {
+                id,
+                key,
+                target,
+                last_used: now,
+                last_report: now,
+            },
+        );
+        self.shared.metrics.buckets.inc();
+        pid
+    }
+
+    fn resolve(&self, key: &BucketKey) -> Target {
+        let entries: Vec<(&str, &str)> = key.iter().map(|(k, v)| (&**k, &**v)).collect();
+        quota::resolve(
+            &self.snapshot,
+            self.domain.as_deref().unwrap_or_default(),
+            &entries,
+            &self.shared.keys,
+            self.shared.global_shadow,
+        )
+    }
+
+    fn join(&self, pid: ParticipantId, target: &Target, now: Instant) {
+        if let Target::Pools { pools, .. } = target {
+            for p in pools {
+                self.shared.pools.join(p, pid, &self.signal, now);
+            }
+        }
+    }
+
+    fn leave(&self, pid: ParticipantId, target: &Target, now: Instant) {
+        if let Target::Pools { pools, .. } = target {
+            for p in pools {
+                self.shared.pools.leave(&p.key, pid, now);
+            }
+        }
+    }
+
+    /// Measures one entry and answers it: its assignment, or abandon when it has been idle
+    /// for `--rlqs-abandon-after`.
+    fn report(
+        &mut self,
+        pid: ParticipantId,
+        usage: &BucketQuotaUsage,
+        now: Instant,
+    ) -> BucketAction {
+        let options = self.shared.options;
+        let bucket = self.buckets.get_mut(&pid).expect("opened above");
+        let requests = usage
+            .num_requests_allowed
+            .saturating_add(usage.num_requests_denied);
+        // The client's measure of the time, unless absent, zero or absurd; else ours.
+        let claimed = usage
+            .time_elapsed
+            .and_then(|d| {
+                let secs = u64::try_from(d.seconds).ok()?;
+                let nanos = u32::try_from(d.nanos).ok().filter(|n| *n < 1_000_000_000)?;
+                Some(Duration::new(secs, nanos))
+            })
+            .filter(|d| *d >= MIN_ELAPSED);
+        let elapsed = claimed
+            .or_else(|| Some(now.duration_since(bucket.last_report)).filter(|d| *d >= MIN_ELAPSED));
+        bucket.last_report = now;
+        if requests > 0 {
+            bucket.last_used = now;
+        } else if now.duration_since(bucket.last_used) >= options.abandon_after {
+            let id = bucket.id.clone();
+            self.remove(pid, now);
+            self.shared.metrics.abandons.inc();
+            return BucketAction {
+                bucket_id: Some(id),
+                bucket_action: Some(bucket_action::BucketAction::AbandonAction(AbandonAction {})),
+            };
+        }
+        let usage = elapsed.map(|e| Usage {
+            requests,
+            seconds: e.as_secs_f64(),
+        });
+        let bucket = &self.buckets[&pid];
+        let assignment = match &bucket.target {
+            Target::Allow => Assignment::Allow,
+            Target::Deny => Assignment::Deny,
+            Target::Pools { fill_s, pools } => {
+                let grants: Option<Vec<Grant>> = pools
+                    .iter()
+                    .map(|p| self.shared.pools.report(&p.key, pid, usage, now))
+                    .collect();
+                grants.map_or(Assignment::Allow, |g| quota::combine(*fill_s, pools, &g))
+            }
+        };
+        action(bucket.id.clone(), assignment, options.assignment_ttl)
+    }
+
+    fn remove(&mut self, pid: ParticipantId, now: Instant) {
+        if let Some(b) = self.buckets.remove(&pid) {
+            self.leave(pid, &b.target, now);
+            self.by_key.remove(&b.key);
+            self.shared.metrics.buckets.dec();
+        }
+    }
+
+    /// The current assignment of a bucket, without a new measure.
+    fn current(&self, pid: ParticipantId, now: Instant) -> Option<BucketAction> {
+        let bucket = self.buckets.get(&pid)?;
+        let assignment = match &bucket.target {
+            Target::Allow => Assignment::Allow,
+            Target::Deny => Assignment::Deny,
+            Target::Pools { fill_s, pools } => {
+                let grants: Option<Vec<Grant>> = pools
+                    .iter()
+                    .map(|p| self.shared.pools.regrant(&p.key, pid, now))
+                    .collect();
+                grants.map_or(Assignment::Allow, |g| quota::combine(*fill_s, pools, &g))
+            }
+        };
+        Some(action(
+            bucket.id.clone(),
+            assignment,
+            self.shared.options.assignment_ttl,
+        ))
+    }
+
+    /// Buckets whose share moved: pushed their assignment now.
+    fn on_moved(&mut self) -> Vec<BucketAction> {
+        let now = Instant::now();
+        let moved: HashSet<ParticipantId> = self.signal.take();
+        moved
+            .into_iter()
+            .filter_map(|pid| self.current(pid, now))
+            .collect()
+    }
+
+    /// A new config: every bucket resolved again; those whose target changed are told now.
+    fn on_config_check(&mut self) -> Vec<BucketAction> {
+        let latest = self.shared.config.load_full();
+        if Arc::ptr_eq(&latest, &self.snapshot) {
+            return Vec::new();
+        }
+        self.snapshot = latest;
+        let now = Instant::now();
+        let keys: Vec<(BucketKey, ParticipantId)> =
+            self.by_key.iter().map(|(k, p)| (k.clone(), *p)).collect();
+        let mut changed = Vec::new();
+        for (key, pid) in keys {
+            let target = self.resolve(&key);
+            let bucket = self.buckets.get_mut(&pid).expect("indexed");
+            if bucket.target != target {
+                let old = std::mem::replace(&mut bucket.target, target.clone());
+                self.leave(pid, &old, now);
+                self.join(pid, &target, now);
+                changed.push(pid);
+            }
+        }
+        changed
+            .into_iter()
+            .filter_map(|pid| self.current(pid, now))
+            .collect()
+    }
+
+    /// The stream is gone: its buckets leave their pools (their leases run out as usual).
+    fn close(mut self) {
+        let now = Instant::now();
+        let pids: Vec<ParticipantId> = self.buckets.keys().copied().collect();
+        for pid in pids {
+            self.remove(pid, now);
+        }
+        self.shared.metrics.streams.dec();
+    }
+}
+
+/// The protocol form of an assignment, with its TTL.
+fn action(id: BucketId, assignment: Assignment, ttl: Duration) -> BucketAction {
+    let strategy = match assignment {
+        Assignment::Allow => Strategy::BlanketRule(BlanketRule::AllowAll as i32),
+        Assignment::Deny => Strategy::BlanketRule(BlanketRule::DenyAll as i32),
+        Assignment::Bucket {
+            max_tokens,
+            tokens_per_fill,
+            fill_s,
+        } => Strategy::TokenBucket(TokenBucket {
+            max_tokens: u32::try_from(max_tokens).unwrap_or(u32::MAX),
+            tokens_per_fill: Some(UInt32Value {
+                value: u32::try_from(tokens_per_fill).unwrap_or(u32::MAX),
+            }),
+            fill_interval: Some(PbDuration {
+                seconds: i64::try_from(fill_s).unwrap_or(i64::MAX),
+                nanos: 0,
+            }),
+        }),
+    };
+    BucketAction {
+        bucket_id: Some(id),
+        bucket_action: Some(bucket_action::BucketAction::QuotaAssignmentAction(
+            QuotaAssignmentAction {
+                assignment_time_to_live: Some(PbDuration {
+                    seconds: i64::try_from(ttl.as_secs()).unwrap_or(i64::MAX),
+                    nanos: 0,
+                }),
+                rate_limit_strategy: Some(RateLimitStrategy {
+                    strategy: Some(strategy),
+                }),
+            },
+        )),
+    }
+}

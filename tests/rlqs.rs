@@ -1,0 +1,402 @@
+//! RLQS (`StreamRateLimitQuotas`) against simulated Envoys: tonic clients from envoy-types
+//! that report as Envoy does (a new bucket at once, then every bucket on an interval, idle
+//! ones included) and enforce what they are assigned.
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::*;
+use envoy_types::pb::envoy::r#type::v3::rate_limit_strategy::{BlanketRule, Strategy};
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::bucket_action::BucketAction as ActionKind;
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_client::RateLimitQuotaServiceClient;
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_usage_reports::BucketQuotaUsage;
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::{
+    BucketId, RateLimitQuotaResponse, RateLimitQuotaUsageReports,
+};
+use envoy_types::pb::google::protobuf::Duration as PbDuration;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+
+/// What a bucket was last told.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Told {
+    Allow,
+    Deny,
+    Bucket {
+        max_tokens: u32,
+        tokens_per_fill: u32,
+        fill_s: i64,
+    },
+    Abandon,
+}
+
+impl Told {
+    fn tokens(self) -> Option<(u32, u32)> {
+        match self {
+            Told::Bucket {
+                max_tokens,
+                tokens_per_fill,
+                ..
+            } => Some((tokens_per_fill, max_tokens)),
+            _ => None,
+        }
+    }
+}
+
+type Key = Vec<(String, String)>;
+
+/// A bucket id as written in a test.
+type Pairs<'a> = &'a [(&'a str, &'a str)];
+
+fn key(pairs: &[(&str, &str)]) -> Key {
+    let mut k: Key = pairs
+        .iter()
+        .map(|(a, b)| (a.to_string(), b.to_string()))
+        .collect();
+    k.sort();
+    k
+}
+
+fn bucket_id(pairs: &[(&str, &str)]) -> BucketId {
+    BucketId {
+        bucket: pairs
+            .iter()
+            .map(|(a, b)| (a.to_string(), b.to_string()))
+            .collect(),
+    }
+}
+
+/// Everything every simulated Envoy of a test was told, shared with their reader tasks.
+#[derive(Default)]
+struct Board {
+    /// (client, bucket) → the latest action.
+    latest: HashMap<(usize, Key), Told>,
+    /// How each stream ended, if it did.
+    ended: HashMap<usize, tonic::Code>,
+    /// The largest sum of `tokens_per_fill` over all clients of one bucket key the moment any
+    /// answer arrived: answers to different streams race, so a client's increase may land
+    /// before another's decrease that the server sent first.
+    worst_transient: HashMap<Key, u64>,
+    messages: usize,
+}
+
+impl Board {
+    fn sum(&self, bucket: &Key) -> u64 {
+        self.latest
+            .iter()
+            .filter(|((_, k), _)| k == bucket)
+            .filter_map(|(_, t)| t.tokens())
+            .map(|(t, _)| u64::from(t))
+            .sum()
+    }
+
+    fn max_sum(&self, bucket: &Key) -> u64 {
+        self.latest
+            .iter()
+            .filter(|((_, k), _)| k == bucket)
+            .filter_map(|(_, t)| t.tokens())
+            .map(|(_, m)| u64::from(m))
+            .sum()
+    }
+}
+
+/// A simulated Envoy: one stream, its reports sent by the test, its answers recorded.
+struct Envoy {
+    n: usize,
+    tx: mpsc::Sender<RateLimitQuotaUsageReports>,
+    domain: String,
+    board: Arc<Mutex<Board>>,
+}
+
+impl Envoy {
+    async fn connect(s: &TestServer, n: usize, domain: &str, board: &Arc<Mutex<Board>>) -> Envoy {
+        let url = format!("http://{}", s.grpc);
+        let mut client = poll(Duration::from_secs(10), || {
+            let url = url.clone();
+            async move { RateLimitQuotaServiceClient::connect(url).await.ok() }
+        })
+        .await;
+        let (tx, rx) = mpsc::channel(16);
+        let mut answers = client
+            .stream_rate_limit_quotas(ReceiverStream::new(rx))
+            .await
+            .expect("stream opened")
+            .into_inner();
+        let b = board.clone();
+        tokio::spawn(async move {
+            loop {
+                match answers.message().await {
+                    Ok(Some(m)) => record(&b, n, m),
+                    Ok(None) => break,
+                    Err(status) => {
+                        b.lock().unwrap().ended.insert(n, status.code());
+                        break;
+                    }
+                }
+            }
+        });
+        Envoy {
+            n,
+            tx,
+            domain: domain.to_owned(),
+            board: board.clone(),
+        }
+    }
+
+    /// Sends one report: per bucket, (allowed, denied) over `elapsed`.
+    async fn report(&self, entries: &[(Pairs<'_>, u64, u64)], elapsed: Duration) {
+        self.send(RateLimitQuotaUsageReports {
+            domain: self.domain.clone(),
+            bucket_quota_usages: entries
+                .iter()
+                .map(|(pairs, allowed, denied)| BucketQuotaUsage {
+                    bucket_id: Some(bucket_id(pairs)),
+                    time_elapsed: Some(PbDuration {
+                        seconds: elapsed.as_secs() as i64,
+                        nanos: elapsed.subsec_nanos() as i32,
+                    }),
+                    num_requests_allowed: *allowed,
+                    num_requests_denied: *denied,
+                })
+                .collect(),
+        })
+        .await;
+    }
+
+    async fn send(&self, m: RateLimitQuotaUsageReports) {
+        let _ = self.tx.send(m).await;
+    }
+
+    fn told(&self, pairs: &[(&str, &str)]) -> Option<Told> {
+        self.board
+            .lock()
+            .unwrap()
+            .latest
+            .get(&(self.n, key(pairs)))
+            .copied()
+    }
+
+    /// Waits until this client has been told something about `pairs` that `ok` accepts.
+    async fn until(&self, pairs: &[(&str, &str)], ok: impl Fn(Told) -> bool) -> Told {
+        poll(Duration::from_secs(10), || {
+            let t = self.told(pairs).filter(|t| ok(*t));
+            async move { t }
+        })
+        .await
+    }
+}
+
+fn record(board: &Mutex<Board>, n: usize, m: RateLimitQuotaResponse) {
+    let mut b = board.lock().unwrap();
+    b.messages += 1;
+    for a in m.bucket_action {
+        let id = a.bucket_id.expect("every action names its bucket");
+        let mut k: Key = id.bucket.into_iter().collect();
+        k.sort();
+        let told = match a.bucket_action.expect("an action") {
+            ActionKind::AbandonAction(_) => Told::Abandon,
+            ActionKind::QuotaAssignmentAction(q) => {
+                let ttl = q.assignment_time_to_live.expect("a TTL");
+                assert!(ttl.seconds >= 1 && ttl.nanos == 0, "{ttl:?}");
+                match q
+                    .rate_limit_strategy
+                    .and_then(|s| s.strategy)
+                    .expect("a strategy")
+                {
+                    Strategy::BlanketRule(r) if r == BlanketRule::AllowAll as i32 => Told::Allow,
+                    Strategy::BlanketRule(_) => Told::Deny,
+                    Strategy::TokenBucket(t) => {
+                        let fill = t.fill_interval.expect("a fill interval");
+                        assert_eq!(fill.nanos, 0);
+                        Told::Bucket {
+                            max_tokens: t.max_tokens,
+                            tokens_per_fill: t.tokens_per_fill.expect("tokens per fill").value,
+                            fill_s: fill.seconds,
+                        }
+                    }
+                    Strategy::RequestsPerTimeUnit(_) => {
+                        panic!("Envoy ignores requests_per_time_unit")
+                    }
+                }
+            }
+        };
+        b.latest.insert((n, k.clone()), told);
+        let sum = b.sum(&k);
+        let worst = b.worst_transient.entry(k).or_default();
+        *worst = (*worst).max(sum);
+    }
+}
+
+const POOL: &str = "domain: q
+descriptors:
+  - key: name
+    value: api
+    rate_limit: {unit: minute, requests_per_unit: 600}
+";
+
+const API: &[(&str, &str)] = &[("name", "api")];
+
+/// Flags with short intervals, so a test's ten report intervals take seconds.
+const FAST: &[&str] = &[
+    "--rlqs-report-interval",
+    "1s",
+    "--rlqs-assignment-ttl",
+    "3s",
+];
+
+/// The simulated Envoys' report interval (Envoy's is 5 s): whole requests per report at the
+/// demands below, so what the server measures is exactly what is asked.
+const TICK: Duration = Duration::from_secs(1);
+/// The assignment TTL of [`FAST`].
+const TTL: Duration = Duration::from_secs(3);
+
+/// One client's demand, enforced as Envoy would with its assignment.
+struct Demand {
+    per_second: f64,
+    carry: f64,
+}
+
+impl Demand {
+    fn new(per_second: f64) -> Demand {
+        Demand {
+            per_second,
+            carry: 0.0,
+        }
+    }
+
+    /// (allowed, denied) over one tick under `told`.
+    fn tick(&mut self, told: Option<Told>) -> (u64, u64) {
+        self.carry += self.per_second * TICK.as_secs_f64();
+        let requests = self.carry.floor();
+        self.carry -= requests;
+        let allowed = match told.and_then(Told::tokens) {
+            Some((per_fill, _)) => {
+                requests.min(f64::from(per_fill) / 60.0 * TICK.as_secs_f64() + 1.0)
+            }
+            None => requests,
+        };
+        (allowed as u64, (requests - allowed) as u64)
+    }
+}
+
+/// Three clients asking 1, 6 and 20 per second of one 600-per-minute pool: the small one keeps
+/// what it needs, the others split the rest, and the assigned rates never add up past the limit.
+/// Then an idle newcomer gets a floor, and a client that leaves gives its share to the others
+/// once its lease has run out, not before.
+#[tokio::test]
+async fn clients_converge_to_fair_shares_within_the_limit() {
+    let s = TestServer::start_with(
+        &[("q.yaml", POOL)],
+        FAST,
+        Arc::new(ratelimitd::testing::SystemClock),
+    )
+    .await;
+    let board = Arc::new(Mutex::new(Board::default()));
+    let mut envoys = Vec::new();
+    for n in 0..3 {
+        envoys.push(Envoy::connect(&s, n, "q", &board).await);
+    }
+    let mut demands = [Demand::new(1.0), Demand::new(6.0), Demand::new(20.0)];
+    // A new bucket is reported at once, with no time elapsed.
+    for e in &envoys {
+        e.report(&[(API, 0, 0)], Duration::ZERO).await;
+    }
+    let started = tokio::time::Instant::now();
+    let mut converged = None;
+    let mut worst_settled = 0;
+    for tick in 0..12 {
+        tokio::time::sleep(TICK).await;
+        // A tick after the last reports, every answer to them has landed.
+        worst_settled = worst_settled.max(board.lock().unwrap().sum(&key(API)));
+        for (e, d) in envoys.iter().zip(&mut demands) {
+            let (a, r) = d.tick(e.told(API));
+            e.report(&[(API, a, r)], TICK).await;
+        }
+        let t: Vec<Option<(u32, u32)>> = envoys
+            .iter()
+            .map(|e| e.told(API).and_then(Told::tokens))
+            .collect();
+        if let [Some(small), Some(mid), Some(big)] = t[..]
+            && small.0 >= 60
+            && mid.0.abs_diff(big.0) <= 2
+            && mid.0 + big.0 + small.0 >= 590
+            && converged.is_none()
+        {
+            converged = Some((tick + 1, started.elapsed()));
+        }
+    }
+    let (intervals, took) = converged.expect("converged");
+    assert!(intervals <= 10, "converged after {intervals} intervals");
+    let final_tokens: Vec<(u32, u32)> = envoys
+        .iter()
+        .map(|e| e.told(API).unwrap().tokens().unwrap())
+        .collect();
+    {
+        let b = board.lock().unwrap();
+        let k = key(API);
+        assert!(
+            worst_settled <= 600,
+            "rates assigned at once: {worst_settled}"
+        );
+        assert!(b.max_sum(&k) <= 600, "bursts: {}", b.max_sum(&k));
+        println!(
+            "converged after {intervals} intervals ({took:?}); final (tokens per minute, max tokens): {final_tokens:?}; worst sum of rates, settled: {worst_settled} of 600; while answers raced: {}",
+            b.worst_transient[&k]
+        );
+    }
+    for e in &envoys {
+        assert!(matches!(e.told(API), Some(Told::Bucket { fill_s: 60, .. })));
+    }
+
+    // An idle newcomer gets a floor at once; the others make room.
+    let newcomer = Envoy::connect(&s, 3, "q", &board).await;
+    newcomer.report(&[(API, 0, 0)], Duration::ZERO).await;
+    let told = newcomer.until(API, |t| t.tokens().is_some()).await;
+    assert!(told.tokens().unwrap().0 >= 1, "{told:?}");
+    for _ in 0..4 {
+        tokio::time::sleep(TICK).await;
+        for (e, d) in envoys.iter().zip(&mut demands) {
+            let (a, r) = d.tick(e.told(API));
+            e.report(&[(API, a, r)], TICK).await;
+        }
+        newcomer.report(&[(API, 0, 0)], TICK).await;
+    }
+    let floor = newcomer.told(API).unwrap().tokens().unwrap().0;
+    // A quarter of an equal split: 600 / 4 / 4.
+    assert!(floor >= 37, "the idle client's floor: {floor}");
+    assert!(board.lock().unwrap().sum(&key(API)) <= 600);
+
+    // The big client leaves: its lease (2 s) still counts, then the middle one gets its need.
+    tokio::time::sleep(TICK).await; // every answer to the last reports has landed
+    let gone = envoys.pop().unwrap();
+    let lease = gone.told(API).unwrap().tokens().unwrap().0;
+    drop(gone);
+    let left_at = tokio::time::Instant::now();
+    let mut grew = None;
+    for _ in 0..8 {
+        for (e, d) in envoys.iter().zip(&mut demands) {
+            let (a, r) = d.tick(e.told(API));
+            e.report(&[(API, a, r)], TICK).await;
+        }
+        newcomer.report(&[(API, 0, 0)], TICK).await;
+        tokio::time::sleep(TICK).await;
+        let staying: u32 = envoys
+            .iter()
+            .chain([&newcomer])
+            .map(|e| e.told(API).unwrap().tokens().unwrap().0)
+            .sum();
+        let lease_counts = left_at.elapsed() < TTL - TICK;
+        let total = staying + if lease_counts { lease } else { 0 };
+        assert!(total <= 600, "{staying} + the lease {lease}");
+        let now = envoys[1].told(API).unwrap().tokens().unwrap().0;
+        if now >= 360 && grew.is_none() {
+            grew = Some(left_at.elapsed());
+        }
+    }
+    let grew = grew.expect("the middle client got its need");
+    assert!(grew >= TTL - TICK, "a lease counts until its TTL: {grew:?}");
+    println!("a leaving client's share reached the others after {grew:?} (TTL {TTL:?})");
+}
