@@ -400,3 +400,279 @@ async fn clients_converge_to_fair_shares_within_the_limit() {
     assert!(grew >= TTL - TICK, "a lease counts until its TTL: {grew:?}");
     println!("a leaving client's share reached the others after {grew:?} (TTL {TTL:?})");
 }
+
+/// A bucket id has no order: a nested rule matches whatever order its pairs come in, and one
+/// that lands nowhere, on `unlimited`, on a shadow rule or in an unknown domain is allowed
+/// explicitly; a zero limit denies. `bucket: {}` (what Envoy sends for an empty header value)
+/// is allowed too.
+#[tokio::test]
+async fn bucket_ids_map_to_rules_in_any_order() {
+    let yaml = "domain: n
+descriptors:
+  - key: tenant
+    value: acme
+    descriptors:
+      - key: user
+        rate_limit: {unit: hour, requests_per_unit: 100}
+      - key: path
+        value: /admin
+        rate_limit: {unit: hour, requests_per_unit: 0}
+  - key: free
+    rate_limit: {unlimited: true}
+  - key: trial
+    shadow_mode: true
+    rate_limit: {unit: hour, requests_per_unit: 1}
+";
+    let s = TestServer::start_with(
+        &[("n.yaml", yaml)],
+        FAST,
+        Arc::new(ratelimitd::testing::SystemClock),
+    )
+    .await;
+    let board = Arc::new(Mutex::new(Board::default()));
+    let e = Envoy::connect(&s, 0, "n", &board).await;
+    type Expect = fn(Told) -> bool;
+    let cases: [(Pairs<'_>, Expect); 7] = [
+        (&[("user", "u1"), ("tenant", "acme")], |t| {
+            matches!(
+                t,
+                Told::Bucket {
+                    tokens_per_fill: 100,
+                    fill_s: 3600,
+                    ..
+                }
+            )
+        }),
+        (&[("tenant", "acme"), ("user", "u2")], |t| {
+            t.tokens().is_some()
+        }),
+        (&[("path", "/admin"), ("tenant", "acme")], |t| {
+            t == Told::Deny
+        }),
+        (&[("tenant", "acme")], |t| t == Told::Allow),
+        (&[("tenant", "acme"), ("user", "u1"), ("extra", "x")], |t| {
+            t == Told::Allow
+        }),
+        (&[("free", "x")], |t| t == Told::Allow),
+        (&[("trial", "x")], |t| t == Told::Allow),
+    ];
+    for (pairs, _) in &cases {
+        e.report(&[(pairs, 0, 0)], Duration::ZERO).await;
+    }
+    e.report(&[(&[], 0, 0)], Duration::ZERO).await;
+    for (pairs, ok) in cases {
+        let told = e.until(pairs, |_| true).await;
+        assert!(ok(told), "{pairs:?}: {told:?}");
+    }
+    assert_eq!(e.until(&[], |_| true).await, Told::Allow);
+    // Eight buckets, two of them limited: one pool per user value.
+    let (_, m) = s.http_get("/metrics").await;
+    assert_eq!(metric(&m, "ratelimit_rlqs_buckets"), 8.0, "{m}");
+    poll(Duration::from_secs(10), || async {
+        let (_, m) = s.http_get("/metrics").await;
+        (metric(&m, "ratelimit_rlqs_pools") == 2.0).then_some(())
+    })
+    .await;
+
+    let other = Envoy::connect(&s, 1, "elsewhere", &board).await;
+    other
+        .report(&[(&[("user", "u1")], 0, 0)], Duration::ZERO)
+        .await;
+    assert_eq!(other.until(&[("user", "u1")], |_| true).await, Told::Allow);
+}
+
+/// A reload that lowers a limit reaches every client within seconds, still adding up to the
+/// new limit; one that removes it allows everything.
+#[tokio::test]
+async fn reloads_push_new_assignments() {
+    let s = TestServer::start_with(
+        &[("q.yaml", POOL)],
+        FAST,
+        Arc::new(ratelimitd::testing::SystemClock),
+    )
+    .await;
+    let board = Arc::new(Mutex::new(Board::default()));
+    let a = Envoy::connect(&s, 0, "q", &board).await;
+    let b = Envoy::connect(&s, 1, "q", &board).await;
+    for e in [&a, &b] {
+        e.report(&[(API, 0, 0)], Duration::ZERO).await;
+    }
+    for e in [&a, &b] {
+        e.report(&[(API, 50, 0)], TICK).await;
+    }
+    for e in [&a, &b] {
+        e.until(API, |t| t.tokens().is_some_and(|(t, _)| t >= 250))
+            .await;
+    }
+    // No reports from here on: what arrives is pushed.
+    let lowered = POOL.replace("600", "60");
+    s.write("q.yaml", &lowered);
+    let at = tokio::time::Instant::now();
+    for e in [&a, &b] {
+        e.until(API, |t| t.tokens().is_some_and(|(t, _)| t <= 30))
+            .await;
+    }
+    println!("a lowered limit reached both clients in {:?}", at.elapsed());
+    assert!(board.lock().unwrap().sum(&key(API)) <= 60);
+
+    s.write("q.yaml", "domain: q\ndescriptors: []\n");
+    for e in [&a, &b] {
+        e.until(API, |t| t == Told::Allow).await;
+    }
+}
+
+/// A bucket reported idle for `--rlqs-abandon-after` is abandoned; reported again (Envoy's next
+/// request re-creates it), it is assigned again.
+#[tokio::test]
+async fn idle_buckets_are_abandoned_and_come_back() {
+    let mut flags = FAST.to_vec();
+    flags.extend(["--rlqs-abandon-after", "2s"]);
+    let s = TestServer::start_with(
+        &[("q.yaml", POOL)],
+        &flags,
+        Arc::new(ratelimitd::testing::SystemClock),
+    )
+    .await;
+    let board = Arc::new(Mutex::new(Board::default()));
+    let e = Envoy::connect(&s, 0, "q", &board).await;
+    e.report(&[(API, 1, 0)], Duration::ZERO).await;
+    e.until(API, |t| t.tokens().is_some()).await;
+    let started = tokio::time::Instant::now();
+    poll(Duration::from_secs(10), || {
+        let e = &e;
+        async move {
+            e.report(&[(API, 0, 0)], Duration::from_millis(500)).await;
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            (e.told(API) == Some(Told::Abandon)).then_some(())
+        }
+    })
+    .await;
+    assert!(started.elapsed() >= Duration::from_secs(2));
+    let (_, m) = s.http_get("/metrics").await;
+    assert_eq!(metric(&m, "ratelimit_rlqs_abandons_total"), 1.0);
+    assert_eq!(metric(&m, "ratelimit_rlqs_buckets"), 0.0);
+    e.report(&[(API, 1, 0)], Duration::ZERO).await;
+    e.until(API, |t| t.tokens().is_some()).await;
+}
+
+/// Faulty entries are skipped and counted, the rest of the report answered and the stream kept;
+/// stream faults end the stream with INVALID_ARGUMENT, a stream past its bucket cap with
+/// RESOURCE_EXHAUSTED; absurd counters weigh no more than an honest "everything".
+#[tokio::test]
+async fn hostile_reports_are_skipped_or_refused() {
+    let mut flags = FAST.to_vec();
+    flags.extend(["--rlqs-max-buckets", "5", "--max-entries", "4"]);
+    let s = TestServer::start_with(
+        &[("q.yaml", POOL)],
+        &flags,
+        Arc::new(ratelimitd::testing::SystemClock),
+    )
+    .await;
+    let board = Arc::new(Mutex::new(Board::default()));
+    let e = Envoy::connect(&s, 0, "q", &board).await;
+    let long = "x".repeat(5000);
+    let usage = |pairs: Option<Vec<(&str, &str)>>| BucketQuotaUsage {
+        bucket_id: pairs.map(|p| BucketId {
+            bucket: p.into_iter().map(|(k, v)| (k.into(), v.into())).collect(),
+        }),
+        time_elapsed: None,
+        num_requests_allowed: u64::MAX,
+        num_requests_denied: u64::MAX,
+    };
+    e.send(RateLimitQuotaUsageReports {
+        domain: "q".into(),
+        bucket_quota_usages: vec![
+            usage(None),
+            usage(Some(vec![("name", "")])),
+            usage(Some(vec![("", "api")])),
+            usage(Some(vec![
+                ("a", "1"),
+                ("b", "2"),
+                ("c", "3"),
+                ("d", "4"),
+                ("e", "5"),
+            ])),
+            usage(Some(vec![("name", long.as_str())])),
+            usage(Some(vec![("name", "api")])),
+        ],
+    })
+    .await;
+    e.until(API, |t| t.tokens().is_some()).await;
+    let (_, m) = s.http_get("/metrics").await;
+    for (kind, n) in [
+        ("no_bucket_id", 1.0),
+        ("empty_key_or_value", 2.0),
+        ("too_many_pairs", 1.0),
+        ("too_long", 1.0),
+    ] {
+        let series = format!("ratelimit_rlqs_skipped_entries_total{{kind=\"{kind}\"}}");
+        assert_eq!(metric(&m, &series), n, "{kind}\n{m}");
+    }
+    // The absurd counters: a second client gets what it would beside an honest greedy one.
+    let honest = Envoy::connect(&s, 1, "q", &board).await;
+    honest.report(&[(API, 0, 0)], Duration::ZERO).await;
+    for _ in 0..3 {
+        e.send(RateLimitQuotaUsageReports {
+            domain: String::new(),
+            bucket_quota_usages: vec![BucketQuotaUsage {
+                time_elapsed: Some(PbDuration {
+                    seconds: 0,
+                    nanos: 1,
+                }),
+                ..usage(Some(vec![("name", "api")]))
+            }],
+        })
+        .await;
+        honest.report(&[(API, 300, 0)], TICK).await;
+        tokio::time::sleep(TICK).await;
+    }
+    let theirs = honest.told(API).unwrap().tokens().unwrap().0;
+    assert!(
+        theirs >= 290,
+        "an absurd neighbour took from the honest client: {theirs}"
+    );
+    assert!(board.lock().unwrap().sum(&key(API)) <= 600);
+
+    // The bucket cap: five buckets, then the stream ends.
+    for i in 0..5 {
+        let v = format!("b{i}");
+        e.report(&[(&[("name", v.as_str())], 0, 0)], Duration::ZERO)
+            .await;
+    }
+    let ended = poll(Duration::from_secs(10), || {
+        let code = board.lock().unwrap().ended.get(&0).copied();
+        async move { code }
+    })
+    .await;
+    assert_eq!(ended, tonic::Code::ResourceExhausted);
+
+    // No domain first, or another domain later: INVALID_ARGUMENT.
+    let nameless = Envoy::connect(&s, 2, "", &board).await;
+    nameless.report(&[(API, 0, 0)], Duration::ZERO).await;
+    let switching = Envoy::connect(&s, 3, "q", &board).await;
+    switching.report(&[(API, 0, 0)], Duration::ZERO).await;
+    switching
+        .send(RateLimitQuotaUsageReports {
+            domain: "other".into(),
+            bucket_quota_usages: vec![],
+        })
+        .await;
+    for n in [2, 3] {
+        let code = poll(Duration::from_secs(10), || {
+            let code = board.lock().unwrap().ended.get(&n).copied();
+            async move { code }
+        })
+        .await;
+        assert_eq!(code, tonic::Code::InvalidArgument, "client {n}");
+    }
+    let (_, m) = s.http_get("/metrics").await;
+    poll(Duration::from_secs(10), || {
+        let s = &s;
+        async move {
+            let (_, m) = s.http_get("/metrics").await;
+            (metric(&m, "ratelimit_rlqs_streams") == 1.0).then_some(())
+        }
+    })
+    .await;
+    assert!(m.contains("ratelimit_rlqs_assignments_total"));
+}

@@ -156,14 +156,24 @@ impl Pool {
             })
             .unzip();
         for (id, share) in ids.into_iter().zip(fair_shares(capacity, &demands)) {
-            let m = self.members.get_mut(&id).expect("listed above");
-            m.share = share;
+            self.members.get_mut(&id).expect("listed above").share = share;
+        }
+        self.push_moved(now, |_| true);
+    }
+
+    /// Marks the connected members (among those `which` picks) whose share is far from what
+    /// they hold, so their streams send them a new grant now.
+    fn push_moved(&self, now: Instant, which: impl Fn(&Member) -> bool) {
+        for (id, m) in &self.members {
+            if !m.connected || !which(m) {
+                continue;
+            }
             if let Some(held) = m.holds(now) {
-                let (now_tokens, next) = (held.tokens as f64, Self::whole(share) as f64);
-                if (next - now_tokens).abs() > (now_tokens * SHARE_MOVE).max(1.0)
+                let (holds, next) = (held.tokens as f64, Self::whole(m.share) as f64);
+                if (next - holds).abs() > (holds * SHARE_MOVE).max(1.0)
                     && let Some(signal) = m.signal.upgrade()
                 {
-                    signal.mark(id);
+                    signal.mark(*id);
                 }
             }
         }
@@ -180,6 +190,7 @@ impl Pool {
             .sum();
         let free = self.spec.limit.saturating_sub(others);
         let m = self.members.get_mut(&pid)?;
+        let before = m.holds(now).map_or(0, |g| g.tokens);
         let tokens = Self::whole(m.share).min(free).max(1);
         let max_tokens = (u128::from(self.spec.burst) * u128::from(tokens)
             / u128::from(self.spec.limit.max(1))) as u64;
@@ -188,6 +199,12 @@ impl Pool {
             max_tokens: max_tokens.max(1),
         };
         m.held = Some((g, now + ttl));
+        if tokens < before {
+            // Capacity freed: those waiting for it to grow get it now, not at their next report.
+            self.push_moved(now, |m| {
+                m.holds(now).is_some_and(|h| (h.tokens as f64) < m.share)
+            });
+        }
         Some(g)
     }
 }
