@@ -676,3 +676,75 @@ async fn hostile_reports_are_skipped_or_refused() {
     .await;
     assert!(m.contains("ratelimit_rlqs_assignments_total"));
 }
+
+/// The Envoy example for the quota filter: every `@type` in it names a message of Envoy's own
+/// protos, and the bucket it builds, reported against the example limits, is assigned the
+/// `api_key` rule's quota (the least of its two limits, over the longer window).
+#[tokio::test]
+async fn the_envoy_example_buckets_meet_the_example_limits() {
+    use envoy_types::pb::envoy::extensions::filters::http::rate_limit_quota::v3::{
+        RateLimitQuotaBucketSettings, RateLimitQuotaFilterConfig,
+    };
+    use envoy_types::pb::envoy::extensions::filters::http::router::v3::Router;
+    use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::HttpConnectionManager;
+    use envoy_types::pb::envoy::extensions::upstreams::http::v3::HttpProtocolOptions;
+    use envoy_types::pb::envoy::r#type::matcher::v3::HttpRequestHeaderMatchInput;
+    use prost::Name;
+
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let text = std::fs::read_to_string(root.join("examples/envoy/rlqs.yaml")).unwrap();
+    let known = [
+        RateLimitQuotaFilterConfig::type_url(),
+        RateLimitQuotaBucketSettings::type_url(),
+        HttpRequestHeaderMatchInput::type_url(),
+        HttpConnectionManager::type_url(),
+        Router::type_url(),
+        HttpProtocolOptions::type_url(),
+    ];
+    let mut types = 0;
+    for line in text.lines() {
+        if let Some(t) = line.trim().strip_prefix("\"@type\": ") {
+            assert!(
+                known.iter().any(|k| k == t),
+                "{t} is not a message Envoy knows"
+            );
+            types += 1;
+        }
+    }
+    assert_eq!(types, 7);
+    let doc: serde_json::Value = serde_saphyr::from_str(&text).unwrap();
+    let filter = &doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        ["http_filters"][0]["typed_config"];
+    let domain = filter["domain"].as_str().unwrap();
+    let settings = &filter["bucket_matchers"]["matcher_list"]["matchers"][0]["on_match"]["action"]
+        ["typed_config"];
+    let keys: Vec<&String> = settings["bucket_id_builder"]["bucket_id_builder"]
+        .as_object()
+        .unwrap()
+        .keys()
+        .collect();
+    assert_eq!(keys, ["api_key"]);
+
+    let limits = std::fs::read_to_string(root.join("examples/envoy/limits/config.yaml")).unwrap();
+    let s = TestServer::start_with(
+        &[("config.yaml", &limits)],
+        FAST,
+        Arc::new(ratelimitd::testing::SystemClock),
+    )
+    .await;
+    let board = Arc::new(Mutex::new(Board::default()));
+    let e = Envoy::connect(&s, 0, domain, &board).await;
+    let bucket: Pairs<'_> = &[("api_key", "k1")];
+    e.report(&[(bucket, 0, 0)], Duration::ZERO).await;
+    let told = e.until(bucket, |_| true).await;
+    // 10 per second over a day is 864,000; the daily limit, 10,000, is the lesser. A burst of
+    // at most the per-second limit's 10.
+    assert_eq!(
+        told,
+        Told::Bucket {
+            max_tokens: 10,
+            tokens_per_fill: 10_000,
+            fill_s: 86_400
+        }
+    );
+}
