@@ -249,6 +249,11 @@ const FAST: &[&str] = &[
 
 /// The simulated Envoys' report interval (Envoy's is 5 s): whole requests per report at the
 /// demands below, so what the server measures is exactly what is asked.
+/// A server with `files` and `flags` (at least [`FAST`]).
+async fn quota_server(files: &[(&str, &str)], flags: &[&str]) -> TestServer {
+    TestServer::start_with(files, flags, Arc::new(ratelimitd::testing::SystemClock)).await
+}
+
 const TICK: Duration = Duration::from_secs(1);
 /// The assignment TTL of [`FAST`].
 const TTL: Duration = Duration::from_secs(3);
@@ -288,12 +293,7 @@ impl Demand {
 /// once its lease has run out, not before.
 #[tokio::test]
 async fn clients_converge_to_fair_shares_within_the_limit() {
-    let s = TestServer::start_with(
-        &[("q.yaml", POOL)],
-        FAST,
-        Arc::new(ratelimitd::testing::SystemClock),
-    )
-    .await;
+    let s = quota_server(&[("q.yaml", POOL)], FAST).await;
     let board = Arc::new(Mutex::new(Board::default()));
     let mut envoys = Vec::new();
     for n in 0..3 {
@@ -423,12 +423,7 @@ descriptors:
     shadow_mode: true
     rate_limit: {unit: hour, requests_per_unit: 1}
 ";
-    let s = TestServer::start_with(
-        &[("n.yaml", yaml)],
-        FAST,
-        Arc::new(ratelimitd::testing::SystemClock),
-    )
-    .await;
+    let s = quota_server(&[("n.yaml", yaml)], FAST).await;
     let board = Arc::new(Mutex::new(Board::default()));
     let e = Envoy::connect(&s, 0, "n", &board).await;
     type Expect = fn(Told) -> bool;
@@ -485,12 +480,7 @@ descriptors:
 /// new limit; one that removes it allows everything.
 #[tokio::test]
 async fn reloads_push_new_assignments() {
-    let s = TestServer::start_with(
-        &[("q.yaml", POOL)],
-        FAST,
-        Arc::new(ratelimitd::testing::SystemClock),
-    )
-    .await;
+    let s = quota_server(&[("q.yaml", POOL)], FAST).await;
     let board = Arc::new(Mutex::new(Board::default()));
     let a = Envoy::connect(&s, 0, "q", &board).await;
     let b = Envoy::connect(&s, 1, "q", &board).await;
@@ -527,12 +517,7 @@ async fn reloads_push_new_assignments() {
 async fn idle_buckets_are_abandoned_and_come_back() {
     let mut flags = FAST.to_vec();
     flags.extend(["--rlqs-abandon-after", "2s"]);
-    let s = TestServer::start_with(
-        &[("q.yaml", POOL)],
-        &flags,
-        Arc::new(ratelimitd::testing::SystemClock),
-    )
-    .await;
+    let s = quota_server(&[("q.yaml", POOL)], &flags).await;
     let board = Arc::new(Mutex::new(Board::default()));
     let e = Envoy::connect(&s, 0, "q", &board).await;
     e.report(&[(API, 1, 0)], Duration::ZERO).await;
@@ -562,12 +547,7 @@ async fn idle_buckets_are_abandoned_and_come_back() {
 async fn hostile_reports_are_skipped_or_refused() {
     let mut flags = FAST.to_vec();
     flags.extend(["--rlqs-max-buckets", "5", "--max-entries", "4"]);
-    let s = TestServer::start_with(
-        &[("q.yaml", POOL)],
-        &flags,
-        Arc::new(ratelimitd::testing::SystemClock),
-    )
-    .await;
+    let s = quota_server(&[("q.yaml", POOL)], &flags).await;
     let board = Arc::new(Mutex::new(Board::default()));
     let e = Envoy::connect(&s, 0, "q", &board).await;
     let long = "x".repeat(5000);
@@ -726,12 +706,7 @@ async fn the_envoy_example_buckets_meet_the_example_limits() {
     assert_eq!(keys, ["api_key"]);
 
     let limits = std::fs::read_to_string(root.join("examples/envoy/limits/config.yaml")).unwrap();
-    let s = TestServer::start_with(
-        &[("config.yaml", &limits)],
-        FAST,
-        Arc::new(ratelimitd::testing::SystemClock),
-    )
-    .await;
+    let s = quota_server(&[("config.yaml", &limits)], FAST).await;
     let board = Arc::new(Mutex::new(Board::default()));
     let e = Envoy::connect(&s, 0, domain, &board).await;
     let bucket: Pairs<'_> = &[("api_key", "k1")];

@@ -116,9 +116,25 @@ pub(crate) fn resolve(
     Target::Pools { fill_s, pools }
 }
 
+impl Target {
+    /// The assignment, with `grant` asked for this bucket's part of each pool (a pool that has
+    /// lost it, e.g. to a reload in between, allows until the next answer).
+    pub(crate) fn assign(&self, grant: impl FnMut(&PoolSpec) -> Option<Grant>) -> Assignment {
+        match self {
+            Target::Allow => Assignment::Allow,
+            Target::Deny => Assignment::Deny,
+            Target::Pools { fill_s, pools } => pools
+                .iter()
+                .map(grant)
+                .collect::<Option<Vec<Grant>>>()
+                .map_or(Assignment::Allow, |g| combine(*fill_s, pools, &g)),
+        }
+    }
+}
+
 /// One bucket's assignment from its pools' grants (the same order as the pools): each grant
 /// in tokens per `fill_s`, the least of them, and the least burst.
-pub(crate) fn combine(fill_s: u64, pools: &[PoolSpec], grants: &[Grant]) -> Assignment {
+fn combine(fill_s: u64, pools: &[PoolSpec], grants: &[Grant]) -> Assignment {
     let tokens_per_fill = pools
         .iter()
         .zip(grants)

@@ -35,9 +35,7 @@ use crate::config::Snapshot;
 use crate::engine::RequestLimits;
 use crate::limiter::key::KeyFormat;
 use crate::metrics::{NameLabels, QuotaMetrics};
-use crate::quota::{
-    self, Assignment, Grant, ParticipantId, Pools, QuotaOptions, Signal, Target, Usage,
-};
+use crate::quota::{self, Assignment, ParticipantId, Pools, QuotaOptions, Signal, Target, Usage};
 
 /// Answers a stream may have waiting for the client.
 const QUEUE: usize = 4;
@@ -384,17 +382,9 @@ impl QuotaStream {
             seconds: e.as_secs_f64(),
         });
         let bucket = &self.buckets[&pid];
-        let assignment = match &bucket.target {
-            Target::Allow => Assignment::Allow,
-            Target::Deny => Assignment::Deny,
-            Target::Pools { fill_s, pools } => {
-                let grants: Option<Vec<Grant>> = pools
-                    .iter()
-                    .map(|p| self.shared.pools.report(&p.key, pid, usage, now))
-                    .collect();
-                grants.map_or(Assignment::Allow, |g| quota::combine(*fill_s, pools, &g))
-            }
-        };
+        let assignment = bucket
+            .target
+            .assign(|p| self.shared.pools.report(&p.key, pid, usage, now));
         action(bucket.id.clone(), assignment, options.assignment_ttl)
     }
 
@@ -409,17 +399,9 @@ impl QuotaStream {
     /// The current assignment of a bucket, without a new measure.
     fn current(&self, pid: ParticipantId, now: Instant) -> Option<BucketAction> {
         let bucket = self.buckets.get(&pid)?;
-        let assignment = match &bucket.target {
-            Target::Allow => Assignment::Allow,
-            Target::Deny => Assignment::Deny,
-            Target::Pools { fill_s, pools } => {
-                let grants: Option<Vec<Grant>> = pools
-                    .iter()
-                    .map(|p| self.shared.pools.regrant(&p.key, pid, now))
-                    .collect();
-                grants.map_or(Assignment::Allow, |g| quota::combine(*fill_s, pools, &g))
-            }
-        };
+        let assignment = bucket
+            .target
+            .assign(|p| self.shared.pools.regrant(&p.key, pid, now));
         Some(action(
             bucket.id.clone(),
             assignment,
