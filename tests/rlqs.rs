@@ -80,25 +80,25 @@ struct Board {
     /// answer arrived: answers to different streams race, so a client's increase may land
     /// before another's decrease that the server sent first.
     worst_transient: HashMap<Key, u64>,
-    messages: usize,
 }
 
 impl Board {
+    /// Σ `tokens_per_fill` of `bucket` over every client's latest token bucket.
     fn sum(&self, bucket: &Key) -> u64 {
-        self.latest
-            .iter()
-            .filter(|((_, k), _)| k == bucket)
-            .filter_map(|(_, t)| t.tokens())
-            .map(|(t, _)| u64::from(t))
-            .sum()
+        self.total(bucket, |(per_fill, _)| per_fill)
     }
 
+    /// Σ `max_tokens` of `bucket` over every client's latest token bucket.
     fn max_sum(&self, bucket: &Key) -> u64 {
+        self.total(bucket, |(_, max)| max)
+    }
+
+    fn total(&self, bucket: &Key, part: fn((u32, u32)) -> u32) -> u64 {
         self.latest
             .iter()
             .filter(|((_, k), _)| k == bucket)
             .filter_map(|(_, t)| t.tokens())
-            .map(|(_, m)| u64::from(m))
+            .map(|t| u64::from(part(t)))
             .sum()
     }
 }
@@ -170,6 +170,15 @@ impl Envoy {
         let _ = self.tx.send(m).await;
     }
 
+    /// How the server ended this client's stream, once it has.
+    async fn ended(&self) -> tonic::Code {
+        poll(Duration::from_secs(10), || {
+            let code = self.board.lock().unwrap().ended.get(&self.n).copied();
+            async move { code }
+        })
+        .await
+    }
+
     fn told(&self, pairs: &[(&str, &str)]) -> Option<Told> {
         self.board
             .lock()
@@ -191,7 +200,6 @@ impl Envoy {
 
 fn record(board: &Mutex<Board>, n: usize, m: RateLimitQuotaResponse) {
     let mut b = board.lock().unwrap();
-    b.messages += 1;
     for a in m.bucket_action {
         let id = a.bucket_id.expect("every action names its bucket");
         let mut k: Key = id.bucket.into_iter().collect();
@@ -619,12 +627,7 @@ async fn hostile_reports_are_skipped_or_refused() {
         e.report(&[(&[("name", v.as_str())], 0, 0)], Duration::ZERO)
             .await;
     }
-    let ended = poll(Duration::from_secs(10), || {
-        let code = board.lock().unwrap().ended.get(&0).copied();
-        async move { code }
-    })
-    .await;
-    assert_eq!(ended, tonic::Code::ResourceExhausted);
+    assert_eq!(e.ended().await, tonic::Code::ResourceExhausted);
 
     // No domain first, or another domain later: INVALID_ARGUMENT.
     let nameless = Envoy::connect(&s, 2, "", &board).await;
@@ -637,13 +640,13 @@ async fn hostile_reports_are_skipped_or_refused() {
             bucket_quota_usages: vec![],
         })
         .await;
-    for n in [2, 3] {
-        let code = poll(Duration::from_secs(10), || {
-            let code = board.lock().unwrap().ended.get(&n).copied();
-            async move { code }
-        })
-        .await;
-        assert_eq!(code, tonic::Code::InvalidArgument, "client {n}");
+    for client in [&nameless, &switching] {
+        assert_eq!(
+            client.ended().await,
+            tonic::Code::InvalidArgument,
+            "client {}",
+            client.n
+        );
     }
     let (_, m) = s.http_get("/metrics").await;
     poll(Duration::from_secs(10), || {

@@ -12,7 +12,7 @@ use crate::limiter::key::KeyFormat;
 
 pub(crate) use pool::{Grant, ParticipantId, PoolSpec, Pools, Signal, Usage};
 
-/// How the quota server behaves.
+/// How the quota server behaves (the defaults are the `--rlqs-*` flags').
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct QuotaOptions {
     /// How long an assignment lasts (whole seconds: Envoy reads no fraction).
@@ -23,17 +23,6 @@ pub(crate) struct QuotaOptions {
     pub(crate) report_interval: Duration,
     /// Buckets one stream may hold.
     pub(crate) max_buckets_per_stream: usize,
-}
-
-impl Default for QuotaOptions {
-    fn default() -> Self {
-        QuotaOptions {
-            assignment_ttl: Duration::from_secs(20),
-            abandon_after: Duration::from_secs(60),
-            report_interval: Duration::from_secs(5),
-            max_buckets_per_stream: 10_000,
-        }
-    }
 }
 
 /// What the config makes of a bucket.

@@ -49,7 +49,7 @@ const MIN_ELAPSED: Duration = Duration::from_millis(10);
 /// What every stream shares.
 pub(crate) struct Shared {
     pub(crate) config: Arc<ArcSwap<Snapshot>>,
-    pub(crate) pools: Arc<Pools>,
+    pub(crate) pools: Pools,
     pub(crate) keys: KeyFormat,
     pub(crate) options: QuotaOptions,
     pub(crate) limits: RequestLimits,
@@ -76,7 +76,7 @@ impl RlqsService {
         RlqsService {
             shared: Arc::new(Shared {
                 config,
-                pools: Arc::new(Pools::new(options.assignment_ttl, options.report_interval)),
+                pools: Pools::new(options.assignment_ttl, options.report_interval),
                 keys,
                 options,
                 limits,
