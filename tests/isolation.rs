@@ -12,7 +12,9 @@ use common::redis::*;
 use common::*;
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 
-const VICTIM: &str = "domain: v\ndescriptors:\n  - key: victim\n    rate_limit: {unit: hour, requests_per_unit: 10}\n  - key: big\n    rate_limit: {unit: hour, requests_per_unit: 1000000}\n";
+/// 1000-day windows: a test's few seconds never straddle a window's end (an hour's end once
+/// gave a victim ten more).
+const VICTIM: &str = "domain: v\ndescriptors:\n  - key: victim\n    rate_limit: {unit: day, unit_multiplier: 1000, requests_per_unit: 10}\n  - key: big\n    rate_limit: {unit: day, unit_multiplier: 1000, requests_per_unit: 1000000}\n";
 
 fn prefix_of(s: &TestServer) -> String {
     let i = s.flags.iter().position(|f| f == "--redis-key-prefix");
@@ -77,7 +79,7 @@ where
     stop
 }
 
-/// A victim limited to 10 an hour, asking 40 times while `stop` is unset: how many were
+/// A victim limited to 10 per 1000 days, asking 40 times while `stop` is unset: how many were
 /// admitted, and how many got an error.
 async fn victim(c: &Client) -> (usize, usize) {
     let (mut admitted, mut errors) = (0, 0);
@@ -153,7 +155,7 @@ async fn a_corrupt_counter_fails_only_the_requests_that_use_it() {
     let redis = RedisProc::start(&[]);
     let s = one_call_at_a_time(&redis, "allow", "2s", &[]).await;
     let c = s.client().await;
-    let key = format!("{}{{v}}:victim:bad:f3600000000:0", prefix_of(&s));
+    let key = format!("{}{{v}}:victim:bad:f86400000000000:0", prefix_of(&s));
     redis.cli(&["RPUSH", &key, "x"]);
     let tasks: Vec<_> = (0..200)
         .map(|i| {

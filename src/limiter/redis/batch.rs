@@ -31,7 +31,7 @@ use redis::RedisError;
 use tokio::sync::{mpsc, oneshot};
 
 use super::breaker::Health;
-use super::connection::Conn;
+use super::connection::{Conn, response_timeout};
 use super::error::{ErrorKind, Evidence};
 use super::wire::{self, Args};
 use crate::metrics::BackendMetrics;
@@ -261,34 +261,39 @@ async fn send(shared: Shared, parts: Vec<Part>) {
     let timeout = options.timeout;
     metrics.batch_requests.observe(parts.len() as f64);
     let started = Instant::now();
+    let deadline = tokio::time::Instant::now() + timeout;
     let args: Vec<&Args> = parts.iter().map(|p| &p.args).collect();
-    let attempt = |by_source: bool| {
-        let cmd = wire::command(&args, by_source);
-        let conn = &conn;
-        async move {
-            match tokio::time::timeout(timeout, conn.query::<Vec<i64>>(&cmd, timeout)).await {
-                Ok(Ok(v)) => Ok(v),
-                Ok(Err(e)) => Err(CallError::Redis(e)),
-                Err(_) => Err(CallError::Timeout),
-            }
+    let by_hash = wire::command(&args, false);
+    let by_source;
+    // A call whose budget runs out is answered `Timeout` but stays in flight, holding its
+    // lane's slot, until Redis answers it (or the connection's own response timeout): calls
+    // nobody waits for any more never pile up in Redis ahead of everyone else's.
+    let mut unanswered = None;
+    let mut query = Box::pin(conn.query::<Vec<i64>>(&by_hash, timeout));
+    let mut result = match tokio::time::timeout_at(deadline, &mut query).await {
+        Ok(r) => r.map_err(CallError::Redis),
+        Err(_) => {
+            unanswered = Some(query);
+            Err(CallError::Timeout)
         }
     };
-    let mut result = attempt(false).await;
     if let Err(CallError::Redis(e)) = &result
         && e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript)
     {
         // EVAL routes like EVALSHA and leaves the script cached on that node.
-        let left = timeout.saturating_sub(started.elapsed());
-        result = if left.is_zero() {
-            Err(CallError::Timeout)
-        } else {
-            attempt(true).await
+        by_source = wire::command(&args, true);
+        let mut query = Box::pin(conn.query::<Vec<i64>>(&by_source, timeout));
+        result = match tokio::time::timeout_at(deadline, &mut query).await {
+            Ok(r) => r.map_err(CallError::Redis),
+            Err(_) => {
+                unanswered = Some(query);
+                Err(CallError::Timeout)
+            }
         };
     }
     metrics.duration.observe(started.elapsed().as_secs_f64());
     // The call's outcome, once, as evidence of Redis's health (never once per request in it).
-    // A timeout is ours (the call's budget) or the client's (its response timeout, the same
-    // budget): whichever fires first, it is the same suspicion.
+    // A timeout is the call's budget (the connection's own response timeout is longer).
     let evidence = match &result {
         Err(CallError::Redis(e)) => ErrorKind::of(e).evidence(),
         Err(CallError::Timeout) => ErrorKind::Timeout.evidence(),
@@ -297,15 +302,7 @@ async fn send(shared: Shared, parts: Vec<Part>) {
     match &result {
         Ok(_) => health.on_answer(),
         Err(_) if evidence == Evidence::Unreachable => health.on_unreachable(),
-        Err(_) if evidence == Evidence::Stalled => {
-            let conn = conn.clone();
-            health.on_timeout(async move {
-                matches!(
-                    tokio::time::timeout(timeout, conn.ping(timeout)).await,
-                    Ok(Ok(()))
-                )
-            });
-        }
+        Err(_) if evidence == Evidence::Stalled => health.on_timeout(&conn, timeout),
         Err(_) => {}
     }
     drop(args);
@@ -337,5 +334,8 @@ async fn send(shared: Shared, parts: Vec<Part>) {
         };
         from += len;
         let _ = part.reply.send(reply);
+    }
+    if let Some(query) = unanswered {
+        let _ = tokio::time::timeout(response_timeout(timeout), query).await;
     }
 }

@@ -15,12 +15,24 @@ use parking_lot::Mutex;
 // tokio's clock (the system's, unless a test pauses it).
 use tokio::time::Instant;
 
+use super::connection::Conn;
 use crate::metrics::BackendMetrics;
 
 /// Consecutive failures that open the circuit.
 const THRESHOLD: u32 = 3;
 /// How long the circuit stays open before a probe.
 pub(super) const COOL_DOWN: Duration = Duration::from_millis(500);
+/// The least time a PING confirming a timed-out call gets. A Redis that answers within it is
+/// alive, only slow (one client's huge calls on a loaded machine): opening the circuit then
+/// would turn that client's slowness into errors for every other client. A stalled Redis still
+/// opens it this long after its first timeout, every request meanwhile answered within its own
+/// budget.
+const CONFIRM_AT_LEAST: Duration = Duration::from_millis(500);
+
+/// What a PING that judges Redis's health gets, for calls of `call_budget`.
+pub(super) fn ping_budget(call_budget: Duration) -> Duration {
+    call_budget.max(CONFIRM_AT_LEAST)
+}
 
 /// Closed (calls go through), open (calls fail at once) or half-open (one probe in flight).
 pub(super) struct Breaker {
@@ -124,18 +136,19 @@ impl Health {
         self.set_up(false);
     }
 
-    /// A call timed out: opens the circuit only if `ping` (a PING within the call budget) fails
-    /// too. One confirmation at a time; the calls timing out meanwhile add nothing.
-    pub(super) fn on_timeout<F>(self: &std::sync::Arc<Self>, ping: F)
-    where
-        F: std::future::Future<Output = bool> + Send + 'static,
-    {
+    /// A call timed out: opens the circuit only if a PING on `conn` fails too, within the call
+    /// budget or [`CONFIRM_AT_LEAST`], whichever is longer. One confirmation at a time; the
+    /// calls timing out meanwhile add nothing.
+    pub(super) fn on_timeout(self: &std::sync::Arc<Self>, conn: &Conn, call_budget: Duration) {
         if self.confirming.swap(true, Ordering::AcqRel) {
             return;
         }
         let health = self.clone();
+        let conn = conn.clone();
+        let budget = ping_budget(call_budget);
         tokio::spawn(async move {
-            if ping.await {
+            let ping = tokio::time::timeout(budget, conn.ping(budget)).await;
+            if matches!(ping, Ok(Ok(()))) {
                 health.on_answer();
             } else {
                 tracing::warn!("a script call and a PING both timed out: redis circuit open");

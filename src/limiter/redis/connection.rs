@@ -94,6 +94,13 @@ pub enum SetupError {
     NoSentinels,
 }
 
+/// How long a connection waits for a response, for calls of `call_budget`. A call whose caller
+/// has given up keeps its place until Redis answers it (see `batch.rs`); this bounds that wait,
+/// and notices a connection that hangs.
+pub(crate) fn response_timeout(call_budget: Duration) -> Duration {
+    (call_budget * 10).max(Duration::from_secs(1))
+}
+
 /// A connection to whichever shape was configured. Cheap to share.
 #[derive(Clone)]
 pub(crate) enum Conn {
@@ -134,8 +141,8 @@ pub(crate) struct SentinelConn {
 }
 
 impl Conn {
-    /// Builds the connection for `target` without connecting. `timeout` bounds each attempt
-    /// and each response.
+    /// Builds the connection for `target` without connecting. `timeout` (the call budget)
+    /// bounds each connection attempt; responses get [`response_timeout`].
     pub(crate) fn new(
         target: &Target,
         tls: &TlsFiles,
@@ -154,7 +161,7 @@ impl Conn {
             Target::Standalone(url) => {
                 let config = ConnectionManagerConfig::new()
                     .set_connection_timeout(Some(timeout))
-                    .set_response_timeout(Some(timeout))
+                    .set_response_timeout(Some(response_timeout(timeout)))
                     .set_number_of_retries(1)
                     .set_min_delay(Duration::from_millis(10))
                     .set_max_delay(Duration::from_millis(200));
@@ -165,7 +172,7 @@ impl Conn {
             Target::Cluster(nodes) => {
                 let mut builder = ClusterClientBuilder::new(nodes.iter().map(|u| u.for_client()))
                     .connection_timeout(timeout)
-                    .response_timeout(timeout)
+                    .response_timeout(response_timeout(timeout))
                     // MOVED, ASK and TRYAGAIN (a slot mid-migration) are retried with backoff
                     // 2, 4, 8, 16, 20, 20 ms: about 70 ms, within the call's budget, which
                     // bounds the whole call anyway.
@@ -251,7 +258,7 @@ impl Conn {
                 }
                 let config = AsyncConnectionConfig::new()
                     .set_connection_timeout(Some(timeout))
-                    .set_response_timeout(Some(timeout));
+                    .set_response_timeout(Some(response_timeout(timeout)));
                 let c = s
                     .client
                     .lock()

@@ -139,8 +139,11 @@ impl RedisBackend {
                 let up = backend.upgrade().is_some_and(|b| b.is_up());
                 tokio::time::sleep(if up { every } else { every / 10 }).await;
                 let Some(b) = backend.upgrade() else { return };
+                // As long as a timed-out call's confirming PING: a Redis slow under one
+                // client's load is not down.
+                let budget = breaker::ping_budget(b.opts.timeout);
                 let ok = matches!(
-                    tokio::time::timeout(b.opts.timeout, b.conn.ping(b.opts.timeout)).await,
+                    tokio::time::timeout(budget, b.conn.ping(budget)).await,
                     Ok(Ok(()))
                 );
                 if !ok && b.is_up() {
