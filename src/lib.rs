@@ -39,6 +39,35 @@ pub mod testing {
     pub use crate::xds::TYPE_URL as XDS_TYPE_URL;
     /// The `RateLimitConfig` messages served over xDS.
     pub use crate::xds::pb as rls_conf;
+
+    pub use crate::quota::share::fair_shares;
+
+    /// The quota script's fair shares (`quota.lua`), run on the standalone Redis at `url`, for
+    /// the test that holds them against [`fair_shares`].
+    pub async fn script_fair_shares(
+        url: &str,
+        capacity: f64,
+        demands: &[Option<f64>],
+    ) -> Result<Vec<f64>, String> {
+        use crate::limiter::redis::{RedisBackend, RedisOptions, Target, TlsFiles};
+        let url = RedisUrl::parse(url).map_err(|e| e.to_string())?;
+        let backend = RedisBackend::new(
+            RedisOptions {
+                target: Target::Standalone(url),
+                tls: TlsFiles::default(),
+                timeout: std::time::Duration::from_secs(5),
+                local_cache_bytes: 0,
+                pipeline: 1,
+                max_batch: 1,
+            },
+            crate::metrics::BackendMetrics::default(),
+        )
+        .map_err(|e| e.to_string())?;
+        backend
+            .pool_shares(crate::quota::shared::POLICY, capacity, demands)
+            .await
+            .map_err(|e| e.to_string())
+    }
 }
 
 use std::future::Future;
@@ -58,6 +87,7 @@ use crate::limiter::fallback::Fallback;
 use crate::limiter::redis::{RedisBackend, RedisOptions};
 use crate::limiter::{Backend, Clock, MemoryBackend, SystemClock};
 use crate::metrics::{LoadResult, Metrics};
+use crate::quota::Quota;
 use crate::server::grpc::GrpcService;
 use crate::server::http::{HttpState, router};
 use crate::server::rlqs::RlqsService;
@@ -188,9 +218,10 @@ pub async fn run_with_clock(
             return Ok(());
         }
     }
-    let backend = start_backend(&options, clock, &metrics, &mut tasks)?;
+    let (backend, quota) = start_backend(&options, clock, &metrics, &mut tasks)?;
     let quota = RlqsService::new(
         config.clone(),
+        quota,
         options.keys.clone(),
         options.quota,
         options.engine.request_limits,
@@ -357,13 +388,14 @@ fn watch_files(
 }
 
 /// The backend `options` name: the memory backend, or Redis with the memory backend as its
-/// `local` failure mode. The memory backend is swept in the background; Redis is probed.
+/// `local` failure mode. The memory backend is swept in the background; Redis is probed. The
+/// RLQS quota pools live where the counters do.
 fn start_backend(
     options: &Options,
     clock: Arc<dyn Clock>,
     metrics: &Arc<Metrics>,
     tasks: &mut Tasks,
-) -> Result<Arc<dyn Backend>, RunError> {
+) -> Result<(Arc<dyn Backend>, Quota), RunError> {
     let memory = Arc::new(MemoryBackend::bounded(
         clock,
         options.memory_max_bytes,
@@ -380,7 +412,7 @@ fn start_backend(
         })
     });
     Ok(match &options.backend {
-        BackendOptions::Memory => memory,
+        BackendOptions::Memory => (memory, Quota::local(&options.quota)),
         BackendOptions::Redis {
             redis,
             failure_mode,
@@ -391,12 +423,19 @@ fn start_backend(
                 metrics.backend.clone(),
             )?);
             tasks.push(redis.spawn_probe(PROBE_EVERY));
-            Arc::new(Fallback::new(
+            let quota = Quota::shared(
+                redis.clone(),
+                *failure_mode,
+                &options.quota,
+                metrics.quota.clone(),
+            );
+            let backend = Arc::new(Fallback::new(
                 redis,
                 *failure_mode,
                 memory,
                 metrics.backend.clone(),
-            ))
+            ));
+            (backend, quota)
         }
     })
 }

@@ -204,7 +204,8 @@ pub struct QuotaMetrics {
     pub streams: Gauge,
     /// `ratelimit_rlqs_buckets`: buckets the open streams hold.
     pub buckets: Gauge,
-    /// `ratelimit_rlqs_pools`: quota pools held (leases of closed streams included).
+    /// `ratelimit_rlqs_pools`: quota pools held in this process (leases of closed streams
+    /// included; with Redis, only those the `local` failure mode used).
     pub pools: Gauge,
     /// `ratelimit_rlqs_assignments_total{kind}`: assignments sent, by strategy.
     pub assignments: Family<NameLabels, Counter>,
@@ -212,6 +213,9 @@ pub struct QuotaMetrics {
     pub skipped: Family<NameLabels, Counter>,
     /// `ratelimit_rlqs_abandons_total`: idle buckets abandoned.
     pub abandons: Counter,
+    /// `ratelimit_rlqs_failure_mode_total{kind}`: assignments the failure mode decided while
+    /// Redis could not answer, by mode (`error`: none was sent).
+    pub fallbacks: Family<NameLabels, Counter>,
 }
 
 impl QuotaMetrics {
@@ -228,7 +232,7 @@ impl QuotaMetrics {
         );
         registry.register(
             "ratelimit_rlqs_pools",
-            "Quota pools held, leases of closed streams included",
+            "Quota pools held in this process, leases of closed streams included",
             self.pools.clone(),
         );
         registry.register(
@@ -245,6 +249,11 @@ impl QuotaMetrics {
             "ratelimit_rlqs_abandons",
             "Idle RLQS buckets told to go away",
             self.abandons.clone(),
+        );
+        registry.register(
+            "ratelimit_rlqs_failure_mode",
+            "RLQS assignments decided by the failure mode while Redis could not answer, by mode",
+            self.fallbacks.clone(),
         );
     }
 }

@@ -302,10 +302,49 @@ impl Demand {
 #[tokio::test]
 async fn clients_converge_to_fair_shares_within_the_limit() {
     let s = quota_server(&[("q.yaml", POOL)], FAST).await;
+    converge(&[&s]).await;
+}
+
+/// The same on two replicas sharing one Redis: clients 0 and 2 (the big one) on one, 1 and the
+/// newcomer on the other. Every grant comes from one atomic script call on the pool, so what
+/// both replicas hand out together stays within the limit.
+#[tokio::test]
+async fn replicas_on_one_redis_share_one_pool() {
+    let target = ["--redis-url".to_string(), redis::shared_standalone().url()];
+    let (a, b) = replicas(&target).await;
+    converge(&[&a, &b]).await;
+}
+
+/// The same on a Redis Cluster (each pool is one key, in its rule's slot).
+#[tokio::test]
+async fn replicas_on_a_cluster_share_one_pool() {
+    let target = [
+        "--redis-cluster-nodes".to_string(),
+        redis::shared_cluster().urls(),
+    ];
+    let (a, b) = replicas(&target).await;
+    converge(&[&a, &b]).await;
+}
+
+/// Two replicas on the Redis `target` names, under one key prefix of their own.
+async fn replicas(target: &[String]) -> (TestServer, TestServer) {
+    let prefix = redis::unique_prefix();
+    let mut flags: Vec<&str> = FAST.to_vec();
+    flags.extend(target.iter().map(String::as_str));
+    flags.extend(["--backend", "redis", "--redis-key-prefix", &prefix]);
+    flags.extend(["--redis-timeout", "2s"]);
+    let a = quota_server(&[("q.yaml", POOL)], &flags).await;
+    let b = quota_server(&[("q.yaml", POOL)], &flags).await;
+    (a, b)
+}
+
+/// The convergence scenario, client `n` on `servers[n % servers.len()]`.
+async fn converge(servers: &[&TestServer]) {
+    let on = |n: usize| servers[n % servers.len()];
     let board = Arc::new(Mutex::new(Board::default()));
     let mut envoys = Vec::new();
     for n in 0..3 {
-        envoys.push(Envoy::connect(&s, n, "q", &board).await);
+        envoys.push(Envoy::connect(on(n), n, "q", &board).await);
     }
     let mut demands = [Demand::new(1.0), Demand::new(6.0), Demand::new(20.0)];
     // A new bucket is reported at once, with no time elapsed.
@@ -315,10 +354,18 @@ async fn clients_converge_to_fair_shares_within_the_limit() {
     let started = tokio::time::Instant::now();
     let mut converged = None;
     let mut worst_settled = 0;
+    let mut on_arrival = 0;
     for tick in 0..12 {
         tokio::time::sleep(TICK).await;
-        // A tick after the last reports, every answer to them has landed.
-        worst_settled = worst_settled.max(board.lock().unwrap().sum(&key(API)));
+        // A tick after the last reports, every answer to them has landed. Settled means every
+        // client has reported since the last one arrived: a client on another replica that
+        // holds what a newcomer needs hears of it at its next report (on one replica, at once).
+        let sum = board.lock().unwrap().sum(&key(API));
+        if tick == 0 {
+            on_arrival = sum;
+        } else {
+            worst_settled = worst_settled.max(sum);
+        }
         for (e, d) in envoys.iter().zip(&mut demands) {
             let (a, r) = d.tick(e.told(API));
             e.report(&[(API, a, r)], TICK).await;
@@ -351,7 +398,8 @@ async fn clients_converge_to_fair_shares_within_the_limit() {
         );
         assert!(b.max_sum(&k) <= 600, "bursts: {}", b.max_sum(&k));
         println!(
-            "converged after {intervals} intervals ({took:?}); final (tokens per minute, max tokens): {final_tokens:?}; worst sum of rates, settled: {worst_settled} of 600; while answers raced: {}",
+            "{} replica(s): converged after {intervals} intervals ({took:?}); final (tokens per minute, max tokens): {final_tokens:?}; worst sum of rates, settled: {worst_settled} of 600; as clients arrived: {on_arrival}; while answers raced: {}",
+            servers.len(),
             b.worst_transient[&k]
         );
     }
@@ -360,7 +408,7 @@ async fn clients_converge_to_fair_shares_within_the_limit() {
     }
 
     // An idle newcomer gets a floor at once; the others make room.
-    let newcomer = Envoy::connect(&s, 3, "q", &board).await;
+    let newcomer = Envoy::connect(on(3), 3, "q", &board).await;
     newcomer.report(&[(API, 0, 0)], Duration::ZERO).await;
     let told = newcomer.until(API, |t| t.tokens().is_some()).await;
     assert!(told.tokens().unwrap().0 >= 1, "{told:?}");
@@ -406,7 +454,120 @@ async fn clients_converge_to_fair_shares_within_the_limit() {
     }
     let grew = grew.expect("the middle client got its need");
     assert!(grew >= TTL - TICK, "a lease counts until its TTL: {grew:?}");
-    println!("a leaving client's share reached the others after {grew:?} (TTL {TTL:?})");
+    println!(
+        "{} replica(s): a leaving client's share reached the others after {grew:?} (TTL {TTL:?})",
+        servers.len()
+    );
+}
+
+/// `quota.lua` computes the shares as `quota::share::fair_shares` does, bit for bit, on
+/// random demands (none, zero, tiny, huge, absurd) and capacities (zero included).
+#[tokio::test]
+async fn the_script_shares_as_the_rust_function_does() {
+    let url = redis::shared_standalone().url();
+    let mut seed: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut next = move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    };
+    for case in 0..300 {
+        let n = (next() % 12) as usize;
+        let capacity = match case % 10 {
+            0 => 0.0,
+            1 => 1.0,
+            _ => (next() % 100_000) as f64 / (1 + next() % 7) as f64,
+        };
+        let demands: Vec<Option<f64>> = (0..n)
+            .map(|_| match next() % 8 {
+                0 => None,
+                1 => Some(0.0),
+                2 => Some(u64::MAX as f64),
+                3 => Some(1e300),
+                _ => Some((next() % 1_000_000) as f64 / (1 + next() % 1000) as f64),
+            })
+            .collect();
+        let rust = ratelimitd::testing::fair_shares(capacity, &demands);
+        let lua = ratelimitd::testing::script_fair_shares(&url, capacity, &demands)
+            .await
+            .expect("the script answers");
+        assert_eq!(rust, lua, "capacity {capacity}, demands {demands:?}");
+    }
+}
+
+/// While Redis cannot answer, the failure mode decides what a bucket is told: `deny` denies,
+/// `local` shares the limit among this replica's own clients, `error` sends nothing (the client
+/// keeps its assignment until its TTL, then its own fallback) and keeps the stream. Once Redis
+/// is back, the shared pool answers again.
+#[tokio::test]
+async fn while_redis_is_down_the_failure_mode_decides() {
+    let mut redis = redis::RedisProc::start(&[]);
+    let url = redis.url();
+    let board = Arc::new(Mutex::new(Board::default()));
+    let mut servers = Vec::new();
+    for mode in ["deny", "local", "error"] {
+        let mut flags = FAST.to_vec();
+        flags.extend(["--backend", "redis", "--redis-url", &url]);
+        flags.extend(["--redis-timeout", "300ms", "--redis-failure-mode", mode]);
+        servers.push(quota_server(&[("q.yaml", POOL)], &flags).await);
+    }
+    let mut envoys = Vec::new();
+    for (n, s) in servers.iter().enumerate() {
+        let e = Envoy::connect(s, n, "q", &board).await;
+        e.report(&[(API, 0, 0)], Duration::ZERO).await;
+        e.until(API, |t| t.tokens().is_some()).await;
+        envoys.push(e);
+    }
+    // Each on its own replica: a round of reports settles what the arrivals left.
+    for e in &envoys {
+        reported(e).await;
+    }
+    tokio::time::sleep(TICK).await;
+    let shared: u64 = board.lock().unwrap().sum(&key(API));
+    assert!(shared <= 600, "three clients of one pool: {shared}");
+
+    redis.kill();
+    async fn reported(e: &Envoy) {
+        e.report(&[(API, 10, 0)], TICK).await;
+    }
+    for e in &envoys {
+        reported(e).await;
+    }
+    envoys[0].until(API, |t| t == Told::Deny).await;
+    // Alone on its replica, the local client gets the whole limit.
+    poll(Duration::from_secs(10), || async {
+        reported(&envoys[1]).await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        envoys[1]
+            .told(API)
+            .and_then(Told::tokens)
+            .filter(|(t, _)| *t >= 550)
+    })
+    .await;
+    poll(Duration::from_secs(10), || async {
+        let (_, m) = servers[2].http_get("/metrics").await;
+        (metric(&m, "ratelimit_rlqs_failure_mode_total{kind=\"error\"}") >= 1.0).then_some(())
+    })
+    .await;
+    let kept = envoys[2].told(API);
+    assert!(kept.and_then(Told::tokens).is_some(), "{kept:?}");
+    assert!(!board.lock().unwrap().ended.contains_key(&2));
+
+    // Back: the three share the pool again.
+    redis.restart();
+    poll(Duration::from_secs(15), || async {
+        for e in &envoys {
+            reported(e).await;
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let shares: Option<Vec<u32>> = envoys
+            .iter()
+            .map(|e| e.told(API).and_then(Told::tokens).map(|(t, _)| t))
+            .collect();
+        shares.filter(|s| s.iter().all(|t| *t < 550) && s.iter().sum::<u32>() <= 600)
+    })
+    .await;
 }
 
 /// A bucket id has no order: a nested rule matches whatever order its pairs come in, and one
@@ -725,4 +886,127 @@ async fn the_envoy_example_buckets_meet_the_example_limits() {
             fill_s: 86_400
         }
     );
+}
+
+/// What the quota server holds per bucket and per stream, as a fresh daemon's resident memory
+/// grows: 20,000 buckets on one stream, each its own pool (a per-user rule, the costliest case:
+/// bucket, pool, member and lease); then, in another daemon, 900 streams of one bucket each (on
+/// one connection, which carries at most 1,024: a connection's own cost is bounded apart).
+#[tokio::test]
+async fn memory_per_bucket_and_per_stream_is_bounded() {
+    const WARM: usize = 2_000;
+    const BUCKETS: usize = 20_000;
+    const STREAMS: usize = 900;
+    let quota = QuotaDaemon::start().await;
+    let tx = quota.open().await;
+    for from in (0..WARM).step_by(1000) {
+        tx.send(users(from..from + 1000)).await.unwrap();
+    }
+    quota.answered(WARM).await;
+    let before = quota.daemon.rss();
+    for from in (WARM..WARM + BUCKETS).step_by(1000) {
+        tx.send(users(from..from + 1000)).await.unwrap();
+    }
+    quota.answered(WARM + BUCKETS).await;
+    let per_bucket = quota.daemon.rss().saturating_sub(before) / BUCKETS as u64;
+    drop(quota);
+
+    let quota = QuotaDaemon::start().await;
+    let mut streams = Vec::new();
+    let mut before = 0;
+    for n in 0..STREAMS + 100 {
+        if n == 100 {
+            quota.answered(100).await;
+            before = quota.daemon.rss();
+        }
+        let tx = quota.open().await;
+        tx.send(users(n..n + 1)).await.unwrap();
+        streams.push(tx);
+    }
+    quota.answered(STREAMS + 100).await;
+    let per_stream = quota.daemon.rss().saturating_sub(before) / STREAMS as u64;
+    println!(
+        "resident memory: {per_bucket} B per bucket (its own pool), {per_stream} B per stream of one bucket"
+    );
+    assert!(per_bucket > 0 && per_stream > 0, "the measure moved");
+    assert!(per_bucket <= 4096, "{per_bucket} B per bucket");
+    assert!(per_stream <= 64 * 1024, "{per_stream} B per stream");
+}
+
+/// A `ratelimitd` process with a per-user rule, and streams to it whose answers are counted.
+struct QuotaDaemon {
+    daemon: daemon::Daemon,
+    channel: tonic::transport::Channel,
+    answered: Arc<std::sync::atomic::AtomicUsize>,
+    _dir: tempfile::TempDir,
+}
+
+impl QuotaDaemon {
+    async fn start() -> QuotaDaemon {
+        let dir = tempfile::tempdir().unwrap();
+        let rule = "domain: u\ndescriptors:\n  - key: user\n    rate_limit: {unit: minute, requests_per_unit: 100}\n";
+        std::fs::write(dir.path().join("u.yaml"), rule).unwrap();
+        let mut cmd = std::process::Command::new(daemon::BIN);
+        cmd.arg("--config").arg(dir.path()).args([
+            "--rlqs-max-buckets",
+            "30000",
+            "--log-level",
+            "warn",
+        ]);
+        let daemon = daemon::Daemon::start_with(cmd, std::process::Stdio::null()).await;
+        let channel =
+            tonic::transport::Channel::from_shared(format!("http://127.0.0.1:{}", daemon.grpc))
+                .unwrap()
+                .connect()
+                .await
+                .unwrap();
+        QuotaDaemon {
+            daemon,
+            channel,
+            answered: Arc::default(),
+            _dir: dir,
+        }
+    }
+
+    /// A new stream on the one connection; its answers are counted, action by action.
+    async fn open(&self) -> mpsc::Sender<RateLimitQuotaUsageReports> {
+        let mut client = RateLimitQuotaServiceClient::new(self.channel.clone());
+        let (tx, rx) = mpsc::channel(4);
+        let mut answers = client
+            .stream_rate_limit_quotas(ReceiverStream::new(rx))
+            .await
+            .expect("stream opened")
+            .into_inner();
+        let answered = self.answered.clone();
+        tokio::spawn(async move {
+            while let Ok(Some(m)) = answers.message().await {
+                answered.fetch_add(m.bucket_action.len(), std::sync::atomic::Ordering::Relaxed);
+            }
+        });
+        tx
+    }
+
+    /// Waits until `n` bucket actions have arrived over all streams.
+    async fn answered(&self, n: usize) {
+        poll(Duration::from_secs(60), || {
+            let done = self.answered.load(std::sync::atomic::Ordering::Relaxed) >= n;
+            async move { done.then_some(()) }
+        })
+        .await;
+    }
+}
+
+/// A report of one request for each of `range`'s users.
+fn users(range: std::ops::Range<usize>) -> RateLimitQuotaUsageReports {
+    RateLimitQuotaUsageReports {
+        domain: "u".into(),
+        bucket_quota_usages: range
+            .map(|i| BucketQuotaUsage {
+                bucket_id: Some(bucket_id(&[("user", &format!("user-{i:06}"))])),
+                time_elapsed: None,
+                num_requests_allowed: 1,
+                num_requests_denied: 0,
+            })
+            .collect(),
+    }
 }

@@ -4,13 +4,18 @@
 
 pub(crate) mod pool;
 pub(crate) mod share;
+pub(crate) mod shared;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::config::{NodeLimits, Snapshot};
+use crate::limiter::fallback::FailureMode;
 use crate::limiter::key::KeyFormat;
+use crate::metrics::{NameLabels, QuotaMetrics};
 
 pub(crate) use pool::{Grant, ParticipantId, PoolSpec, Pools, Signal, Usage};
+pub(crate) use shared::SharedPools;
 
 /// How the quota server behaves (the defaults are the `--rlqs-*` flags').
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -106,17 +111,195 @@ pub(crate) fn resolve(
 }
 
 impl Target {
-    /// The assignment, with `grant` asked for this bucket's part of each pool (a pool that has
-    /// lost it, e.g. to a reload in between, allows until the next answer).
-    pub(crate) fn assign(&self, grant: impl FnMut(&PoolSpec) -> Option<Grant>) -> Assignment {
+    /// The pools a bucket of this target takes part in.
+    fn pools(&self) -> &[PoolSpec] {
         match self {
-            Target::Allow => Assignment::Allow,
-            Target::Deny => Assignment::Deny,
-            Target::Pools { fill_s, pools } => pools
-                .iter()
-                .map(grant)
-                .collect::<Option<Vec<Grant>>>()
-                .map_or(Assignment::Allow, |g| combine(*fill_s, pools, &g)),
+            Target::Pools { pools, .. } => pools,
+            _ => &[],
+        }
+    }
+}
+
+/// Why a bucket is asked for its assignment.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Ask {
+    /// Its client reported (the usage, when it measured any).
+    Report(Option<Usage>),
+    /// Its share moved or its rule changed: the current grant, no new measure.
+    Push,
+}
+
+/// Where the pools are: this replica's memory, or Redis shared with every replica.
+pub(crate) enum Quota {
+    /// Each replica shares each limit among its own streams.
+    Local(Pools),
+    /// Replicas on one Redis share one pool per limit; while Redis cannot answer, the failure
+    /// mode decides (`local`: this replica's own pools, as `Local`).
+    Shared {
+        pools: Box<SharedPools>,
+        failure: FailureMode,
+        local: Pools,
+        metrics: QuotaMetrics,
+    },
+}
+
+impl Quota {
+    /// Pools in this process.
+    pub(crate) fn local(options: &QuotaOptions) -> Quota {
+        Quota::Local(Pools::new(options.assignment_ttl, options.report_interval))
+    }
+
+    /// Pools in `redis`, `failure` deciding while it cannot answer.
+    pub(crate) fn shared(
+        redis: Arc<crate::limiter::redis::RedisBackend>,
+        failure: FailureMode,
+        options: &QuotaOptions,
+        metrics: QuotaMetrics,
+    ) -> Quota {
+        Quota::Shared {
+            pools: Box::new(SharedPools::new(
+                redis,
+                options.assignment_ttl,
+                options.report_interval,
+            )),
+            failure,
+            local: Pools::new(options.assignment_ttl, options.report_interval),
+            metrics,
+        }
+    }
+
+    /// Makes `pid` a participant of `target`'s pools.
+    pub(crate) fn join(
+        &self,
+        pid: ParticipantId,
+        target: &Target,
+        signal: &Arc<Signal>,
+        now: tokio::time::Instant,
+    ) {
+        if target.pools().is_empty() {
+            return;
+        }
+        match self {
+            Quota::Local(pools) => {
+                for p in target.pools() {
+                    pools.join(p, pid, signal, now);
+                }
+            }
+            Quota::Shared { pools, .. } => pools.join(pid, signal, now),
+        }
+    }
+
+    /// `pid` no longer takes part in `target`'s pools: its leases count until they run out.
+    pub(crate) async fn leave(
+        &self,
+        pid: ParticipantId,
+        target: &Target,
+        now: tokio::time::Instant,
+    ) {
+        let (local, shared) = match self {
+            Quota::Local(pools) => (pools, None),
+            Quota::Shared { pools, local, .. } => (local, Some(pools)),
+        };
+        for p in target.pools() {
+            local.leave(&p.key, pid, now);
+        }
+        if let Some(shared) = shared
+            && !target.pools().is_empty()
+        {
+            shared.leave(pid, target.pools()).await;
+        }
+    }
+
+    /// What `pid`, a bucket of `target`, is told now; `None`: nothing (Redis cannot answer and
+    /// the failure mode is `error`: the client keeps its assignment until its TTL, then
+    /// follows its own `expired_assignment_behavior`).
+    pub(crate) async fn assign(
+        &self,
+        pid: ParticipantId,
+        target: &Target,
+        ask: Ask,
+        signal: &Arc<Signal>,
+        now: tokio::time::Instant,
+    ) -> Option<Assignment> {
+        let Target::Pools { fill_s, pools } = target else {
+            return Some(match target {
+                Target::Deny => Assignment::Deny,
+                _ => Assignment::Allow,
+            });
+        };
+        let grants = match self {
+            Quota::Local(local) => Self::local_grants(local, pid, pools, ask, now),
+            Quota::Shared {
+                pools: shared,
+                failure,
+                local,
+                metrics,
+            } => {
+                let usage = match ask {
+                    Ask::Report(usage) => Some(usage),
+                    Ask::Push => None,
+                };
+                match shared.grant(pid, pools, usage, now).await {
+                    Ok(grants) => Some(grants),
+                    Err(e) => {
+                        let mode = if e.is_transient() {
+                            *failure
+                        } else {
+                            FailureMode::Error
+                        };
+                        tracing::debug!(error = %e, mode = mode.as_str(), "RLQS pool unavailable; failure mode decides");
+                        metrics
+                            .fallbacks
+                            .get_or_create(&NameLabels {
+                                kind: mode.as_str(),
+                            })
+                            .inc();
+                        match mode {
+                            FailureMode::Error => return None,
+                            FailureMode::Allow => return Some(Assignment::Allow),
+                            FailureMode::Deny => return Some(Assignment::Deny),
+                            FailureMode::Local => {
+                                for p in pools {
+                                    local.join(p, pid, signal, now);
+                                }
+                                Self::local_grants(local, pid, pools, ask, now)
+                            }
+                        }
+                    }
+                }
+            }
+        };
+        // A pool that lost the participant (a reload in between) allows until the next answer.
+        Some(grants.map_or(Assignment::Allow, |g| combine(*fill_s, pools, &g)))
+    }
+
+    fn local_grants(
+        local: &Pools,
+        pid: ParticipantId,
+        pools: &[PoolSpec],
+        ask: Ask,
+        now: tokio::time::Instant,
+    ) -> Option<Vec<Grant>> {
+        pools
+            .iter()
+            .map(|p| match ask {
+                Ask::Report(usage) => local.report(&p.key, pid, usage, now),
+                Ask::Push => local.regrant(&p.key, pid, now),
+            })
+            .collect()
+    }
+
+    /// Drops this replica's expired leases and empty pools.
+    pub(crate) fn sweep(&self, now: tokio::time::Instant) {
+        match self {
+            Quota::Local(pools) | Quota::Shared { local: pools, .. } => pools.sweep(now),
+        }
+    }
+
+    /// Pools held in this process (shared pools: those used while Redis could not answer).
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            Quota::Local(pools) | Quota::Shared { local: pools, .. } => pools.len(),
         }
     }
 }

@@ -22,7 +22,7 @@ pub(crate) type ParticipantId = u64;
 
 /// A share moving by more than this fraction (and at least one token) is pushed to its stream
 /// at once; smaller moves ride on the answer to the client's next report.
-const SHARE_MOVE: f64 = 0.1;
+pub(super) const SHARE_MOVE: f64 = 0.1;
 /// Weight of the newest report in the smoothed demand: the requests and the time reported are
 /// smoothed apart and divided, so a slow client's reports of 0, 0, 0 and 4 requests read as
 /// the 1 per interval it asks, not as a rate jumping between none and four.
@@ -30,13 +30,13 @@ const SMOOTHING: f64 = 0.25;
 
 /// A client's demand: its reported requests over the time they took, both smoothed.
 #[derive(Clone, Copy, Debug, Default)]
-struct Demand {
+pub(super) struct Demand {
     requests: f64,
     seconds: f64,
 }
 
 impl Demand {
-    fn add(&mut self, requests: f64, seconds: f64) {
+    pub(super) fn add(&mut self, requests: f64, seconds: f64) {
         if self.seconds == 0.0 {
             *self = Demand { requests, seconds };
         } else {
@@ -46,7 +46,7 @@ impl Demand {
     }
 
     /// Requests per second.
-    fn rate(&self) -> Option<f64> {
+    pub(super) fn rate(&self) -> Option<f64> {
         (self.seconds > 0.0).then(|| self.requests / self.seconds)
     }
 }
@@ -73,7 +73,7 @@ impl Signal {
         std::mem::take(&mut *self.moved.lock())
     }
 
-    fn mark(&self, pid: ParticipantId) {
+    pub(super) fn mark(&self, pid: ParticipantId) {
         self.moved.lock().insert(pid);
         self.notify.notify_one();
     }

@@ -9,10 +9,10 @@ pub(crate) const HEADROOM: f64 = 1.1;
 
 /// Splits `capacity` (tokens per window) among clients whose demands (tokens per window; `None`
 /// when not measured yet) are given, max-min fairly: a client asking less than an equal split
-/// of what is left keeps what it asks (with [`HEADROOM`]); the rest is split equally among the
+/// of what is left keeps what it asks (with `HEADROOM`); the rest is split equally among the
 /// others. Every client asks at least the floor. What nobody asks for is split equally among all,
 /// so the shares add up to `capacity` exactly.
-pub(crate) fn fair_shares(capacity: f64, demands: &[Option<f64>]) -> Vec<f64> {
+pub fn fair_shares(capacity: f64, demands: &[Option<f64>]) -> Vec<f64> {
     let n = demands.len();
     if n == 0 {
         return Vec::new();

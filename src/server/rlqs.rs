@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
+use futures_util::future::join_all;
 use envoy_types::pb::envoy::r#type::v3::rate_limit_strategy::{BlanketRule, Strategy};
 use envoy_types::pb::envoy::r#type::v3::{RateLimitStrategy, TokenBucket};
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::bucket_action::{
@@ -33,9 +34,12 @@ use tonic::{Request, Response, Status, Streaming};
 
 use crate::config::Snapshot;
 use crate::engine::RequestLimits;
+use crate::limiter::BoxFuture;
 use crate::limiter::key::KeyFormat;
 use crate::metrics::{NameLabels, QuotaMetrics};
-use crate::quota::{self, Assignment, ParticipantId, Pools, QuotaOptions, Signal, Target, Usage};
+use crate::quota::{
+    self, Ask, Assignment, ParticipantId, Quota, QuotaOptions, Signal, Target, Usage,
+};
 
 /// Answers a stream may have waiting for the client.
 const QUEUE: usize = 4;
@@ -49,7 +53,7 @@ const MIN_ELAPSED: Duration = Duration::from_millis(10);
 /// What every stream shares.
 pub(crate) struct Shared {
     pub(crate) config: Arc<ArcSwap<Snapshot>>,
-    pub(crate) pools: Pools,
+    pub(crate) quota: Quota,
     pub(crate) keys: KeyFormat,
     pub(crate) options: QuotaOptions,
     pub(crate) limits: RequestLimits,
@@ -67,6 +71,7 @@ pub(crate) struct RlqsService {
 impl RlqsService {
     pub(crate) fn new(
         config: Arc<ArcSwap<Snapshot>>,
+        quota: Quota,
         keys: KeyFormat,
         options: QuotaOptions,
         limits: RequestLimits,
@@ -76,7 +81,7 @@ impl RlqsService {
         RlqsService {
             shared: Arc::new(Shared {
                 config,
-                pools: Pools::new(options.assignment_ttl, options.report_interval),
+                quota,
                 keys,
                 options,
                 limits,
@@ -92,11 +97,11 @@ impl RlqsService {
         let mut every = tokio::time::interval(CONFIG_CHECK);
         loop {
             every.tick().await;
-            self.shared.pools.sweep(Instant::now());
+            self.shared.quota.sweep(Instant::now());
             self.shared
                 .metrics
                 .pools
-                .set(self.shared.pools.len() as i64);
+                .set(self.shared.quota.len() as i64);
         }
     }
 }
@@ -189,15 +194,15 @@ impl QuotaStream {
         loop {
             let answer = tokio::select! {
                 message = inbound.message() => match message {
-                    Ok(Some(reports)) => self.on_reports(reports),
+                    Ok(Some(reports)) => self.on_reports(reports).await,
                     Ok(None) => break,
                     Err(status) => {
                         tracing::debug!(%status, "RLQS stream ended by the client");
                         break;
                     }
                 },
-                () = self.signal.notify.notified() => Ok(self.on_moved()),
-                _ = config_check.tick() => Ok(self.on_config_check()),
+                () = self.signal.notify.notified() => Ok(self.on_moved().await),
+                _ = config_check.tick() => Ok(self.on_config_check().await),
             };
             let (actions, end) = match answer {
                 Ok(actions) => (actions, None),
@@ -217,7 +222,7 @@ impl QuotaStream {
                 break;
             }
         }
-        self.close();
+        self.close().await;
     }
 
     fn count(&self, actions: &[BucketAction]) {
@@ -243,8 +248,9 @@ impl QuotaStream {
         }
     }
 
-    /// One report message: each entry's bucket is created, measured and answered, or skipped.
-    fn on_reports(
+    /// One report message: each entry's bucket is created, measured and answered (abandoned
+    /// when idle), or skipped.
+    async fn on_reports(
         &mut self,
         reports: RateLimitQuotaUsageReports,
     ) -> Result<Vec<BucketAction>, Status> {
@@ -264,7 +270,8 @@ impl QuotaStream {
             }
         }
         let now = Instant::now();
-        let mut actions = Vec::with_capacity(reports.bucket_quota_usages.len());
+        let mut actions = Vec::new();
+        let mut asks = Vec::with_capacity(reports.bucket_quota_usages.len());
         for usage in &reports.bucket_quota_usages {
             let (id, key) = match fault(usage, &self.shared.limits) {
                 Ok(ok) => ok,
@@ -289,8 +296,22 @@ impl QuotaStream {
                     self.open(id.clone(), key, now)
                 }
             };
-            actions.push(self.report(pid, usage, now));
+            match self.measure(pid, usage, now) {
+                Some(usage) => asks.push((pid, Ask::Report(usage))),
+                None => {
+                    let id = self.buckets[&pid].id.clone();
+                    self.remove(pid, now).await;
+                    self.shared.metrics.abandons.inc();
+                    actions.push(BucketAction {
+                        bucket_id: Some(id),
+                        bucket_action: Some(bucket_action::BucketAction::AbandonAction(
+                            AbandonAction {},
+                        )),
+                    });
+                }
+            }
         }
+        actions.extend(self.answer(asks, now).await);
         Ok(actions)
     }
 
@@ -298,7 +319,7 @@ impl QuotaStream {
     fn open(&mut self, id: BucketId, key: BucketKey, now: Instant) -> ParticipantId {
         let pid = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
         let target = self.resolve(&key);
-        self.join(pid, &target, now);
+        self.shared.quota.join(pid, &target, &self.signal, now);
         self.by_key.insert(key.clone(), pid);
         self.buckets.insert(
             pid,
@@ -325,31 +346,14 @@ impl QuotaStream {
         )
     }
 
-    fn join(&self, pid: ParticipantId, target: &Target, now: Instant) {
-        if let Target::Pools { pools, .. } = target {
-            for p in pools {
-                self.shared.pools.join(p, pid, &self.signal, now);
-            }
-        }
-    }
-
-    fn leave(&self, pid: ParticipantId, target: &Target, now: Instant) {
-        if let Target::Pools { pools, .. } = target {
-            for p in pools {
-                self.shared.pools.leave(&p.key, pid, now);
-            }
-        }
-    }
-
-    /// Measures one entry and answers it: its assignment, or abandon when it has been idle
-    /// for `--rlqs-abandon-after`.
-    fn report(
+    /// Measures one entry: the usage it reports (`None` inside when it measures nothing), or
+    /// `None` when the bucket has been idle for `--rlqs-abandon-after` and is to be abandoned.
+    fn measure(
         &mut self,
         pid: ParticipantId,
         usage: &BucketQuotaUsage,
         now: Instant,
-    ) -> BucketAction {
-        let options = self.shared.options;
+    ) -> Option<Option<Usage>> {
         let bucket = self.buckets.get_mut(&pid).expect("opened above");
         let requests = usage
             .num_requests_allowed
@@ -368,59 +372,59 @@ impl QuotaStream {
         bucket.last_report = now;
         if requests > 0 {
             bucket.last_used = now;
-        } else if now.duration_since(bucket.last_used) >= options.abandon_after {
-            let id = bucket.id.clone();
-            self.remove(pid, now);
-            self.shared.metrics.abandons.inc();
-            return BucketAction {
-                bucket_id: Some(id),
-                bucket_action: Some(bucket_action::BucketAction::AbandonAction(AbandonAction {})),
-            };
+        } else if now.duration_since(bucket.last_used) >= self.shared.options.abandon_after {
+            return None;
         }
-        let usage = elapsed.map(|e| Usage {
+        Some(elapsed.map(|e| Usage {
             requests,
             seconds: e.as_secs_f64(),
-        });
-        let bucket = &self.buckets[&pid];
-        let assignment = bucket
-            .target
-            .assign(|p| self.shared.pools.report(&p.key, pid, usage, now));
-        action(bucket.id.clone(), assignment, options.assignment_ttl)
+        }))
     }
 
-    fn remove(&mut self, pid: ParticipantId, now: Instant) {
+    /// The assignments of `asks`' buckets, asked of the pools together (with Redis, their
+    /// script calls overlap). A bucket the failure mode leaves unanswered is not in the answer.
+    async fn answer(
+        &self,
+        asks: impl IntoIterator<Item = (ParticipantId, Ask)>,
+        now: Instant,
+    ) -> Vec<BucketAction> {
+        let ttl = self.shared.options.assignment_ttl;
+        let answers = asks.into_iter().filter_map(|(pid, ask)| {
+            let bucket = self.buckets.get(&pid)?;
+            // Boxed: a future of futures of script calls is a type too deep to prove Send.
+            let answer: BoxFuture<'_, Option<BucketAction>> = Box::pin(async move {
+                let assignment = self
+                    .shared
+                    .quota
+                    .assign(pid, &bucket.target, ask, &self.signal, now)
+                    .await?;
+                Some(action(bucket.id.clone(), assignment, ttl))
+            });
+            Some(answer)
+        });
+        join_all(answers).await.into_iter().flatten().collect()
+    }
+
+    async fn remove(&mut self, pid: ParticipantId, now: Instant) {
         if let Some(b) = self.buckets.remove(&pid) {
-            self.leave(pid, &b.target, now);
+            self.shared.quota.leave(pid, &b.target, now).await;
             self.by_key.remove(&b.key);
             self.shared.metrics.buckets.dec();
         }
     }
 
-    /// The current assignment of a bucket, without a new measure.
-    fn current(&self, pid: ParticipantId, now: Instant) -> Option<BucketAction> {
-        let bucket = self.buckets.get(&pid)?;
-        let assignment = bucket
-            .target
-            .assign(|p| self.shared.pools.regrant(&p.key, pid, now));
-        Some(action(
-            bucket.id.clone(),
-            assignment,
-            self.shared.options.assignment_ttl,
-        ))
-    }
-
     /// Buckets whose share moved: pushed their assignment now.
-    fn on_moved(&mut self) -> Vec<BucketAction> {
-        let now = Instant::now();
+    async fn on_moved(&mut self) -> Vec<BucketAction> {
         let moved: HashSet<ParticipantId> = self.signal.take();
-        moved
-            .into_iter()
-            .filter_map(|pid| self.current(pid, now))
-            .collect()
+        self.answer(
+            moved.into_iter().map(|pid| (pid, Ask::Push)),
+            Instant::now(),
+        )
+        .await
     }
 
     /// A new config: every bucket resolved again; those whose target changed are told now.
-    fn on_config_check(&mut self) -> Vec<BucketAction> {
+    async fn on_config_check(&mut self) -> Vec<BucketAction> {
         let latest = self.shared.config.load_full();
         if Arc::ptr_eq(&latest, &self.snapshot) {
             return Vec::new();
@@ -435,25 +439,27 @@ impl QuotaStream {
             let bucket = self.buckets.get_mut(&pid).expect("indexed");
             if bucket.target != target {
                 let old = std::mem::replace(&mut bucket.target, target.clone());
-                self.leave(pid, &old, now);
-                self.join(pid, &target, now);
-                changed.push(pid);
+                self.shared.quota.leave(pid, &old, now).await;
+                self.shared.quota.join(pid, &target, &self.signal, now);
+                changed.push((pid, Ask::Push));
             }
         }
-        changed
-            .into_iter()
-            .filter_map(|pid| self.current(pid, now))
-            .collect()
+        self.answer(changed, now).await
     }
 
     /// The stream is gone: its buckets leave their pools (their leases run out as usual).
-    fn close(mut self) {
+    async fn close(self) {
         let now = Instant::now();
-        let pids: Vec<ParticipantId> = self.buckets.keys().copied().collect();
-        for pid in pids {
-            self.remove(pid, now);
-        }
-        self.shared.metrics.streams.dec();
+        let quota = &self.shared.quota;
+        join_all(
+            self.buckets
+                .iter()
+                .map(|(pid, b)| quota.leave(*pid, &b.target, now)),
+        )
+        .await;
+        let metrics = &self.shared.metrics;
+        metrics.buckets.dec_by(self.buckets.len() as i64);
+        metrics.streams.dec();
     }
 }
 

@@ -14,6 +14,7 @@ mod breaker;
 mod cache;
 pub(crate) mod connection;
 mod error;
+pub(crate) mod quota;
 mod url;
 mod wire;
 

@@ -1,0 +1,299 @@
+//! The protocol between Rust and `quota.lua`: one participant's grant from an RLQS quota pool
+//! that every replica on this Redis shares ([`PoolCall`] → [`PoolReply`]), and the script's
+//! pure fair-share arithmetic ([`RedisBackend::pool_shares`]), which a test holds against the
+//! Rust function. The script's header documents the layout; this is the one place on the Rust
+//! side that knows it.
+
+use std::time::Duration;
+
+use redis::{Cmd, Value};
+use tokio::time::Instant;
+
+use super::RedisBackend;
+use super::error::{ErrorKind, Evidence};
+use crate::limiter::BackendError;
+
+/// The script, loaded once per process and per Redis (EVALSHA; EVAL after NOSCRIPT).
+const QUOTA_SCRIPT: &str = include_str!("quota.lua");
+
+/// The fair-share rule's constants, sent with every call so that they are written once, on
+/// the Rust side.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct SharePolicy {
+    /// A demand counts at least this fraction of an equal split.
+    pub(crate) floor_of_equal_split: f64,
+    /// Demand is met with this factor of room.
+    pub(crate) headroom: f64,
+    /// A share moving by more than this fraction of what its member holds is pushed.
+    pub(crate) share_move: f64,
+}
+
+/// What a call does to its member.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) enum PoolOp {
+    /// Records the member's demand (tokens per window; `None`: not measured), keeps it
+    /// connected and grants it its share.
+    Grant(Option<f64>),
+    /// The member is gone from this replica: its lease counts until it runs out.
+    Leave,
+}
+
+/// One member's call on one pool.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct PoolCall<'a> {
+    /// The pool: the key of the counter RLS would use for the same limit.
+    pub(crate) pool: &'a [u8],
+    /// The member, unique across replicas.
+    pub(crate) member: &'a str,
+    /// Tokens per window (> 0).
+    pub(crate) limit: u64,
+    /// Tokens at once, over all members.
+    pub(crate) burst: u64,
+    /// How long a grant is held (the assignment TTL).
+    pub(crate) lease: Duration,
+    /// How long a member counts as connected after a grant.
+    pub(crate) alive: Duration,
+    pub(crate) op: PoolOp,
+    pub(crate) policy: SharePolicy,
+}
+
+/// The script's answer to a [`PoolCall`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct PoolReply {
+    /// Tokens per window granted (0 for a leave).
+    pub(crate) tokens: u64,
+    /// The grant's part of the burst.
+    pub(crate) max_tokens: u64,
+    /// Connected members whose share moved enough to push them a new grant.
+    pub(crate) moved: Vec<String>,
+}
+
+/// The pool's Redis key: `<prefix>{<tag>}quota<rest of the counter key>`. A counter key holds
+/// no brace but its tag's, and continues the tag with `:`, so this is no counter's key and
+/// distinct pools have distinct keys.
+fn pool_key(counter: &[u8]) -> Vec<u8> {
+    let tag_end = counter.iter().position(|b| *b == b'}').map_or(0, |i| i + 1);
+    let mut key = Vec::with_capacity(counter.len() + 5);
+    key.extend_from_slice(&counter[..tag_end]);
+    key.extend_from_slice(b"quota");
+    key.extend_from_slice(&counter[tag_end..]);
+    key
+}
+
+/// A demand as the script reads it: `-` for none.
+fn demand_arg(demand: Option<f64>) -> String {
+    match demand {
+        Some(d) if d.is_finite() => format!("{d:e}"),
+        _ => "-".into(),
+    }
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
+}
+
+fn int(v: &Value) -> Option<i64> {
+    match v {
+        Value::Int(i) => Some(*i),
+        _ => None,
+    }
+}
+
+fn text(v: &Value) -> Option<String> {
+    match v {
+        Value::BulkString(b) => String::from_utf8(b.clone()).ok(),
+        Value::SimpleString(s) => Some(s.clone()),
+        _ => None,
+    }
+}
+
+impl PoolReply {
+    fn parse(reply: &Value) -> Result<PoolReply, &'static str> {
+        let Value::Array(values) = reply else {
+            return Err("not an array");
+        };
+        match values.as_slice() {
+            [first] if int(first) == Some(-1) => Err("foreign"),
+            [tokens, max_tokens, moved @ ..] => Ok(PoolReply {
+                tokens: int(tokens)
+                    .and_then(|t| u64::try_from(t).ok())
+                    .ok_or("tokens")?,
+                max_tokens: int(max_tokens)
+                    .and_then(|t| u64::try_from(t).ok())
+                    .ok_or("max_tokens")?,
+                moved: moved
+                    .iter()
+                    .map(text)
+                    .collect::<Option<_>>()
+                    .ok_or("moved")?,
+            }),
+            _ => Err("too short"),
+        }
+    }
+}
+
+impl RedisBackend {
+    /// Runs the quota script on `keys` with `args`, within the call budget, through the
+    /// circuit breaker; NOSCRIPT is answered by sending the source once.
+    async fn eval_quota(&self, keys: &[&[u8]], args: &[Vec<u8>]) -> Result<Value, BackendError> {
+        if !self.health.allow() {
+            return Err(self.error(
+                ErrorKind::CircuitOpen,
+                "redis circuit open after repeated failures",
+            ));
+        }
+        let timeout = self.opts.timeout;
+        let deadline = Instant::now() + timeout;
+        let command = |by_source: bool| {
+            let mut cmd = Cmd::new();
+            if by_source {
+                cmd.arg("EVAL").arg(QUOTA_SCRIPT);
+            } else {
+                cmd.arg("EVALSHA").arg(quota_script_hash());
+            }
+            cmd.arg(keys.len());
+            for k in keys {
+                cmd.arg(*k);
+            }
+            for a in args {
+                cmd.arg(&a[..]);
+            }
+            cmd
+        };
+        let attempt = |cmd: Cmd| async move {
+            tokio::time::timeout_at(deadline, self.conn.query::<Value>(&cmd, timeout)).await
+        };
+        let mut result = attempt(command(false)).await;
+        if let Ok(Err(e)) = &result
+            && e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript)
+        {
+            result = attempt(command(true)).await;
+        }
+        match result {
+            Ok(Ok(v)) => {
+                self.health.on_answer();
+                Ok(v)
+            }
+            Ok(Err(e)) => {
+                match ErrorKind::of(&e).evidence() {
+                    Evidence::Unreachable => self.health.on_unreachable(),
+                    Evidence::Stalled => self.health.on_timeout(&self.conn, timeout),
+                    Evidence::None => {}
+                }
+                self.conn.on_error(&e).await;
+                Err(self.redis_error(&e))
+            }
+            Err(_) => {
+                self.health.on_timeout(&self.conn, timeout);
+                Err(self.timeout_error())
+            }
+        }
+    }
+
+    /// One member's call on one pool.
+    pub(crate) async fn pool(&self, call: &PoolCall<'_>) -> Result<PoolReply, BackendError> {
+        let key = pool_key(call.pool);
+        let (op, demand) = match call.op {
+            PoolOp::Grant(demand) => ("grant", demand),
+            PoolOp::Leave => ("leave", None),
+        };
+        let p = call.policy;
+        let args: Vec<Vec<u8>> = [
+            op.to_string(),
+            call.member.to_string(),
+            call.limit.max(1).to_string(),
+            call.burst.max(1).to_string(),
+            millis(call.lease).to_string(),
+            millis(call.alive).to_string(),
+            demand_arg(demand),
+            format!("{:e}", p.floor_of_equal_split),
+            format!("{:e}", p.headroom),
+            format!("{:e}", p.share_move),
+        ]
+        .into_iter()
+        .map(String::into_bytes)
+        .collect();
+        let reply = self.eval_quota(&[&key], &args).await?;
+        PoolReply::parse(&reply).map_err(|why| match why {
+            "foreign" => self.error(
+                ErrorKind::ForeignData,
+                "a quota pool's key holds data this service did not write",
+            ),
+            why => self.error(
+                ErrorKind::Reply,
+                format!("unexpected quota script reply ({why}): {reply:?}"),
+            ),
+        })
+    }
+
+    /// The script's fair shares of `capacity` among `demands` (writes nothing).
+    pub(crate) async fn pool_shares(
+        &self,
+        policy: SharePolicy,
+        capacity: f64,
+        demands: &[Option<f64>],
+    ) -> Result<Vec<f64>, BackendError> {
+        let mut args = vec![
+            "shares".to_string(),
+            format!("{:e}", policy.floor_of_equal_split),
+            format!("{:e}", policy.headroom),
+            format!("{capacity:e}"),
+        ];
+        args.extend(demands.iter().map(|d| demand_arg(*d)));
+        let args: Vec<Vec<u8>> = args.into_iter().map(String::into_bytes).collect();
+        let reply = self.eval_quota(&[], &args).await?;
+        let Value::Array(values) = &reply else {
+            return Err(self.error(ErrorKind::Reply, format!("{reply:?}")));
+        };
+        values
+            .iter()
+            .map(|v| text(v).and_then(|s| s.parse().ok()))
+            .collect::<Option<Vec<f64>>>()
+            .ok_or_else(|| self.error(ErrorKind::Reply, format!("{reply:?}")))
+    }
+}
+
+/// The quota script's SHA1, as EVALSHA names it (computed once).
+fn quota_script_hash() -> &'static str {
+    static HASH: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    HASH.get_or_init(|| redis::Script::new(QUOTA_SCRIPT).get_hash().to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pool_keys_sit_beside_the_counter_in_its_slot() {
+        assert_eq!(
+            pool_key(b"p:{edge}:name:api:f60000000:0"),
+            b"p:{edge}quota:name:api:f60000000:0"
+        );
+        assert_eq!(pool_key(b"{d:k:v}:f1000000:0"), b"{d:k:v}quota:f1000000:0");
+    }
+
+    #[test]
+    fn replies_are_read_or_refused() {
+        let reply = Value::Array(vec![
+            Value::Int(5),
+            Value::Int(2),
+            Value::BulkString(b"a.1".to_vec()),
+        ]);
+        assert_eq!(
+            PoolReply::parse(&reply),
+            Ok(PoolReply {
+                tokens: 5,
+                max_tokens: 2,
+                moved: vec!["a.1".into()]
+            })
+        );
+        assert_eq!(
+            PoolReply::parse(&Value::Array(vec![Value::Int(-1)])),
+            Err("foreign")
+        );
+        assert!(PoolReply::parse(&Value::Array(vec![Value::Int(-5), Value::Int(1)])).is_err());
+        assert!(PoolReply::parse(&Value::Int(1)).is_err());
+        assert_eq!(demand_arg(Some(f64::NAN)), "-");
+        assert_eq!(demand_arg(Some(1.5)), "1.5e0");
+    }
+}
