@@ -79,6 +79,11 @@ where
     stop
 }
 
+/// Held by the tests that load both cores (an attack) or time their answers (a bound that must
+/// answer at once), so that neither runs beside the other: a request the attack's CPU load held
+/// back for seconds once reached the server after the stall it was meant to meet.
+static CORES: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// A victim limited to 10 per 1000 days, asking 40 times while `stop` is unset: how many were
 /// admitted, and how many got an error.
 async fn victim(c: &Client) -> (usize, usize) {
@@ -105,6 +110,7 @@ async fn victim(c: &Client) -> (usize, usize) {
 /// error, never an admission.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn huge_requests_from_one_client_never_switch_limits_off_for_another() {
+    let _cores = CORES.lock().await;
     let redis = RedisProc::start(&[]);
     let s = one_call_at_a_time(&redis, "error", "100ms", &["--max-counters", "64"]).await;
     let c = s.client().await;
@@ -471,6 +477,7 @@ async fn until_stalled(redis: &RedisProc) {
 /// (`overloaded`), not left to wait; those it holds are decided once Redis is back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_beyond_the_queue_bound_are_refused_at_once() {
+    let _cores = CORES.lock().await;
     let redis = RedisProc::start(&["--enable-debug-command", "yes"]);
     let s = one_call_at_a_time(&redis, "error", "20s", &["--request-timeout", "30s"]).await;
     let c = s.client().await;
