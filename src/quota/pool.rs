@@ -36,12 +36,21 @@ pub(super) struct Demand {
 }
 
 impl Demand {
-    pub(super) fn add(&mut self, requests: f64, seconds: f64) {
+    fn add(&mut self, requests: f64, seconds: f64) {
         if self.seconds == 0.0 {
             *self = Demand { requests, seconds };
         } else {
             self.requests += SMOOTHING * (requests - self.requests);
             self.seconds += SMOOTHING * (seconds - self.seconds);
+        }
+    }
+
+    /// Adds a report's usage, if it measured any time.
+    pub(super) fn measure(&mut self, usage: Option<Usage>) {
+        if let Some(u) = usage
+            && u.seconds > 0.0
+        {
+            self.add(u.requests as f64, u.seconds);
         }
     }
 
@@ -267,11 +276,7 @@ impl Pools {
         let pool = pools.get_mut(key)?;
         let m = pool.members.get_mut(&pid)?;
         m.reported = now;
-        if let Some(u) = usage
-            && u.seconds > 0.0
-        {
-            m.demand.add(u.requests as f64, u.seconds);
-        }
+        m.demand.measure(usage);
         pool.rebalance(now, self.stale);
         pool.grant(pid, now, self.ttl)
     }

@@ -45,7 +45,7 @@ struct Participant {
 /// This replica's view of the shared pools.
 pub(crate) struct SharedPools {
     redis: Arc<RedisBackend>,
-    /// This process's part of every member id.
+    /// This process's part of every member id, with its separator: `<replica>.`.
     replica: String,
     participants: Mutex<HashMap<ParticipantId, Participant>>,
     ttl: Duration,
@@ -65,7 +65,7 @@ impl SharedPools {
             RandomState::new().hash_one((std::process::id(), std::time::SystemTime::now()));
         SharedPools {
             redis,
-            replica: format!("{random:x}"),
+            replica: format!("{random:x}."),
             participants: Mutex::default(),
             ttl,
             stale: report_interval * 3,
@@ -74,7 +74,7 @@ impl SharedPools {
     }
 
     fn member(&self, pid: ParticipantId) -> String {
-        format!("{}.{pid:x}", self.replica)
+        format!("{}{pid:x}", self.replica)
     }
 
     /// Makes `pid` a participant here (its first grant makes it one in Redis).
@@ -108,11 +108,7 @@ impl SharedPools {
             });
             if let Some(usage) = usage {
                 p.reported = now;
-                if let Some(u) = usage
-                    && u.seconds > 0.0
-                {
-                    p.demand.add(u.requests as f64, u.seconds);
-                }
+                p.demand.measure(usage);
             }
             p.demand
                 .rate()
@@ -162,11 +158,10 @@ impl SharedPools {
                 policy: POLICY,
             })
             .await?;
-        let mine = format!("{}.", self.replica);
         let moved: Vec<ParticipantId> = reply
             .moved
             .iter()
-            .filter_map(|m| m.strip_prefix(&mine))
+            .filter_map(|m| m.strip_prefix(self.replica.as_str()))
             .filter_map(|pid| ParticipantId::from_str_radix(pid, 16).ok())
             .collect();
         if !moved.is_empty() {

@@ -299,13 +299,19 @@ impl RedisBackend {
         (buf, len as u8)
     }
 
-    async fn decide_remote(&self, hits: &[Hit]) -> Result<Outcome, BackendError> {
-        if !self.health.allow() {
-            return Err(self.error(
-                ErrorKind::CircuitOpen,
-                "redis circuit open after repeated failures",
-            ));
+    /// Whether a call may go to Redis now; an open circuit is a counted error.
+    fn circuit_closed(&self) -> Result<(), BackendError> {
+        if self.health.allow() {
+            return Ok(());
         }
+        Err(self.error(
+            ErrorKind::CircuitOpen,
+            "redis circuit open after repeated failures",
+        ))
+    }
+
+    async fn decide_remote(&self, hits: &[Hit]) -> Result<Outcome, BackendError> {
+        self.circuit_closed()?;
         let deadline = tokio::time::Instant::now() + self.opts.timeout;
         let nonce = self.next_nonce();
         let groups = Self::groups(hits);

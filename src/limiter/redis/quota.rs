@@ -136,12 +136,7 @@ impl RedisBackend {
     /// Runs the quota script on `keys` with `args`, within the call budget, through the
     /// circuit breaker; NOSCRIPT is answered by sending the source once.
     async fn eval_quota(&self, keys: &[&[u8]], args: &[Vec<u8>]) -> Result<Value, BackendError> {
-        if !self.health.allow() {
-            return Err(self.error(
-                ErrorKind::CircuitOpen,
-                "redis circuit open after repeated failures",
-            ));
-        }
+        self.circuit_closed()?;
         let timeout = self.opts.timeout;
         let deadline = Instant::now() + timeout;
         let command = |by_source: bool| {
