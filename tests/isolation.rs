@@ -499,19 +499,26 @@ async fn requests_beyond_the_queue_bound_are_refused_at_once() {
         })
         .collect();
     let (mut admitted, mut refused) = (0, 0);
+    let (mut first_decided, mut last_refused) = (Duration::MAX, Duration::ZERO);
     for t in tasks {
         match t.await.unwrap() {
-            (Ok(ok), _) => admitted += ok as usize,
+            (Ok(ok), at) => {
+                admitted += ok as usize;
+                first_decided = first_decided.min(at);
+            }
             (Err(e), at) => {
                 assert_eq!(e.code(), tonic::Code::Unavailable, "{e:?}");
-                assert!(
-                    at < Duration::from_secs(4),
-                    "refused after {at:?}, while Redis was still stalled"
-                );
+                last_refused = last_refused.max(at);
                 refused += 1;
             }
         }
     }
+    // Held requests are decided only once Redis wakes; every refusal came before that, so none
+    // waited for Redis (how long a request took to reach the server is the machine's business).
+    assert!(
+        last_refused < first_decided && first_decided > Duration::from_secs(4),
+        "last refusal after {last_refused:?}, first held request decided after {first_decided:?}"
+    );
     let _ = stall.wait();
     let (_, m) = s.http_get("/metrics").await;
     let overloaded = metric(&m, r#"ratelimit_backend_errors_total{kind="overloaded"}"#);
