@@ -3,7 +3,8 @@
 //!
 //! `cargo bench --bench loadgen -- --target http://127.0.0.1:8081 --duration 10`
 //! (see `make bench`, which also starts the server). Only loopback targets are accepted.
-//! `--rate N` paces the load at N requests/s in all (open loop) instead of as fast as it goes;
+//! `--rate N` paces the load at N requests/s in all (open loop: each call's latency counts from
+//! when it was due, so a slow answer that delays the calls behind it shows in theirs too);
 //! `--report-every S` prints throughput, errors by gRPC code and latency percentiles every S
 //! seconds (`make soak`); `--allow-errors` exits 0 even when some calls failed. `--worst`
 //! sends the costliest request the server accepts instead: 64 descriptors on the bench
@@ -62,6 +63,14 @@ struct Flags {
     /// Send the costliest request the server accepts (see the module documentation).
     #[arg(long)]
     worst: bool,
+    /// Touch every client key once (each worker its own stretch of them), then stop: fills the
+    /// server with --keys live counters.
+    #[arg(long, conflicts_with_all = ["zipf", "rate", "worst"])]
+    fill: bool,
+    /// Instead of load: open this many connections, make one call on each, print `idle: N`,
+    /// then hold them open and silent for --duration seconds (memory per idle connection).
+    #[arg(long)]
+    idle_connections: Option<usize>,
     /// Passed by `cargo bench`; ignored.
     #[arg(long, hide = true)]
     bench: bool,
@@ -84,6 +93,10 @@ struct Args {
     cdf: Vec<f64>,
     /// Send the costliest accepted request instead of the two-descriptor one.
     worst: bool,
+    /// Hold this many idle connections instead of sending load.
+    idle_connections: Option<usize>,
+    /// Touch every key once, then stop.
+    fill: bool,
 }
 
 /// The arguments, or `None` when there is nothing to do (`cargo bench` with no arguments).
@@ -114,6 +127,8 @@ fn parse_args() -> Option<Args> {
         zipf: flags.zipf,
         cdf: Vec::new(),
         worst: flags.worst,
+        idle_connections: flags.idle_connections,
+        fill: flags.fill,
     };
     if let Some(s) = args.zipf {
         let weights: Vec<f64> = (1..=args.keys.max(1))
@@ -220,19 +235,28 @@ async fn worker(
     let mut tally = Tally::default();
     let measure_from = start + args.warmup;
     let end = measure_from + args.duration;
-    let mut n = id.wrapping_mul(7919);
-    // Open loop when paced: each worker sends at rate/concurrency, whatever the answers take.
+    // Workers start evenly spread over the keys, so together they cycle through all of them.
+    let stretch = args.keys.div_ceil(args.concurrency.max(1) as u64).max(1);
+    let mut n = id.wrapping_mul(stretch);
+    let mut left = if args.fill { stretch } else { u64::MAX };
+    // Open loop when paced: each worker's calls are due at rate/concurrency, whatever the
+    // answers take; a call sent late (its worker still waiting for an answer) counts from when
+    // it was due, so queueing behind a slow answer is measured, not hidden.
     let mut pace = args.rate.map(|r| {
         let every = Duration::from_secs_f64(args.concurrency as f64 / r.max(0.001));
         let mut t = tokio::time::interval(every);
-        t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
         t
     });
     loop {
-        if let Some(p) = pace.as_mut() {
-            p.tick().await;
+        if left == 0 {
+            return tally;
         }
-        let sent = Instant::now();
+        left -= 1;
+        let sent = match pace.as_mut() {
+            Some(p) => p.tick().await.into_std(),
+            None => Instant::now(),
+        };
         if sent >= end {
             return tally;
         }
@@ -264,6 +288,27 @@ async fn worker(
     }
 }
 
+/// Opens `n` connections, makes one call on each, then holds them open and silent.
+async fn hold_idle(args: &Args, n: usize) {
+    let mut held = Vec::with_capacity(n);
+    for i in 0..n {
+        let channel = Channel::from_shared(args.target.clone())
+            .expect("target URL")
+            .connect()
+            .await
+            .expect("connect to the target");
+        let mut client = RateLimitServiceClient::new(channel);
+        client
+            .should_rate_limit(request(args, i as u64, i as u64))
+            .await
+            .expect("a call on each connection");
+        held.push(client);
+    }
+    println!("idle: {n}");
+    tokio::time::sleep(args.duration).await;
+    drop(held);
+}
+
 fn percentile(sorted: &[u32], p: f64) -> f64 {
     if sorted.is_empty() {
         return 0.0;
@@ -277,6 +322,9 @@ async fn main() {
     let Some(args) = parse_args() else {
         return;
     };
+    if let Some(n) = args.idle_connections {
+        return hold_idle(&args, n).await;
+    }
     let mut channels = Vec::new();
     for _ in 0..args.connections.max(1) {
         let channel = Channel::from_shared(args.target.clone())

@@ -151,8 +151,9 @@ async fn coalesced_calls_decide_as_separate_calls_would(target: &[&str]) {
         for (n, a) in Algorithm::ALL.into_iter().enumerate() {
             let key = a.as_str();
             let admitted = admitted_of(&clients, 120, |i| {
-                // The same hot key for all; a distinct roomy value every fourth request.
-                let roomy = format!("r{}", i % 4);
+                // The same hot key for all; four roomy values, each for eight requests in a
+                // row, so a call holds runs of identical requests and requests unlike them.
+                let roomy = format!("r{}", (i / 8) % 4);
                 request("co", &[&[(key, "hot")], &[("roomy", &roomy)]])
             })
             .await;

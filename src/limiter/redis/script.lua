@@ -24,24 +24,29 @@
 --              a request carries (a member per hit let one request block Redis for seconds)
 --            token_bucket: string GCRA theoretical arrival time (µs)
 -- ARGV[1]    "decide" or "refund"
--- ARGV[2]    how many requests this call carries
+-- ARGV[2]    how many entries this call carries (below; an entry stands for one request or more)
 -- ARGV[3]    how many counters: C
 -- then per counter c (C times; the same key may come twice with different limits, e.g. from
 -- requests on either side of a config reload), its key being KEYS[k] with k from the first field:
 --   k, algorithm (f|s|w|b), requests_per_unit, window (µs), burst
--- then per request:
---   nonce    unique to the request (names sliding_log members, so refunds can find them)
---   at       decide: ignored; refund: the decide's time (µs), as returned by decide
---   marker   refund only: the KEYS index of the request's refund marker (`<prefix>{<tag>}` then
+-- then per entry (ARGV[2] of them), decide:
+--   m        the entry stands for m identical requests in a row, decided one after another
+--   n        how many limits each has
+--   3 per limit: its counter c (1..C), hits, enforcement (E: over rejects; Q: rejects only if
+--            every Q is over; S: never rejects)
+--   nonce    only when one of its limits is a sliding_log: unique to the request, it names
+--            the request's log members (so refunds can find them); such an entry has m = 1
+-- refund (one request per entry):
+--   nonce    the decide's nonce
+--   at       the decide's time (µs), as returned by decide
+--   marker   the KEYS index of the request's refund marker (`<prefix>{<tag>}` then
 --            `refund:<nonce>`, in the slot of its keys): SET NX before refunding, so a refund
 --            that a client retries after an I/O error gives back only once
---   n        how many limits the request has
---   3 per limit: its counter c (1..C), hits, enforcement (E: over rejects; Q: rejects only if
---            every Q is over; S: never rejects). refund: the hits a limit's decide CONSUMED (0
---            for one that was over), so a refund never gives back what was never taken.
+--   n, then 3 per limit as for decide, hits being what the limit's decide CONSUMED (0 for one
+--            that was over), so a refund never gives back what was never taken.
 --
--- Limits are sent once per counter and keys once per call, not once per request: parsing
--- arguments was most of what Redis spent on a coalesced request.
+-- Limits are sent once per counter, keys once per call and identical requests once per run,
+-- not once per request: parsing arguments was most of what Redis spent on a coalesced request.
 --
 -- decide returns, per request, {admitted, now, then per limit: over, remaining, reset (µs)},
 -- where remaining, for a limit that is over, is how many hits would have fit (for statistics),
@@ -161,6 +166,7 @@ local function load_f(key)
     local c, s = string.match(v, '^(%d+)@(%d+)$')
     if c then
       st.count, st.start = tonumber(c), tonumber(s)
+      st.read = st.start
     else
       st.count, st.start = tonumber(v), 'legacy'
       if not st.count then foreign(key) end
@@ -192,7 +198,12 @@ local function flush()
     local st = cache[key]
     if st.algo == 'f' then
       if st.dirty then
-        redis.call('SET', key, f_value(st.count, st.start), 'PXAT', expiry_ms(st.start + st.w))
+        if st.start == st.read then -- the window it was read in: its expiry is already that
+          redis.call('SET', key, f_value(st.count, st.start), 'KEEPTTL')
+        else
+          redis.call('SET', key, f_value(st.count, st.start), 'PXAT',
+            string.format('%d', expiry_ms(st.start + st.w)))
+        end
       end
     elseif st.algo == 's' then
       if st.rolled and st.delta > 0 then -- a new key or window: rewrite it, with its expiry
@@ -251,7 +262,8 @@ end
 local function decide()
   -- Check every limit (reads only; pruning the log changes no count).
   for i = 1, n do
-    local key, algo, rpu, w, burst, hits = limit(i)
+    local c = l_c[i]
+    local key, algo, rpu, w, burst, hits = c_key[c], c_algo[c], c_rpu[c], c_w[c], c_burst[c], l_hits[i]
     local start = now - (now % w)
     local o, rem, rst = true, 0, w
     if algo == 'f' then
@@ -348,8 +360,10 @@ local function decide()
 
   if admitted then
     for i = 1, n do
-      local key, algo, rpu, w, burst, hits = limit(i)
+      local hits = l_hits[i]
       if not over[i] and hits > 0 then
+        local c = l_c[i]
+        local key, algo, w = c_key[c], c_algo[c], c_w[c]
         local st = state[i]
         if algo == 'f' then
           st.count, st.dirty, st.w = st.count + hits, true, w
@@ -382,22 +396,31 @@ end
 -- Errors that mean Redis cannot serve now: they fail the whole call (see the header).
 local UNAVAILABLE = {'OOM', 'NOREPLICAS', 'MISCONF', 'READONLY', 'LOADING', 'MASTERDOWN', 'BUSY'}
 
--- Decides the current request on its own: a request whose counters hold foreign data gets
--- admitted = -1 and zeros, and leaves no trace; the call's other requests go on.
-local function decide_alone()
+-- The current entry's m requests, one after another.
+local function decide_run(m)
+  for _ = 1, m do decide() end
+end
+
+-- Decides the current entry on its own: if its counters hold foreign data, each of its requests
+-- gets admitted = -1 and zeros, and it leaves no trace; the call's other entries go on. (Only
+-- loading a counter can find foreign data, and an entry's requests share their counters, so
+-- the first of them is the one that fails.)
+local function decide_entry(m)
   local o = out_n
-  local ok, err = pcall(decide)
+  local ok, err = pcall(decide_run, m)
   if ok then return end
   -- Redis 7 raises a table {err = ...}; earlier versions a string with the position first.
   local msg = type(err) == 'table' and err.err or tostring(err)
   for _, code in ipairs(UNAVAILABLE) do
     if string.find(msg, code .. ' ', 1, true) then error(err) end
   end
-  out[o + 1], out[o + 2] = -1, now
-  o = o + 2
-  for _ = 1, n do
-    out[o + 1], out[o + 2], out[o + 3] = 0, 0, 0
-    o = o + 3
+  for _ = 1, m do
+    out[o + 1], out[o + 2] = -1, now
+    o = o + 2
+    for _ = 1, n do
+      out[o + 1], out[o + 2], out[o + 3] = 0, 0, 0
+      o = o + 3
+    end
   end
   out_n = o
 end
@@ -410,23 +433,33 @@ for c = 1, tonumber(ARGV[3]) do
 end
 local refunding = mode == 'refund'
 for _ = 1, tonumber(ARGV[2]) do
-  local h = refunding and 4 or 3 -- header fields of a request
-  nonce, n = ARGV[p], tonumber(ARGV[p + h - 1])
-  local b = p + h
+  local m, b, at, marker = 1, p, 0, 0
+  if refunding then
+    nonce, at, marker, n = ARGV[p], tonumber(ARGV[p + 1]), tonumber(ARGV[p + 2]), tonumber(ARGV[p + 3])
+    b = p + 4
+  else
+    m, n = tonumber(ARGV[p]), tonumber(ARGV[p + 1])
+    b = p + 2
+  end
+  local logged = false
   for i = 1, n do
-    l_c[i], l_hits[i], l_enf[i] = tonumber(ARGV[b]), tonumber(ARGV[b + 1]), ARGV[b + 2]
+    local c = tonumber(ARGV[b])
+    l_c[i], l_hits[i], l_enf[i] = c, tonumber(ARGV[b + 1]), ARGV[b + 2]
+    if c_algo[c] == 'w' then logged = true end
     b = b + FIELDS
   end
   if refunding then
     -- The marker outlives any retry of this call (the client's budget is seconds at most).
-    if redis.call('SET', KEYS[tonumber(ARGV[p + 2])], '1', 'NX', 'PX', 60000) then
-      refund(tonumber(ARGV[p + 1]))
-    end
+    if redis.call('SET', KEYS[marker], '1', 'NX', 'PX', 60000) then refund(at) end
     out[out_n + 1] = 1
     out[out_n + 2] = now
     out_n = out_n + 2
   else
-    decide_alone()
+    if logged then
+      nonce = ARGV[b]
+      b = b + 1
+    end
+    decide_entry(m)
   end
   p = b
 end

@@ -138,6 +138,11 @@ impl Args {
         }
     }
 
+    /// Whether one of its limits is a sliding_log (whose members its nonce names).
+    fn logged(&self) -> bool {
+        self.limits.iter().any(|l| l.algorithm == b'w')
+    }
+
     /// Each key with its limit.
     fn counters(&self) -> impl Iterator<Item = (&[u8], &LimitArgs)> {
         let mut from = 0;
@@ -221,11 +226,37 @@ pub(super) fn command(parts: &[&Args], by_source: bool) -> Cmd {
     if refunding {
         keys.extend(parts.iter().map(|p| &p.marker[..]));
     }
+    // Runs of identical decides (same counters, hits and enforcement, no sliding_log member to
+    // name) go as one entry with their count: a hot key's coalesced requests are parsed once.
+    let mut entries: Vec<(usize, usize, usize)> = Vec::with_capacity(parts.len()); // (part, first limit, run)
+    let mut first = 0;
+    for (i, p) in parts.iter().enumerate() {
+        let these = first..first + p.limits.len();
+        let same_as_last = !refunding
+            && !p.logged()
+            && entries.last().is_some_and(|&(j, from, _)| {
+                let q = parts[j];
+                !q.logged()
+                    && limits[from..from + q.limits.len()] == limits[these.clone()]
+                    && q.limits
+                        .iter()
+                        .zip(&p.limits)
+                        .all(|(a, b)| (a.hits, a.enforcement) == (b.hits, b.enforcement))
+            });
+        match entries.last_mut() {
+            Some((_, _, run)) if same_as_last => *run += 1,
+            _ => entries.push((i, first, 1)),
+        }
+        first = these.end;
+    }
     let key_bytes: usize = keys.iter().map(|k| k.len()).sum();
     let args = 6
         + keys.len()
         + 5 * counters.len()
-        + parts.iter().map(|p| 3 + 3 * p.limits.len()).sum::<usize>();
+        + entries
+            .iter()
+            .map(|&(i, _, _)| 4 + 3 * parts[i].limits.len())
+            .sum::<usize>();
     let mut cmd = Cmd::with_capacity(args, key_bytes + 16 * args + 128);
     if by_source {
         cmd.arg("EVAL").arg(SCRIPT);
@@ -241,7 +272,7 @@ pub(super) fn command(parts: &[&Args], by_source: bool) -> Cmd {
     } else {
         Mode::Decide
     };
-    cmd.arg(mode.arg()).arg(parts.len()).arg(counters.len());
+    cmd.arg(mode.arg()).arg(entries.len()).arg(counters.len());
     for (k, l) in &counters {
         cmd.arg(*k)
             .arg(&[l.algorithm][..])
@@ -249,15 +280,20 @@ pub(super) fn command(parts: &[&Args], by_source: bool) -> Cmd {
             .arg(l.window_us)
             .arg(l.burst);
     }
-    let mut counter = limits.into_iter();
-    for (i, p) in parts.iter().enumerate() {
-        cmd.arg(&p.nonce[..p.nonce_len as usize]).arg(p.at);
+    for &(i, from, run) in &entries {
+        let p = parts[i];
+        let nonce = &p.nonce[..p.nonce_len as usize];
         if refunding {
-            cmd.arg(markers + i + 1);
+            cmd.arg(nonce).arg(p.at).arg(markers + i + 1);
+        } else {
+            cmd.arg(run);
         }
         cmd.arg(p.limits.len());
-        for (l, c) in p.limits.iter().zip(counter.by_ref()) {
-            cmd.arg(c).arg(l.hits).arg(&[l.enforcement][..]);
+        for (l, c) in p.limits.iter().zip(&limits[from..]) {
+            cmd.arg(*c).arg(l.hits).arg(&[l.enforcement][..]);
+        }
+        if !refunding && p.logged() {
+            cmd.arg(nonce);
         }
     }
     cmd
@@ -320,15 +356,19 @@ mod tests {
     use crate::limiter::Algorithm;
 
     fn part(keys: &[&[u8]], rpu: u64) -> Args {
+        part_of(Algorithm::FixedWindow, keys, rpu, 1)
+    }
+
+    fn part_of(algorithm: Algorithm, keys: &[&[u8]], rpu: u64, hits: u64) -> Args {
         let mut p = Args::decide(b"nn", 0);
         let limit = Limit {
-            algorithm: Algorithm::FixedWindow,
+            algorithm,
             requests_per_unit: rpu,
             window_us: 1_000_000,
             burst: rpu,
         };
         for key in keys {
-            p.push(key, &limit, 1, Enforcement::Enforce);
+            p.push(key, &limit, hits, Enforcement::Enforce);
         }
         p
     }
@@ -343,9 +383,9 @@ mod tests {
     }
 
     #[test]
-    fn keys_and_counters_go_once_per_call_and_requests_name_them() {
+    fn keys_and_counters_go_once_per_call_and_identical_requests_once_per_run() {
         // Two requests on the same keys, a third on one of them under another limit (as across
-        // a reload): two keys, three counters.
+        // a reload): two keys, three counters, two entries.
         let parts = [
             part(&[b"{d}:a", b"{d}:b"], 5),
             part(&[b"{d}:a", b"{d}:b"], 5),
@@ -355,15 +395,14 @@ mod tests {
         let got = args(&command(&parts, false));
         #[rustfmt::skip]
         let expected = [
-            "EVALSHA", script_hash(), "2", "{d}:a", "{d}:b", "decide", "3", "3",
+            "EVALSHA", script_hash(), "2", "{d}:a", "{d}:b", "decide", "2", "3",
             // counters: key, algorithm, requests_per_unit, window, burst
             "1", "f", "5", "1000000", "5",
             "2", "f", "5", "1000000", "5",
             "1", "f", "7", "1000000", "7",
-            // requests: nonce, at, n, then counter, hits, enforcement per limit
-            "nn", "0", "2", "1", "1", "E", "2", "1", "E",
-            "nn", "0", "2", "1", "1", "E", "2", "1", "E",
-            "nn", "0", "1", "3", "1", "E",
+            // entries: requests in the run, n, then counter, hits, enforcement per limit
+            "2", "2", "1", "1", "E", "2", "1", "E",
+            "1", "1", "3", "1", "E",
         ];
         assert_eq!(got, expected);
         assert_eq!(args(&command(&parts, true))[..2], ["EVAL", SCRIPT]);
@@ -372,12 +411,48 @@ mod tests {
         let many: Vec<Args> = (0..10).map(|_| part(&[b"{d}:a", b"{d}:b"], 5)).collect();
         let many: Vec<&Args> = many.iter().collect();
         let got = args(&command(&many, false));
-        assert_eq!(got[2..8], ["2", "{d}:a", "{d}:b", "decide", "10", "2"]);
-        let requests = &got[18..];
-        assert_eq!(requests.len(), 10 * 9);
-        for r in requests.chunks(9) {
-            assert_eq!(r, ["nn", "0", "2", "1", "1", "E", "2", "1", "E"]);
-        }
+        assert_eq!(got[2..8], ["2", "{d}:a", "{d}:b", "decide", "1", "2"]);
+        assert_eq!(got[18..], ["10", "2", "1", "1", "E", "2", "1", "E"]);
+    }
+
+    #[test]
+    fn only_requests_alike_in_counters_hits_and_enforcement_share_an_entry() {
+        let mut quota = part(&[b"{d}:a"], 5);
+        quota.limits[0].enforcement = b'Q';
+        let parts = [
+            part(&[b"{d}:a"], 5),
+            part_of(Algorithm::FixedWindow, &[b"{d}:a"], 5, 2), // other hits
+            quota,                                              // other enforcement
+            part(&[b"{d}:b"], 5),                               // other counter
+            part(&[b"{d}:b"], 5),
+            part(&[b"{d}:b"], 5), // a run of three
+            part(&[b"{d}:a"], 5), // alike, but not next to its kind
+        ];
+        let parts: Vec<&Args> = parts.iter().collect();
+        let got = args(&command(&parts, false));
+        assert_eq!(got[5..8], ["decide", "5", "2"]);
+        #[rustfmt::skip]
+        let entries = [
+            "1", "1", "1", "1", "E",
+            "1", "1", "1", "2", "E",
+            "1", "1", "1", "1", "Q",
+            "3", "1", "2", "1", "E",
+            "1", "1", "1", "1", "E",
+        ];
+        assert_eq!(got[18..], entries);
+
+        // sliding_log members are named by each request's nonce: never a run, nonce sent.
+        let logs = [
+            part_of(Algorithm::SlidingLog, &[b"{d}:a"], 5, 1),
+            part_of(Algorithm::SlidingLog, &[b"{d}:a"], 5, 1),
+        ];
+        let logs: Vec<&Args> = logs.iter().collect();
+        let got = args(&command(&logs, false));
+        assert_eq!(got[4..7], ["decide", "2", "1"]);
+        assert_eq!(
+            got[12..],
+            ["1", "1", "1", "1", "E", "nn", "1", "1", "1", "1", "E", "nn"]
+        );
     }
 
     #[test]
