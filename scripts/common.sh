@@ -8,7 +8,8 @@ _ports_given=$(mktemp)
 free_port() {
   local port
   while :; do
-    port=$((20000 + RANDOM % 40000))
+    # Below the kernel's ephemeral range (32768 up), which client sockets take ports from.
+    port=$((20000 + RANDOM % 12000))
     grep -qx "$port" "$_ports_given" && continue
     if ! (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
       echo "$port" >>"$_ports_given"
