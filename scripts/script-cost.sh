@@ -40,15 +40,9 @@ cost() {
   echo $((total / calls))
 }
 
-cat >"$WORK/naive.lua" <<'LUA'
-local out = {}
-for i, key in ipairs(KEYS) do
-  local n = redis.call('INCRBY', key, ARGV[1])
-  if n == tonumber(ARGV[1]) then redis.call('EXPIRE', key, ARGV[2]) end
-  out[i] = n
-end
-return out
-LUA
+# The naive server's own script, as benches/baseline.rs sends it.
+sed -n '/^const NAIVE_SCRIPT/,/^";/p' benches/baseline.rs | sed '1d;$d' >"$WORK/naive.lua"
+grep -q INCRBY "$WORK/naive.lua" || { echo "script-cost: NAIVE_SCRIPT not found in benches/baseline.rs" >&2; exit 1; }
 SCRIPT_FILE="$WORK/naive.lua"
 naive=$(cost naive 2000 2 "naive:{bench}:client:c1" "naive:{bench}:route:/api/1" 1 1)
 printf '%-44s %12s %12s\n' "script" "instr/call" "instr/request"
