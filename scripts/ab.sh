@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Interleaved A/B of two ratelimitd binaries: server CPU per request (µs, utime + stime from
-# /proc) and throughput under the same h2load load (the bench domain's 2-descriptor request),
+# /proc; on the Redis backend Redis's CPU per request too) and throughput under the same h2load load (the bench domain's 2-descriptor request),
 # runs alternating A, B, A, B... so that both see the same machine. Keep a change only if this
 # shows it. Usage: scripts/ab.sh BINARY_A BINARY_B. Loopback only; every run bounded.
 # Tunables: ROUNDS (3), DURATION (8 s), CLIENTS (16), STREAMS (32), BACKENDS ("memory redis").
@@ -27,12 +27,14 @@ trap cleanup EXIT
 "$BASELINE" --write-request "$WORK/request.bin"
 REDIS_PORT=$(free_port)
 redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save "" --appendonly no >/dev/null &
-pids+=("$!")
+REDIS_PID=$!
+pids+=("$REDIS_PID")
 until redis-cli -p "$REDIS_PORT" ping >/dev/null 2>&1; do sleep 0.05; done
 
-# One run of binary $1 on backend $2: prints "requests/s µs-CPU-per-request".
+ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+# One run of binary $1 on backend $2: prints "requests/s server-µs-per-request redis-µs-per-request".
 run() {
-  local bin=$1 backend=$2 grpc http pid s0 s1 out n
+  local bin=$1 backend=$2 grpc http pid s0 s1 r0 r1 out n
   grpc=127.0.0.1:$(free_port)
   http=127.0.0.1:$(free_port)
   local flags=(--config benches/limits.yaml --grpc-addr "$grpc" --http-addr "$http" --log-level warn --backend "$backend")
@@ -43,26 +45,34 @@ run() {
   local url="http://$grpc/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit"
   local h=(-d "$WORK/request.bin" -H 'content-type: application/grpc' -H 'te: trailers')
   h2load -c1 -n 2000 "${h[@]}" "$url" >/dev/null # warm
-  s0=$(awk '{print $14 + $15}' "/proc/$pid/stat")
+  s0=$(ticks "$pid"); r0=$(ticks "$REDIS_PID")
   out=$(h2load -c"$CLIENTS" -m"$STREAMS" -t1 -D "$DURATION" "${h[@]}" "$url")
-  s1=$(awk '{print $14 + $15}' "/proc/$pid/stat")
+  s1=$(ticks "$pid"); r1=$(ticks "$REDIS_PID")
   kill "$pid"; wait "$pid" 2>/dev/null || true
   n=$(echo "$out" | awk '/^requests:/ {print $8}')
-  awk -v n="$n" -v d="$DURATION" -v s=$((s1 - s0)) -v hz="$HZ" 'BEGIN { printf "%.0f %.1f\n", n / d, s / hz * 1e6 / n }'
+  awk -v n="$n" -v d="$DURATION" -v s=$((s1 - s0)) -v r=$((r1 - r0)) -v hz="$HZ" \
+    'BEGIN { printf "%.0f %.1f %.1f\n", n / d, s / hz * 1e6 / n, r / hz * 1e6 / n }'
 }
 
 echo "A: $A"
 echo "B: $B"
 echo "h2load -c$CLIENTS -m$STREAMS, ${DURATION}s per run, $ROUNDS rounds of A then B"
 for backend in $BACKENDS; do
-  sa=0; sb=0
+  sa=0; sb=0; xa=0; xb=0
   for r in $(seq "$ROUNDS"); do
-    read -r ra ca < <(run "$A" "$backend")
-    read -r rb cb < <(run "$B" "$backend")
-    printf '%-7s round %d   A %7s req/s %6s us/req   B %7s req/s %6s us/req\n' "$backend" "$r" "$ra" "$ca" "$rb" "$cb"
+    read -r ra ca da < <(run "$A" "$backend")
+    read -r rb cb db < <(run "$B" "$backend")
+    printf '%-7s round %d   A %7s req/s %6s us/req (redis %5s)   B %7s req/s %6s us/req (redis %5s)\n' \
+      "$backend" "$r" "$ra" "$ca" "$da" "$rb" "$cb" "$db"
     sa=$(awk -v a="$sa" -v b="$ca" 'BEGIN {print a + b}')
     sb=$(awk -v a="$sb" -v b="$cb" 'BEGIN {print a + b}')
+    xa=$(awk -v a="$xa" -v b="$da" 'BEGIN {print a + b}')
+    xb=$(awk -v a="$xb" -v b="$db" 'BEGIN {print a + b}')
   done
   awk -v a="$sa" -v b="$sb" -v n="$ROUNDS" -v k="$backend" \
     'BEGIN { printf "%-7s mean      A %.1f us/req   B %.1f us/req   B/A %.2f\n", k, a / n, b / n, b / a }'
+  if [ "$backend" = redis ]; then
+    awk -v a="$xa" -v b="$xb" -v n="$ROUNDS" \
+      'BEGIN { printf "redis   mean Redis CPU   A %.1f us/req   B %.1f us/req   B/A %.2f\n", a / n, b / n, (a > 0) ? b / a : 0 }'
+  fi
 done

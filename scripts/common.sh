@@ -25,3 +25,20 @@ bench_bin() {
   cargo bench --bench "$1" --no-run --message-format=json 2>/dev/null |
     sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | grep "/$1-" | tail -1
 }
+
+# Writes N pipelined calls of the Redis script, in RESP, each deciding K identical requests of
+# the bench domain (sliding window + fixed window, the bench request's keys): `HOW NAME` is
+# `FCALL <function>` or `EVALSHA <sha1>`. The layout is script.lua's (numbers packed as
+# little-endian doubles: perl, part of every Debian, packs them). For `redis-cli --pipe`.
+script_calls() { # K N HOW NAME
+  perl -e '
+    my ($k, $n, $how, $name) = @ARGV;
+    my $numbers = pack("d<*", 1, 2,                      # entries, counters
+      1, 2, 1e6, 1e6, 1e6,                               # client: sliding window, 1e6 per s
+      2, 1, 1e8, 1e6, 1e8,                               # route: fixed window, 1e8 per s
+      $k, 2, 1, 1, 1, 2, 1, 1);                          # a run of k: 1 hit each, enforced
+    my @args = ($how, $name, 2, "ratelimit:{bench}:client:c1:s1000000:0",
+      "ratelimit:{bench}:route:/api/1:f1000000:0", "decide", $numbers);
+    my $one = "*" . scalar(@args) . "\r\n" . join("", map { "\$" . length($_) . "\r\n$_\r\n" } @args);
+    print $one x $n;' "$@"
+}

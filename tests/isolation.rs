@@ -415,7 +415,7 @@ async fn a_request_touching_too_many_counters_is_refused_with_the_numbers() {
     assert!(is_ok(&call(&mut c, request("m", &descriptors[..2])).await));
 }
 
-/// The cluster client retries an EVALSHA after an I/O error, so a refund may run twice; run
+/// The cluster client retries a script call after an I/O error, so a refund may run twice; run
 /// twice, it gave back twice and over-admitted. Its marker key makes the second run a no-op.
 /// (The script is driven by hand here, in its documented argument layout.)
 #[tokio::test]
@@ -424,31 +424,40 @@ async fn a_refund_run_twice_gives_back_once() {
     let prefix = unique_prefix();
     let key = format!("{prefix}{{r}}:k:v:f3600000000:0");
     let marker = format!("{prefix}{{r}}refund:n1");
-    let script = ratelimitd::testing::SCRIPT;
-    // One counter (KEYS[1], fixed window, 5 an hour); one request of 1 hit, enforced.
-    let counter = ["1", "f", "5", "3600000000", "5"];
-    // A decide entry: one request (a run of 1), one limit: counter 1, 1 hit, enforced (a
-    // fixed window names no log members: no nonce).
-    let decide = || -> Vec<String> {
-        let mut a = vec!["EVAL", script, "1", &key, "decide", "1", "1"];
-        a.extend(counter);
-        a.extend(["1", "1", "1", "1", "E"]);
-        redis.cli(&a).lines().map(str::to_owned).collect::<Vec<_>>()
+    let mut conn = ::redis::Client::open(redis.url())
+        .and_then(|c| c.get_connection())
+        .expect("a connection");
+    // EVAL of the script: KEYS, the mode, the numbers packed as little-endian doubles, nonces.
+    let mut eval = |keys: &[&str], mode: &str, numbers: &[f64], nonces: &[&str]| -> Vec<i64> {
+        let packed: Vec<u8> = numbers.iter().flat_map(|n| n.to_le_bytes()).collect();
+        ::redis::cmd("EVAL")
+            .arg(ratelimitd::testing::SCRIPT)
+            .arg(keys.len())
+            .arg(keys)
+            .arg(mode)
+            .arg(packed)
+            .arg(nonces)
+            .query(&mut conn)
+            .expect("the script runs")
     };
-    let first = decide();
-    assert_eq!(first[0], "1", "admitted: {first:?}");
-    let at = first[1].clone();
-    assert_eq!(decide()[0], "1");
+    // One entry; one counter: KEYS[1], fixed window (1), 5 an hour, burst 5.
+    let counter = [1.0, 1.0, 5.0, 3600000000.0, 5.0];
+    // A decide entry: one request (a run of 1), one limit: counter 1, 1 hit, enforced (1). A
+    // fixed window names no log members: no nonce.
+    let decide = [&[1.0, 1.0][..], &counter, &[1.0, 1.0, 1.0, 1.0, 1.0]].concat();
+    let first = eval(&[&key], "decide", &decide, &[]);
+    assert_eq!(first[0], 1, "admitted: {first:?}");
+    let at = first[1] as f64;
+    assert_eq!(eval(&[&key], "decide", &decide, &[])[0], 1);
     for _ in 0..2 {
-        let mut a = vec!["EVAL", script, "2", &key, &marker, "refund", "1", "1"];
-        a.extend(counter);
-        a.extend(["n1", at.as_str(), "2", "1", "1", "1", "E"]);
-        redis.cli(&a);
+        // A refund entry: at, its marker (KEYS[2]), one limit as above; its nonce.
+        let numbers = [&[1.0, 1.0][..], &counter, &[at, 2.0, 1.0, 1.0, 1.0, 1.0]].concat();
+        eval(&[&key, &marker], "refund", &numbers, &["n1"]);
     }
     // Two taken, one given back (once), one more taken: 3 remain.
-    let third = decide();
+    let third = eval(&[&key], "decide", &decide, &[]);
     assert_eq!(
-        third[3], "3",
+        third[3], 3,
         "5 - 2 taken + 1 given back - 1 taken: {third:?}"
     );
 }

@@ -101,6 +101,14 @@ async fn three_instances_on_a_cluster_admit_exactly_the_limit() {
     let cluster = shared_cluster();
     let nodes: Vec<&RedisProc> = cluster.nodes.iter().collect();
     shared_counting_is_exact(&["--redis-cluster-nodes", &cluster.urls()], &nodes).await;
+    // The script went to every node as a function library (FCALL, not EVALSHA).
+    for node in &nodes {
+        assert!(
+            node.cli(&["FUNCTION", "LIST"]).contains("ratelimitd_"),
+            "node {}",
+            node.url()
+        );
+    }
 }
 
 const PAIR: &str = "domain: pair\ndescriptors:\n  - key: tight\n    rate_limit: {unit: hour, requests_per_unit: 20}\n  - key: roomy\n    rate_limit: {unit: hour, requests_per_unit: 1000}\n";
@@ -184,6 +192,100 @@ async fn coalesced_calls_decide_as_separate_calls_would(target: &[&str]) {
             assert_eq!(calls, requests, "max batch 1 makes one call per request");
         }
     }
+}
+
+/// While a call is in flight, requests wait for it and then share one call, though
+/// `--redis-pipeline` would let another call go: a second call goes early only when full.
+/// (Redis holds the first call with CLIENT PAUSE; the calls are counted from the metrics.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_behind_a_call_in_flight_share_the_next_call() {
+    let redis = RedisProc::start(&[]);
+    let url = redis.url();
+    let flags = ["--redis-url", url.as_str(), "--redis-pipeline", "2"];
+    let s = redis_server(&[("f.yaml", ONE)], &flags, &unique_prefix(), "10s").await;
+    let c = s.client().await;
+    let calls = || async {
+        let (_, text) = s.http_get("/metrics").await;
+        (
+            metric(&text, "ratelimit_redis_batch_requests_count"),
+            metric(&text, "ratelimit_redis_batch_requests_sum"),
+        )
+    };
+    // Loads the script; then the counts start from here.
+    assert!(is_ok(
+        &call(&mut c.clone(), request("f", &[&[("s", "warm")]])).await
+    ));
+    let (calls0, requests0) = calls().await;
+    redis.cli(&["CLIENT", "PAUSE", "3000", "WRITE"]);
+    let first = tokio::spawn({
+        let mut c = c.clone();
+        async move { call(&mut c, request("f", &[&[("s", "first")]])).await }
+    });
+    poll(Duration::from_secs(5), || async {
+        (calls().await.0 == calls0 + 1.0).then_some(())
+    })
+    .await;
+    let behind: Vec<_> = (0..10)
+        .map(|i| {
+            let mut c = c.clone();
+            tokio::spawn(async move {
+                call(&mut c, request("f", &[&[("s", &format!("behind{i}"))]])).await
+            })
+        })
+        .collect();
+    assert!(is_ok(&first.await.expect("the first request")));
+    for b in behind {
+        assert!(is_ok(&b.await.expect("a request behind it")));
+    }
+    let (calls1, requests1) = calls().await;
+    assert_eq!(requests1 - requests0, 11.0);
+    assert_eq!(
+        calls1 - calls0,
+        2.0,
+        "the first call, then one call for the ten behind it"
+    );
+}
+
+/// A call answered `Timeout` that Redis has not answered yet keeps its place among the calls
+/// in flight, but nobody waits for it: a request behind it is sent at once, not after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_nobody_waits_for_holds_up_no_request() {
+    let redis = RedisProc::start(&[]);
+    let url = redis.url();
+    let flags = ["--redis-url", url.as_str(), "--redis-pipeline", "2"];
+    let s = redis_server(&[("f.yaml", ONE)], &flags, &unique_prefix(), "300ms").await;
+    let mut c = s.client().await;
+    let calls = || async {
+        let (_, text) = s.http_get("/metrics").await;
+        metric(&text, "ratelimit_redis_batch_requests_count")
+    };
+    assert!(is_ok(
+        &call(&mut c, request("f", &[&[("s", "warm")]])).await
+    ));
+    let calls0 = calls().await;
+    redis.cli(&["CLIENT", "PAUSE", "5000", "WRITE"]);
+    let first = c
+        .should_rate_limit(request("f", &[&[("s", "first")]]))
+        .await;
+    assert_eq!(
+        first.map_err(|e| e.code()).err(),
+        Some(tonic::Code::Unavailable),
+        "answered when its budget ran out"
+    );
+    let second = tokio::spawn({
+        let mut c = c.clone();
+        async move {
+            c.should_rate_limit(request("f", &[&[("s", "second")]]))
+                .await
+        }
+    });
+    // Sent while Redis still holds the first call (the pause lasts 5 s).
+    poll(Duration::from_millis(2500), || async {
+        (calls().await == calls0 + 2.0).then_some(())
+    })
+    .await;
+    redis.cli(&["CLIENT", "UNPAUSE"]);
+    let _ = second.await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -488,12 +590,19 @@ async fn a_stalled_redis_is_answered_within_the_timeout_and_recovers() {
     );
 }
 
+/// The script runs as a function library; a Redis that lost it (restarted without
+/// persistence, flushed) gets it again on the next call, which is answered as usual.
 #[tokio::test]
-async fn script_flush_is_recovered_transparently() {
+async fn a_function_and_script_flush_is_recovered_transparently() {
     let redis = RedisProc::start(&[]);
     let s = fault_server(&redis, &[]).await;
     let mut c = s.client().await;
     assert!(is_ok(&call(&mut c, request("f", &[&[("k", "v")]])).await));
+    assert!(
+        redis.cli(&["FUNCTION", "LIST"]).contains("ratelimitd_"),
+        "the script is loaded as a function"
+    );
+    assert_eq!(redis.cli(&["FUNCTION", "FLUSH"]), "OK");
     assert_eq!(redis.cli(&["SCRIPT", "FLUSH"]), "OK");
     let r = call(&mut c, request("f", &[&[("k", "v")]])).await;
     assert!(is_ok(&r));
@@ -501,6 +610,45 @@ async fn script_flush_is_recovered_transparently() {
         r.statuses[0].limit_remaining, 0,
         "the count survived the flush"
     );
+    assert!(redis.cli(&["FUNCTION", "LIST"]).contains("ratelimitd_"));
+    let stats = redis.cli(&["INFO", "commandstats"]);
+    assert!(!stats.contains("cmdstat_evalsha"), "{stats}");
+}
+
+/// A user whose ACL forbids functions (as a Redis before 7 has none) is served by EVALSHA,
+/// with the same answers.
+#[tokio::test]
+async fn a_user_who_may_not_load_functions_is_served_by_evalsha() {
+    let redis = RedisProc::start(&[]);
+    redis.cli(&[
+        "ACL",
+        "SETUSER",
+        "limiter",
+        "on",
+        ">secret",
+        "~*",
+        "&*",
+        "+@all",
+        "-function",
+        "-fcall",
+        "-fcall_ro",
+    ]);
+    let url = redis.url().replace("redis://", "redis://limiter:secret@");
+    let target = ["--redis-url", url.as_str()];
+    let s = redis_server(&[("f.yaml", ONE)], &target, &unique_prefix(), "1s").await;
+    let mut c = s.client().await;
+    let remaining: Vec<u32> = {
+        let mut r = Vec::new();
+        for _ in 0..3 {
+            let answer = call(&mut c, request("f", &[&[("k", "v")]])).await;
+            r.push(answer.statuses[0].limit_remaining);
+        }
+        r
+    };
+    assert_eq!(remaining, [1, 0, 0], "2 an hour, counted as with functions");
+    assert_eq!(redis.cli(&["FUNCTION", "LIST"]), "", "nothing was loaded");
+    let stats = redis.cli(&["INFO", "commandstats"]);
+    assert!(stats.contains("cmdstat_evalsha"), "{stats}");
 }
 
 #[tokio::test]

@@ -406,7 +406,8 @@ pub struct Flags {
     #[arg(long, value_enum, default_value = "domain")]
     pub redis_hash_tag: HashTagArg,
 
-    /// Redis script calls in flight at once; requests arriving meanwhile share the next call.
+    /// Most Redis script calls in flight at once: a call goes at once when none is in flight, a
+    /// further one only when full; requests arriving meanwhile share the next call.
     #[arg(long, default_value_t = 2, value_parser = clap::builder::TypedValueParser::map(clap::value_parser!(u16).range(1..=64), usize::from))]
     pub redis_pipeline: usize,
 

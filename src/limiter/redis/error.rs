@@ -97,6 +97,9 @@ impl ErrorKind {
         }) {
             return *kind;
         }
+        if function_missing(err) {
+            return ErrorKind::NoScript;
+        }
         match err.kind() {
             Client::Server(Server::NoScript) => ErrorKind::NoScript,
             Client::Server(Server::CrossSlot) => ErrorKind::CrossSlot,
@@ -166,6 +169,26 @@ impl ErrorKind {
     }
 }
 
+/// Whether FCALL failed because Redis does not hold the function (a Redis restarted without
+/// persistence, `FUNCTION FLUSH`, a new cluster node): load the library and call again.
+pub(super) fn function_missing(err: &RedisError) -> bool {
+    err.code() == Some("ERR")
+        && err
+            .detail()
+            .is_some_and(|d| d.starts_with("Function not found"))
+}
+
+/// Whether Redis refuses functions for good: a Redis before 7 (FCALL and FUNCTION are unknown
+/// commands) or a user whose ACL forbids them. The script is then called by EVALSHA.
+pub(super) fn functions_refused(err: &RedisError) -> bool {
+    err.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoPerm)
+        || (err.code() == Some("ERR")
+            && err.detail().is_some_and(|d| {
+                let d = d.to_ascii_lowercase();
+                d.starts_with("unknown command") || d.starts_with("unknown subcommand")
+            }))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -190,6 +213,8 @@ mod tests {
             ("MASTERDOWN Link with MASTER is down and replica-serve-stale-data is set to 'no'.", "masterdown", true),
             ("BUSY Redis is busy running a script. You can only call SCRIPT KILL or SHUTDOWN NOSAVE.", "busy", true),
             ("NOSCRIPT No matching script. Please use EVAL.", "noscript", true),
+            // FCALL of a library Redis lost (it is loaded and called again first).
+            ("ERR Function not found", "noscript", true),
             ("NOAUTH Authentication required.", "auth", true),
             ("WRONGPASS invalid username-password pair or user is disabled.", "auth", true),
             ("NOPERM User has no permissions to run the 'evalsha' command", "auth", true),
@@ -210,6 +235,38 @@ mod tests {
             );
             // Redis answered: no evidence that it is unwell.
             assert_eq!(kind.evidence(), Evidence::None, "{reply}");
+        }
+    }
+
+    /// What makes the service load its function library, and what makes it call the script by
+    /// EVALSHA instead (Redis 6's and 7's own replies).
+    #[test]
+    fn function_replies_say_load_it_or_do_without() {
+        let err = |reply: &str| -> RedisError {
+            match redis::parse_redis_value(format!("-{reply}\r\n").as_bytes()).unwrap() {
+                redis::Value::ServerError(e) => e.into(),
+                v => panic!("{v:?}"),
+            }
+        };
+        let missing = err("ERR Function not found");
+        assert!(function_missing(&missing) && !functions_refused(&missing));
+        for refused in [
+            "ERR unknown command 'FCALL', with args beginning with: 'ratelimitd_x' '2' ",
+            "ERR unknown command `FUNCTION`, with args beginning with: `LOAD`, ",
+            "ERR unknown subcommand 'LOAD'. Try FUNCTION HELP.",
+            "NOPERM this user has no permissions to run the 'fcall' command",
+            "NOPERM this user has no permissions to run the 'function|load' command",
+        ] {
+            let e = err(refused);
+            assert!(functions_refused(&e) && !function_missing(&e), "{refused}");
+        }
+        for other in [
+            "NOSCRIPT No matching script. Please use EVAL.",
+            "ERR Error running script (call to f_1): @user_script:1: boom",
+            "OOM command not allowed when used memory > 'maxmemory'.",
+        ] {
+            let e = err(other);
+            assert!(!functions_refused(&e) && !function_missing(&e), "{other}");
         }
     }
 }

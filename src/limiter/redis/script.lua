@@ -10,6 +10,12 @@
 -- its own, exactly as if each had been its own call at the same instant: coalescing changes no
 -- decision, it only spares Redis a script call (and the client a round trip) per request.
 --
+-- It runs two ways, the same code: as a function library (FUNCTION LOAD with a header that
+-- names it; then FCALL), where everything outside `main` is built once per load, and by
+-- EVALSHA (Redis before 7, or a user who may not load functions), where the whole file runs
+-- on every call. Nothing outside `main` may carry state from one call to the next: each call
+-- sets what it reads. (Building the helpers and tables was a quarter of a lone request's cost.)
+--
 -- KEYS       every distinct counter of the call, once. All share one cluster slot (standalone
 --            Redis: any keys).
 --            fixed_window: string `<count>@<window start µs>`, expires at the window end. The
@@ -24,26 +30,31 @@
 --              a request carries (a member per hit let one request block Redis for seconds)
 --            token_bucket: string GCRA theoretical arrival time (µs)
 -- ARGV[1]    "decide" or "refund"
--- ARGV[2]    how many entries this call carries (below; an entry stands for one request or more)
--- ARGV[3]    how many counters: C
+-- ARGV[2]    every number of the call, packed: little-endian doubles back to back, read with
+--            struct.unpack (as text each cost Redis a strtod: a fifth of a lone request's cost)
+-- ARGV[3..]  the nonces, one per entry that has one (below), in the entries' order
+-- The numbers, in order:
+--   E        how many entries this call carries (an entry stands for one request or more)
+--   C        how many counters
 -- then per counter c (C times; the same key may come twice with different limits, e.g. from
 -- requests on either side of a config reload), its key being KEYS[k] with k from the first field:
---   k, algorithm (f|s|w|b), requests_per_unit, window (µs), burst
--- then per entry (ARGV[2] of them), decide:
+--   k, algorithm (1 fixed_window, 2 sliding_window, 3 sliding_log, 4 token_bucket),
+--   requests_per_unit, window (µs), burst
+-- then per entry (E of them), decide:
 --   m        the entry stands for m identical requests in a row, decided one after another
 --   n        how many limits each has
---   3 per limit: its counter c (1..C), hits, enforcement (E: over rejects; Q: rejects only if
---            every Q is over; S: never rejects)
---   nonce    only when one of its limits is a sliding_log: unique to the request, it names
---            the request's log members (so refunds can find them); such an entry has m = 1
+--   3 per limit: its counter c (1..C), hits, enforcement (1 E: over rejects; 2 Q: rejects only
+--            if every Q is over; 3 S: never rejects)
+--   and a nonce (ARGV) only when one of its limits is a sliding_log: unique to the request, it
+--            names the request's log members (so refunds can find them); such an entry has m = 1
 -- refund (one request per entry):
---   nonce    the decide's nonce
 --   at       the decide's time (µs), as returned by decide
 --   marker   the KEYS index of the request's refund marker (`<prefix>{<tag>}` then
 --            `refund:<nonce>`, in the slot of its keys): SET NX before refunding, so a refund
 --            that a client retries after an I/O error gives back only once
 --   n, then 3 per limit as for decide, hits being what the limit's decide CONSUMED (0 for one
---            that was over), so a refund never gives back what was never taken.
+--            that was over), so a refund never gives back what was never taken
+--   and the decide's nonce (ARGV).
 --
 -- Limits are sent once per counter, keys once per call and identical requests once per run,
 -- not once per request: parsing arguments was most of what Redis spent on a coalesced request.
@@ -60,9 +71,11 @@
 -- now (OOM, NOREPLICAS, MISCONF, READONLY, LOADING, MASTERDOWN, BUSY) fails the whole call: it
 -- would fail every request alike, and the client's failure mode answers them.
 
-local floor, ceil, max = math.floor, math.ceil, math.max
-local mode = ARGV[1]
-local FIELDS = 3
+-- Set on the first call: a library's top level may not read the standard libraries.
+local floor, ceil, max, unpack_numbers
+-- The codes the numbers carry for algorithms and enforcements.
+local ALGORITHMS = {'f', 's', 'w', 'b'}
+local ENFORCEMENTS = {'E', 'Q', 'S'}
 -- The call's counters: key, algorithm, requests_per_unit, window, burst.
 local c_key, c_algo, c_rpu, c_w, c_burst = {}, {}, {}, {}, {}
 -- The request being decided: its nonce, how many limits it has, and per limit its counter,
@@ -70,12 +83,12 @@ local c_key, c_algo, c_rpu, c_w, c_burst = {}, {}, {}, {}, {}
 local nonce, n = '', 0
 local l_c, l_hits, l_enf = {}, {}, {}
 -- The reply so far (`#out` is a search each time: keep the length here).
-local out, out_n = {}, 0
+local out, out_n
 -- Per limit of the current request: the check's verdict, and the counter state it read.
 local over, remaining, reset, state = {}, {}, {}, {}
 
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+-- The call's Redis TIME (µs).
+local now = 0
 
 local function expiry_ms(at_us)
   -- Expiries are in ms and a key lives while now_ms <= at_ms, so expire at the last ms before
@@ -143,7 +156,7 @@ end
 -- here while the call's requests are decided in order, and written once at the end. Each
 -- request still sees every earlier request's commits, so decisions are those of separate calls.
 -- (sliding_log writes a member per request and is read and written directly.)
-local cache, order = {}, {}
+local cache, order
 
 local function cached(key, load)
   local st = cache[key]
@@ -425,43 +438,62 @@ local function decide_entry(m)
   out_n = o
 end
 
-local p = 4
-for c = 1, tonumber(ARGV[3]) do
-  c_key[c], c_algo[c], c_rpu[c], c_w[c], c_burst[c] = KEYS[tonumber(ARGV[p])], ARGV[p + 1],
-    tonumber(ARGV[p + 2]), tonumber(ARGV[p + 3]), tonumber(ARGV[p + 4])
-  p = p + 5
-end
-local refunding = mode == 'refund'
-for _ = 1, tonumber(ARGV[2]) do
-  local m, b, at, marker = 1, p, 0, 0
-  if refunding then
-    nonce, at, marker, n = ARGV[p], tonumber(ARGV[p + 1]), tonumber(ARGV[p + 2]), tonumber(ARGV[p + 3])
-    b = p + 4
-  else
-    m, n = tonumber(ARGV[p]), tonumber(ARGV[p + 1])
-    b = p + 2
+-- One call: everything above is built once per library load (FCALL), or once per call (EVAL).
+local function main(KEYS, ARGV)
+  if not floor then
+    floor, ceil, max, unpack_numbers = math.floor, math.ceil, math.max, struct.unpack
   end
-  local logged = false
-  for i = 1, n do
-    local c = tonumber(ARGV[b])
-    l_c[i], l_hits[i], l_enf[i] = c, tonumber(ARGV[b + 1]), ARGV[b + 2]
-    if c_algo[c] == 'w' then logged = true end
-    b = b + FIELDS
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  local mode = ARGV[1]
+  out, out_n = {}, 0
+  cache, order = {}, {}
+  -- The numbers, read in order from ARGV[2]; the nonces, in order from ARGV[3].
+  local blob, at_byte, next_nonce = ARGV[2], 1, 3
+  local entries, counters
+  entries, counters, at_byte = unpack_numbers('<dd', blob, at_byte)
+  for c = 1, counters do
+    local k, a
+    k, a, c_rpu[c], c_w[c], c_burst[c], at_byte = unpack_numbers('<ddddd', blob, at_byte)
+    c_key[c], c_algo[c] = KEYS[k], ALGORITHMS[a]
   end
-  if refunding then
-    -- The marker outlives any retry of this call (the client's budget is seconds at most).
-    if redis.call('SET', KEYS[marker], '1', 'NX', 'PX', 60000) then refund(at) end
-    out[out_n + 1] = 1
-    out[out_n + 2] = now
-    out_n = out_n + 2
-  else
-    if logged then
-      nonce = ARGV[b]
-      b = b + 1
+  local refunding = mode == 'refund'
+  for _ = 1, entries do
+    local m, at, marker = 1, 0, 0
+    if refunding then
+      at, marker, n, at_byte = unpack_numbers('<ddd', blob, at_byte)
+      nonce, next_nonce = ARGV[next_nonce], next_nonce + 1
+    else
+      m, n, at_byte = unpack_numbers('<dd', blob, at_byte)
     end
-    decide_entry(m)
+    local logged = false
+    for i = 1, n do
+      local c, hits, e
+      c, hits, e, at_byte = unpack_numbers('<ddd', blob, at_byte)
+      l_c[i], l_hits[i], l_enf[i] = c, hits, ENFORCEMENTS[e]
+      if c_algo[c] == 'w' then logged = true end
+    end
+    if refunding then
+      -- The marker outlives any retry of this call (the client's budget is seconds at most).
+      if redis.call('SET', KEYS[marker], '1', 'NX', 'PX', 60000) then refund(at) end
+      out[out_n + 1] = 1
+      out[out_n + 2] = now
+      out_n = out_n + 2
+    else
+      if logged then
+        nonce, next_nonce = ARGV[next_nonce], next_nonce + 1
+      end
+      decide_entry(m)
+    end
   end
-  p = b
+  flush()
+  return out
 end
-flush()
-return out
+
+-- Loaded as a function library (FUNCTION LOAD), `FUNCTION` is the name the loader's header
+-- declares; run by EVAL or EVALSHA, this is the call itself.
+if redis.register_function then
+  redis.register_function(FUNCTION, main)
+else
+  return main(KEYS, ARGV)
+end

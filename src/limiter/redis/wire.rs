@@ -11,8 +11,22 @@ use smallvec::SmallVec;
 
 use crate::limiter::{Enforcement, Limit, Verdict};
 
-/// The script, loaded once per process and per Redis (EVALSHA; EVAL after NOSCRIPT).
+/// The script. Loaded as a Redis function library once per Redis (FUNCTION LOAD, then FCALL),
+/// or where Redis has no functions (before 7) or the user may not load them, called with
+/// EVALSHA (EVAL after NOSCRIPT). The three ways a call names it are `Call`'s variants.
 pub const SCRIPT: &str = include_str!("script.lua");
+
+/// How a call names the script.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Call {
+    /// FCALL of the function library [`load_library`] loads: its helpers and tables are built
+    /// once, at load, not on every call as EVAL's body is (a quarter of a lone request's cost).
+    Function,
+    /// EVALSHA of the script.
+    Hash,
+    /// EVAL with the script's source (after NOSCRIPT; Redis caches it for later EVALSHAs).
+    Source,
+}
 
 /// What a call does to its requests' counters.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -157,10 +171,10 @@ impl Args {
 /// Up to this many limits in a call, keys and counters are matched by a scan.
 const SCAN_LIMITS: usize = 16;
 
-/// The script call carrying `parts` (all of one mode): EVALSHA, or EVAL with the source after
-/// NOSCRIPT. Each distinct key is sent once and each distinct (key, limit) counter once;
-/// requests name their counters by number (see script.lua).
-pub(super) fn command(parts: &[&Args], by_source: bool) -> Cmd {
+/// The script call carrying `parts` (all of one mode), naming the script as `how` says. Each
+/// distinct key is sent once and each distinct (key, limit) counter once; requests name their
+/// counters by number (see script.lua).
+pub(super) fn command(parts: &[&Args], how: Call) -> Cmd {
     // Keys → KEYS index, (key, algorithm, requests_per_unit, window, burst) → counter number,
     // both 1-based as Lua counts.
     let limits_in: usize = parts.iter().map(|p| p.limits.len()).sum();
@@ -249,20 +263,57 @@ pub(super) fn command(parts: &[&Args], by_source: bool) -> Cmd {
         }
         first = these.end;
     }
-    let key_bytes: usize = keys.iter().map(|k| k.len()).sum();
-    let args = 6
-        + keys.len()
+    // Every number goes in one argument, packed (see [`Numbers`]); the nonces follow it.
+    let numbers = 2
         + 5 * counters.len()
         + entries
             .iter()
-            .map(|&(i, _, _)| 4 + 3 * parts[i].limits.len())
+            .map(|&(i, _, _)| 3 + 3 * parts[i].limits.len())
             .sum::<usize>();
-    let mut cmd = Cmd::with_capacity(args, key_bytes + 16 * args + 128);
-    if by_source {
-        cmd.arg("EVAL").arg(SCRIPT);
-    } else {
-        cmd.arg("EVALSHA").arg(script_hash());
+    let mut packed = Numbers(Vec::with_capacity(8 * numbers));
+    packed
+        .push(entries.len() as f64)
+        .push(counters.len() as f64);
+    for (k, l) in &counters {
+        packed
+            .push(*k as f64)
+            .push(algorithm_code(l.algorithm))
+            .push(l.requests_per_unit as f64)
+            .push(l.window_us as f64)
+            .push(l.burst as f64);
     }
+    let mut nonces: SmallVec<[&[u8]; 4]> = SmallVec::new();
+    for &(i, from, run) in &entries {
+        let p = parts[i];
+        let nonce = &p.nonce[..p.nonce_len as usize];
+        if refunding {
+            packed.push(p.at as f64).push((markers + i + 1) as f64);
+            nonces.push(nonce);
+        } else {
+            packed.push(run as f64);
+        }
+        packed.push(p.limits.len() as f64);
+        for (l, c) in p.limits.iter().zip(&limits[from..]) {
+            packed
+                .push(*c as f64)
+                .push(l.hits as f64)
+                .push(enforcement_code(l.enforcement));
+        }
+        if !refunding && p.logged() {
+            nonces.push(nonce);
+        }
+    }
+    let key_bytes: usize = keys.iter().map(|k| k.len()).sum();
+    let nonce_bytes: usize = nonces.iter().map(|n| n.len()).sum();
+    let mut cmd = Cmd::with_capacity(
+        5 + keys.len() + nonces.len(),
+        key_bytes + nonce_bytes + packed.0.len() + 128,
+    );
+    match how {
+        Call::Function => cmd.arg("FCALL").arg(function_name()),
+        Call::Hash => cmd.arg("EVALSHA").arg(script_hash()),
+        Call::Source => cmd.arg("EVAL").arg(SCRIPT),
+    };
     cmd.arg(keys.len());
     for key in &keys {
         cmd.arg(*key);
@@ -272,37 +323,70 @@ pub(super) fn command(parts: &[&Args], by_source: bool) -> Cmd {
     } else {
         Mode::Decide
     };
-    cmd.arg(mode.arg()).arg(entries.len()).arg(counters.len());
-    for (k, l) in &counters {
-        cmd.arg(*k)
-            .arg(&[l.algorithm][..])
-            .arg(l.requests_per_unit)
-            .arg(l.window_us)
-            .arg(l.burst);
-    }
-    for &(i, from, run) in &entries {
-        let p = parts[i];
-        let nonce = &p.nonce[..p.nonce_len as usize];
-        if refunding {
-            cmd.arg(nonce).arg(p.at).arg(markers + i + 1);
-        } else {
-            cmd.arg(run);
-        }
-        cmd.arg(p.limits.len());
-        for (l, c) in p.limits.iter().zip(&limits[from..]) {
-            cmd.arg(*c).arg(l.hits).arg(&[l.enforcement][..]);
-        }
-        if !refunding && p.logged() {
-            cmd.arg(nonce);
-        }
+    cmd.arg(mode.arg()).arg(&packed.0[..]);
+    for nonce in nonces {
+        cmd.arg(nonce);
     }
     cmd
+}
+
+/// The call's numbers in one argument, little-endian doubles back to back: the script reads
+/// them with `struct.unpack`, where text would cost Redis a `strtod` each (a fifth of a lone
+/// request's cost). Doubles are what Lua numbers are: every value is exact below 2^53, as it
+/// was as text.
+struct Numbers(Vec<u8>);
+
+impl Numbers {
+    fn push(&mut self, n: f64) -> &mut Numbers {
+        self.0.extend_from_slice(&n.to_le_bytes());
+        self
+    }
+}
+
+/// The script's code for an algorithm tag (`ALGORITHMS` in script.lua).
+fn algorithm_code(tag: u8) -> f64 {
+    match tag {
+        b'f' => 1.0,
+        b's' => 2.0,
+        b'w' => 3.0,
+        _ => 4.0, // b'b'
+    }
+}
+
+/// The script's code for an enforcement tag (`ENFORCEMENTS` in script.lua).
+fn enforcement_code(tag: u8) -> f64 {
+    match tag {
+        b'E' => 1.0,
+        b'Q' => 2.0,
+        _ => 3.0, // b'S'
+    }
 }
 
 /// The script's SHA1, as EVALSHA names it (computed once).
 pub(super) fn script_hash() -> &'static str {
     static HASH: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     HASH.get_or_init(|| redis::Script::new(SCRIPT).get_hash().to_owned())
+}
+
+/// The function library's name, which is also its one function's: the script's hash in it, so
+/// replicas of different versions sharing a Redis (a rolling deploy) each call their own.
+pub(super) fn function_name() -> &'static str {
+    static NAME: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    NAME.get_or_init(|| format!("ratelimitd_{}", script_hash()))
+}
+
+/// FUNCTION LOAD REPLACE of the library: the script with the header a library needs (its
+/// name, and the name its last lines register `main` under). REPLACE makes loading
+/// idempotent: the library of that name can only hold this very script.
+pub(super) fn load_library() -> Cmd {
+    static LIBRARY: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    let library = LIBRARY.get_or_init(|| {
+        let name = function_name();
+        format!("#!lua name={name}\nlocal FUNCTION = '{name}'\n{SCRIPT}")
+    });
+    let mut cmd = redis::cmd("FUNCTION");
+    cmd.arg("LOAD").arg("REPLACE").arg(library.as_str());
+    cmd
 }
 
 /// A request's share of a decide call's reply: `{admitted, now, then per limit: over,
@@ -373,13 +457,27 @@ mod tests {
         p
     }
 
+    /// The command's arguments as text, the packed numbers (after the mode) one by one.
     fn args(cmd: &Cmd) -> Vec<String> {
-        cmd.args_iter()
-            .map(|a| match a {
-                redis::Arg::Simple(b) => String::from_utf8_lossy(b).into_owned(),
-                _ => "<cursor>".into(),
-            })
-            .collect()
+        let mut out = Vec::new();
+        let mut packed_next = false;
+        for a in cmd.args_iter() {
+            let redis::Arg::Simple(b) = a else {
+                panic!("a cursor")
+            };
+            if packed_next {
+                assert_eq!(b.len() % 8, 0, "whole doubles");
+                out.extend(b.chunks_exact(8).map(|c| {
+                    let n = f64::from_le_bytes(c.try_into().expect("8 bytes"));
+                    n.to_string()
+                }));
+                packed_next = false;
+                continue;
+            }
+            packed_next = b == b"decide" || b == b"refund";
+            out.push(String::from_utf8_lossy(b).into_owned());
+        }
+        out
     }
 
     #[test]
@@ -392,27 +490,33 @@ mod tests {
             part(&[b"{d}:a"], 7),
         ];
         let parts: Vec<&Args> = parts.iter().collect();
-        let got = args(&command(&parts, false));
+        let got = args(&command(&parts, Call::Hash));
         #[rustfmt::skip]
         let expected = [
-            "EVALSHA", script_hash(), "2", "{d}:a", "{d}:b", "decide", "2", "3",
-            // counters: key, algorithm, requests_per_unit, window, burst
-            "1", "f", "5", "1000000", "5",
-            "2", "f", "5", "1000000", "5",
-            "1", "f", "7", "1000000", "7",
-            // entries: requests in the run, n, then counter, hits, enforcement per limit
-            "2", "2", "1", "1", "E", "2", "1", "E",
-            "1", "1", "3", "1", "E",
+            "EVALSHA", script_hash(), "2", "{d}:a", "{d}:b", "decide",
+            // packed numbers: entries, counters
+            "2", "3",
+            // counters: key, algorithm (1: fixed_window), requests_per_unit, window, burst
+            "1", "1", "5", "1000000", "5",
+            "2", "1", "5", "1000000", "5",
+            "1", "1", "7", "1000000", "7",
+            // entries: requests in the run, n, then counter, hits, enforcement (1: E) per limit
+            "2", "2", "1", "1", "1", "2", "1", "1",
+            "1", "1", "3", "1", "1",
         ];
         assert_eq!(got, expected);
-        assert_eq!(args(&command(&parts, true))[..2], ["EVAL", SCRIPT]);
+        assert_eq!(args(&command(&parts, Call::Source))[..2], ["EVAL", SCRIPT]);
+        // The same arguments after the function's name.
+        let function = args(&command(&parts, Call::Function));
+        assert_eq!(function[..2], ["FCALL", function_name()]);
+        assert_eq!(function[2..], expected[2..]);
 
         // Past SCAN_LIMITS limits, keys and counters are matched by hashing: the same call.
         let many: Vec<Args> = (0..10).map(|_| part(&[b"{d}:a", b"{d}:b"], 5)).collect();
         let many: Vec<&Args> = many.iter().collect();
-        let got = args(&command(&many, false));
+        let got = args(&command(&many, Call::Hash));
         assert_eq!(got[2..8], ["2", "{d}:a", "{d}:b", "decide", "1", "2"]);
-        assert_eq!(got[18..], ["10", "2", "1", "1", "E", "2", "1", "E"]);
+        assert_eq!(got[18..], ["10", "2", "1", "1", "1", "2", "1", "1"]);
     }
 
     #[test]
@@ -429,15 +533,15 @@ mod tests {
             part(&[b"{d}:a"], 5), // alike, but not next to its kind
         ];
         let parts: Vec<&Args> = parts.iter().collect();
-        let got = args(&command(&parts, false));
+        let got = args(&command(&parts, Call::Hash));
         assert_eq!(got[5..8], ["decide", "5", "2"]);
         #[rustfmt::skip]
         let entries = [
-            "1", "1", "1", "1", "E",
-            "1", "1", "1", "2", "E",
-            "1", "1", "1", "1", "Q",
-            "3", "1", "2", "1", "E",
-            "1", "1", "1", "1", "E",
+            "1", "1", "1", "1", "1",
+            "1", "1", "1", "2", "1",
+            "1", "1", "1", "1", "2", // Q
+            "3", "1", "2", "1", "1",
+            "1", "1", "1", "1", "1",
         ];
         assert_eq!(got[18..], entries);
 
@@ -447,11 +551,11 @@ mod tests {
             part_of(Algorithm::SlidingLog, &[b"{d}:a"], 5, 1),
         ];
         let logs: Vec<&Args> = logs.iter().collect();
-        let got = args(&command(&logs, false));
+        let got = args(&command(&logs, Call::Hash));
         assert_eq!(got[4..7], ["decide", "2", "1"]);
         assert_eq!(
             got[12..],
-            ["1", "1", "1", "1", "E", "nn", "1", "1", "1", "1", "E", "nn"]
+            ["1", "1", "1", "1", "1", "1", "1", "1", "1", "1", "nn", "nn"]
         );
     }
 
@@ -466,12 +570,13 @@ mod tests {
         };
         p.push(b"{d}:a", &limit, 1, Enforcement::Quota);
         assert_eq!(p.reply_len(), 2);
-        let got = args(&command(&[&p], false));
+        let got = args(&command(&[&p], Call::Hash));
         #[rustfmt::skip]
         let expected = [
             "EVALSHA", script_hash(), "2", "{d}:a", "{d}refund:nn", "refund", "1", "1",
-            "1", "w", "3", "2000000", "3",
-            "nn", "42", "2", "1", "1", "1", "Q",
+            "1", "3", "3", "2000000", "3", // 3: sliding_log
+            "42", "2", "1", "1", "1", "2", // at, marker (KEYS[2]), n; 2: Q
+            "nn",
         ];
         assert_eq!(got, expected);
     }
