@@ -3,7 +3,8 @@
 # /proc; on the Redis backend Redis's CPU per request too) and throughput under the same h2load load (the bench domain's 2-descriptor request),
 # runs alternating A, B, A, B... so that both see the same machine. Keep a change only if this
 # shows it. Usage: scripts/ab.sh BINARY_A BINARY_B. Loopback only; every run bounded.
-# Tunables: ROUNDS (3), DURATION (8 s), CLIENTS (16), STREAMS (32), BACKENDS ("memory redis").
+# Tunables: ROUNDS (3), DURATION (8 s), CLIENTS (16), STREAMS (32), BACKENDS ("memory redis"),
+# FLAGS (more server flags for both, e.g. "--reference-metrics").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/common.sh
@@ -39,6 +40,8 @@ run() {
   http=127.0.0.1:$(free_port)
   local flags=(--config benches/limits.yaml --grpc-addr "$grpc" --http-addr "$http" --log-level warn --backend "$backend")
   [ "$backend" = redis ] && flags+=(--redis-url "redis://127.0.0.1:$REDIS_PORT" --redis-timeout 1s)
+  read -ra extra <<<"${FLAGS:-}"
+  flags+=("${extra[@]}")
   "$bin" "${flags[@]}" &
   pid=$!
   until curl -sf "$http/healthcheck" >/dev/null; do kill -0 "$pid" || exit 1; sleep 0.05; done
@@ -56,7 +59,7 @@ run() {
 
 echo "A: $A"
 echo "B: $B"
-echo "h2load -c$CLIENTS -m$STREAMS, ${DURATION}s per run, $ROUNDS rounds of A then B"
+echo "h2load -c$CLIENTS -m$STREAMS, ${DURATION}s per run, $ROUNDS rounds of A then B${FLAGS:+, server flags: $FLAGS}"
 for backend in $BACKENDS; do
   sa=0; sb=0; xa=0; xb=0
   for r in $(seq "$ROUNDS"); do

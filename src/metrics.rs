@@ -1,7 +1,7 @@
 //! Every metric the service exports, named in one place (Prometheus text format on /metrics).
 //! One registry per server instance, so tests can run several servers in one process.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
 use prometheus_client::metrics::counter::Counter;
@@ -48,6 +48,18 @@ pub struct ReferenceLabels {
     pub key2: Option<Arc<str>>,
 }
 
+impl ReferenceLabels {
+    /// The labels of `rule` (a config path, levels joined by `.`) in `domain`.
+    pub fn of(domain: &Arc<String>, rule: &str) -> ReferenceLabels {
+        let mut levels = rule.split('.');
+        ReferenceLabels {
+            domain: domain.clone(),
+            key1: levels.next().unwrap_or_default().into(),
+            key2: levels.next().map(Into::into),
+        }
+    }
+}
+
 impl prometheus_client::encoding::EncodeLabelSet for ReferenceLabels {
     fn encode(
         &self,
@@ -83,6 +95,19 @@ pub struct ReferenceMetrics {
     pub shadow_mode: Family<ReferenceLabels, BareCounter>,
 }
 
+impl ReferenceMetrics {
+    /// The families in the order of `engine::report::reference_counts`.
+    pub fn families(&self) -> [&Family<ReferenceLabels, BareCounter>; 5] {
+        [
+            &self.total_hits,
+            &self.within_limit,
+            &self.near_limit,
+            &self.over_limit,
+            &self.shadow_mode,
+        ]
+    }
+}
+
 /// What the engine records for each decided limit.
 #[derive(Clone, Default)]
 pub struct DecisionMetrics {
@@ -90,6 +115,121 @@ pub struct DecisionMetrics {
     pub decisions: Family<DecisionLabels, Counter>,
     /// envoyproxy/ratelimit's families, when enabled (`--reference-metrics`).
     pub reference: Option<ReferenceMetrics>,
+    /// Who these families are, for [`RuleCounters`]: clones share it.
+    owner: Arc<()>,
+}
+
+impl DecisionMetrics {
+    /// Metrics recording into `decisions` and, if set, `reference`.
+    pub fn new(
+        decisions: Family<DecisionLabels, Counter>,
+        reference: Option<ReferenceMetrics>,
+    ) -> DecisionMetrics {
+        DecisionMetrics {
+            decisions,
+            reference,
+            owner: Arc::default(),
+        }
+    }
+
+    /// Counts one decision of `rule` in `domain`, with `reference` (from
+    /// `engine::report::reference_counts`) added to the reference families if they are on.
+    /// Looks the labels up in each family: the path for labels that carry request values.
+    pub fn record(
+        &self,
+        domain: &Arc<String>,
+        rule: Arc<String>,
+        decision: Decision,
+        reference: Option<[u64; 5]>,
+    ) {
+        if let (Some(families), Some(counts)) = (&self.reference, reference) {
+            let labels = ReferenceLabels::of(domain, &rule);
+            for (family, n) in families.families().into_iter().zip(counts) {
+                if n > 0 {
+                    family.get_or_create(&labels).inc_by(n);
+                }
+            }
+        }
+        self.decisions
+            .get_or_create(&DecisionLabels {
+                domain: domain.clone(),
+                rule,
+                decision,
+            })
+            .inc();
+    }
+
+    /// `slot`'s counters for `rule` in `domain`, looked up in these families the first time;
+    /// `None` if another server's metrics filled the slot first.
+    pub fn rule<'a>(
+        &self,
+        slot: &'a RuleCounters,
+        domain: &Arc<String>,
+        rule: &Arc<String>,
+    ) -> Option<&'a RuleHandles> {
+        let handles = slot.0.get_or_init(|| RuleHandles {
+            owner: self.owner.clone(),
+            decisions: [
+                Decision::within_limit,
+                Decision::near_limit,
+                Decision::over_limit,
+                Decision::shadow_mode,
+            ]
+            .map(|decision| {
+                self.decisions
+                    .get_or_create(&DecisionLabels {
+                        domain: domain.clone(),
+                        rule: rule.clone(),
+                        decision,
+                    })
+                    .clone()
+            }),
+            reference: self.reference.as_ref().map(|families| {
+                let labels = ReferenceLabels::of(domain, rule);
+                families
+                    .families()
+                    .map(|family| family.get_or_create(&labels).clone())
+            }),
+        });
+        Arc::ptr_eq(&handles.owner, &self.owner).then_some(handles)
+    }
+}
+
+/// The counters of one rule whose labels are fixed (no request values in them), kept on the
+/// config node the rule belongs to and looked up once per config: a decision then costs one
+/// atomic add per counter, not a lookup under each family's lock with its labels hashed and
+/// their strings' reference counts bumped — shared cache lines every worker thread writes.
+#[derive(Default)]
+pub struct RuleCounters(OnceLock<RuleHandles>);
+
+impl std::fmt::Debug for RuleCounters {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("RuleCounters")
+    }
+}
+
+/// A rule's counters in one server's families.
+pub struct RuleHandles {
+    /// The [`DecisionMetrics`] they belong to (kept alive, so the address is never reused).
+    owner: Arc<()>,
+    /// By [`Decision`], in declaration order.
+    decisions: [Counter; 4],
+    /// As [`ReferenceMetrics::families`], when those are on.
+    reference: Option<[BareCounter; 5]>,
+}
+
+impl RuleHandles {
+    /// Counts one decision, as [`DecisionMetrics::record`] does.
+    pub fn record(&self, decision: Decision, reference: Option<[u64; 5]>) {
+        if let (Some(counters), Some(counts)) = (&self.reference, reference) {
+            for (counter, n) in counters.iter().zip(counts) {
+                if n > 0 {
+                    counter.inc_by(n);
+                }
+            }
+        }
+        self.decisions[decision as usize].inc();
+    }
 }
 
 /// Result of a config load.
@@ -346,10 +486,7 @@ impl Metrics {
         } else {
             (None, None)
         };
-        let decisions = DecisionMetrics {
-            decisions,
-            reference,
-        };
+        let decisions = DecisionMetrics::new(decisions, reference);
         let config_loads = Family::<LoadLabels, Counter>::default();
         registry.register(
             "ratelimit_config_loads",
@@ -480,5 +617,55 @@ impl Metrics {
         prometheus_client::encoding::text::encode(&mut out, &self.registry)
             .expect("writing to a String cannot fail");
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn count(metrics: &DecisionMetrics, decision: Decision) -> u64 {
+        let domain = Arc::new("d".to_owned());
+        let rule = Arc::new("k_v".to_owned());
+        metrics
+            .decisions
+            .get_or_create(&DecisionLabels {
+                domain,
+                rule,
+                decision,
+            })
+            .get()
+    }
+
+    #[test]
+    fn a_rules_counters_count_in_the_families_that_filled_them_and_no_other() {
+        let (domain, rule) = (Arc::new("d".to_owned()), Arc::new("k_v".to_owned()));
+        let first = DecisionMetrics::new(Family::default(), Some(ReferenceMetrics::default()));
+        let second = DecisionMetrics::new(Family::default(), None);
+        let slot = RuleCounters::default();
+
+        let handles = first
+            .rule(&slot, &domain, &rule)
+            .expect("an empty slot fills");
+        handles.record(Decision::over_limit, Some([3, 0, 1, 2, 0]));
+        first
+            .rule(&slot, &domain, &rule)
+            .expect("its own slot")
+            .record(Decision::over_limit, Some([1, 0, 0, 1, 0]));
+        assert_eq!(count(&first, Decision::over_limit), 2);
+        assert_eq!(count(&first, Decision::within_limit), 0);
+        let labels = ReferenceLabels::of(&domain, &rule);
+        let reference = first.reference.as_ref().expect("on");
+        assert_eq!(reference.total_hits.get_or_create(&labels).get(), 4);
+        assert_eq!(reference.over_limit.get_or_create(&labels).get(), 3);
+        assert_eq!(reference.within_limit.get_or_create(&labels).get(), 0);
+
+        // Another server's metrics never count through the slot: they take the lookup path.
+        assert!(second.rule(&slot, &domain, &rule).is_none());
+        second.record(&domain, rule.clone(), Decision::within_limit, None);
+        assert_eq!(count(&second, Decision::within_limit), 1);
+        assert_eq!(count(&first, Decision::within_limit), 0);
+        // A clone is the same server.
+        assert!(first.clone().rule(&slot, &domain, &rule).is_some());
     }
 }

@@ -595,6 +595,7 @@ impl Compiler<'_> {
             metadata: raw.metadata.map(Box::new),
             children,
             path: Arc::new(path),
+            counters: Default::default(),
         };
         Ok((key.into_boxed_str(), node))
     }

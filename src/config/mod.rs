@@ -170,6 +170,8 @@ pub struct Node {
     pub children: Level,
     /// The rule's config path for metrics and `/rlconfig`, e.g. `key1_value1.subkey1`.
     pub path: Arc<String>,
+    /// Its decision counters, looked up on first use (for labels without request values).
+    pub counters: crate::metrics::RuleCounters,
 }
 
 /// Whether a configured value is a wildcard pattern (contains `*`).

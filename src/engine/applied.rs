@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use crate::config::Unit;
 use crate::limiter::Enforcement;
+use crate::metrics::RuleCounters;
 
 /// The limit reported for a descriptor.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -33,6 +34,9 @@ pub(crate) struct Applicable<'s> {
     pub(crate) rule: Arc<String>,
     /// The rule label carries request values (`detailed_metric`, `value_to_metric`).
     pub(crate) rule_has_values: bool,
+    /// The rule's metric counters, kept on its config node (`None` for a limit override no
+    /// node matches).
+    pub(crate) counters: Option<&'s RuleCounters>,
     /// The config node's `metadata`, if any.
     pub(crate) metadata: Option<&'s serde_json::Value>,
 }

@@ -27,7 +27,7 @@ use self::resolve::{Resolved, resolve};
 use crate::config::Snapshot;
 use crate::limiter::key::KeyFormat;
 use crate::limiter::{Algorithm, Backend};
-use crate::metrics::{Decision, DecisionLabels, DecisionMetrics, ReferenceLabels};
+use crate::metrics::{Decision, DecisionMetrics};
 
 /// How the engine decides, beyond the config.
 #[derive(Clone, Copy, Debug)]
@@ -163,44 +163,27 @@ impl Engine {
     }
 
     fn record(&self, domain: &Arc<String>, a: &Applied<'_>, decision: Decision, tally: Tally) {
-        let rule = if a.limit.rule_has_values {
-            self.value_rules.label(&a.limit.rule)
-        } else {
-            a.limit.rule.clone()
-        };
-        if let Some(reference) = &self.decisions.reference {
-            let counts = report::reference_counts(
+        let reference = self.decisions.reference.is_some().then(|| {
+            report::reference_counts(
                 tally,
                 self.options.near_limit_ratio,
                 a.limit.enforcement == crate::limiter::Enforcement::Shadow,
-            );
-            let mut levels = rule.split('.');
-            let labels = ReferenceLabels {
-                domain: domain.clone(),
-                key1: levels.next().unwrap_or_default().into(),
-                key2: levels.next().map(Into::into),
-            };
-            let families = [
-                &reference.total_hits,
-                &reference.within_limit,
-                &reference.near_limit,
-                &reference.over_limit,
-                &reference.shadow_mode,
-            ];
-            for (family, n) in families.into_iter().zip(counts) {
-                if n > 0 {
-                    family.get_or_create(&labels).inc_by(n);
-                }
-            }
+            )
+        });
+        if a.limit.rule_has_values {
+            let rule = self.value_rules.label(&a.limit.rule);
+            return self.decisions.record(domain, rule, decision, reference);
         }
-        self.decisions
-            .decisions
-            .get_or_create(&DecisionLabels {
-                domain: domain.clone(),
-                rule,
-                decision,
-            })
-            .inc();
+        match a
+            .limit
+            .counters
+            .and_then(|slot| self.decisions.rule(slot, domain, &a.limit.rule))
+        {
+            Some(counters) => counters.record(decision, reference),
+            None => self
+                .decisions
+                .record(domain, a.limit.rule.clone(), decision, reference),
+        }
     }
 
     /// The hits (of 0) naming the counters of one descriptor, and the limit each reports.

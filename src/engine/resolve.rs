@@ -84,9 +84,9 @@ pub(crate) fn resolve<'s>(
         if let Some(o) = d.limit_override {
             // The metric label comes from the config, never from the request's entries: the
             // node the descriptor matches, else a constant.
-            let (rule, rule_has_values) = match domain.resolve(&d.entries, keys) {
-                Some(m) => (m.rule, m.rule_has_values),
-                None => (override_rule.clone(), false),
+            let (rule, rule_has_values, counters) = match domain.resolve(&d.entries, keys) {
+                Some(m) => (m.rule, m.rule_has_values, Some(&m.node.counters)),
+                None => (override_rule.clone(), false, None),
             };
             found.push(Applicable {
                 descriptor: i,
@@ -99,6 +99,7 @@ pub(crate) fn resolve<'s>(
                 enforcement: Enforcement::Enforce,
                 rule,
                 rule_has_values,
+                counters,
                 metadata: None,
             });
             hits.push(override_hit(keys, req.domain, &d.entries, o, hits_addend));
@@ -139,6 +140,7 @@ pub(crate) fn resolve<'s>(
                 enforcement,
                 rule: matched.rule.clone(),
                 rule_has_values: matched.rule_has_values,
+                counters: Some(&matched.node.counters),
                 metadata: matched.node.metadata.as_deref(),
             });
             hits.push(Hit {
