@@ -193,16 +193,18 @@ pub(super) fn functions_refused(err: &RedisError) -> bool {
 mod tests {
     use super::*;
 
+    /// The error a Redis error reply (`reply`, without its leading `-`) becomes.
+    fn err(reply: &str) -> RedisError {
+        match redis::parse_redis_value(format!("-{reply}\r\n").as_bytes()).unwrap() {
+            redis::Value::ServerError(e) => e.into(),
+            v => panic!("{v:?}"),
+        }
+    }
+
     /// Every reply Redis can give a script call has a stated class: transient (the failure
     /// mode answers) or permanent (INTERNAL), with its own metric kind.
     #[test]
     fn every_redis_error_has_a_stated_class() {
-        let err = |reply: &str| -> RedisError {
-            match redis::parse_redis_value(format!("-{reply}\r\n").as_bytes()).unwrap() {
-                redis::Value::ServerError(e) => e.into(),
-                v => panic!("{v:?}"),
-            }
-        };
         #[rustfmt::skip]
         let cases = [
             ("OOM command not allowed when used memory > 'maxmemory'.", "oom", true),
@@ -242,12 +244,6 @@ mod tests {
     /// EVALSHA instead (Redis 6's and 7's own replies).
     #[test]
     fn function_replies_say_load_it_or_do_without() {
-        let err = |reply: &str| -> RedisError {
-            match redis::parse_redis_value(format!("-{reply}\r\n").as_bytes()).unwrap() {
-                redis::Value::ServerError(e) => e.into(),
-                v => panic!("{v:?}"),
-            }
-        };
         let missing = err("ERR Function not found");
         assert!(function_missing(&missing) && !functions_refused(&missing));
         for refused in [

@@ -9,7 +9,7 @@ use std::time::Duration;
 use redis::Cmd;
 use smallvec::SmallVec;
 
-use crate::limiter::{Enforcement, Limit, Verdict};
+use crate::limiter::{Algorithm, Enforcement, Limit, Verdict};
 
 /// The script. Loaded as a Redis function library once per Redis (FUNCTION LOAD, then FCALL),
 /// or where Redis has no functions (before 7) or the user may not load them, called with
@@ -49,8 +49,8 @@ impl Mode {
 /// One limit of a request, as the script takes it.
 #[derive(Clone, Copy, Debug)]
 struct LimitArgs {
-    /// f, s, w or b.
-    algorithm: u8,
+    /// How it counts.
+    algorithm: Algorithm,
     /// Hits per window (token bucket: refill per window).
     requests_per_unit: u64,
     /// Window in µs.
@@ -59,8 +59,8 @@ struct LimitArgs {
     burst: u64,
     /// Hits to add (refund: to give back).
     hits: u64,
-    /// E, Q or S.
-    enforcement: u8,
+    /// What an over verdict does.
+    enforcement: Enforcement,
 }
 
 /// A request's share of a script call: its counters' keys and limits, and what to do with
@@ -116,16 +116,12 @@ impl Args {
         self.keys.extend_from_slice(key);
         self.key_ends.push(self.keys.len() as u32);
         self.limits.push(LimitArgs {
-            algorithm: limit.algorithm.tag(),
+            algorithm: limit.algorithm,
             requests_per_unit: limit.requests_per_unit,
             window_us: limit.window_us,
             burst: limit.burst,
             hits,
-            enforcement: match enforcement {
-                Enforcement::Enforce => b'E',
-                Enforcement::Quota => b'Q',
-                Enforcement::Shadow => b'S',
-            },
+            enforcement,
         });
     }
 
@@ -154,7 +150,9 @@ impl Args {
 
     /// Whether one of its limits is a sliding_log (whose members its nonce names).
     fn logged(&self) -> bool {
-        self.limits.iter().any(|l| l.algorithm == b'w')
+        self.limits
+            .iter()
+            .any(|l| l.algorithm == Algorithm::SlidingLog)
     }
 
     /// Each key with its limit.
@@ -186,7 +184,7 @@ pub(super) fn command(parts: &[&Args], how: Call) -> Cmd {
     let hashed = limits_in > SCAN_LIMITS;
     let mut key_index: HashMap<&[u8], usize> = HashMap::new();
     let mut counters: Vec<(usize, &LimitArgs)> = Vec::with_capacity(limits_in);
-    let mut counter_index: HashMap<(usize, u8, u64, u64, u64), usize> = HashMap::new();
+    let mut counter_index: HashMap<(usize, Algorithm, u64, u64, u64), usize> = HashMap::new();
     if hashed {
         key_index.reserve(limits_in);
         counter_index.reserve(limits_in);
@@ -343,22 +341,22 @@ impl Numbers {
     }
 }
 
-/// The script's code for an algorithm tag (`ALGORITHMS` in script.lua).
-fn algorithm_code(tag: u8) -> f64 {
-    match tag {
-        b'f' => 1.0,
-        b's' => 2.0,
-        b'w' => 3.0,
-        _ => 4.0, // b'b'
+/// The script's code for an algorithm (`ALGORITHMS` in script.lua).
+fn algorithm_code(algorithm: Algorithm) -> f64 {
+    match algorithm {
+        Algorithm::FixedWindow => 1.0,
+        Algorithm::SlidingWindow => 2.0,
+        Algorithm::SlidingLog => 3.0,
+        Algorithm::TokenBucket => 4.0,
     }
 }
 
-/// The script's code for an enforcement tag (`ENFORCEMENTS` in script.lua).
-fn enforcement_code(tag: u8) -> f64 {
-    match tag {
-        b'E' => 1.0,
-        b'Q' => 2.0,
-        _ => 3.0, // b'S'
+/// The script's code for an enforcement (`ENFORCEMENTS` in script.lua).
+fn enforcement_code(enforcement: Enforcement) -> f64 {
+    match enforcement {
+        Enforcement::Enforce => 1.0,
+        Enforcement::Quota => 2.0,
+        Enforcement::Shadow => 3.0,
     }
 }
 
@@ -522,7 +520,7 @@ mod tests {
     #[test]
     fn only_requests_alike_in_counters_hits_and_enforcement_share_an_entry() {
         let mut quota = part(&[b"{d}:a"], 5);
-        quota.limits[0].enforcement = b'Q';
+        quota.limits[0].enforcement = Enforcement::Quota;
         let parts = [
             part(&[b"{d}:a"], 5),
             part_of(Algorithm::FixedWindow, &[b"{d}:a"], 5, 2), // other hits
