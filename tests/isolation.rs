@@ -445,10 +445,11 @@ async fn a_refund_run_twice_gives_back_once() {
     // A decide entry: one request (a run of 1), one limit: counter 1, 1 hit, enforced (1). A
     // fixed window names no log members: no nonce.
     let decide = [&[1.0, 1.0][..], &counter, &[1.0, 1.0, 1.0, 1.0, 1.0]].concat();
+    // The reply: the call's time, then admitted, then the limit's room and reset.
     let first = eval(&[&key], "decide", &decide, &[]);
-    assert_eq!(first[0], 1, "admitted: {first:?}");
-    let at = first[1] as f64;
-    assert_eq!(eval(&[&key], "decide", &decide, &[])[0], 1);
+    assert_eq!(first[1], 1, "admitted: {first:?}");
+    let at = first[0] as f64;
+    assert_eq!(eval(&[&key], "decide", &decide, &[])[1], 1);
     for _ in 0..2 {
         // A refund entry: at, its marker (KEYS[2]), one limit as above; its nonce.
         let numbers = [&[1.0, 1.0][..], &counter, &[at, 2.0, 1.0, 1.0, 1.0, 1.0]].concat();
@@ -457,7 +458,7 @@ async fn a_refund_run_twice_gives_back_once() {
     // Two taken, one given back (once), one more taken: 3 remain.
     let third = eval(&[&key], "decide", &decide, &[]);
     assert_eq!(
-        third[3], 3,
+        third[2], 3,
         "5 - 2 taken + 1 given back - 1 taken: {third:?}"
     );
 }

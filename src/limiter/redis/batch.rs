@@ -77,9 +77,14 @@ pub(super) struct Reply {
 }
 
 impl Reply {
-    /// `{admitted, now, then per limit: over, remaining, reset}` (refund: `{1, now}`).
+    /// `{admitted, then per limit: room, reset}` (refund: `{1}`); see [`wire::Decided`].
     pub(super) fn values(&self) -> &[i64] {
         &self.values[self.range.clone()]
+    }
+
+    /// The call's Redis `TIME` (µs): when it was decided.
+    pub(super) fn at(&self) -> i64 {
+        self.values[0]
     }
 }
 
@@ -377,7 +382,8 @@ async fn send(shared: Shared, parts: Vec<Part>) -> Done {
         Err(_) => {}
     }
     drop(args);
-    let expected: usize = parts.iter().map(|p| p.args.reply_len()).sum();
+    let expected: usize =
+        wire::REPLY_HEADER + parts.iter().map(|p| p.args.reply_len()).sum::<usize>();
     let result = match result {
         Ok(values) if values.len() == expected => Ok(Arc::new(values)),
         Ok(values) => Err(CallError::Reply(format!(
@@ -393,7 +399,7 @@ async fn send(shared: Shared, parts: Vec<Part>) -> Done {
             Err(e)
         }
     };
-    let mut from = 0;
+    let mut from = wire::REPLY_HEADER;
     for part in parts {
         let len = part.args.reply_len();
         let reply = match &result {

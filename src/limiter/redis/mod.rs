@@ -351,7 +351,7 @@ impl RedisBackend {
                     continue;
                 }
             };
-            match Decided::parse(reply.values()) {
+            match Decided::parse(reply.values(), reply.at()) {
                 Decided::ForeignData => {
                     // This request alone could not be decided; the others in its call were.
                     first_error.get_or_insert(self.error(

@@ -140,11 +140,11 @@ impl Args {
         self.limits.len()
     }
 
-    /// Values the script returns for this request.
+    /// Values the script returns for this request (after the call's [`REPLY_HEADER`]).
     pub(super) fn reply_len(&self) -> usize {
         match self.mode {
-            Mode::Decide => 2 + 3 * self.limits.len(),
-            Mode::Refund => 2,
+            Mode::Decide => 1 + 2 * self.limits.len(),
+            Mode::Refund => 1,
         }
     }
 
@@ -387,8 +387,12 @@ pub(super) fn load_library() -> Cmd {
     cmd
 }
 
-/// A request's share of a decide call's reply: `{admitted, now, then per limit: over,
-/// remaining, reset (µs)}`, admitted being -1 when one of its counters holds foreign data.
+/// Values a call's reply starts with, before its requests' shares: the call's Redis `TIME` (µs).
+pub(super) const REPLY_HEADER: usize = 1;
+
+/// A request's share of a decide call's reply: `{admitted, then per limit: room, reset (µs)}`,
+/// admitted being -1 when one of its counters holds foreign data; the room is what is left
+/// when within (>= 0) and `-1 - fits` when over (see script.lua).
 pub(super) enum Decided<'a> {
     /// A counter holds data this service did not write: nothing was decided or written.
     ForeignData,
@@ -398,19 +402,19 @@ pub(super) enum Decided<'a> {
         admitted: bool,
         /// Redis `TIME` of the decision (µs), what its refund names.
         at: i64,
-        /// The limits' values, three each.
+        /// The limits' values, two each.
         limits: &'a [i64],
     },
 }
 
 impl Decided<'_> {
     /// Reads `values`, a decide's reply for one request (its length checked by the caller
-    /// against [`Args::reply_len`]).
-    pub(super) fn parse(values: &[i64]) -> Decided<'_> {
+    /// against [`Args::reply_len`]), made at `at` (the call's time).
+    pub(super) fn parse(values: &[i64], at: i64) -> Decided<'_> {
         match values {
-            [admitted, at, limits @ ..] if *admitted >= 0 => Decided::Decided {
+            [admitted, limits @ ..] if *admitted >= 0 => Decided::Decided {
                 admitted: *admitted == 1,
-                at: *at,
+                at,
                 limits,
             },
             _ => Decided::ForeignData,
@@ -420,14 +424,14 @@ impl Decided<'_> {
 
 /// Each limit's verdict in a decided reply, in the order they were pushed.
 pub(super) fn verdicts(limits: &[i64]) -> impl Iterator<Item = Verdict> + '_ {
-    limits.chunks_exact(3).map(|v| {
-        // The script's second field: what is left when within, what would have fit when over.
-        let (over, left) = (v[0] == 1, v[1].max(0) as u64);
+    limits.chunks_exact(2).map(|v| {
+        // The room: what is left when within, -1 - what would have fit when over.
+        let over = v[0] < 0;
         Verdict {
             over,
-            remaining: if over { 0 } else { left },
-            fits: if over { left } else { 0 },
-            reset: Duration::from_micros(v[2].max(0) as u64),
+            remaining: if over { 0 } else { v[0] as u64 },
+            fits: if over { (-1 - v[0]) as u64 } else { 0 },
+            reset: Duration::from_micros(v[1].max(0) as u64),
         }
     })
 }
@@ -567,7 +571,7 @@ mod tests {
             burst: 3,
         };
         p.push(b"{d}:a", &limit, 1, Enforcement::Quota);
-        assert_eq!(p.reply_len(), 2);
+        assert_eq!(p.reply_len(), 1);
         let got = args(&command(&[&p], Call::Hash));
         #[rustfmt::skip]
         let expected = [
@@ -582,21 +586,25 @@ mod tests {
     #[test]
     fn a_reply_reads_as_foreign_data_or_as_verdicts() {
         assert!(matches!(
-            Decided::parse(&[-1, 0, 0, 0, 0]),
+            Decided::parse(&[-1, 0, 0, 0, 0], 7),
             Decided::ForeignData
         ));
         let Decided::Decided {
             admitted,
             at,
             limits,
-        } = Decided::parse(&[0, 7, 1, 0, 5, 0, 2, 0])
+        } = Decided::parse(&[0, -4, 5, 2, 0, -1, 9, 0, 3], 7)
         else {
             panic!("decided")
         };
         assert!(!admitted);
         assert_eq!(at, 7);
         let v: Vec<Verdict> = verdicts(limits).collect();
-        assert!(v[0].over && v[0].remaining == 0 && v[0].reset == Duration::from_micros(5));
-        assert!(!v[1].over && v[1].remaining == 2);
+        assert!(v[0].over && v[0].remaining == 0 && v[0].fits == 3);
+        assert_eq!(v[0].reset, Duration::from_micros(5));
+        assert!(!v[1].over && v[1].remaining == 2 && v[1].fits == 0);
+        // Over with no room at all, and within with none left.
+        assert!(v[2].over && v[2].fits == 0 && v[2].reset == Duration::from_micros(9));
+        assert!(!v[3].over && v[3].remaining == 0 && v[3].fits == 0);
     }
 }
