@@ -84,7 +84,7 @@ impl Reply {
 
     /// The call's Redis `TIME` (µs): when it was decided.
     pub(super) fn at(&self) -> i64 {
-        self.values[0]
+        wire::call_time(&self.values)
     }
 }
 

@@ -390,6 +390,11 @@ pub(super) fn load_library() -> Cmd {
 /// Values a call's reply starts with, before its requests' shares: the call's Redis `TIME` (µs).
 pub(super) const REPLY_HEADER: usize = 1;
 
+/// The call's Redis `TIME` (µs), from a whole reply's values (its length checked by the caller).
+pub(super) fn call_time(values: &[i64]) -> i64 {
+    values[0]
+}
+
 /// A request's share of a decide call's reply: `{admitted, then per limit: room, reset (µs)}`,
 /// admitted being -1 when one of its counters holds foreign data; the room is what is left
 /// when within (>= 0) and `-1 - fits` when over (see script.lua).
