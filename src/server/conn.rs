@@ -88,6 +88,7 @@ impl Tracker {
             last_read: Instant::now(),
             read_deadline: Box::pin(tokio::time::sleep(idle)),
             write_blocked: None,
+            read_parked: false,
             write_deadline: Box::pin(tokio::time::sleep(idle)),
             info: ConnInfo {
                 budget: Arc::new(RequestBudget {
@@ -117,6 +118,9 @@ pub(crate) struct Tracked<IO> {
     read_deadline: Pin<Box<Sleep>>,
     /// Since when the server's writes have been blocked.
     write_blocked: Option<Instant>,
+    /// A read was refused while writes were blocked: the task must be woken to read again
+    /// once they go through, as nothing else would wake it for the bytes waiting.
+    read_parked: bool,
     write_deadline: Pin<Box<Sleep>>,
     info: ConnInfo,
     _slot: Slot,
@@ -146,6 +150,7 @@ impl<IO: AsyncRead + Unpin> AsyncRead for Tracked<IO> {
             if this.write_stalled(cx) {
                 return Poll::Ready(Err(timed_out("the peer reads nothing")));
             }
+            this.read_parked = true;
             return Poll::Pending;
         }
         let before = buf.filled().len();
@@ -188,6 +193,12 @@ impl<IO: AsyncWrite + Unpin> Tracked<IO> {
         match r {
             Poll::Ready(r) => {
                 self.write_blocked = None;
+                if std::mem::take(&mut self.read_parked) {
+                    // The read refused above registered no interest in the socket: an HTTP/2
+                    // connection that flushes after a pending read would otherwise sleep, its
+                    // peer's requests unread, until something else woke it.
+                    cx.waker().wake_by_ref();
+                }
                 Poll::Ready(r)
             }
             Poll::Pending => {
@@ -387,5 +398,82 @@ where
             drop(held);
             r
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::task::{Wake, Waker};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// Counts its wake-ups: how an executor learns a task must be polled again.
+    #[derive(Default)]
+    struct Wakes(AtomicUsize);
+
+    impl Wake for Wakes {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    /// One poll of a connection the way h2 drives it: read until a read is pending, then flush
+    /// what is waiting to be written. What was read, if anything.
+    fn drive<IO: AsyncRead + AsyncWrite + Unpin>(
+        io: &mut Tracked<IO>,
+        out: &mut Vec<u8>,
+        cx: &mut Context<'_>,
+    ) -> Option<Vec<u8>> {
+        let mut buf = [0u8; 64];
+        let mut read = ReadBuf::new(&mut buf);
+        if let Poll::Ready(r) = Pin::new(&mut *io).poll_read(cx, &mut read) {
+            r.expect("a read");
+            return Some(read.filled().to_vec());
+        }
+        while !out.is_empty() {
+            match Pin::new(&mut *io).poll_write(cx, out) {
+                Poll::Ready(n) => drop(out.drain(..n.expect("a write"))),
+                Poll::Pending => break,
+            }
+        }
+        None
+    }
+
+    /// A read refused while the peer left our writes blocked registers no interest in the
+    /// socket; once the writes go through, the connection's task must be woken to read what
+    /// the peer sent meanwhile, or it sleeps with requests unread until something else wakes it.
+    #[tokio::test]
+    async fn a_read_refused_while_writes_were_blocked_is_retried_once_they_go_through() {
+        let limits = ConnLimits {
+            max_connections: 1,
+            idle_timeout: Duration::from_secs(60),
+            request_bytes: 1 << 20,
+        };
+        let (ours, mut peer) = tokio::io::duplex(64);
+        let mut io = Tracker::new(limits).admit(ours).expect("admitted");
+        let wakes = Arc::new(Wakes::default());
+        let waker = Waker::from(wakes.clone());
+        let mut cx = Context::from_waker(&waker);
+        let mut out = vec![7u8; 128];
+        // Nothing to read; half the answer fits, the rest waits for the peer to read.
+        assert_eq!(drive(&mut io, &mut out, &mut cx), None);
+        assert_eq!(out.len(), 64);
+        // The peer sends a request (a wake-up) that is not read while our writes are blocked.
+        peer.write_all(b"hello").await.unwrap();
+        assert_eq!(drive(&mut io, &mut out, &mut cx), None);
+        // The peer reads: the rest of the answer goes through in the next poll.
+        let mut answer = [0u8; 64];
+        peer.read_exact(&mut answer).await.unwrap();
+        let before = wakes.0.load(Ordering::SeqCst);
+        assert_eq!(drive(&mut io, &mut out, &mut cx), None);
+        assert!(out.is_empty());
+        assert!(
+            wakes.0.load(Ordering::SeqCst) > before,
+            "the task was left asleep with the peer's request unread"
+        );
+        assert_eq!(
+            drive(&mut io, &mut out, &mut cx).as_deref(),
+            Some(&b"hello"[..])
+        );
     }
 }
