@@ -13,27 +13,47 @@
 //! within the window it was in. Nothing else is ever lost, and the process never grows past
 //! the bound with counters however many distinct values clients send.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
 use std::hash::{BuildHasher, RandomState};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use hashbrown::HashTable;
 use parking_lot::{Mutex, MutexGuard};
+use smallvec::SmallVec;
 
 use super::algorithm::State;
 use super::{Backend, BackendError, BoxFuture, Clock, Hit, Outcome, SystemClock, admits};
 pub(crate) use crate::metrics::MemoryMetrics;
 
+/// A power of two no larger than 64: a request's shards are a bit set in a `u64`.
 const SHARDS: usize = 64;
+const _: () = assert!(SHARDS.is_power_of_two() && SHARDS <= 64);
 /// Default bound of counter state: 64 MiB, a few hundred thousand typical counters.
 pub(crate) const DEFAULT_MAX_BYTES: u64 = 64 << 20;
 /// Bytes a counter costs beyond its key and log: the map and expiry-index slots, the shared
-/// key's header and the state (measured against the allocator: about this, rounded up).
-pub(crate) const ENTRY_OVERHEAD: u64 = 160;
+/// key's header and the state (measured against the allocator: about this, rounded up; the
+/// stored hash added 16 to the table and index slots).
+pub(crate) const ENTRY_OVERHEAD: u64 = 176;
 /// Expired counters a commit drops on its way (the periodic sweep drops the rest).
 const EXPIRE_PER_COMMIT: usize = 8;
 
+/// A key's hash (SipHash, keyed at random per process: clients choose the keys), computed once
+/// per request and used for its shard and its place in the shard's table.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+struct Hash(u64);
+
+impl Hash {
+    /// The shard: bits the tables do not index by (they take the low bits for the bucket and
+    /// the top seven for the tag), so a shard's keys still spread over its whole table.
+    fn shard(self) -> usize {
+        (self.0 >> 32) as usize % SHARDS
+    }
+}
+
 struct Entry {
+    key: Arc<[u8]>,
+    hash: Hash,
     state: State,
     expires_at: u64,
     bytes: u64,
@@ -41,8 +61,9 @@ struct Entry {
 
 #[derive(Default)]
 struct Shard {
-    entries: HashMap<Arc<[u8]>, Entry>,
-    by_expiry: BTreeSet<(u64, Arc<[u8]>)>,
+    entries: HashTable<Entry>,
+    /// (expiry, hash, key): the hash finds the entry without hashing the key again.
+    by_expiry: BTreeSet<(u64, Hash, Arc<[u8]>)>,
     bytes: u64,
 }
 
@@ -52,14 +73,15 @@ fn cost(key: &[u8], state: &State) -> u64 {
 
 impl Shard {
     /// Drops the counter of `key`, if held; returns the bytes freed.
-    fn remove(&mut self, key: &[u8]) -> u64 {
-        match self.entries.remove_entry(key) {
-            Some((key, e)) => {
-                self.by_expiry.remove(&(e.expires_at, key));
+    fn remove(&mut self, hash: Hash, key: &[u8]) -> u64 {
+        match self.entries.find_entry(hash.0, |e| *e.key == *key) {
+            Ok(found) => {
+                let (e, _) = found.remove();
+                self.by_expiry.remove(&(e.expires_at, hash, e.key));
                 self.bytes -= e.bytes;
                 e.bytes
             }
-            None => 0,
+            Err(_) => 0,
         }
     }
 
@@ -68,9 +90,9 @@ impl Shard {
         let mut freed = 0;
         for _ in 0..max {
             match self.by_expiry.first() {
-                Some((at, key)) if *at <= now => {
-                    let key = key.clone();
-                    freed += self.remove(&key);
+                Some((at, hash, key)) if *at <= now => {
+                    let (hash, key) = (*hash, key.clone());
+                    freed += self.remove(hash, &key);
                 }
                 _ => break,
             }
@@ -86,11 +108,10 @@ impl Shard {
             let victim = self
                 .by_expiry
                 .iter()
-                .map(|(_, k)| k)
-                .find(|k| k.as_ref() != keep)
-                .cloned();
-            let Some(key) = victim else { break };
-            freed += self.remove(&key);
+                .find(|(_, _, k)| k.as_ref() != keep)
+                .map(|(_, h, k)| (*h, k.clone()));
+            let Some((hash, key)) = victim else { break };
+            freed += self.remove(hash, &key);
             evicted += 1;
         }
         (freed, evicted)
@@ -140,8 +161,8 @@ impl MemoryBackend {
         self.latest.fetch_max(now, Ordering::Relaxed).max(now)
     }
 
-    fn shard_of(&self, key: &[u8]) -> usize {
-        (self.hasher.hash_one(key) as usize) % SHARDS
+    fn hash(&self, key: &[u8]) -> Hash {
+        Hash(self.hasher.hash_one(key))
     }
 
     /// Number of counters held, expired or not.
@@ -168,22 +189,26 @@ impl MemoryBackend {
     /// Decides synchronously; [`Backend::decide`] wraps this.
     pub fn decide_now(&self, hits: &[Hit]) -> Outcome {
         let now = self.now();
-        let shard_ids: Vec<usize> = hits
-            .iter()
-            .map(|h| self.shard_of(h.key.as_bytes()))
-            .collect();
-        let mut order = shard_ids.clone();
-        order.sort_unstable();
-        order.dedup();
-        // Locks in ascending shard order, so concurrent requests cannot deadlock.
-        let mut guards: Vec<(usize, MutexGuard<'_, Shard>)> =
-            order.iter().map(|&i| (i, self.shards[i].lock())).collect();
-        let guard_of = |shard: usize| order.binary_search(&shard).expect("locked shard");
+        let hashes: SmallVec<[Hash; 8]> =
+            hits.iter().map(|h| self.hash(h.key.as_bytes())).collect();
+        // Locks in ascending shard order, so concurrent requests cannot deadlock. A shard's
+        // guard sits at the number of wanted shards below it.
+        let wanted = hashes.iter().fold(0u64, |set, h| set | 1 << h.shard());
+        let mut guards: SmallVec<[MutexGuard<'_, Shard>; 8]> = SmallVec::new();
+        let mut rest = wanted;
+        while rest != 0 {
+            guards.push(self.shards[rest.trailing_zeros() as usize].lock());
+            rest &= rest - 1;
+        }
+        let at = |hash: Hash| (wanted & ((1u64 << hash.shard()) - 1)).count_ones() as usize;
 
         let mut verdicts = Vec::with_capacity(hits.len());
-        for (hit, &shard) in hits.iter().zip(&shard_ids) {
-            let entries = &mut guards[guard_of(shard)].1.entries;
-            let verdict = match entries.get_mut(hit.key.as_bytes()) {
+        for (hit, &hash) in hits.iter().zip(&hashes) {
+            let key = hit.key.as_bytes();
+            let verdict = match guards[at(hash)]
+                .entries
+                .find_mut(hash.0, |e| *e.key == *key)
+            {
                 Some(e) if e.state.is(hit.limit.algorithm) => {
                     e.state.check(&hit.limit, now, hit.hits)
                 }
@@ -194,58 +219,58 @@ impl MemoryBackend {
 
         let admitted = admits(hits, |i| verdicts[i].over);
         if admitted {
-            for ((hit, &shard), verdict) in hits.iter().zip(&shard_ids).zip(&verdicts) {
+            for ((hit, &hash), verdict) in hits.iter().zip(&hashes).zip(&verdicts) {
                 if verdict.over || hit.hits == 0 {
                     continue; // an over-limit shadow or quota hit has nothing to take
                 }
-                let (_, shard) = &mut guards[guard_of(shard)];
-                self.commit(shard, hit, now);
+                self.commit(&mut guards[at(hash)], hit, hash, now);
             }
         }
         Outcome { admitted, verdicts }
     }
 
-    fn commit(&self, shard: &mut Shard, hit: &Hit, now: u64) {
+    fn commit(&self, shard: &mut Shard, hit: &Hit, hash: Hash, now: u64) {
         let limit = &hit.limit;
         let mut delta = -(shard.expire(now, EXPIRE_PER_COMMIT) as i64);
         let key_bytes = hit.key.as_bytes();
-        // The shared key (a refcount, no copy) of a counter already held, else a new one, not
-        // in the expiry index yet.
-        let (key, indexed) = match shard.entries.get_key_value(key_bytes) {
-            Some((k, e)) => (k.clone(), Some(e.expires_at)),
+        // The counter already held, else a new one, not in the expiry index yet.
+        let (entry, indexed) = match shard.entries.find_mut(hash.0, |e| *e.key == *key_bytes) {
+            Some(e) => {
+                let indexed = Some(e.expires_at);
+                (e, indexed)
+            }
             None => {
-                let key = Arc::<[u8]>::from(key_bytes);
-                shard.entries.insert(
-                    key.clone(),
-                    Entry {
-                        state: State::new(limit.algorithm),
-                        expires_at: 0,
-                        bytes: 0,
-                    },
-                );
-                (key, None)
+                let entry = Entry {
+                    key: Arc::from(key_bytes),
+                    hash,
+                    state: State::new(limit.algorithm),
+                    expires_at: 0,
+                    bytes: 0,
+                };
+                let slot = shard.entries.insert_unique(hash.0, entry, |e| e.hash.0);
+                (slot.into_mut(), None)
             }
         };
-        let entry = shard.entries.get_mut(key_bytes).expect("held");
         if !entry.state.is(limit.algorithm) {
             entry.state = State::new(limit.algorithm);
         }
         let was_bytes = entry.bytes;
         entry.state.commit(limit, now, hit.hits);
         entry.expires_at = entry.state.expires_at(limit);
-        entry.bytes = cost(&key, &entry.state);
+        entry.bytes = cost(&entry.key, &entry.state);
         let (expires_at, bytes) = (entry.expires_at, entry.bytes);
         // Most commits (a fixed window's) move no expiry: nothing to reindex.
         if indexed != Some(expires_at) {
+            let key = entry.key.clone();
             if let Some(was) = indexed {
-                shard.by_expiry.remove(&(was, key.clone()));
+                shard.by_expiry.remove(&(was, hash, key.clone()));
             }
-            shard.by_expiry.insert((expires_at, key.clone()));
+            shard.by_expiry.insert((expires_at, hash, key));
         }
         shard.bytes = shard.bytes - was_bytes + bytes;
         delta += bytes as i64 - was_bytes as i64;
         if shard.bytes > self.shard_budget {
-            let (freed, evicted) = shard.evict(self.shard_budget, &key);
+            let (freed, evicted) = shard.evict(self.shard_budget, key_bytes);
             delta -= freed as i64;
             self.metrics.evictions.inc_by(evicted);
         }
@@ -259,9 +284,10 @@ impl MemoryBackend {
         let mut removed = 0;
         for hit in hits {
             let key = hit.key.as_bytes();
-            let mut shard = self.shards[self.shard_of(key)].lock();
-            if shard.entries.contains_key(key) {
-                let freed = shard.remove(key);
+            let hash = self.hash(key);
+            let mut shard = self.shards[hash.shard()].lock();
+            if shard.entries.find(hash.0, |e| *e.key == *key).is_some() {
+                let freed = shard.remove(hash, key);
                 self.metrics.bytes.dec_by(freed as i64);
                 removed += 1;
             }
