@@ -9,6 +9,9 @@
 #
 #   scripts/script-cost.sh [K ...]      (default: 1 8 60)
 #
+# KEEP=/some/dir keeps the callgrind files there (callgrind_annotate them to see where the
+# instructions go).
+#
 # Needs valgrind, redis-server, redis-cli, perl. Loopback only; a few minutes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,7 +20,7 @@ source scripts/common.sh
 SCRIPT=${SCRIPT:-src/limiter/redis/script.lua}
 [ $# -gt 0 ] || set -- 1 8 60
 WORK=$(mktemp -d)
-trap 'rm -rf "$WORK" "$_ports_given"' EXIT
+trap '[ -n "${KEEP:-}" ] && cp -r "$WORK" "$KEEP"; rm -rf "$WORK" "$_ports_given"' EXIT
 
 # cost NAME CALLS LOAD GEN...: prints instructions per call in a fresh redis-server where LOAD
 # (a function: `fcall` or `evalsha`) loads $SCRIPT_FILE and prints the name to call it by; GEN
