@@ -162,13 +162,11 @@ end
 -- what a call of 60 requests cost Redis.
 local cache, order
 
+-- A miss: `key`'s state, read by `load`, kept for the rest of the call.
 local function cached(key, load)
-  local st = cache[key]
-  if not st then
-    st = load(key)
-    cache[key] = st
-    order[#order + 1] = key
-  end
+  local st = load(key)
+  cache[key] = st
+  order[#order + 1] = key
   return st
 end
 
