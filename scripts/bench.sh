@@ -17,7 +17,8 @@
 # CPU per request comes from /proc (utime + stime) of the server and of redis-server. The last
 # table holds every target of docs/performance.md with its ratio and whether it is met.
 # Loopback only; every duration is bounded. Tunables: DURATION (s), CLIENTS, STREAMS, SERVERS,
-# CALLGRIND (0 skips it), DISTS, FLEET (connections), KEYS_BIG (counters).
+# CALLGRIND (0 skips it), DISTS, FLEET (connections), KEYS_BIG (counters), ROUNDS, LAT_ROUNDS
+# and KEY_ROUNDS (rounds of each server in the closed-loop, latency and key-scale comparisons).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/common.sh
@@ -30,12 +31,17 @@ CALLGRIND=${CALLGRIND:-1}
 DISTS=${DISTS:-hot uniform zipf}
 FLEET=${FLEET:-1000}
 KEYS_BIG=${KEYS_BIG:-1000000}
+ROUNDS=${ROUNDS:-3}
+LAT_ROUNDS=${LAT_ROUNDS:-3}
+KEY_ROUNDS=${KEY_ROUNDS:-3}
 # The fleet needs a descriptor per connection, in h2load and in the server.
 ulimit -n 65536 2>/dev/null || ulimit -n "$(ulimit -Hn)"
 
 command -v h2load >/dev/null || { echo "bench: h2load missing: apt-get install nghttp2-client" >&2; exit 1; }
 cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 HZ=$(getconf CLK_TCK)
+# The median of the numbers on stdin (separated by spaces or lines).
+median() { tr ' ' '\n' | grep -v '^$' | sort -g | awk '{v[NR] = $1} END {print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2}'; }
 
 cargo build --release --quiet
 LOADGEN=$(bench_bin loadgen)
@@ -123,16 +129,37 @@ descriptors:
     rate_limit: {unit: hour, requests_per_unit: 1000000000}
 YAML
 
-declare -A RPS P50 P99 SCPU RCPU LRPS LSCPU LRCPU HALF_P99 HALF_RATE BASE_P99
+# Every server runs at once (an idle one costs nothing) and they are measured in turn, ROUNDS
+# times over; each figure is the median of its server's rounds, so a stall of the VM during one
+# run does not decide a ratio.
+declare -A RPS P50 P99 SCPU RCPU LRPS LSCPU LRCPU HALF_P99 HALF_RATE BASE_P99 SPID SGRPC RUNS LRUNS
 for name in $SERVERS; do
   start_server "$name"
+  SPID[$name]=$SERVER_PID SGRPC[$name]=$GRPC
   h2load -c1 -n 2000 -d "$WORK/request.bin" -H 'content-type: application/grpc' -H 'te: trailers' \
     "http://$GRPC/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit" >/dev/null  # warm
-  read -r RPS[$name] P50[$name] P99[$name] SCPU[$name] RCPU[$name] ok < <(h2run)
-  [ "$ok" -gt 0 ] || { echo "bench: $name answered no 2xx" >&2; exit 1; }
-  read -r LRPS[$name] _ _ LSCPU[$name] LRCPU[$name] _ < <(H2_CLIENTS=2 H2_STREAMS=4 h2run)
+done
+for round in $(seq "$ROUNDS"); do
+  for name in $SERVERS; do
+    SERVER_PID=${SPID[$name]} GRPC=${SGRPC[$name]}
+    read -r rps p50 p99 scpu rcpu ok < <(h2run)
+    [ "$ok" -gt 0 ] || { echo "bench: $name answered no 2xx" >&2; exit 1; }
+    RUNS[$name]="${RUNS[$name]:-}$rps $p50 $p99 $scpu $rcpu;"
+    read -r rps _ _ scpu rcpu _ < <(H2_CLIENTS=2 H2_STREAMS=4 h2run)
+    LRUNS[$name]="${LRUNS[$name]:-}$rps $scpu $rcpu;"
+    echo "round $round: $name: -c$CLIENTS -m$STREAMS $(echo "${RUNS[$name]}" | tr ';' '\n' | grep -v '^$' | tail -1 | awk '{printf "%s req/s, server %s us, redis %s us", $1, $4, $5}'); 8 in flight $scpu us, redis $rcpu us"
+  done
+done
+# Column `col` (1-based) of a server's rounds, their median.
+column_median() { echo "$1" | tr ';' '\n' | grep -v '^$' | awk -v c="$2" '{print $c}' | tr '\n' ' ' | median; }
+for name in $SERVERS; do
+  RPS[$name]=$(column_median "${RUNS[$name]}" 1); P50[$name]=$(column_median "${RUNS[$name]}" 2)
+  P99[$name]=$(column_median "${RUNS[$name]}" 3); SCPU[$name]=$(column_median "${RUNS[$name]}" 4)
+  RCPU[$name]=$(column_median "${RUNS[$name]}" 5)
+  LRPS[$name]=$(column_median "${LRUNS[$name]}" 1); LSCPU[$name]=$(column_median "${LRUNS[$name]}" 2)
+  LRCPU[$name]=$(column_median "${LRUNS[$name]}" 3)
+  SERVER_PID=${SPID[$name]}
   stop_server
-  [ "$name" = naive ] && redis-cli -p "$REDIS_PORT" flushall >/dev/null
 done
 
 # Ratelimitd's script with the request's two keys, one call per request, as a function, fed
@@ -180,34 +207,45 @@ loadgen_run() {
 }
 
 # Key distributions through the project's loadgen (checks every answer; errors fail the run).
+# Then latency: open loop at half of the best closed-loop rate, ratelimitd and its baseline
+# both running, measured in turn LAT_ROUNDS times each at that rate; each side's p99 is the
+# median of its rounds, so one stall of the VM during one round does not decide the ratio.
 echo
 printf '%-44s %9s %8s %8s %9s %9s\n' "loadgen, 64 calls over 4 connections" "req/s" "p50 ms" "p99 ms" "server us" "redis us"
-for name in memory redis; do
+for pair in bare:memory naive:redis; do
+  base=${pair%%:*}; name=${pair##*:}
   [[ " $SERVERS " == *" $name "* ]] || continue
   start_server "$name"
+  OURS_PID=$SERVER_PID OURS_GRPC=$GRPC
   peak=0
-  for dist in $DISTS half; do
+  for dist in $DISTS; do
     case $dist in
       hot) flags=(--keys 1);; uniform) flags=(--keys 10000);; zipf) flags=(--keys 10000 --zipf 1.0);;
-      # Open loop at half of the best closed-loop rate above: the latency target's setting.
-      half) [ "$peak" -gt 0 ] || continue; HALF_RATE[$name]=$((peak / 2))
-        flags=(--keys 10000 --rate $((peak / 2))); dist="uniform, open loop at $((peak / 2))/s";;
     esac
     read -r n p50 p99 scpu rcpu < <(loadgen_run --concurrency 64 --connections 4 "${flags[@]}")
     rate=$((n / DURATION))
-    if [[ $dist == *open* ]]; then HALF_P99[$name]=$p99; elif [ "$rate" -gt "$peak" ]; then peak=$rate; fi
+    [ "$rate" -gt "$peak" ] && peak=$rate
     printf '%-44s %9s %8s %8s %9s %9s\n' "$name, $dist" "$rate" "$p50" "$p99" "$scpu" "$rcpu"
   done
-  stop_server
-done
-# The baselines at the same rates, open loop: the latency floor of this machine for each path.
-for pair in bare:memory naive:redis; do
-  base=${pair%%:*}; name=${pair##*:}
-  [[ " $SERVERS " == *" $base "* && -n "${HALF_RATE[$name]:-}" ]] || continue
-  start_server "$base"
-  read -r n p50 p99 scpu rcpu < <(loadgen_run --concurrency 64 --connections 4 --keys 10000 --rate "${HALF_RATE[$name]}")
-  BASE_P99[$name]=$p99
-  printf '%-44s %9s %8s %8s %9s %9s\n' "$base, uniform, open loop at ${HALF_RATE[$name]}/s" "$((n / DURATION))" "$p50" "$p99" "$scpu" "$rcpu"
+  if [ "$peak" -gt 0 ] && [[ " $SERVERS " == *" $base "* ]]; then
+    HALF_RATE[$name]=$((peak / 2))
+    start_server "$base"
+    BASE_PID=$SERVER_PID BASE_GRPC=$GRPC
+    ours=() theirs=()
+    for round in $(seq "$LAT_ROUNDS"); do
+      for side in "$name" "$base"; do
+        if [ "$side" = "$name" ]; then SERVER_PID=$OURS_PID GRPC=$OURS_GRPC; else SERVER_PID=$BASE_PID GRPC=$BASE_GRPC; fi
+        read -r n p50 p99 scpu rcpu < <(loadgen_run --concurrency 64 --connections 4 --keys 10000 --rate "${HALF_RATE[$name]}")
+        if [ "$side" = "$name" ]; then ours+=("$p99"); else theirs+=("$p99"); fi
+        printf '%-44s %9s %8s %8s %9s %9s\n' "$side, open loop at ${HALF_RATE[$name]}/s, round $round" "$((n / DURATION))" "$p50" "$p99" "$scpu" "$rcpu"
+      done
+    done
+    HALF_P99[$name]=$(echo "${ours[*]}" | median)
+    BASE_P99[$name]=$(echo "${theirs[*]}" | median)
+    echo "  p99, median of $LAT_ROUNDS rounds: $name ${HALF_P99[$name]} ms, $base ${BASE_P99[$name]} ms"
+    stop_server
+  fi
+  SERVER_PID=$OURS_PID
   stop_server
 done
 
@@ -239,21 +277,36 @@ if [[ " $SERVERS " == *" memory "* ]]; then
   done
 fi
 
-# Key scale: the memory backend holding KEYS_BIG live counters against 10,000, on one server.
+# Key scale: two memory-backend servers, one holding 10,000 live counters and one KEYS_BIG,
+# measured in turn KEY_ROUNDS times each; each side's CPU per request is the median of its
+# rounds, so one stall of the VM during one round does not decide the ratio.
 declare -A KCPU
 if [[ " $SERVERS " == *" memory "* ]]; then
   echo
   printf '%-44s %9s %8s %8s %9s\n' "key scale: loadgen, memory backend" "req/s" "p50 ms" "p99 ms" "server us"
-  start_server keys
+  declare -A KPID KGRPC KHELD KRUNS
   for keys in 10000 "$KEYS_BIG"; do
+    start_server keys
+    KPID[$keys]=$SERVER_PID KGRPC[$keys]=$GRPC
     # Fill: every worker walks its own stretch of the keys, so each key is touched.
     "$LOADGEN" --target "http://$GRPC" --domain keys --keys "$keys" --concurrency 64 --connections 4 \
       --duration 600 --warmup 0 --fill >/dev/null
-    read -r n p50 p99 KCPU[$keys] _ < <(loadgen_run --domain keys --keys "$keys" --concurrency 64 --connections 4)
-    held=$(curl -s "http://$HTTP/metrics" 2>/dev/null | awk '/^ratelimit_memory_bytes / {printf "%.0f MiB", $2 / 1048576}')
-    printf '%-44s %9s %8s %8s %9s\n' "$keys keys${held:+ ($held of counters)}" "$((n / DURATION))" "$p50" "$p99" "${KCPU[$keys]}"
+    KHELD[$keys]=$(curl -s "http://$HTTP/metrics" 2>/dev/null | awk '/^ratelimit_memory_bytes / {printf "%.0f MiB", $2 / 1048576}')
   done
-  stop_server
+  for round in $(seq "$KEY_ROUNDS"); do
+    for keys in 10000 "$KEYS_BIG"; do
+      SERVER_PID=${KPID[$keys]} GRPC=${KGRPC[$keys]}
+      read -r n p50 p99 cpu _ < <(loadgen_run --domain keys --keys "$keys" --concurrency 64 --connections 4)
+      KRUNS[$keys]="${KRUNS[$keys]:-} $cpu"
+      printf '%-44s %9s %8s %8s %9s\n' "$keys keys${KHELD[$keys]:+ (${KHELD[$keys]} of counters)}, round $round" "$((n / DURATION))" "$p50" "$p99" "$cpu"
+    done
+  done
+  for keys in 10000 "$KEYS_BIG"; do
+    KCPU[$keys]=$(echo "${KRUNS[$keys]}" | median)
+    SERVER_PID=${KPID[$keys]}
+    stop_server
+  done
+  echo "  server us per request, median of $KEY_ROUNDS rounds: 10000 keys ${KCPU[10000]}, $KEYS_BIG keys ${KCPU[$KEYS_BIG]}"
 fi
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.2f", a / b; else printf "n/a" }'; }
 # Instructions per request: the server under callgrind, instrumented only while loadgen runs.
