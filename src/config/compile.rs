@@ -17,6 +17,7 @@ use super::{
     is_wildcard,
 };
 use crate::limiter::Algorithm;
+use crate::limiter::key::LimitIdentity;
 
 /// Sets `slot` to `value` (placed at `at`) unless the config set it already.
 fn fill<T>(slot: &mut Option<Spanned<T>>, value: Option<T>, at: Location) {
@@ -572,7 +573,7 @@ impl Compiler<'_> {
                                 && l.window_seconds() == limits[j].window_seconds()
                         })
                         .count();
-                    limits[j].ordinal = u16::try_from(alike).unwrap_or(u16::MAX);
+                    limits[j].set_ordinal(u16::try_from(alike).unwrap_or(u16::MAX));
                 }
                 Some(NodeLimits::Limits(limits))
             }
@@ -728,7 +729,7 @@ impl Compiler<'_> {
             }
             replaces.push(Arc::from(replaced));
         }
-        Ok(NodeLimits::Limits(vec![LimitRule {
+        let mut rule = LimitRule {
             name,
             replaces,
             unit,
@@ -737,6 +738,9 @@ impl Compiler<'_> {
             algorithm,
             burst,
             ordinal: 0,
-        }]))
+            identity: LimitIdentity::default(),
+        };
+        rule.set_ordinal(0);
+        Ok(NodeLimits::Limits(vec![rule]))
     }
 }

@@ -15,6 +15,7 @@ use std::collections::HashMap;
 use std::fmt::{self, Write as _};
 use std::sync::Arc;
 
+use crate::limiter::key::LimitIdentity;
 use crate::limiter::{Algorithm, Limit};
 
 pub(crate) use compile::CompileOptions;
@@ -117,8 +118,12 @@ pub struct LimitRule {
     /// same descriptor with the same algorithm and window. With the algorithm and window it
     /// names the counter, so reordering limits, adding one with another window, renaming one
     /// or changing its `requests_per_unit` keeps every count where it was (only limits that
-    /// share an algorithm and window are told apart by their order).
+    /// share an algorithm and window are told apart by their order). Set with
+    /// [`LimitRule::set_ordinal`], which keeps `identity` in step.
     pub ordinal: u16,
+    /// The end of this limit's counter keys (algorithm, window, ordinal), built once here
+    /// rather than for every request.
+    pub identity: LimitIdentity,
 }
 
 impl LimitRule {
@@ -130,6 +135,12 @@ impl LimitRule {
             window_us: self.window_seconds() * 1_000_000,
             burst: self.burst,
         }
+    }
+
+    /// Makes this the `ordinal`-th limit of its descriptor with its algorithm and window.
+    pub fn set_ordinal(&mut self, ordinal: u16) {
+        self.ordinal = ordinal;
+        self.identity = LimitIdentity::new(&self.limit(), ordinal);
     }
 
     /// Window length in seconds.

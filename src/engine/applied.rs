@@ -49,3 +49,13 @@ pub(crate) struct Applied<'s> {
     /// Its merged hit: an index into [`Resolved::hits`](super::resolve::Resolved::hits).
     pub(crate) hit: usize,
 }
+
+impl<'s> Applied<'s> {
+    /// `limit`, its hit not merged yet (`merge` in resolution sets it).
+    pub(crate) fn unmerged(limit: Applicable<'s>) -> Self {
+        Applied {
+            limit,
+            hit: usize::MAX,
+        }
+    }
+}

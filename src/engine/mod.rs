@@ -137,7 +137,10 @@ impl Engine {
                 metadata: self.options.dynamic_metadata.then(serde_json::Map::new),
             });
         };
-        let outcome = self.backend.decide(&hits).await?;
+        let outcome = match self.backend.decide_at_once(&hits) {
+            Some(outcome) => outcome,
+            None => self.backend.decide(&hits).await?,
+        };
         let statuses = report::statuses(
             req.descriptors.len(),
             &applied,

@@ -74,9 +74,10 @@ pub(crate) fn resolve<'s>(
         return Resolved::default();
     };
     let default_hits = req.hits_addend.max(1);
-    // `found[i]` comes with `hits[i]` until `merge` pairs them.
-    let mut found: Vec<Applicable<'s>> = Vec::new();
-    let mut hits: Vec<Hit> = Vec::new();
+    // `found[i]` comes with `hits[i]` until `merge` pairs them (most descriptors have one
+    // limit).
+    let mut found: Vec<Applied<'s>> = Vec::with_capacity(req.descriptors.len());
+    let mut hits: Vec<Hit> = Vec::with_capacity(req.descriptors.len());
     // Limits that take part in `replaces`: rare, so the common request allocates nothing.
     let mut named: Vec<Named<'s>> = Vec::new();
     for (i, d) in req.descriptors.iter().enumerate() {
@@ -88,7 +89,7 @@ pub(crate) fn resolve<'s>(
                 Some(m) => (m.rule, m.rule_has_values, Some(&m.node.counters)),
                 None => (override_rule.clone(), false, None),
             };
-            found.push(Applicable {
+            found.push(Applied::unmerged(Applicable {
                 descriptor: i,
                 reported: ReportedLimit {
                     name: None,
@@ -101,7 +102,7 @@ pub(crate) fn resolve<'s>(
                 rule_has_values,
                 counters,
                 metadata: None,
-            });
+            }));
             hits.push(override_hit(keys, req.domain, &d.entries, o, hits_addend));
             continue;
         }
@@ -125,16 +126,16 @@ pub(crate) fn resolve<'s>(
             let key = if r + 1 == rules.len() {
                 base.take()
                     .expect("the last limit takes the key")
-                    .with_limit(&limit, rule.ordinal)
+                    .with_identity(&rule.identity)
             } else {
                 base.as_ref()
                     .expect("kept for the last limit")
-                    .for_limit(&limit, rule.ordinal)
+                    .for_identity(&rule.identity)
             };
             if rule.name.is_some() || !rule.replaces.is_empty() {
                 named.push((found.len(), rule.name.as_ref(), &rule.replaces));
             }
-            found.push(Applicable {
+            found.push(Applied::unmerged(Applicable {
                 descriptor: i,
                 reported: reported(rule),
                 enforcement,
@@ -142,7 +143,7 @@ pub(crate) fn resolve<'s>(
                 rule_has_values: matched.rule_has_values,
                 counters: Some(&matched.node.counters),
                 metadata: matched.node.metadata.as_deref(),
-            });
+            }));
             hits.push(Hit {
                 key,
                 limit,
@@ -165,42 +166,44 @@ pub(crate) fn resolve<'s>(
         let mut k = keep.iter();
         hits.retain(|_| *k.next().expect("one flag per hit"));
     }
-    let (applied, hits) = merge(found, hits);
+    merge(&mut found, &mut hits);
     Resolved {
         domain: Some(&domain.name),
-        applied,
+        applied: found,
         hits,
     }
 }
 
 /// Merges hits on the same counter (a request may carry the same descriptor twice, or two
 /// descriptors may share a counter), so each counter is checked once with the sum of its hits:
-/// checked separately, both would fit and both would be committed, over-admitting. Pairs each
-/// limit with its merged hit. `found[i]` came with `hits[i]`.
+/// checked separately, both would fit and both would be committed, over-admitting. Points each
+/// limit at its merged hit. `applied[i]` came with `hits[i]`; in place, `hits` keeping the
+/// first of each counter's hits in order.
 ///
 /// Linear in the number of hits: a short scan for the usual few, an index past [`SCAN_HITS`]
 /// (a scan over thousands of long keys cost a request of 63 descriptors × 100 limits over a
 /// hundred milliseconds of CPU).
-fn merge<'s>(found: Vec<Applicable<'s>>, hits: Vec<Hit>) -> (Vec<Applied<'s>>, Vec<Hit>) {
-    let mut applied = Vec::with_capacity(found.len());
-    let mut merged: Vec<Hit> = Vec::with_capacity(hits.len());
+fn merge(applied: &mut [Applied<'_>], hits: &mut Vec<Hit>) {
     let mut index: std::collections::HashMap<Vec<u8>, usize> = std::collections::HashMap::new();
     let indexed = hits.len() > SCAN_HITS;
-    for (limit, hit) in found.into_iter().zip(hits) {
+    // hits[..kept] are the merged hits so far; hits[kept..i] were merged into them.
+    let mut kept = 0;
+    for i in 0..hits.len() {
         let found = if indexed {
-            match index.entry(hit.key.as_bytes().to_vec()) {
+            match index.entry(hits[i].key.as_bytes().to_vec()) {
                 std::collections::hash_map::Entry::Occupied(e) => Some(*e.get()),
                 std::collections::hash_map::Entry::Vacant(e) => {
-                    e.insert(merged.len());
+                    e.insert(kept);
                     None
                 }
             }
         } else {
-            merged.iter().position(|m| m.key == hit.key)
+            hits[..kept].iter().position(|m| m.key == hits[i].key)
         };
         match found {
             Some(m) => {
-                let into = &mut merged[m];
+                let (merged, rest) = hits.split_at_mut(i);
+                let (into, hit) = (&mut merged[m], &rest[0]);
                 into.hits = into.hits.saturating_add(hit.hits);
                 // The same key can carry different limits only through request overrides:
                 // keep the stricter.
@@ -210,18 +213,16 @@ fn merge<'s>(found: Vec<Applicable<'s>>, hits: Vec<Hit>) -> (Vec<Applied<'s>>, V
                     .min(hit.limit.requests_per_unit);
                 into.limit.burst = into.limit.burst.min(hit.limit.burst);
                 into.enforcement = stricter(into.enforcement, hit.enforcement);
-                applied.push(Applied { limit, hit: m });
+                applied[i].hit = m;
             }
             None => {
-                applied.push(Applied {
-                    limit,
-                    hit: merged.len(),
-                });
-                merged.push(hit);
+                hits.swap(kept, i);
+                applied[i].hit = kept;
+                kept += 1;
             }
         }
     }
-    (applied, merged)
+    hits.truncate(kept);
 }
 
 fn stricter(a: Enforcement, b: Enforcement) -> Enforcement {
@@ -305,5 +306,63 @@ descriptors:
         // An unknown domain resolves to nothing.
         let other = Request { domain: "x", ..req };
         assert!(resolve(&s, &other, &keys, &rule).hits.is_empty());
+    }
+
+    fn applicable() -> Applicable<'static> {
+        Applicable {
+            descriptor: 0,
+            reported: ReportedLimit {
+                name: None,
+                requests_per_unit: 1,
+                unit: crate::config::Unit::Second,
+                window: Duration::from_secs(1),
+            },
+            enforcement: Enforcement::Enforce,
+            rule: Arc::new(String::new()),
+            rule_has_values: false,
+            counters: None,
+            metadata: None,
+        }
+    }
+
+    proptest::proptest! {
+        /// Merging in place, by a scan (few hits) or an index (many): each counter once, in
+        /// the order of its first hit, carrying the sum of its hits; every limit points at
+        /// its counter's merged hit.
+        #[test]
+        fn merging_keeps_each_counter_once_with_all_its_hits(
+            picks in proptest::collection::vec((0u8..6, 1u64..4), 0..40),
+        ) {
+            let hit = |k: u8, n: u64| Hit {
+                key: crate::limiter::CounterKey::new("d", [("k", &*k.to_string())]),
+                limit: crate::limiter::Limit {
+                    algorithm: Algorithm::FixedWindow,
+                    requests_per_unit: 10,
+                    window_us: 1_000_000,
+                    burst: 10,
+                },
+                hits: n,
+                enforcement: Enforcement::Enforce,
+            };
+            let mut applied: Vec<Applied<'_>> =
+                picks.iter().map(|_| Applied::unmerged(applicable())).collect();
+            let mut hits: Vec<Hit> = picks.iter().map(|&(k, n)| hit(k, n)).collect();
+            merge(&mut applied, &mut hits);
+            let mut first: Vec<u8> = Vec::new();
+            for &(k, _) in &picks {
+                if !first.contains(&k) {
+                    first.push(k);
+                }
+            }
+            proptest::prop_assert_eq!(hits.len(), first.len());
+            for (m, &k) in first.iter().enumerate() {
+                proptest::prop_assert_eq!(&hits[m].key, &hit(k, 0).key);
+                let sum: u64 = picks.iter().filter(|p| p.0 == k).map(|p| p.1).sum();
+                proptest::prop_assert_eq!(hits[m].hits, sum);
+            }
+            for (a, &(k, _)) in applied.iter().zip(&picks) {
+                proptest::prop_assert_eq!(&hits[a.hit].key, &hit(k, 0).key);
+            }
+        }
     }
 }

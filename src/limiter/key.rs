@@ -134,6 +134,39 @@ fn push_decimal(buf: &mut Vec<u8>, mut n: u64) {
     buf.extend_from_slice(&digits[i..]);
 }
 
+/// The end of a limit's counter keys, `:<algorithm tag><window µs>:<ordinal>` (see
+/// [`CounterKey::with_limit`]), kept inline: 28 bytes at most (a 20-digit window, a 5-digit
+/// ordinal). The default is empty: no limit's.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LimitIdentity {
+    len: u8,
+    bytes: [u8; 31],
+}
+
+impl LimitIdentity {
+    /// The identity of `limit` as the `ordinal`-th of its descriptor's limits with its
+    /// algorithm and window.
+    pub fn new(limit: &Limit, ordinal: u16) -> Self {
+        let mut buf = Vec::with_capacity(28);
+        buf.push(b':');
+        buf.push(limit.algorithm.tag());
+        push_decimal(&mut buf, limit.window_us);
+        buf.push(b':');
+        push_decimal(&mut buf, ordinal as u64);
+        let mut bytes = [0; 31];
+        bytes[..buf.len()].copy_from_slice(&buf);
+        LimitIdentity {
+            len: buf.len() as u8,
+            bytes,
+        }
+    }
+
+    /// The bytes a key ends with.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.bytes[..self.len as usize]
+    }
+}
+
 impl CounterKey {
     /// The key of a descriptor in `domain` with the default format (no prefix, domain tag).
     pub fn new<'a>(domain: &str, entries: impl IntoIterator<Item = (&'a str, &'a str)>) -> Self {
@@ -145,29 +178,27 @@ impl CounterKey {
     /// the descriptor's limits: inserting a limit with another window must not move counts.
     /// Limits differing in any of these never share state; a changed `requests_per_unit`
     /// keeps its count across a reload.
-    pub fn with_limit(mut self, limit: &Limit, ordinal: u16) -> Self {
-        self.push_limit(limit, ordinal);
+    pub fn with_limit(self, limit: &Limit, ordinal: u16) -> Self {
+        self.with_identity(&LimitIdentity::new(limit, ordinal))
+    }
+
+    /// [`CounterKey::with_limit`] with the identity built beforehand (a configured limit's is
+    /// built once, when its config compiles).
+    pub fn with_identity(mut self, identity: &LimitIdentity) -> Self {
+        self.bytes.extend_from_slice(identity.as_bytes());
         self
     }
 
-    /// [`CounterKey::with_limit`] on a copy, reserving exactly what the identity needs.
-    pub fn for_limit(&self, limit: &Limit, ordinal: u16) -> Self {
-        let mut bytes = Vec::with_capacity(self.bytes.len() + 28);
+    /// [`CounterKey::with_identity`] on a copy, reserving exactly what the identity needs.
+    pub fn for_identity(&self, identity: &LimitIdentity) -> Self {
+        let suffix = identity.as_bytes();
+        let mut bytes = Vec::with_capacity(self.bytes.len() + suffix.len());
         bytes.extend_from_slice(&self.bytes);
-        let mut key = CounterKey {
+        bytes.extend_from_slice(suffix);
+        CounterKey {
             bytes,
             tag: self.tag,
-        };
-        key.push_limit(limit, ordinal);
-        key
-    }
-
-    fn push_limit(&mut self, limit: &Limit, ordinal: u16) {
-        self.bytes.push(b':');
-        self.bytes.push(limit.algorithm.tag());
-        push_decimal(&mut self.bytes, limit.window_us);
-        self.bytes.push(b':');
-        push_decimal(&mut self.bytes, ordinal as u64);
+        }
     }
 
     /// The whole key, as stored.
@@ -238,9 +269,9 @@ mod tests {
         assert_eq!(k.tag(), b"edge");
         assert_eq!(k.through_tag(), b"{edge}");
         let per_descriptor = KeyFormat::new("rl:", HashTag::Descriptor).unwrap();
-        let k = per_descriptor
-            .descriptor_key("edge", entries)
-            .for_limit(&limit(), 3);
+        let base = per_descriptor.descriptor_key("edge", entries);
+        let k = base.for_identity(&LimitIdentity::new(&limit(), 3));
+        assert_eq!(k, base.with_limit(&limit(), 3));
         assert_eq!(
             String::from_utf8_lossy(k.as_bytes()),
             "rl:{edge:path:/a%20b%3A%7Bc%7D%0A}:s1000000:3"
@@ -248,6 +279,17 @@ mod tests {
         assert_eq!(k.tag(), b"edge:path:/a%20b%3A%7Bc%7D%0A");
         assert_eq!(k.through_tag(), b"rl:{edge:path:/a%20b%3A%7Bc%7D%0A}");
         assert!(KeyFormat::new("rl{x}:", HashTag::Domain).is_err());
+    }
+
+    #[test]
+    fn the_longest_limit_identity_fits() {
+        let widest = Limit {
+            window_us: u64::MAX,
+            ..limit()
+        };
+        let id = LimitIdentity::new(&widest, u16::MAX);
+        assert_eq!(id.as_bytes(), b":s18446744073709551615:65535");
+        assert_eq!(LimitIdentity::default().as_bytes(), b"");
     }
 
     proptest::proptest! {

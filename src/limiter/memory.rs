@@ -301,6 +301,10 @@ impl Backend for MemoryBackend {
         Box::pin(std::future::ready(Ok(self.decide_now(hits))))
     }
 
+    fn decide_at_once(&self, hits: &[Hit]) -> Option<Outcome> {
+        Some(self.decide_now(hits))
+    }
+
     fn reset<'a>(&'a self, hits: &'a [Hit]) -> BoxFuture<'a, Result<usize, BackendError>> {
         Box::pin(std::future::ready(Ok(self.reset_now(hits))))
     }

@@ -120,6 +120,13 @@ pub trait Backend: Send + Sync + 'static {
     /// Checks every hit and commits them all or none.
     fn decide<'a>(&'a self, hits: &'a [Hit]) -> BoxFuture<'a, Result<Outcome, BackendError>>;
 
+    /// [`Backend::decide`] for a backend that never waits and never fails (the memory
+    /// backend): the decision at once, without a boxed future per request. `None` (the
+    /// default): call `decide`.
+    fn decide_at_once(&self, _hits: &[Hit]) -> Option<Outcome> {
+        None
+    }
+
     /// Forgets the counters of `hits` (each limit is fully available again); returns how
     /// many were held. For the admin API.
     fn reset<'a>(&'a self, hits: &'a [Hit]) -> BoxFuture<'a, Result<usize, BackendError>>;

@@ -91,19 +91,16 @@ pub(crate) fn resolve(
     }
     let pools: Vec<PoolSpec> = rules
         .iter()
-        .map(|r| {
-            let limit = r.limit();
-            PoolSpec {
-                key: matched
-                    .key
-                    .for_limit(&limit, r.ordinal)
-                    .as_bytes()
-                    .to_vec()
-                    .into_boxed_slice(),
-                limit: r.requests_per_unit,
-                window_s: r.window_seconds(),
-                burst: r.burst.max(1),
-            }
+        .map(|r| PoolSpec {
+            key: matched
+                .key
+                .for_identity(&r.identity)
+                .as_bytes()
+                .to_vec()
+                .into_boxed_slice(),
+            limit: r.requests_per_unit,
+            window_s: r.window_seconds(),
+            burst: r.burst.max(1),
         })
         .collect();
     let fill_s = pools.iter().map(|p| p.window_s).max().unwrap_or(1);

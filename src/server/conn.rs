@@ -364,7 +364,7 @@ where
 {
     type Response = S::Response;
     type Error = S::Error;
-    type Future = Pin<Box<dyn Future<Output = Result<S::Response, S::Error>> + Send>>;
+    type Future = Answer<S::Future>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
         self.inner.poll_ready(cx)
@@ -377,7 +377,10 @@ where
                 .map(|i| i.get_ref().budget.clone())
         });
         let Some(budget) = budget else {
-            return Box::pin(self.inner.call(req));
+            return Answer {
+                inner: self.inner.call(req),
+                held: None,
+            };
         };
         let held = Arc::new(Held {
             budget,
@@ -392,12 +395,31 @@ where
                 streaming,
             })
         });
-        let answer = self.inner.call(req);
-        Box::pin(async move {
-            let r = answer.await;
-            drop(held);
-            r
-        })
+        Answer {
+            inner: self.inner.call(req),
+            held: Some(held),
+        }
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// A budgeted request's answer: the request's bytes stay held until it is answered (or
+    /// dropped). A named future, not a boxed one: no allocation per request.
+    pub(crate) struct Answer<F> {
+        #[pin]
+        inner: F,
+        held: Option<Arc<Held>>,
+    }
+}
+
+impl<F: Future> Future for Answer<F> {
+    type Output = F::Output;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        let this = self.project();
+        let answer = std::task::ready!(this.inner.poll(cx));
+        this.held.take();
+        Poll::Ready(answer)
     }
 }
 

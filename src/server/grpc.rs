@@ -60,13 +60,6 @@ pub(crate) fn to_status(e: EngineError) -> Status {
     }
 }
 
-/// Seconds since the Unix epoch, for the reference headers' reset.
-pub(crate) fn unix_now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
-}
-
 fn json_to_value(v: &serde_json::Value) -> Value {
     Value {
         kind: Some(match v {
@@ -321,7 +314,7 @@ impl RateLimitService for GrpcService {
                         request.get_ref(),
                         resp,
                         self.headers,
-                        unix_now(),
+                        headers::now_s(self.headers),
                     ))),
                     Err(e) => Err(to_status(e)),
                 },

@@ -13,7 +13,7 @@ use axum::response::IntoResponse;
 use axum::routing::{get, post};
 
 use super::conn::{Tracker, accept};
-use super::grpc::{to_request, to_response, to_status, unix_now};
+use super::grpc::{to_request, to_response, to_status};
 use super::headers::HeaderMode;
 use super::json::{parse_request, response_json};
 use crate::engine::Code;
@@ -154,7 +154,12 @@ async fn json_decide(State(state): State<Arc<HttpState>>, body: Bytes) -> axum::
                 Code::Ok => StatusCode::OK,
                 Code::OverLimit => StatusCode::TOO_MANY_REQUESTS,
             };
-            let out = to_response(&req, resp, state.headers, unix_now());
+            let out = to_response(
+                &req,
+                resp,
+                state.headers,
+                super::headers::now_s(state.headers),
+            );
             (
                 status,
                 [(header::CONTENT_TYPE, "application/json")],
