@@ -17,7 +17,7 @@ use super::{
     is_wildcard,
 };
 use crate::limiter::Algorithm;
-use crate::limiter::key::LimitIdentity;
+use crate::limiter::key::{LimitIdentity, escaped};
 
 /// Sets `slot` to `value` (placed at `at`) unless the config set it already.
 fn fill<T>(slot: &mut Option<Spanned<T>>, value: Option<T>, at: Location) {
@@ -97,11 +97,7 @@ pub(crate) fn compile_file_with(
             ));
         }
     };
-    Ok(Domain {
-        name: Arc::new(name),
-        root,
-        line,
-    })
+    Ok(Domain::new(name, root, line))
 }
 
 /// Validates one domain that arrives already parsed (a `RateLimitConfig` over xDS), by the
@@ -121,11 +117,7 @@ pub(crate) fn compile_parsed(
     }
     let descriptors = descriptors.into_iter().map(unlocated).collect();
     let root = c.level(descriptors, "descriptors", "")?;
-    Ok(Domain {
-        name: Arc::new(domain),
-        root,
-        line: 0,
-    })
+    Ok(Domain::new(domain, root, 0))
 }
 
 /// `value` without a place in a text: what a parsed source gives (its errors have no line).
@@ -585,7 +577,13 @@ impl Compiler<'_> {
             &format!("{field}.descriptors"),
             &path,
         )?;
+        let escaped_value = value
+            .as_deref()
+            .filter(|v| share_threshold || !is_wildcard(Some(v)))
+            .map(escaped);
         let node = Node {
+            escaped_key: escaped(&key),
+            escaped_value,
             value: value.map(String::into_boxed_str),
             limits,
             shadow_mode: raw.shadow_mode.unwrap_or(false),

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use super::{Domain, KeyNodes, Node};
 use smallvec::SmallVec;
 
-use crate::limiter::key::{CounterKey, KeyFormat};
+use crate::limiter::key::{CounterKey, KeyFormat, Part};
 
 /// A descriptor that landed on a node with limits (or `unlimited`).
 #[derive(Debug)]
@@ -92,14 +92,17 @@ impl Domain {
         let leaf = *path.last()?;
         leaf.limits.as_ref()?;
 
-        let key = keys.descriptor_key(
-            &self.name,
-            path.iter().zip(entries).map(|(node, &(k, v))| {
-                let counted = match &node.value {
-                    Some(pattern) if node.share_threshold => &**pattern,
-                    _ => v,
+        // The config's own names were escaped when it compiled; only the request's values that
+        // are counted as sent are escaped here. (A value landing on an exact node is that
+        // node's value; a shared wildcard counts its pattern.)
+        let key = keys.key_of(
+            Part::Escaped(&self.escaped_name),
+            path.iter().zip(entries).map(|(node, &(_, v))| {
+                let counted = match &node.escaped_value {
+                    Some(value) => Part::Escaped(value),
+                    None => Part::Raw(v),
                 };
-                (k, counted)
+                (Part::Escaped(&node.escaped_key), counted)
             }),
         );
 

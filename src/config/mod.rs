@@ -163,6 +163,12 @@ pub enum NodeLimits {
 pub struct Node {
     /// The configured value: exact, a wildcard pattern, or none (any value).
     pub value: Option<Box<str>>,
+    /// The node's key, escaped for counter keys once, here, rather than for every request.
+    pub escaped_key: Box<[u8]>,
+    /// The value counted for every request that lands here, escaped, when it is always the
+    /// same: an exact value, or a wildcard whose matches share one counter (`share_threshold`).
+    /// `None` where each request counts its own value.
+    pub escaped_value: Option<Box<[u8]>>,
     /// The limit applied when a descriptor ends here.
     pub limits: Option<NodeLimits>,
     /// Counted and reported, never rejects.
@@ -296,10 +302,24 @@ impl Wildcard {
 pub struct Domain {
     /// The domain name.
     pub name: Arc<String>,
+    /// The name escaped for counter keys, once.
+    pub escaped_name: Box<[u8]>,
     /// Top-level descriptors.
     pub root: Level,
     /// Line of the `domain` field.
     pub line: u64,
+}
+
+impl Domain {
+    /// The domain `name` with `root`'s descriptors, its `domain` field on `line`.
+    pub(crate) fn new(name: String, root: Level, line: u64) -> Domain {
+        Domain {
+            escaped_name: crate::limiter::key::escaped(&name),
+            name: Arc::new(name),
+            root,
+            line,
+        }
+    }
 }
 
 /// An immutable, validated set of domains. Requests in flight keep the snapshot they started

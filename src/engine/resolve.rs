@@ -308,6 +308,65 @@ descriptors:
         assert!(resolve(&s, &other, &keys, &rule).hits.is_empty());
     }
 
+    /// The config's own names are escaped once, when it compiles, and only the request's
+    /// values per request: the keys are byte for byte those `descriptor_key` builds from the
+    /// same entries (exact values, a shared wildcard's pattern, a wildcard's and an open key's
+    /// own values), escaping included.
+    #[test]
+    fn names_escaped_at_compile_give_the_keys_descriptor_key_gives() {
+        let s = snapshot(
+            r#"domain: "d o%"
+descriptors:
+  - key: "k 1"
+    value: "a:b"
+    rate_limit: {unit: second, requests_per_unit: 3}
+  - key: "k 1"
+    value: "x y*"
+    share_threshold: true
+    rate_limit: {unit: second, requests_per_unit: 3}
+  - key: "k 1"
+    value: "w*"
+    rate_limit: {unit: second, requests_per_unit: 3}
+  - key: "k:2"
+    rate_limit: {unit: second, requests_per_unit: 3}
+"#,
+        );
+        let rule = Arc::new(OVERRIDE_RULE.to_owned());
+        let limit = Limit {
+            algorithm: Algorithm::FixedWindow,
+            requests_per_unit: 3,
+            window_us: 1_000_000,
+            burst: 3,
+        };
+        for tag in [
+            crate::limiter::key::HashTag::Domain,
+            crate::limiter::key::HashTag::Descriptor,
+        ] {
+            let keys = KeyFormat::new("p:", tag).unwrap();
+            for (entry, counted) in [
+                (("k 1", "a:b"), "a:b"),
+                (("k 1", "x y z"), "x y*"),
+                (("k 1", "w%1"), "w%1"),
+                (("k:2", "v{2}\n"), "v{2}\n"),
+            ] {
+                let req = Request {
+                    domain: "d o%",
+                    descriptors: vec![Descriptor {
+                        entries: vec![entry],
+                        ..Default::default()
+                    }],
+                    hits_addend: 0,
+                };
+                let r = resolve(&s, &req, &keys, &rule);
+                let want = keys
+                    .descriptor_key("d o%", [(entry.0, counted)])
+                    .with_limit(&limit, 0);
+                assert_eq!(r.hits.len(), 1, "{entry:?}");
+                assert_eq!(r.hits[0].key, want, "{entry:?}");
+            }
+        }
+    }
+
     fn applicable() -> Applicable<'static> {
         Applicable {
             descriptor: 0,

@@ -55,20 +55,35 @@ impl KeyFormat {
         domain: &str,
         entries: impl IntoIterator<Item = (&'a str, &'a str)>,
     ) -> CounterKey {
+        self.key_of(
+            Part::Raw(domain),
+            entries
+                .into_iter()
+                .map(|(k, v)| (Part::Raw(k), Part::Raw(v))),
+        )
+    }
+
+    /// [`KeyFormat::descriptor_key`] of parts some of which were escaped beforehand (the
+    /// config's own names, escaped once when it compiles): the same bytes.
+    pub(crate) fn key_of<'a>(
+        &self,
+        domain: Part<'a>,
+        entries: impl IntoIterator<Item = (Part<'a>, Part<'a>)>,
+    ) -> CounterKey {
         let mut bytes = Vec::with_capacity(self.prefix.len() + domain.len() + 64);
         bytes.extend_from_slice(&self.prefix);
         bytes.push(b'{');
         let tag_start = bytes.len();
-        push_escaped(&mut bytes, domain.as_bytes());
+        domain.push_to(&mut bytes);
         let mut tag_end = bytes.len();
         if self.tag == HashTag::Domain {
             bytes.push(b'}');
         }
         for (k, v) in entries {
             bytes.push(b':');
-            push_escaped(&mut bytes, k.as_bytes());
+            k.push_to(&mut bytes);
             bytes.push(b':');
-            push_escaped(&mut bytes, v.as_bytes());
+            v.push_to(&mut bytes);
         }
         if self.tag == HashTag::Descriptor {
             tag_end = bytes.len();
@@ -79,6 +94,38 @@ impl KeyFormat {
             tag: (tag_start as u32, tag_end as u32),
         }
     }
+}
+
+/// One component of a key: as the request or config spells it, or already [`escaped`].
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Part<'a> {
+    /// To be escaped.
+    Raw(&'a str),
+    /// Escaped by [`escaped`].
+    Escaped(&'a [u8]),
+}
+
+impl Part<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Part::Raw(s) => s.len(),
+            Part::Escaped(b) => b.len(),
+        }
+    }
+
+    fn push_to(self, buf: &mut Vec<u8>) {
+        match self {
+            Part::Raw(s) => push_escaped(buf, s.as_bytes()),
+            Part::Escaped(b) => buf.extend_from_slice(b),
+        }
+    }
+}
+
+/// `s` escaped as a key component, for [`Part::Escaped`].
+pub(crate) fn escaped(s: &str) -> Box<[u8]> {
+    let mut buf = Vec::with_capacity(s.len());
+    push_escaped(&mut buf, s.as_bytes());
+    buf.into_boxed_slice()
 }
 
 /// A counter's key: final bytes, and where its hash tag's content lies.

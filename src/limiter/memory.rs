@@ -14,7 +14,7 @@
 //! the bound with counters however many distinct values clients send.
 
 use std::collections::BTreeSet;
-use std::hash::{BuildHasher, RandomState};
+use std::hash::{BuildHasher, Hasher, RandomState};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -162,7 +162,11 @@ impl MemoryBackend {
     }
 
     fn hash(&self, key: &[u8]) -> Hash {
-        Hash(self.hasher.hash_one(key))
+        // The key's bytes alone: `hash_one` would hash a length prefix first, which only keeps
+        // hashes of several values in a row unambiguous; a key is hashed on its own.
+        let mut hasher = self.hasher.build_hasher();
+        hasher.write(key);
+        Hash(hasher.finish())
     }
 
     /// Number of counters held, expired or not.
