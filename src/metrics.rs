@@ -167,29 +167,31 @@ impl DecisionMetrics {
         domain: &Arc<String>,
         rule: &Arc<String>,
     ) -> Option<&'a RuleHandles> {
-        let handles = slot.0.get_or_init(|| RuleHandles {
-            owner: self.owner.clone(),
-            decisions: [
-                Decision::within_limit,
-                Decision::near_limit,
-                Decision::over_limit,
-                Decision::shadow_mode,
-            ]
-            .map(|decision| {
-                self.decisions
-                    .get_or_create(&DecisionLabels {
-                        domain: domain.clone(),
-                        rule: rule.clone(),
-                        decision,
-                    })
-                    .clone()
-            }),
-            reference: self.reference.as_ref().map(|families| {
-                let labels = ReferenceLabels::of(domain, rule);
-                families
-                    .families()
-                    .map(|family| family.get_or_create(&labels).clone())
-            }),
+        let handles = slot.0.get_or_init(|| {
+            Box::new(RuleHandles {
+                owner: self.owner.clone(),
+                decisions: [
+                    Decision::within_limit,
+                    Decision::near_limit,
+                    Decision::over_limit,
+                    Decision::shadow_mode,
+                ]
+                .map(|decision| {
+                    self.decisions
+                        .get_or_create(&DecisionLabels {
+                            domain: domain.clone(),
+                            rule: rule.clone(),
+                            decision,
+                        })
+                        .clone()
+                }),
+                reference: self.reference.as_ref().map(|families| {
+                    let labels = ReferenceLabels::of(domain, rule);
+                    families
+                        .families()
+                        .map(|family| family.get_or_create(&labels).clone())
+                }),
+            })
         });
         Arc::ptr_eq(&handles.owner, &self.owner).then_some(handles)
     }
@@ -199,8 +201,9 @@ impl DecisionMetrics {
 /// config node the rule belongs to and looked up once per config: a decision then costs one
 /// atomic add per counter, not a lookup under each family's lock with its labels hashed and
 /// their strings' reference counts bumped — shared cache lines every worker thread writes.
+/// Boxed: a slot on every node of a large config costs 16 bytes until its rule decides.
 #[derive(Default)]
-pub struct RuleCounters(OnceLock<RuleHandles>);
+pub struct RuleCounters(OnceLock<Box<RuleHandles>>);
 
 impl std::fmt::Debug for RuleCounters {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

@@ -13,11 +13,11 @@ use serde_saphyr::{Location, Spanned};
 
 use super::schema::{RawDescriptor, RawLimit};
 use super::{
-    ConfigError, Domain, Index, KeyNodes, Level, LimitRule, Node, NodeLimits, Unit, Wildcard,
-    is_wildcard,
+    ConfigError, Counted, Domain, Index, KeyNodes, Level, LimitRule, Node, NodeLimits, Unit,
+    Wildcard, is_wildcard,
 };
 use crate::limiter::Algorithm;
-use crate::limiter::key::{LimitIdentity, escaped};
+use crate::limiter::key::{LimitIdentity, escaped_if_needed};
 
 /// Sets `slot` to `value` (placed at `at`) unless the config set it already.
 fn fill<T>(slot: &mut Option<Spanned<T>>, value: Option<T>, at: Location) {
@@ -577,13 +577,16 @@ impl Compiler<'_> {
             &format!("{field}.descriptors"),
             &path,
         )?;
-        let escaped_value = value
-            .as_deref()
-            .filter(|v| share_threshold || !is_wildcard(Some(v)))
-            .map(escaped);
+        let counted = match value.as_deref() {
+            Some(v) if share_threshold || !is_wildcard(Some(v)) => match escaped_if_needed(v) {
+                None => Counted::Fixed,
+                Some(e) => Counted::FixedEscaped(e),
+            },
+            _ => Counted::AsSent,
+        };
         let node = Node {
-            escaped_key: escaped(&key),
-            escaped_value,
+            escaped_key: escaped_if_needed(&key),
+            counted,
             value: value.map(String::into_boxed_str),
             limits,
             shadow_mode: raw.shadow_mode.unwrap_or(false),

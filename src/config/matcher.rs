@@ -7,7 +7,7 @@
 use std::borrow::Cow;
 use std::sync::Arc;
 
-use super::{Domain, KeyNodes, Node};
+use super::{Counted, Domain, KeyNodes, Node};
 use smallvec::SmallVec;
 
 use crate::limiter::key::{CounterKey, KeyFormat, Part};
@@ -97,12 +97,18 @@ impl Domain {
         // node's value; a shared wildcard counts its pattern.)
         let key = keys.key_of(
             Part::Escaped(&self.escaped_name),
-            path.iter().zip(entries).map(|(node, &(_, v))| {
-                let counted = match &node.escaped_value {
-                    Some(value) => Part::Escaped(value),
-                    None => Part::Raw(v),
+            path.iter().zip(entries).map(|(node, &(k, v))| {
+                // A node's key is the request's key; a fixed value is the node's own.
+                let key = match &node.escaped_key {
+                    Some(escaped) => Part::Escaped(escaped),
+                    None => Part::Escaped(k.as_bytes()),
                 };
-                (Part::Escaped(&node.escaped_key), counted)
+                let counted = match &node.counted {
+                    Counted::AsSent => Part::Raw(v),
+                    Counted::Fixed => Part::Escaped(node.value.as_deref().unwrap_or(v).as_bytes()),
+                    Counted::FixedEscaped(escaped) => Part::Escaped(escaped),
+                };
+                (key, counted)
             }),
         );
 

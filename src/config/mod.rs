@@ -163,12 +163,11 @@ pub enum NodeLimits {
 pub struct Node {
     /// The configured value: exact, a wildcard pattern, or none (any value).
     pub value: Option<Box<str>>,
-    /// The node's key, escaped for counter keys once, here, rather than for every request.
-    pub escaped_key: Box<[u8]>,
-    /// The value counted for every request that lands here, escaped, when it is always the
-    /// same: an exact value, or a wildcard whose matches share one counter (`share_threshold`).
-    /// `None` where each request counts its own value.
-    pub escaped_value: Option<Box<[u8]>>,
+    /// The node's key escaped for counter keys, once, here, where escaping changes it; `None`
+    /// (no allocation) where it is safe as it is.
+    pub escaped_key: Option<Box<[u8]>>,
+    /// Which value a request that lands here counts, and how it is written into the key.
+    pub counted: Counted,
     /// The limit applied when a descriptor ends here.
     pub limits: Option<NodeLimits>,
     /// Counted and reported, never rejects.
@@ -189,6 +188,18 @@ pub struct Node {
     pub path: Arc<String>,
     /// Its decision counters, looked up on first use (for labels without request values).
     pub counters: crate::metrics::RuleCounters,
+}
+
+/// The value a descriptor entry counts in its counter's key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Counted {
+    /// The request's own value, escaped per request (a wildcard, or a key with no value).
+    AsSent,
+    /// The node's value, safe as it is: an exact value (the request's is the same), or the
+    /// pattern of a wildcard whose matches share one counter (`share_threshold`).
+    Fixed,
+    /// The node's value as [`Counted::Fixed`], escaped once, here.
+    FixedEscaped(Box<[u8]>),
 }
 
 /// Whether a configured value is a wildcard pattern (contains `*`).

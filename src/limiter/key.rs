@@ -128,6 +128,12 @@ pub(crate) fn escaped(s: &str) -> Box<[u8]> {
     buf.into_boxed_slice()
 }
 
+/// [`escaped`], or `None` where escaping leaves `s` as it is (its bytes are then the escaped
+/// form, and nothing need be kept).
+pub(crate) fn escaped_if_needed(s: &str) -> Option<Box<[u8]>> {
+    s.bytes().any(|b| !SAFE[b as usize]).then(|| escaped(s))
+}
+
 /// A counter's key: final bytes, and where its hash tag's content lies.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct CounterKey {
