@@ -23,7 +23,8 @@ pub struct Matched<'s> {
     pub key: CounterKey,
     /// The metric `rule` label: the config path, with request values only where the config asks
     /// for them (`detailed_metric`, `value_to_metric`), so clients cannot explode cardinality.
-    pub rule: Arc<String>,
+    /// The node's own label is borrowed: no reference count shared by every request touched.
+    pub rule: Cow<'s, Arc<String>>,
     /// Whether `rule` carries request values (the config asked for them), so that its
     /// cardinality is up to clients and must be capped by whoever records it.
     pub rule_has_values: bool,
@@ -114,7 +115,7 @@ impl Domain {
 
         let with_values = leaf.detailed_metric || path.iter().any(|n| n.value_to_metric);
         let rule = if !with_values {
-            leaf.path.clone()
+            Cow::Borrowed(&leaf.path)
         } else {
             let mut label = String::new();
             for (node, &(k, v)) in path.iter().zip(entries) {
@@ -134,7 +135,7 @@ impl Domain {
                     label.push_str(&shown);
                 }
             }
-            Arc::new(label)
+            Cow::Owned(Arc::new(label))
         };
         Some(Matched {
             node: leaf,

@@ -2,6 +2,7 @@
 //! descriptors, and what each reports. Its own module so that the two steps depend on it and
 //! not on each other.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -30,8 +31,8 @@ pub(crate) struct Applicable<'s> {
     pub(crate) reported: ReportedLimit,
     /// What an over verdict does to the request.
     pub(crate) enforcement: Enforcement,
-    /// The metric `rule` label.
-    pub(crate) rule: Arc<String>,
+    /// The metric `rule` label: the config node's, borrowed, unless it carries request values.
+    pub(crate) rule: Cow<'s, Arc<String>>,
     /// The rule label carries request values (`detailed_metric`, `value_to_metric`).
     pub(crate) rule_has_values: bool,
     /// The rule's metric counters, kept on its config node (`None` for a limit override no

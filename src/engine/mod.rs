@@ -185,7 +185,7 @@ impl Engine {
             Some(counters) => counters.record(decision, reference),
             None => self
                 .decisions
-                .record(domain, a.limit.rule.clone(), decision, reference),
+                .record(domain, (*a.limit.rule).clone(), decision, reference),
         }
     }
 

@@ -1,6 +1,7 @@
 //! The pure step: (snapshot, request) → the hits the backend decides, with what the report
 //! needs to turn verdicts back into per-descriptor statuses. No I/O, no metrics, no clock.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -68,7 +69,7 @@ pub(crate) fn resolve<'s>(
     snapshot: &'s Snapshot,
     req: &Request<'_>,
     keys: &KeyFormat,
-    override_rule: &Arc<String>,
+    override_rule: &'s Arc<String>,
 ) -> Resolved<'s> {
     let Some(domain) = snapshot.domain(req.domain) else {
         return Resolved::default();
@@ -87,7 +88,7 @@ pub(crate) fn resolve<'s>(
             // node the descriptor matches, else a constant.
             let (rule, rule_has_values, counters) = match domain.resolve(&d.entries, keys) {
                 Some(m) => (m.rule, m.rule_has_values, Some(&m.node.counters)),
-                None => (override_rule.clone(), false, None),
+                None => (Cow::Borrowed(override_rule), false, None),
             };
             found.push(Applied::unmerged(Applicable {
                 descriptor: i,
@@ -184,12 +185,13 @@ pub(crate) fn resolve<'s>(
 /// (a scan over thousands of long keys cost a request of 63 descriptors × 100 limits over a
 /// hundred milliseconds of CPU).
 fn merge(applied: &mut [Applied<'_>], hits: &mut Vec<Hit>) {
-    let mut index: std::collections::HashMap<Vec<u8>, usize> = std::collections::HashMap::new();
-    let indexed = hits.len() > SCAN_HITS;
+    // Made only past the scan: even an empty `HashMap` seeds its hasher from a thread local.
+    let mut index: Option<std::collections::HashMap<Vec<u8>, usize>> =
+        (hits.len() > SCAN_HITS).then(|| std::collections::HashMap::with_capacity(hits.len()));
     // hits[..kept] are the merged hits so far; hits[kept..i] were merged into them.
     let mut kept = 0;
     for i in 0..hits.len() {
-        let found = if indexed {
+        let found = if let Some(index) = &mut index {
             match index.entry(hits[i].key.as_bytes().to_vec()) {
                 std::collections::hash_map::Entry::Occupied(e) => Some(*e.get()),
                 std::collections::hash_map::Entry::Vacant(e) => {
@@ -377,7 +379,7 @@ descriptors:
                 window: Duration::from_secs(1),
             },
             enforcement: Enforcement::Enforce,
-            rule: Arc::new(String::new()),
+            rule: Cow::Owned(Arc::new(String::new())),
             rule_has_values: false,
             counters: None,
             metadata: None,
