@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# Server instructions per request under h2load's bench request (the two-descriptor request of
+# `make bench`), counted by callgrind: the same figure run after run, whatever else the machine
+# does, so an A/B of two builds needs no rounds. Each server in turn, fresh, warmed up with
+# WARMUP requests, then counted over N requests.
+#
+#   scripts/instructions.sh [SERVER ...]    SERVER: bare, memory, naive, redis, or a path to a
+#                                           ratelimitd binary (run on the memory backend)
+#
+# Default: bare memory. CLIENTS and STREAMS set h2load's -c and -m (default 2 and 4: 8 calls
+# in flight); N (default 20000); KEEP=/some/dir keeps the callgrind files (callgrind_annotate
+# them to see where the instructions go). The memory and Redis servers are this checkout's
+# release build; bare and naive are benches/baseline.rs, built with the same profile.
+#
+# Needs valgrind and h2load (nghttp2-client); redis-server for naive and redis. Loopback only.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+# shellcheck source=scripts/common.sh
+source scripts/common.sh
+CLIENTS=${CLIENTS:-2}
+STREAMS=${STREAMS:-4}
+N=${N:-20000}
+WARMUP=${WARMUP:-4000}
+[ $# -gt 0 ] || set -- bare memory
+command -v valgrind >/dev/null || { echo "instructions: valgrind missing" >&2; exit 1; }
+command -v h2load >/dev/null || { echo "instructions: h2load missing: apt-get install nghttp2-client" >&2; exit 1; }
+
+cargo build --release --quiet
+BASELINE=$(bench_bin baseline)
+WORK=$(mktemp -d)
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  [ -n "${KEEP:-}" ] && mkdir -p "$KEEP" && cp "$WORK"/cg.* "$KEEP"/ 2>/dev/null
+  rm -rf "$WORK" "$_ports_given"
+}
+trap cleanup EXIT
+"$BASELINE" --write-request "$WORK/request.bin"
+
+# One redis-server for the servers that need one, started here (not in a subshell, so that
+# it is stopped with the rest).
+REDIS_URL=
+case " $* " in
+  *" naive "* | *" redis "*)
+    REDIS_PORT=$(free_port)
+    redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save "" --appendonly no >/dev/null &
+    pids+=("$!")
+    for _ in $(seq 100); do redis-cli -p "$REDIS_PORT" ping >/dev/null 2>&1 && break; sleep 0.05; done
+    REDIS_URL=redis://127.0.0.1:$REDIS_PORT
+    ;;
+esac
+
+for server in "$@"; do
+  port=$(free_port)
+  case $server in
+    bare) cmd=("$BASELINE" --mode noop --addr "127.0.0.1:$port") ;;
+    naive) cmd=("$BASELINE" --mode evalsha --addr "127.0.0.1:$port" --redis "$REDIS_URL") ;;
+    memory) cmd=(./target/release/ratelimitd --config benches/limits.yaml --grpc-addr "127.0.0.1:$port"
+      --http-addr "127.0.0.1:$(free_port)" --log-level warn --backend memory) ;;
+    redis) cmd=(./target/release/ratelimitd --config benches/limits.yaml --grpc-addr "127.0.0.1:$port"
+      --http-addr "127.0.0.1:$(free_port)" --log-level warn --backend redis
+      --redis-url "$REDIS_URL" --redis-timeout 5s) ;;
+    *) [ -x "$server" ] || { echo "instructions: no such server: $server" >&2; exit 2; }
+      cmd=("$server" --config benches/limits.yaml --grpc-addr "127.0.0.1:$port"
+        --http-addr "127.0.0.1:$(free_port)" --log-level warn --backend memory) ;;
+  esac
+  name=$(basename "$server")
+  valgrind --tool=callgrind --instr-atstart=no --callgrind-out-file="$WORK/cg.$name.%p" "${cmd[@]}" >/dev/null 2>&1 &
+  pid=$!
+  pids+=("$pid")
+  for _ in $(seq 300); do (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break; sleep 0.1; done
+  load() {
+    h2load -c"$CLIENTS" -m"$STREAMS" -t1 -n "$1" -d "$WORK/request.bin" -H 'content-type: application/grpc' \
+      -H 'te: trailers' "http://127.0.0.1:$port/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit"
+  }
+  load "$WARMUP" >/dev/null
+  callgrind_control -i on "$pid" >/dev/null 2>&1
+  ok=$(load "$N" | awk '/^status codes:/ {print $3}')
+  callgrind_control -i off "$pid" >/dev/null 2>&1
+  callgrind_control -d "$pid" >/dev/null 2>&1
+  kill "$pid"
+  wait "$pid" 2>/dev/null || true
+  [ "$ok" = "$N" ] || { echo "instructions: $name answered $ok of $N requests with 2xx" >&2; exit 1; }
+  total=$(cat "$WORK"/cg."$name".*.1 | awk '/^totals:/ {print $2}')
+  printf '%-40s %9d instructions per request (h2load -c%s -m%s, %s requests)\n' "$name" \
+    "$((total / N))" "$CLIENTS" "$STREAMS" "$N"
+done
