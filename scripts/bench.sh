@@ -316,16 +316,8 @@ if [ "$CALLGRIND" = 1 ] && command -v valgrind >/dev/null; then
   declare -A INSTR
   for name in $SERVERS; do
     port=$(free_port)
-    case $name in
-      bare) cmd=("$BASELINE" --mode noop --addr "127.0.0.1:$port");;
-      naive) cmd=("$BASELINE" --mode evalsha --addr "127.0.0.1:$port" --redis "redis://127.0.0.1:$REDIS_PORT");;
-      memory) cmd=(./target/release/ratelimitd --config benches/limits.yaml --grpc-addr "127.0.0.1:$port"
-        --http-addr "127.0.0.1:$(free_port)" --log-level warn --backend memory);;
-      redis) cmd=(./target/release/ratelimitd --config benches/limits.yaml --grpc-addr "127.0.0.1:$port"
-        --http-addr "127.0.0.1:$(free_port)" --log-level warn --backend redis
-        --redis-url "redis://127.0.0.1:$REDIS_PORT" --redis-timeout 5s);;
-    esac
-    valgrind --tool=callgrind --callgrind-out-file="$WORK/cg.$name.%p" --instr-atstart=no "${cmd[@]}" >/dev/null 2>&1 &
+    bench_server_cmd "$name" "$port" "redis://127.0.0.1:$REDIS_PORT" 5s
+    valgrind --tool=callgrind --callgrind-out-file="$WORK/cg.$name.%p" --instr-atstart=no "${SERVER_CMD[@]}" >/dev/null 2>&1 &
     SERVER_PID=$!
     pids+=("$SERVER_PID")
     for _ in $(seq 300); do (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break; sleep 0.1; done

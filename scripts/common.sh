@@ -26,6 +26,26 @@ bench_bin() {
     sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | grep "/$1-" | tail -1
 }
 
+# Sets SERVER_CMD to the command line of bench server NAME (bare, naive, memory, redis, or the
+# path of a ratelimitd binary, run on the memory backend) serving gRPC on 127.0.0.1:PORT: the
+# baselines are $BASELINE (benches/baseline.rs), the rest this checkout's release build with
+# the bench domain. REDIS_URL is for naive and redis; REDIS_TIMEOUT is the Redis backend's
+# call budget (longer under valgrind). Returns 2 for an unknown name.
+bench_server_cmd() { # NAME PORT [REDIS_URL] [REDIS_TIMEOUT]
+  local name=$1 port=$2 redis=${3:-} timeout=${4:-1s}
+  local service=(--config benches/limits.yaml --grpc-addr "127.0.0.1:$port"
+    --http-addr "127.0.0.1:$(free_port)" --log-level warn)
+  case $name in
+    bare) SERVER_CMD=("$BASELINE" --mode noop --addr "127.0.0.1:$port") ;;
+    naive) SERVER_CMD=("$BASELINE" --mode evalsha --addr "127.0.0.1:$port" --redis "$redis") ;;
+    memory) SERVER_CMD=(./target/release/ratelimitd "${service[@]}" --backend memory) ;;
+    redis) SERVER_CMD=(./target/release/ratelimitd "${service[@]}" --backend redis
+      --redis-url "$redis" --redis-timeout "$timeout") ;;
+    *) [ -x "$name" ] || return 2
+      SERVER_CMD=("$name" "${service[@]}" --backend memory) ;;
+  esac
+}
+
 # Writes N pipelined calls of the Redis script, in RESP, each deciding K identical requests of
 # the bench domain (sliding window + fixed window, the bench request's keys): `HOW NAME` is
 # `FCALL <function>` or `EVALSHA <sha1>`. The layout is script.lua's (numbers packed as

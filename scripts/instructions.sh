@@ -53,20 +53,10 @@ esac
 
 for server in "$@"; do
   port=$(free_port)
-  case $server in
-    bare) cmd=("$BASELINE" --mode noop --addr "127.0.0.1:$port") ;;
-    naive) cmd=("$BASELINE" --mode evalsha --addr "127.0.0.1:$port" --redis "$REDIS_URL") ;;
-    memory) cmd=(./target/release/ratelimitd --config benches/limits.yaml --grpc-addr "127.0.0.1:$port"
-      --http-addr "127.0.0.1:$(free_port)" --log-level warn --backend memory) ;;
-    redis) cmd=(./target/release/ratelimitd --config benches/limits.yaml --grpc-addr "127.0.0.1:$port"
-      --http-addr "127.0.0.1:$(free_port)" --log-level warn --backend redis
-      --redis-url "$REDIS_URL" --redis-timeout 5s) ;;
-    *) [ -x "$server" ] || { echo "instructions: no such server: $server" >&2; exit 2; }
-      cmd=("$server" --config benches/limits.yaml --grpc-addr "127.0.0.1:$port"
-        --http-addr "127.0.0.1:$(free_port)" --log-level warn --backend memory) ;;
-  esac
+  bench_server_cmd "$server" "$port" "$REDIS_URL" 5s ||
+    { echo "instructions: no such server: $server" >&2; exit 2; }
   name=$(basename "$server")
-  valgrind --tool=callgrind --instr-atstart=no --callgrind-out-file="$WORK/cg.$name.%p" "${cmd[@]}" >/dev/null 2>&1 &
+  valgrind --tool=callgrind --instr-atstart=no --callgrind-out-file="$WORK/cg.$name.%p" "${SERVER_CMD[@]}" >/dev/null 2>&1 &
   pid=$!
   pids+=("$pid")
   for _ in $(seq 300); do (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break; sleep 0.1; done
