@@ -53,7 +53,7 @@ bench_server_cmd() { # NAME PORT [REDIS_URL] [REDIS_TIMEOUT]
 script_calls() { # K N HOW NAME
   perl -e '
     my ($k, $n, $how, $name) = @ARGV;
-    my $numbers = pack("d<*", 1, 2,                      # entries, counters
+    my $numbers = pack("d<*", 1, 2, 1,                   # entries, counters, debt bound
       1, 2, 1e6, 1e6, 1e6,                               # client: sliding window, 1e6 per s
       2, 1, 1e8, 1e6, 1e8,                               # route: fixed window, 1e8 per s
       $k, 2, 1, 1, 1, 2, 1, 1);                          # a run of k: 1 hit each, enforced

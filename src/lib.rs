@@ -59,6 +59,7 @@ pub mod testing {
                 local_cache_bytes: 0,
                 pipeline: 1,
                 max_batch: 1,
+                max_debt: crate::limiter::DEFAULT_MAX_DEBT,
             },
             crate::metrics::BackendMetrics::default(),
         )
@@ -396,11 +397,10 @@ fn start_backend(
     metrics: &Arc<Metrics>,
     tasks: &mut Tasks,
 ) -> Result<(Arc<dyn Backend>, Quota), RunError> {
-    let memory = Arc::new(MemoryBackend::bounded(
-        clock,
-        options.memory_max_bytes,
-        metrics.memory.clone(),
-    ));
+    let memory = Arc::new(
+        MemoryBackend::bounded(clock, options.memory_max_bytes, metrics.memory.clone())
+            .with_max_debt(options.max_debt),
+    );
     tasks.push({
         let memory = memory.clone();
         tokio::spawn(async move {

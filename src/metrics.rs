@@ -35,6 +35,28 @@ pub struct DecisionLabels {
     pub decision: Decision,
 }
 
+/// Hits counted beside a decision: usage recorded although it took a limit over, and units
+/// given back.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
+#[allow(non_camel_case_types)]
+pub enum Accounted {
+    /// A cost report's hits, recorded although they took the limit over.
+    report_over_limit,
+    /// A refund's hits (as asked; a counter is never taken below empty).
+    refund,
+}
+
+/// Labels of `ratelimit_accounted_hits_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct AccountedLabels {
+    /// The request's domain.
+    pub domain: Arc<String>,
+    /// The rule's config path, as in `ratelimit_decisions_total`.
+    pub rule: Arc<String>,
+    /// What the hits were.
+    pub kind: Accounted,
+}
+
 /// Labels of envoyproxy/ratelimit's per-rule families, as Envoy Gateway's statsd mapping cuts
 /// them from that service's stat key `domain.key1.key2…`: `key2` only for rules two levels or
 /// more deep (the mapping's two rules).
@@ -113,6 +135,9 @@ impl ReferenceMetrics {
 pub struct DecisionMetrics {
     /// `ratelimit_decisions_total{domain,rule,decision}`.
     pub decisions: Family<DecisionLabels, Counter>,
+    /// `ratelimit_accounted_hits_total{domain,rule,kind}`: cost reports recorded past a limit,
+    /// and refunds, in hits.
+    pub accounted: Family<AccountedLabels, Counter>,
     /// envoyproxy/ratelimit's families, when enabled (`--reference-metrics`).
     pub reference: Option<ReferenceMetrics>,
     /// Who these families are, for [`RuleCounters`]: clones share it.
@@ -127,9 +152,28 @@ impl DecisionMetrics {
     ) -> DecisionMetrics {
         DecisionMetrics {
             decisions,
+            accounted: Family::default(),
             reference,
             owner: Arc::default(),
         }
+    }
+
+    /// Counts `hits` of `rule` in `domain` as `kind`: reports and refunds are rare next to
+    /// decisions, so their labels are looked up each time.
+    pub fn record_accounted(
+        &self,
+        domain: &Arc<String>,
+        rule: Arc<String>,
+        kind: Accounted,
+        hits: u64,
+    ) {
+        self.accounted
+            .get_or_create(&AccountedLabels {
+                domain: domain.clone(),
+                rule,
+                kind,
+            })
+            .inc_by(hits);
     }
 
     /// Counts one decision of `rule` in `domain`, with `reference` (from
@@ -490,6 +534,11 @@ impl Metrics {
             (None, None)
         };
         let decisions = DecisionMetrics::new(decisions, reference);
+        registry.register(
+            "ratelimit_accounted_hits",
+            "Hits of cost reports recorded past a limit (report_over_limit) and of refunds (refund), per domain and rule",
+            decisions.accounted.clone(),
+        );
         let config_loads = Family::<LoadLabels, Counter>::default();
         registry.register(
             "ratelimit_config_loads",

@@ -179,6 +179,11 @@ descriptors:
   - key: b
     metadata: {ratelimitd: {algorithm: token_bucket}}
     rate_limit: {unit: second, requests_per_unit: 3, algorithm: sliding_log}
+  - key: c
+    metadata: {ratelimitd: {accounting: report}}
+    rate_limits:
+      - {unit: second, requests_per_unit: 3}
+      - {unit: hour, requests_per_unit: 30, accounting: admission}
 ",
     )
     .unwrap();
@@ -193,7 +198,21 @@ descriptors:
         dump.contains("d.b: unit=SECOND requests_per_unit=3, algorithm=sliding_log"),
         "{dump}"
     );
+    for line in [
+        "d.c: unit=SECOND requests_per_unit=3, algorithm=fixed_window accounting=report",
+        "d.c: unit=HOUR requests_per_unit=30, algorithm=fixed_window accounting=admission",
+    ] {
+        assert!(dump.contains(line), "{line} in {dump}");
+    }
     for (bad, field) in [
+        (
+            "{ratelimitd: {accounting: later}}",
+            "descriptors[0].rate_limit.accounting",
+        ),
+        (
+            "{ratelimitd: {accounting: 1}}",
+            "descriptors[0].metadata.ratelimitd.accounting",
+        ),
         (
             "{ratelimitd: {algorithm: fast}}",
             "descriptors[0].rate_limit.algorithm",

@@ -1,7 +1,8 @@
 //! Differential test: random request sequences (several limits per descriptor, every
-//! algorithm, shadow and quota rules, hits 0..n, request overrides) sent to the memory backend
-//! and to Redis (one script per request, and one per slot group with refunds) must get the
-//! same decisions and the same remaining counts. Windows are 1000 days (overrides: a year), so
+//! algorithm, shadow and quota rules, checks, admissions, cost reports within and past the
+//! limit, refunds, request overrides) sent to the memory backend and to Redis (one script per
+//! request, and one per slot group with undos) must get the same decisions and the same
+//! remaining counts. Windows are 1000 days (overrides: a year), so
 //! no window boundary falls inside the test. A failure prints its seed: `DIFF_SEED=<seed>`
 //! replays it (add `DIFF_TRACE=1` to print every step); `DIFF_ROUNDS=<n>` runs more sequences.
 
@@ -96,18 +97,33 @@ fn random_request(rng: &mut Rng) -> RateLimitRequest {
     let mut req = request("diff", &refs);
     req.hits_addend = rng.below(3) as u32;
     for d in &mut req.descriptors {
-        match rng.below(8) {
+        match rng.below(10) {
             0 => d.hits_addend = Some(UInt64Value { value: 0 }),
+            // A cost report (the default accounting), within the limit or past it.
             1 => {
                 d.hits_addend = Some(UInt64Value {
                     value: 1 + rng.below(3),
                 })
             }
             2 => {
+                d.hits_addend = Some(UInt64Value {
+                    value: 4 + rng.below(20),
+                })
+            }
+            3 => {
                 d.limit = Some(RateLimitOverride {
                     requests_per_unit: rng.below(6) as u32,
                     unit: 6, // YEAR
                 })
+            }
+            // A refund, of the request's hits or of its own.
+            4 => {
+                d.is_negative_hits = true;
+                if rng.below(2) == 0 {
+                    d.hits_addend = Some(UInt64Value {
+                        value: 1 + rng.below(8),
+                    });
+                }
             }
             _ => {}
         }

@@ -415,15 +415,16 @@ async fn a_request_touching_too_many_counters_is_refused_with_the_numbers() {
     assert!(is_ok(&call(&mut c, request("m", &descriptors[..2])).await));
 }
 
-/// The cluster client retries a script call after an I/O error, so a refund may run twice; run
-/// twice, it gave back twice and over-admitted. Its marker key makes the second run a no-op.
-/// (The script is driven by hand here, in its documented argument layout.)
+/// The cluster client retries a script call after an I/O error, so an undo (of a request another
+/// slot group rejected) may run twice; run twice, it gave back twice and over-admitted. Its
+/// marker key makes the second run a no-op. (The script is driven by hand here, in its
+/// documented argument layout.)
 #[tokio::test]
-async fn a_refund_run_twice_gives_back_once() {
+async fn an_undo_run_twice_gives_back_once() {
     let redis = shared_standalone();
     let prefix = unique_prefix();
     let key = format!("{prefix}{{r}}:k:v:f3600000000:0");
-    let marker = format!("{prefix}{{r}}refund:n1");
+    let marker = format!("{prefix}{{r}}undo:n1");
     let mut conn = ::redis::Client::open(redis.url())
         .and_then(|c| c.get_connection())
         .expect("a connection");
@@ -440,20 +441,22 @@ async fn a_refund_run_twice_gives_back_once() {
             .query(&mut conn)
             .expect("the script runs")
     };
-    // One entry; one counter: KEYS[1], fixed window (1), 5 an hour, burst 5.
+    // One entry, one counter, a debt bound of 1; the counter: KEYS[1], fixed window (1), 5 an
+    // hour, burst 5.
+    let header = [1.0, 1.0, 1.0];
     let counter = [1.0, 1.0, 5.0, 3600000000.0, 5.0];
-    // A decide entry: one request (a run of 1), one limit: counter 1, 1 hit, enforced (1). A
-    // fixed window names no log members: no nonce.
-    let decide = [&[1.0, 1.0][..], &counter, &[1.0, 1.0, 1.0, 1.0, 1.0]].concat();
+    // A decide entry: one request (a run of 1), one limit: counter 1, 1 hit, an enforced
+    // admission (1). A fixed window names no log members: no nonce.
+    let decide = [&header[..], &counter, &[1.0, 1.0, 1.0, 1.0, 1.0]].concat();
     // The reply: the call's time, then admitted, then the limit's room and reset.
     let first = eval(&[&key], "decide", &decide, &[]);
     assert_eq!(first[1], 1, "admitted: {first:?}");
     let at = first[0] as f64;
     assert_eq!(eval(&[&key], "decide", &decide, &[])[1], 1);
     for _ in 0..2 {
-        // A refund entry: at, its marker (KEYS[2]), one limit as above; its nonce.
-        let numbers = [&[1.0, 1.0][..], &counter, &[at, 2.0, 1.0, 1.0, 1.0, 1.0]].concat();
-        eval(&[&key, &marker], "refund", &numbers, &["n1"]);
+        // An undo entry: at, its marker (KEYS[2]), one limit as above; its nonce.
+        let numbers = [&header[..], &counter, &[at, 2.0, 1.0, 1.0, 1.0, 1.0]].concat();
+        eval(&[&key, &marker], "undo", &numbers, &["n1"]);
     }
     // Two taken, one given back (once), one more taken: 3 remain.
     let third = eval(&[&key], "decide", &decide, &[]);

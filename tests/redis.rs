@@ -938,7 +938,7 @@ async fn a_huge_hits_addend_costs_redis_what_one_hit_costs() {
     let mut c = s.client().await;
     let r = call(
         &mut c,
-        with_hits(request("big", &[&[("log", "a")]]), 0, 2_000_000),
+        weighted(request("big", &[&[("log", "a")]]), 2_000_000),
     )
     .await;
     assert!(is_ok(&r));
@@ -950,9 +950,8 @@ async fn a_huge_hits_addend_costs_redis_what_one_hit_costs() {
     assert!(is_ok(
         &call(&mut c, request("big", &[&[("tight", "t")]])).await
     ));
-    let req = with_hits(
+    let req = weighted(
         request("big", &[&[("log", "b")], &[("tight", "t")]]),
-        0,
         1_999_999,
     );
     assert!(is_over(&call(&mut c, req).await));

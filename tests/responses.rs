@@ -207,3 +207,21 @@ async fn json_endpoint_answers_200_then_429_and_400_for_bad_input() {
         assert!(message.contains(says), "{bad}: {message}");
     }
 }
+
+/// `POST /json` takes `isNegativeHits` as gRPC takes `is_negative_hits`: the hits go back.
+#[tokio::test]
+async fn json_refunds_with_is_negative_hits() {
+    let s = server(&[]).await;
+    let body = r#"{"domain":"web","descriptors":[{"entries":[{"key":"path","value":"/n"}]}]}"#;
+    for _ in 0..2 {
+        assert_eq!(post_json(s.http, body).await.0, 200);
+    }
+    assert_eq!(post_json(s.http, body).await.0, 429);
+    let refund = r#"{"domain":"web","descriptors":[{"entries":[{"key":"path","value":"/n"}],"hitsAddend":"1","isNegativeHits":true}]}"#;
+    let (status, json) = post_json(s.http, refund).await;
+    assert_eq!(status, 200, "{json}");
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(v["statuses"][0]["limitRemaining"], 1, "{v}");
+    assert_eq!(post_json(s.http, body).await.0, 200, "one given back");
+    assert_eq!(post_json(s.http, body).await.0, 429);
+}

@@ -889,14 +889,14 @@ async fn envoy_gateway_corpus_over_ads(redis: Option<&common::redis::RedisProc>)
                         .unwrap_or_else(|| panic!("{file}: no limit for {domain} {entries:?}"));
                     let limit = u64::from(rpu);
                     if shadow {
-                        let r = call(&mut c, with_hits(req.clone(), 0, limit + 1)).await;
+                        let r = call(&mut c, weighted(req.clone(), limit as u32 + 1)).await;
                         assert!(is_ok(&r), "{file}: shadow");
                     } else if rpu > 1000 {
                         assert!(is_ok(&call(&mut c, req.clone()).await), "{file}");
                     } else if redis.is_some() {
-                        let over = call(&mut c, with_hits(req.clone(), 0, limit + 1)).await;
+                        let over = call(&mut c, weighted(req.clone(), limit as u32 + 1)).await;
                         assert!(is_over(&over), "{file}: {} hits admitted", limit + 1);
-                        let fits = call(&mut c, with_hits(req.clone(), 0, limit)).await;
+                        let fits = call(&mut c, weighted(req.clone(), limit as u32)).await;
                         assert!(is_ok(&fits), "{file}: {limit} hits refused");
                     } else {
                         admits_exactly(&mut c, &req, rpu as usize).await;
@@ -923,7 +923,7 @@ async fn envoy_gateway_corpus_over_ads_on_redis_admits_each_rule_exactly_its_lim
 
 /// Envoy Gateway's API has no field for an algorithm: `--default-algorithm` applies to every
 /// limit that names none, and a descriptor's `metadata.ratelimitd` (numbers arrive as floats in
-/// a protobuf Struct) sets algorithm, burst and unit_multiplier for its limits.
+/// a protobuf Struct) sets algorithm, burst, unit_multiplier and accounting for its limits.
 #[tokio::test]
 async fn the_default_algorithm_and_metadata_extensions_reach_xds_limits() {
     use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
@@ -932,6 +932,7 @@ async fn the_default_algorithm_and_metadata_extensions_reach_xds_limits() {
         fields: [
             ("algorithm", Kind::StringValue("token_bucket".into())),
             ("burst", Kind::NumberValue(20.0)),
+            ("accounting", Kind::StringValue("admission".into())),
         ]
         .into_iter()
         .map(|(k, v)| (k.to_owned(), Value { kind: Some(v) }))
@@ -971,9 +972,24 @@ async fn the_default_algorithm_and_metadata_extensions_reach_xds_limits() {
         "{rules}"
     );
     assert!(
-        line("bucket").contains("algorithm=token_bucket burst=20"),
+        line("bucket").contains("algorithm=token_bucket burst=20 accounting=admission"),
         "{rules}"
     );
+    // An admission: the descriptor's own hits_addend past the limit is refused and consumes
+    // nothing (under the default accounting it would be a report, recorded as debt).
+    let mut c = c;
+    let over = call(
+        &mut c,
+        with_hits(request("d", &[&[("bucket", "v")]]), 0, 21),
+    )
+    .await;
+    assert!(is_over(&over));
+    let fits = call(
+        &mut c,
+        with_hits(request("d", &[&[("bucket", "v")]]), 0, 20),
+    )
+    .await;
+    assert!(is_ok(&fits), "{fits:?}");
 }
 
 /// Envoy Gateway's rate-limit container, as its resource.go builds it: the binary with no

@@ -16,8 +16,8 @@ use super::{
     ConfigError, Counted, Domain, Index, KeyNodes, Level, LimitRule, Node, NodeLimits, Unit,
     Wildcard, is_wildcard,
 };
-use crate::limiter::Algorithm;
 use crate::limiter::key::{LimitIdentity, escaped_if_needed};
+use crate::limiter::{Accounting, Algorithm};
 
 /// Sets `slot` to `value` (placed at `at`) unless the config set it already.
 fn fill<T>(slot: &mut Option<Spanned<T>>, value: Option<T>, at: Location) {
@@ -27,8 +27,17 @@ fn fill<T>(slot: &mut Option<Spanned<T>>, value: Option<T>, at: Location) {
 }
 
 /// The key under a descriptor's `metadata` that sets our limit extensions (`algorithm`,
-/// `burst`, `unit_multiplier`) where a control plane can set metadata but not those fields.
+/// `burst`, `unit_multiplier`, `accounting`) where a control plane can set metadata but not
+/// those fields.
 pub(crate) const METADATA_KEY: &str = "ratelimitd";
+
+/// What a descriptor's `metadata.ratelimitd` sets for its limits, as written.
+struct MetadataExtensions {
+    algorithm: Option<String>,
+    burst: Option<u64>,
+    unit_multiplier: Option<u64>,
+    accounting: Option<String>,
+}
 
 /// Largest `unit_multiplier`: keeps every window (up to 10 000 years) within u64 microseconds.
 pub(super) const MAX_UNIT_MULTIPLIER: u64 = 10_000;
@@ -322,15 +331,15 @@ impl Compiler<'_> {
     }
 
     /// The extensions a descriptor's `metadata.ratelimitd` sets for its limits (for control
-    /// planes that can set metadata but have no field for them): algorithm, burst and
-    /// unit_multiplier, each checked as if written in the limit, which wins when it sets one.
-    #[allow(clippy::type_complexity)]
+    /// planes that can set metadata but have no field for them): algorithm, burst,
+    /// unit_multiplier and accounting, each checked as if written in the limit, which wins when
+    /// it sets one.
     fn metadata_extensions(
         &self,
         extensions: &serde_json::Value,
         at: Location,
         field: &str,
-    ) -> Result<(Option<String>, Option<u64>, Option<u64>), ConfigError> {
+    ) -> Result<MetadataExtensions, ConfigError> {
         let Some(map) = extensions.as_object() else {
             return Err(self.err(Some(&at), field, "must be a mapping"));
         };
@@ -355,24 +364,28 @@ impl Compiler<'_> {
                     }),
             }
         };
-        let algorithm = match map.get("algorithm") {
-            None => None,
-            Some(serde_json::Value::String(a)) => Some(a.clone()),
-            Some(_) => {
-                return Err(self.err(Some(&at), &format!("{field}.algorithm"), "must be a string"));
+        let text = |name: &str| -> Result<Option<String>, ConfigError> {
+            match map.get(name) {
+                None => Ok(None),
+                Some(serde_json::Value::String(a)) => Ok(Some(a.clone())),
+                Some(_) => Err(self.err(Some(&at), &format!("{field}.{name}"), "must be a string")),
             }
         };
-        if let Some(other) = map
-            .keys()
-            .find(|k| !["algorithm", "burst", "unit_multiplier"].contains(&k.as_str()))
-        {
+        if let Some(other) = map.keys().find(|k| {
+            !["algorithm", "burst", "unit_multiplier", "accounting"].contains(&k.as_str())
+        }) {
             return Err(self.err(
                 Some(&at),
                 &format!("{field}.{other}"),
-                "unknown key (expected algorithm, burst or unit_multiplier)",
+                "unknown key (expected algorithm, burst, unit_multiplier or accounting)",
             ));
         }
-        Ok((algorithm, number("burst")?, number("unit_multiplier")?))
+        Ok(MetadataExtensions {
+            algorithm: text("algorithm")?,
+            burst: number("burst")?,
+            unit_multiplier: number("unit_multiplier")?,
+            accounting: text("accounting")?,
+        })
     }
 
     /// Warns of `field` at `at`: a key envoyproxy/ratelimit accepts there and ignores.
@@ -501,8 +514,7 @@ impl Compiler<'_> {
         let (mut rate_limit, mut rate_limits) = (raw.rate_limit, raw.rate_limits);
         if let Some(extensions) = raw.metadata.as_ref().and_then(|m| m.get(METADATA_KEY)) {
             let field = format!("{field}.metadata.{METADATA_KEY}");
-            let (algorithm, burst, multiplier) =
-                self.metadata_extensions(extensions, at, &field)?;
+            let ext = self.metadata_extensions(extensions, at, &field)?;
             let limits: Vec<&mut RawLimit> = match (&mut rate_limit, &mut rate_limits) {
                 (Some(one), _) => vec![&mut one.value],
                 (None, Some(list)) => list.value.iter_mut().map(|l| &mut l.value).collect(),
@@ -515,9 +527,10 @@ impl Compiler<'_> {
                 }
             };
             for limit in limits {
-                fill(&mut limit.algorithm, algorithm.clone(), at);
-                fill(&mut limit.burst, burst, at);
-                fill(&mut limit.unit_multiplier, multiplier, at);
+                fill(&mut limit.algorithm, ext.algorithm.clone(), at);
+                fill(&mut limit.burst, ext.burst, at);
+                fill(&mut limit.unit_multiplier, ext.unit_multiplier, at);
+                fill(&mut limit.accounting, ext.accounting.clone(), at);
             }
         }
 
@@ -637,6 +650,7 @@ impl Compiler<'_> {
                     "unit_multiplier",
                     raw.unit_multiplier.as_ref().map(|s| s.referenced),
                 ),
+                ("accounting", raw.accounting.as_ref().map(|s| s.referenced)),
             ];
             if let Some((name, Some(at))) = extension.into_iter().find(|(_, at)| at.is_some()) {
                 return Err(self.err(Some(&at), &sub(name), "has no meaning when unlimited"));
@@ -703,6 +717,19 @@ impl Compiler<'_> {
             }
             Some(m) => m.value,
         };
+        let accounting = match &raw.accounting {
+            None => None,
+            Some(a) => Some(Accounting::parse(&a.value).ok_or_else(|| {
+                self.err(
+                    Some(&a.referenced),
+                    &sub("accounting"),
+                    format!(
+                        "unknown accounting '{}' (expected auto, admission or report)",
+                        a.value
+                    ),
+                )
+            })?),
+        };
         let name = raw.name.map(|n| Arc::<str>::from(n.value));
         let mut replaces = Vec::new();
         for (k, r) in raw.replaces.unwrap_or_default().into_iter().enumerate() {
@@ -738,6 +765,7 @@ impl Compiler<'_> {
             requests_per_unit,
             algorithm,
             burst,
+            accounting,
             ordinal: 0,
             identity: LimitIdentity::default(),
         };

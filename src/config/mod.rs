@@ -16,7 +16,7 @@ use std::fmt::{self, Write as _};
 use std::sync::Arc;
 
 use crate::limiter::key::LimitIdentity;
-use crate::limiter::{Algorithm, Limit};
+use crate::limiter::{Accounting, Algorithm, Limit};
 
 pub(crate) use compile::CompileOptions;
 pub use compile::compile_file;
@@ -114,6 +114,8 @@ pub struct LimitRule {
     pub algorithm: Algorithm,
     /// Token-bucket capacity (equals `requests_per_unit` unless configured).
     pub burst: u64,
+    /// How this limit counts a descriptor's hits; `None`: as `--accounting` says.
+    pub accounting: Option<Accounting>,
     /// Which counter of its descriptor this limit keeps: the number of limits before it on the
     /// same descriptor with the same algorithm and window. With the algorithm and window it
     /// names the counter, so reordering limits, adding one with another window, renaming one
@@ -432,6 +434,9 @@ impl Snapshot {
                             let _ = write!(line, ", algorithm={}", l.algorithm);
                             if l.algorithm == Algorithm::TokenBucket {
                                 let _ = write!(line, " burst={}", l.burst);
+                            }
+                            if let Some(accounting) = l.accounting {
+                                let _ = write!(line, " accounting={}", accounting.as_str());
                             }
                             if let Some(name) = &l.name {
                                 let _ = write!(line, ", name={name}");

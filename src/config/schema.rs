@@ -86,6 +86,8 @@ pub(crate) struct RawLimit {
     pub burst: Option<Spanned<u64>>,
     /// Extension: window = unit × unit_multiplier.
     pub unit_multiplier: Option<Spanned<u64>>,
+    /// Extension: auto, admission or report (how the limit counts a descriptor's hits).
+    pub accounting: Option<Spanned<String>>,
     #[serde(rename = "domain", default)]
     pub(crate) misplaced_domain: Misplaced,
     #[serde(rename = "key", default)]

@@ -26,8 +26,8 @@ pub(crate) use self::resolve::OVERRIDE_RULE;
 use self::resolve::{Resolved, resolve};
 use crate::config::Snapshot;
 use crate::limiter::key::KeyFormat;
-use crate::limiter::{Algorithm, Backend};
-use crate::metrics::{Decision, DecisionMetrics};
+use crate::limiter::{Accounting, Algorithm, Backend, HitKind};
+use crate::metrics::{Accounted, Decision, DecisionMetrics};
 
 /// How the engine decides, beyond the config.
 #[derive(Clone, Copy, Debug)]
@@ -40,6 +40,8 @@ pub struct EngineOptions {
     pub global_shadow_mode: bool,
     /// Return the passed descriptors' config `metadata` with each response.
     pub dynamic_metadata: bool,
+    /// How limits that set no `accounting` of their own count a descriptor's hits.
+    pub accounting: Accounting,
 }
 
 impl Default for EngineOptions {
@@ -49,6 +51,7 @@ impl Default for EngineOptions {
             near_limit_ratio: 0.8,
             global_shadow_mode: false,
             dynamic_metadata: false,
+            accounting: Accounting::Auto,
         }
     }
 }
@@ -128,7 +131,13 @@ impl Engine {
             domain,
             applied,
             hits,
-        } = resolve(&snapshot, req, &self.keys, &self.override_rule);
+        } = resolve(
+            &snapshot,
+            req,
+            &self.keys,
+            &self.override_rule,
+            self.options.accounting,
+        );
         request::validate_counters(&hits, &self.options.request_limits)?;
         let Some(domain) = domain.filter(|_| !hits.is_empty()) else {
             return Ok(Response {
@@ -147,7 +156,7 @@ impl Engine {
             &hits,
             &outcome,
             self.options.near_limit_ratio,
-            |a, decision, tally| self.record(domain, a, decision, tally),
+            |a, kind, decision, tally| self.record(domain, a, kind, decision, tally),
         );
         let overall = if outcome.admitted || self.options.global_shadow_mode {
             Code::Ok
@@ -165,7 +174,33 @@ impl Engine {
         })
     }
 
-    fn record(&self, domain: &Arc<String>, a: &Applied<'_>, decision: Decision, tally: Tally) {
+    fn record(
+        &self,
+        domain: &Arc<String>,
+        a: &Applied<'_>,
+        kind: HitKind,
+        decision: Decision,
+        tally: Tally,
+    ) {
+        // A refund is no decision (envoyproxy/ratelimit would count its hits as hits); a report
+        // past the limit is a decision, and its hits are counted as recorded anyway.
+        let accounted = match kind {
+            HitKind::Refund => Some(Accounted::refund),
+            HitKind::Report if tally.over => Some(Accounted::report_over_limit),
+            _ => None,
+        };
+        if let Some(accounted) = accounted {
+            let rule = if a.limit.rule_has_values {
+                self.value_rules.label(&a.limit.rule)
+            } else {
+                (*a.limit.rule).clone()
+            };
+            self.decisions
+                .record_accounted(domain, rule, accounted, tally.hits);
+            if kind == HitKind::Refund {
+                return;
+            }
+        }
         let reference = self.decisions.reference.is_some().then(|| {
             report::reference_counts(
                 tally,
@@ -201,13 +236,19 @@ impl Engine {
                 entries: entries.to_vec(),
                 limit_override: None,
                 hits_addend: Some(0),
+                refund: false,
             }],
             hits_addend: 0,
         };
         request::validate(&req, &self.options.request_limits)?;
         let snapshot = self.config.load();
-        let Resolved { applied, hits, .. } =
-            resolve(&snapshot, &req, &self.keys, &self.override_rule);
+        let Resolved { applied, hits, .. } = resolve(
+            &snapshot,
+            &req,
+            &self.keys,
+            &self.override_rule,
+            Accounting::Admission,
+        );
         let mut limits: Vec<Option<ReportedLimit>> = vec![None; hits.len()];
         for a in applied {
             limits[a.hit].get_or_insert(a.limit.reported);
@@ -264,7 +305,7 @@ impl Engine {
                 requests_per_unit: 0,
                 unit,
             };
-            resolve::override_hit(&self.keys, domain, entries, o, 0)
+            resolve::override_hit(&self.keys, domain, entries, o, 0, HitKind::Admission)
         }));
         Ok(self.backend.reset(&hits).await?)
     }

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use super::applied::{Applied, ReportedLimit};
-use crate::limiter::{Algorithm, Enforcement, Hit, Outcome, Verdict, quota_rejects};
+use crate::limiter::{Algorithm, Enforcement, Hit, HitKind, Outcome, Verdict, quota_rejects};
 use crate::metrics::Decision;
 
 /// Whether a descriptor (or the request) is within its limits.
@@ -90,28 +90,30 @@ pub struct CounterView {
 
 /// One status per descriptor of a request with `descriptors` descriptors: the most
 /// restrictive of its limits (an enforced over first, then the fewest hits left). Calls
-/// `decided` once per applied limit with its metric decision.
+/// `decided` once per applied limit with its hit's kind and metric decision.
+///
+/// A refund's status is its counter as the refund left it, and never rejects; a cost report
+/// over its limit rejects as an admission would (Envoy ignores the answer to a report).
 pub(crate) fn statuses(
     descriptors: usize,
     applied: &[Applied<'_>],
     hits: &[Hit],
     outcome: &Outcome,
     near_limit_ratio: f64,
-    mut decided: impl FnMut(&Applied<'_>, Decision, Tally),
+    mut decided: impl FnMut(&Applied<'_>, HitKind, Decision, Tally),
 ) -> Vec<Status> {
     let quota_rejects = quota_rejects(hits, |i| outcome.verdicts[i].over);
     let mut best: Vec<Option<(bool, u64, usize)>> = vec![None; descriptors];
     for (k, a) in applied.iter().enumerate() {
         let (hit, v) = (&hits[a.hit], &outcome.verdicts[a.hit]);
         let rejects = v.over
+            && hit.kind != HitKind::Refund
             && match a.limit.enforcement {
                 Enforcement::Enforce => true,
                 Enforcement::Quota => quota_rejects,
                 Enforcement::Shadow => false,
             };
-        let remaining = if v.over {
-            0
-        } else if outcome.admitted {
+        let remaining = if v.over || outcome.admitted || hit.kind != HitKind::Admission {
             v.remaining
         } else {
             // Nothing was consumed: what the verdict counted for this request is still there.
@@ -130,6 +132,7 @@ pub(crate) fn statuses(
         };
         decided(
             a,
+            hit.kind,
             decision(hit, a.limit.enforcement, v, remaining, near_limit_ratio),
             tally,
         );

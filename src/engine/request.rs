@@ -49,8 +49,11 @@ pub struct Descriptor<'a> {
     pub entries: Vec<(&'a str, &'a str)>,
     /// Replaces the configured limit when present.
     pub limit_override: Option<LimitOverride>,
-    /// Hits for this descriptor; `Some(0)` checks without consuming.
+    /// Hits for this descriptor; `Some(0)` checks without consuming. Greater than 0, it marks a
+    /// cost report where the limit's accounting is `auto`.
     pub hits_addend: Option<u64>,
+    /// `is_negative_hits`: the hits are given back (a refund).
+    pub refund: bool,
 }
 
 /// A request: a domain and its descriptors.

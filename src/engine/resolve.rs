@@ -9,7 +9,7 @@ use super::applied::{Applicable, Applied, ReportedLimit};
 use super::request::{LimitOverride, Request};
 use crate::config::{LimitRule, NodeLimits, Snapshot};
 use crate::limiter::key::KeyFormat;
-use crate::limiter::{Algorithm, Enforcement, Hit, Limit};
+use crate::limiter::{Accounting, Algorithm, Enforcement, Hit, HitKind, Limit};
 
 /// The metric rule of a request's `limit` override on a descriptor the config does not know:
 /// a constant, since the entries are the client's.
@@ -27,6 +27,7 @@ pub(crate) fn override_hit(
     entries: &[(&str, &str)],
     o: LimitOverride,
     hits: u64,
+    kind: HitKind,
 ) -> Hit {
     let limit = Limit {
         algorithm: Algorithm::FixedWindow,
@@ -41,6 +42,7 @@ pub(crate) fn override_hit(
         limit,
         hits,
         enforcement: Enforcement::Enforce,
+        kind,
     }
 }
 
@@ -63,13 +65,16 @@ type Named<'s> = (usize, Option<&'s Arc<str>>, &'s [Arc<str>]);
 
 /// Resolves `req` against `snapshot`: every limit that applies to each descriptor (its own
 /// `limit` override, else the limits of the node its entries land on, minus those another
-/// applicable limit `replaces`), and one hit per distinct counter, keyed in `keys`' format.
-/// An unknown domain, or descriptors no limit applies to, resolve to nothing.
+/// applicable limit `replaces`), and one hit per distinct counter and kind, keyed in `keys`'
+/// format. Each hit's kind: a refund for `is_negative_hits`, else as the limit's `accounting`
+/// says, else as `accounting` (the server's) says. An unknown domain, or descriptors no limit
+/// applies to, resolve to nothing.
 pub(crate) fn resolve<'s>(
     snapshot: &'s Snapshot,
     req: &Request<'_>,
     keys: &KeyFormat,
     override_rule: &'s Arc<String>,
+    accounting: Accounting,
 ) -> Resolved<'s> {
     let Some(domain) = snapshot.domain(req.domain) else {
         return Resolved::default();
@@ -83,6 +88,13 @@ pub(crate) fn resolve<'s>(
     let mut named: Vec<Named<'s>> = Vec::new();
     for (i, d) in req.descriptors.iter().enumerate() {
         let hits_addend = d.hits_addend.unwrap_or(default_hits);
+        let kind = |limit: Option<Accounting>| {
+            if d.refund {
+                HitKind::Refund
+            } else {
+                limit.unwrap_or(accounting).kind(d.hits_addend)
+            }
+        };
         if let Some(o) = d.limit_override {
             // The metric label comes from the config, never from the request's entries: the
             // node the descriptor matches, else a constant.
@@ -104,7 +116,14 @@ pub(crate) fn resolve<'s>(
                 counters,
                 metadata: None,
             }));
-            hits.push(override_hit(keys, req.domain, &d.entries, o, hits_addend));
+            hits.push(override_hit(
+                keys,
+                req.domain,
+                &d.entries,
+                o,
+                hits_addend,
+                kind(None),
+            ));
             continue;
         }
         let Some(matched) = domain.resolve(&d.entries, keys) else {
@@ -150,6 +169,7 @@ pub(crate) fn resolve<'s>(
                 limit,
                 hits: hits_addend,
                 enforcement,
+                kind: kind(rule.accounting),
             });
         }
     }
@@ -177,7 +197,9 @@ pub(crate) fn resolve<'s>(
 
 /// Merges hits on the same counter (a request may carry the same descriptor twice, or two
 /// descriptors may share a counter), so each counter is checked once with the sum of its hits:
-/// checked separately, both would fit and both would be committed, over-admitting. Points each
+/// checked separately, both would fit and both would be committed, over-admitting. Refunds
+/// merge only with refunds (they are given back before anything is checked); an admission
+/// merged with a cost report is a report (the usage happened; never over-admits). Points each
 /// limit at its merged hit. `applied[i]` came with `hits[i]`; in place, `hits` keeping the
 /// first of each counter's hits in order.
 ///
@@ -186,13 +208,14 @@ pub(crate) fn resolve<'s>(
 /// hundred milliseconds of CPU).
 fn merge(applied: &mut [Applied<'_>], hits: &mut Vec<Hit>) {
     // Made only past the scan: even an empty `HashMap` seeds its hasher from a thread local.
-    let mut index: Option<std::collections::HashMap<Vec<u8>, usize>> =
+    let refund = |h: &Hit| h.kind == HitKind::Refund;
+    let mut index: Option<std::collections::HashMap<(Vec<u8>, bool), usize>> =
         (hits.len() > SCAN_HITS).then(|| std::collections::HashMap::with_capacity(hits.len()));
     // hits[..kept] are the merged hits so far; hits[kept..i] were merged into them.
     let mut kept = 0;
     for i in 0..hits.len() {
         let found = if let Some(index) = &mut index {
-            match index.entry(hits[i].key.as_bytes().to_vec()) {
+            match index.entry((hits[i].key.as_bytes().to_vec(), refund(&hits[i]))) {
                 std::collections::hash_map::Entry::Occupied(e) => Some(*e.get()),
                 std::collections::hash_map::Entry::Vacant(e) => {
                     e.insert(kept);
@@ -200,7 +223,9 @@ fn merge(applied: &mut [Applied<'_>], hits: &mut Vec<Hit>) {
                 }
             }
         } else {
-            hits[..kept].iter().position(|m| m.key == hits[i].key)
+            hits[..kept]
+                .iter()
+                .position(|m| m.key == hits[i].key && refund(m) == refund(&hits[i]))
         };
         match found {
             Some(m) => {
@@ -215,6 +240,9 @@ fn merge(applied: &mut [Applied<'_>], hits: &mut Vec<Hit>) {
                     .min(hit.limit.requests_per_unit);
                 into.limit.burst = into.limit.burst.min(hit.limit.burst);
                 into.enforcement = stricter(into.enforcement, hit.enforcement);
+                if hit.kind == HitKind::Report {
+                    into.kind = HitKind::Report;
+                }
                 applied[i].hit = m;
             }
             None => {
@@ -287,7 +315,7 @@ descriptors:
         let keys = KeyFormat::new("p:", crate::limiter::key::HashTag::Domain).unwrap();
         let rule = Arc::new(OVERRIDE_RULE.to_owned());
         let req = request(&[&[("a", "1")], &[("b", "x")], &[("a", "1")], &[("c", "y")]]);
-        let r = resolve(&s, &req, &keys, &rule);
+        let r = resolve(&s, &req, &keys, &rule, Accounting::Auto);
         // Two limits for each `a` descriptor, both descriptors sharing the two counters.
         assert_eq!(r.applied.len(), 4);
         assert_eq!(r.hits.len(), 2);
@@ -302,12 +330,16 @@ descriptors:
         assert_eq!(r.hits[0].key.as_bytes(), b"p:{d}:a:1:f1000000:0");
         assert_eq!(r.hits[1].key.as_bytes(), b"p:{d}:a:1:s60000000:0");
         // The same inputs give the same hits: nothing but the arguments decides them.
-        let again = resolve(&s, &req, &keys, &rule);
+        let again = resolve(&s, &req, &keys, &rule, Accounting::Auto);
         assert_eq!(again.hits.len(), 2);
         assert_eq!(again.hits[1].key, r.hits[1].key);
         // An unknown domain resolves to nothing.
         let other = Request { domain: "x", ..req };
-        assert!(resolve(&s, &other, &keys, &rule).hits.is_empty());
+        assert!(
+            resolve(&s, &other, &keys, &rule, Accounting::Auto)
+                .hits
+                .is_empty()
+        );
     }
 
     /// The config's own names are escaped once, when it compiles, and only the request's
@@ -359,7 +391,7 @@ descriptors:
                     }],
                     hits_addend: 0,
                 };
-                let r = resolve(&s, &req, &keys, &rule);
+                let r = resolve(&s, &req, &keys, &rule, Accounting::Auto);
                 let want = keys
                     .descriptor_key("d o%", [(entry.0, counted)])
                     .with_limit(&limit, 0);
@@ -367,6 +399,55 @@ descriptors:
                 assert_eq!(r.hits[0].key, want, "{entry:?}");
             }
         }
+    }
+
+    /// Refunds are never summed with the hits they would cancel: they are given back first, on
+    /// their own; a report merged with an admission is a report.
+    #[test]
+    fn refunds_merge_apart_and_reports_absorb_admissions() {
+        let s = snapshot(
+            "domain: d
+descriptors:
+  - key: a
+    rate_limit: {unit: second, requests_per_unit: 3}
+  - key: b
+    rate_limit: {unit: second, requests_per_unit: 3, accounting: admission}
+",
+        );
+        let keys = KeyFormat::new("p:", crate::limiter::key::HashTag::Domain).unwrap();
+        let rule = Arc::new(OVERRIDE_RULE.to_owned());
+        let d = |k: &'static str, hits_addend: Option<u64>, refund: bool| Descriptor {
+            entries: vec![(k, "1")],
+            hits_addend,
+            refund,
+            ..Default::default()
+        };
+        let req = Request {
+            domain: "d",
+            descriptors: vec![
+                d("a", None, false),
+                d("a", Some(4), true),
+                d("a", Some(5), false),
+                d("a", Some(2), true),
+                d("b", Some(6), false),
+            ],
+            hits_addend: 0,
+        };
+        let r = resolve(&s, &req, &keys, &rule, Accounting::Auto);
+        let got: Vec<(HitKind, u64)> = r.hits.iter().map(|h| (h.kind, h.hits)).collect();
+        assert_eq!(
+            got,
+            [
+                (HitKind::Report, 6),
+                (HitKind::Refund, 6),
+                (HitKind::Admission, 6)
+            ]
+        );
+        // The server's accounting applies where the limit sets none.
+        let r = resolve(&s, &req, &keys, &rule, Accounting::Admission);
+        assert_eq!(r.hits[0].kind, HitKind::Admission);
+        let r = resolve(&s, &req, &keys, &rule, Accounting::Report);
+        assert_eq!(r.hits[2].kind, HitKind::Admission, "the limit's own wins");
     }
 
     fn applicable() -> Applicable<'static> {
@@ -404,6 +485,7 @@ descriptors:
                 },
                 hits: n,
                 enforcement: Enforcement::Enforce,
+                kind: HitKind::Admission,
             };
             let mut applied: Vec<Applied<'_>> =
                 picks.iter().map(|_| Applied::unmerged(applicable())).collect();

@@ -89,6 +89,9 @@ pub(crate) enum State {
 
 /// Log entries a rejected sliding_log check scans for its reset, here and in `script.lua`.
 pub(crate) const LOG_SCAN_MAX: usize = 128;
+/// Log entries one refund removes or shortens at most, here and in `script.lua`: a refund
+/// larger than the newest entries hold gives back only what they hold.
+pub(crate) const LOG_REFUND_MAX: usize = 1000;
 
 fn us(d: u128) -> Duration {
     Duration::from_micros(u64::try_from(d).unwrap_or(u64::MAX))
@@ -177,11 +180,15 @@ impl State {
         }
     }
 
-    /// Decides whether `hits` more fit at `now` without consuming anything.
+    /// Decides whether `hits` more fit at `now` without consuming anything. A check of 0 hits
+    /// asks whether one more unit fits: it is over once nothing is left (a budget spent to
+    /// exactly its size refuses the request it checks for).
     pub(crate) fn check(&mut self, limit: &Limit, now: u64, hits: u64) -> Verdict {
         self.advance(limit, now);
         let rpu = limit.requests_per_unit;
         let w = limit.window_us;
+        // What must fit for the verdict to be "within": at least one unit.
+        let need = hits.max(1);
         let never = |fits: u64| Verdict {
             over: true,
             remaining: 0,
@@ -190,11 +197,14 @@ impl State {
         };
         match self {
             State::Fixed { start, count } => {
-                let after = count.saturating_add(hits);
-                let over = rpu == 0 || after > rpu;
+                let over = rpu == 0 || count.saturating_add(need) > rpu;
                 Verdict {
                     over,
-                    remaining: if over { 0 } else { rpu - after },
+                    remaining: if over {
+                        0
+                    } else {
+                        rpu - count.saturating_add(hits)
+                    },
                     fits: rpu.saturating_sub(*count),
                     reset: us((*start + w - now) as u128),
                 }
@@ -202,11 +212,11 @@ impl State {
             State::Sliding { start, prev, cur } => {
                 let elapsed = (now - *start) as u128;
                 let (w, prev_n, cur_n) = (w as u128, *prev as u128, *cur as u128);
-                // Rounded up, so `over` is exactly "prev·(w−e)/w + cur + hits > rpu".
+                // Rounded up, so `over` is exactly "prev·(w−e)/w + cur + need > rpu".
                 let weighted_prev = div_ceil(prev_n * (w - elapsed), w);
-                let after = weighted_prev + cur_n + hits as u128;
+                let used = weighted_prev + cur_n;
                 let rpu_n = rpu as u128;
-                if rpu > 0 && after <= rpu_n {
+                if rpu > 0 && used + need as u128 <= rpu_n {
                     let reset = if cur_n + (hits as u128) > 0 {
                         2 * w - elapsed
                     } else if prev_n > 0 {
@@ -216,16 +226,16 @@ impl State {
                     };
                     return Verdict {
                         over: false,
-                        remaining: (rpu_n - after) as u64,
+                        remaining: (rpu_n - used - hits as u128) as u64,
                         fits: 0,
                         reset: us(reset),
                     };
                 }
-                let fits = rpu_n.saturating_sub(weighted_prev + cur_n) as u64;
-                if rpu == 0 || hits > rpu {
+                let fits = rpu_n.saturating_sub(used) as u64;
+                if rpu == 0 || need > rpu {
                     return never(fits);
                 }
-                let room = rpu_n - hits as u128; // what prev-weight + cur may add up to
+                let room = rpu_n - need as u128; // what prev-weight + cur may add up to
                 let wait = if cur_n <= room {
                     // The previous window's weight fades enough within this window:
                     // prev·(w−e)/w ≤ room − cur  ⇔  e ≥ w − (room − cur)·w/prev.
@@ -244,8 +254,7 @@ impl State {
                 }
             }
             State::Log { entries, total } => {
-                let after = total.saturating_add(hits);
-                if rpu > 0 && after <= rpu {
+                if rpu > 0 && total.saturating_add(need) <= rpu {
                     let reset = if hits > 0 {
                         w as u128
                     } else {
@@ -253,19 +262,20 @@ impl State {
                     };
                     return Verdict {
                         over: false,
-                        remaining: rpu - after,
+                        remaining: rpu - *total - hits,
                         fits: 0,
                         reset: us(reset),
                     };
                 }
                 let fits = rpu.saturating_sub(*total);
-                if rpu == 0 || hits > rpu {
+                if rpu == 0 || need > rpu {
                     return never(fits);
                 }
-                // The request fits once `after − rpu` logged hits have left the window. Only
-                // the oldest LOG_SCAN_MAX entries are looked at (this runs under a shard lock,
-                // for every rejected request); past them, a whole window is an upper bound.
-                let mut to_free = after - rpu;
+                // The request fits once `total + need − rpu` logged hits have left the window.
+                // Only the oldest LOG_SCAN_MAX entries are looked at (this runs under a shard
+                // lock, for every rejected request); past them, a whole window is an upper
+                // bound.
+                let mut to_free = total.saturating_add(need) - rpu;
                 let mut wait = w as u128;
                 for &(t, n) in entries.iter().take(LOG_SCAN_MAX) {
                     if n >= to_free {
@@ -291,8 +301,8 @@ impl State {
                 let w = w as u128;
                 let capacity = limit.burst as u128 * w;
                 let base = (*tat).max(now_s);
-                let new_tat = base + hits as u128 * w;
-                if new_tat <= now_s + capacity {
+                if base + need as u128 * w <= now_s + capacity {
+                    let new_tat = base + hits as u128 * w;
                     return Verdict {
                         over: false,
                         remaining: ((now_s + capacity - new_tat) / w) as u64,
@@ -301,14 +311,14 @@ impl State {
                     };
                 }
                 let fits = ((now_s + capacity).saturating_sub(base) / w) as u64;
-                if hits > limit.burst {
+                if need > limit.burst {
                     return never(fits);
                 }
                 Verdict {
                     over: true,
                     remaining: 0,
                     fits,
-                    reset: us(div_ceil(new_tat - now_s - capacity, scale)),
+                    reset: us(div_ceil(base + need as u128 * w - now_s - capacity, scale)),
                 }
             }
         }
@@ -334,6 +344,106 @@ impl State {
             State::Bucket { tat, scale } => {
                 let now_s = now as u128 * *scale as u128;
                 *tat = (*tat).max(now_s) + hits as u128 * limit.window_us as u128;
+            }
+        }
+    }
+
+    /// Records a cost report of `hits` at `now`, whether it fits or not: usage that already
+    /// happened. What takes the counter past its limit is debt, kept up to `max_debt` times
+    /// the limit's size (what is beyond is dropped), so one report can close a limit for a
+    /// bounded time and no count overflows:
+    ///
+    /// - fixed_window: the count, at most `(1 + max_debt) × requests_per_unit`; over until the
+    ///   window ends, whatever the debt;
+    /// - sliding_window: the current window's count, the estimate at most that bound; the
+    ///   overage carries into the next window's estimate, fading over it;
+    /// - sliding_log: one weighted entry, the log's total at most that bound; over until enough
+    ///   weight leaves the window (the report's own entry leaves one window after it);
+    /// - token_bucket: the bucket goes negative, at most `max_debt × requests_per_unit` tokens
+    ///   below empty, and refills from there at its rate.
+    pub(crate) fn record(&mut self, limit: &Limit, now: u64, hits: u64, max_debt: u64) {
+        self.advance(limit, now);
+        let rpu = limit.requests_per_unit;
+        let ceiling = rpu.saturating_mul(max_debt.saturating_add(1));
+        match self {
+            State::Fixed { count, .. } => {
+                *count += hits.min(ceiling.saturating_sub(*count));
+            }
+            State::Sliding { start, prev, cur } => {
+                let w = limit.window_us as u128;
+                let elapsed = (now - *start) as u128;
+                let weighted_prev = div_ceil(*prev as u128 * (w - elapsed), w) as u64;
+                let used = weighted_prev.saturating_add(*cur);
+                *cur = cur.saturating_add(hits.min(ceiling.saturating_sub(used)));
+            }
+            State::Log { entries, total } => {
+                let add = hits.min(ceiling.saturating_sub(*total));
+                if add > 0 {
+                    *total += add;
+                    match entries.back_mut() {
+                        Some((t, n)) if *t == now => *n += add,
+                        _ => entries.push_back((now, add)),
+                    }
+                }
+            }
+            State::Bucket { tat, scale } => {
+                if rpu == 0 {
+                    return;
+                }
+                let now_s = now as u128 * *scale as u128;
+                let w = limit.window_us as u128;
+                let base = (*tat).max(now_s);
+                let most = now_s + (limit.burst as u128 + max_debt as u128 * rpu as u128) * w;
+                let wanted = base.saturating_add((hits as u128).saturating_mul(w));
+                *tat = base.max(wanted.min(most));
+            }
+        }
+    }
+
+    /// Gives `hits` back at `now` (a refund): never below an empty counter, so a refund on an
+    /// unused counter creates no credit and `remaining` never exceeds the limit.
+    ///
+    /// - fixed_window: from the current window's count;
+    /// - sliding_window: from the current window's count, the rest from the previous one's
+    ///   (which lowers the estimate by its weighted share only);
+    /// - sliding_log: the most recent weight first, at most [`LOG_REFUND_MAX`] entries;
+    /// - token_bucket: the theoretical arrival time moves back, never before now (a full
+    ///   bucket).
+    pub(crate) fn refund(&mut self, limit: &Limit, now: u64, hits: u64) {
+        self.advance(limit, now);
+        match self {
+            State::Fixed { count, .. } => *count = count.saturating_sub(hits),
+            State::Sliding { prev, cur, .. } => {
+                let from_cur = hits.min(*cur);
+                *cur -= from_cur;
+                *prev = prev.saturating_sub(hits - from_cur);
+            }
+            State::Log { entries, total } => {
+                let mut rest = hits;
+                for _ in 0..LOG_REFUND_MAX {
+                    let Some((_, n)) = entries.back_mut() else {
+                        break;
+                    };
+                    if *n <= rest {
+                        rest -= *n;
+                        *total -= *n;
+                        entries.pop_back();
+                    } else {
+                        *n -= rest;
+                        *total -= rest;
+                        rest = 0;
+                    }
+                    if rest == 0 {
+                        break;
+                    }
+                }
+            }
+            State::Bucket { tat, scale } => {
+                let now_s = now as u128 * *scale as u128;
+                if *tat > now_s {
+                    let back = (hits as u128).saturating_mul(limit.window_us as u128);
+                    *tat = tat.saturating_sub(back).max(now_s);
+                }
             }
         }
     }
@@ -418,6 +528,157 @@ mod tests {
                 assert_eq!(v.remaining, 2, "{algorithm}");
             }
         }
+    }
+
+    #[test]
+    fn a_check_is_over_once_nothing_is_left() {
+        for algorithm in Algorithm::ALL {
+            let l = limit(algorithm, 2, 60);
+            let mut s = State::new(algorithm);
+            assert!(!take(&mut s, &l, T0, 2).over, "{algorithm}");
+            let v = s.check(&l, T0, 0);
+            assert!(
+                v.over,
+                "{algorithm}: a spent limit refuses the request it checks for"
+            );
+            assert_eq!((v.remaining, v.fits), (0, 0), "{algorithm}");
+        }
+    }
+
+    /// A budget of 10 000 with check-only requests and reports of 4 000: three requests pass,
+    /// the third's report goes over and is recorded, and the next check is over.
+    #[test]
+    fn reports_past_the_limit_are_recorded_on_every_algorithm() {
+        for algorithm in Algorithm::ALL {
+            let l = limit(algorithm, 10_000, 3_600);
+            let mut s = State::new(algorithm);
+            let mut admitted = 0;
+            for i in 0..8 {
+                let now = T0 + i * SEC;
+                if s.check(&l, now, 0).over {
+                    continue;
+                }
+                admitted += 1;
+                let v = s.check(&l, now, 4_000);
+                s.record(&l, now, 4_000, DEBT);
+                assert_eq!(v.over, admitted == 3, "{algorithm}: report {admitted}");
+            }
+            assert_eq!(admitted, 3, "{algorithm}");
+            let v = s.check(&l, T0 + 8 * SEC, 0);
+            assert!(v.over && v.remaining == 0, "{algorithm}");
+        }
+    }
+
+    const DEBT: u64 = 1;
+
+    #[test]
+    fn a_reports_debt_is_bounded_and_paid_off_as_each_algorithm_says() {
+        let huge = u64::MAX;
+        // fixed_window: over until the window ends, then empty.
+        let l = limit(Algorithm::FixedWindow, 10, 60);
+        let mut s = State::new(l.algorithm);
+        s.record(&l, T0 + SEC, huge, DEBT);
+        assert_eq!(
+            s,
+            State::Fixed {
+                start: T0,
+                count: 20
+            }
+        );
+        assert!(s.check(&l, T0 + 59 * SEC, 0).over);
+        assert_eq!(s.check(&l, T0 + 60 * SEC, 0).remaining, 10);
+
+        // sliding_window: the debt carries into the next window's estimate and fades.
+        let l = limit(Algorithm::SlidingWindow, 10, 60);
+        let mut s = State::new(l.algorithm);
+        s.record(&l, T0 + 30 * SEC, huge, DEBT);
+        assert!(s.check(&l, T0 + 60 * SEC, 0).over, "20 carried in");
+        // 20·(60−e)/60 + 1 ≤ 10 ⇔ e ≥ 33 s into the next window.
+        let v = s.check(&l, T0 + 60 * SEC, 0);
+        assert_eq!(v.reset, Duration::from_secs(33));
+        assert!(s.check(&l, T0 + 92 * SEC, 0).over);
+        assert!(!s.check(&l, T0 + 93 * SEC, 0).over);
+
+        // sliding_log: one weighted entry, which leaves one window later.
+        let l = limit(Algorithm::SlidingLog, 10, 60);
+        let mut s = State::new(l.algorithm);
+        s.record(&l, T0, 3, DEBT);
+        s.record(&l, T0 + SEC, huge, DEBT);
+        let State::Log { entries, total } = &s else {
+            panic!("a log")
+        };
+        assert_eq!((entries.len(), *total), (2, 20));
+        assert_eq!(s.check(&l, T0 + 2 * SEC, 0).reset, Duration::from_secs(59));
+        assert!(!s.check(&l, T0 + 61 * SEC, 0).over);
+
+        // token_bucket: at most one window's refill below empty, refilled at the rate.
+        let l = limit(Algorithm::TokenBucket, 10, 10); // one token a second
+        let mut s = State::new(l.algorithm);
+        s.record(&l, T0, huge, DEBT);
+        let v = s.check(&l, T0, 0);
+        assert!(v.over);
+        // 10 tokens of debt and one to check for: 11 s.
+        assert_eq!(v.reset, Duration::from_secs(11));
+        assert!(s.check(&l, T0 + 10 * SEC, 0).over);
+        assert!(!s.check(&l, T0 + 11 * SEC, 0).over);
+
+        // No debt at all: a report fills the limit and no more.
+        for algorithm in Algorithm::ALL {
+            let l = limit(algorithm, 10, 10);
+            let mut s = State::new(algorithm);
+            s.record(&l, T0, huge, 0);
+            assert!(s.check(&l, T0, 0).over, "{algorithm}");
+            s.refund(&l, T0, 1);
+            assert!(!s.check(&l, T0, 1).over, "{algorithm}: one given back fits");
+        }
+    }
+
+    #[test]
+    fn refunds_give_back_what_was_taken_and_never_more() {
+        for algorithm in Algorithm::ALL {
+            let l = limit(algorithm, 10, 3_600);
+            let mut s = State::new(algorithm);
+            for n in [2, 3] {
+                assert!(!take(&mut s, &l, T0, n).over);
+            }
+            s.refund(&l, T0 + SEC, 4);
+            assert_eq!(s.check(&l, T0 + SEC, 0).remaining, 9, "{algorithm}");
+            s.refund(&l, T0 + SEC, 1_000);
+            assert_eq!(
+                s.check(&l, T0 + SEC, 0).remaining,
+                10,
+                "{algorithm}: no credit"
+            );
+            // A refund on a fresh counter is nothing, and what was given back can be taken.
+            let mut fresh = State::new(algorithm);
+            fresh.refund(&l, T0, 5);
+            assert_eq!(fresh.check(&l, T0, 10).remaining, 0, "{algorithm}");
+            assert!(fresh.check(&l, T0, 11).over, "{algorithm}");
+            // Debt is given back too.
+            s.record(&l, T0 + SEC, 15, DEBT);
+            assert!(s.check(&l, T0 + SEC, 0).over, "{algorithm}");
+            s.refund(&l, T0 + SEC, 6);
+            let v = s.check(&l, T0 + SEC, 0);
+            assert_eq!((v.over, v.remaining), (false, 1), "{algorithm}");
+        }
+    }
+
+    #[test]
+    fn a_sliding_log_refund_takes_the_most_recent_weight_first() {
+        let l = limit(Algorithm::SlidingLog, 10, 60);
+        let mut s = State::new(l.algorithm);
+        for (t, n) in [(0, 4), (10, 3), (20, 2)] {
+            assert!(!take(&mut s, &l, T0 + t * SEC, n).over);
+        }
+        s.refund(&l, T0 + 30 * SEC, 4);
+        let State::Log { entries, total } = &s else {
+            panic!("a log")
+        };
+        assert_eq!(*total, 5);
+        assert_eq!(
+            entries.iter().copied().collect::<Vec<_>>(),
+            [(T0, 4), (T0 + 10 * SEC, 1)]
+        );
     }
 
     #[test]

@@ -23,7 +23,10 @@ use parking_lot::{Mutex, MutexGuard};
 use smallvec::SmallVec;
 
 use super::algorithm::State;
-use super::{Backend, BackendError, BoxFuture, Clock, Hit, Outcome, SystemClock, admits};
+use super::{
+    Backend, BackendError, BoxFuture, Clock, DEFAULT_MAX_DEBT, Hit, HitKind, Outcome, SystemClock,
+    admits,
+};
 pub(crate) use crate::metrics::MemoryMetrics;
 
 /// A power of two no larger than 64: a request's shards are a bit set in a `u64`.
@@ -129,6 +132,19 @@ pub struct MemoryBackend {
     latest: AtomicU64,
     shard_budget: u64,
     metrics: MemoryMetrics,
+    /// How far past its limit a cost report may take a counter (`--max-debt`).
+    max_debt: u64,
+}
+
+/// What a commit does to a counter.
+#[derive(Clone, Copy)]
+enum Change {
+    /// Consume an admitted hit.
+    Admit,
+    /// Record a cost report, fitting or not.
+    Record,
+    /// Give hits back.
+    Refund,
 }
 
 impl Default for MemoryBackend {
@@ -152,7 +168,15 @@ impl MemoryBackend {
             latest: AtomicU64::new(0),
             shard_budget: max_bytes / SHARDS as u64,
             metrics,
+            max_debt: DEFAULT_MAX_DEBT,
         }
+    }
+
+    /// This backend with cost reports taking a counter at most `max_debt` times its limit past
+    /// it (see [`State::record`]).
+    pub fn with_max_debt(mut self, max_debt: u64) -> Self {
+        self.max_debt = max_debt;
+        self
     }
 
     /// The clock's time, or the latest seen if the clock has stepped back since.
@@ -206,34 +230,49 @@ impl MemoryBackend {
         }
         let at = |hash: Hash| (wanted & ((1u64 << hash.shard()) - 1)).count_ones() as usize;
 
+        // Refunds first: they happened, and the request's other hits see what they freed.
+        for (hit, &hash) in hits.iter().zip(&hashes) {
+            if hit.kind == HitKind::Refund && hit.hits > 0 {
+                self.commit(&mut guards[at(hash)], hit, hash, now, Change::Refund);
+            }
+        }
         let mut verdicts = Vec::with_capacity(hits.len());
         for (hit, &hash) in hits.iter().zip(&hashes) {
             let key = hit.key.as_bytes();
+            // A refund's verdict is its counter as the refund left it.
+            let hits = if hit.kind == HitKind::Refund {
+                0
+            } else {
+                hit.hits
+            };
             let verdict = match guards[at(hash)]
                 .entries
                 .find_mut(hash.0, |e| *e.key == *key)
             {
-                Some(e) if e.state.is(hit.limit.algorithm) => {
-                    e.state.check(&hit.limit, now, hit.hits)
-                }
-                _ => State::new(hit.limit.algorithm).check(&hit.limit, now, hit.hits),
+                Some(e) if e.state.is(hit.limit.algorithm) => e.state.check(&hit.limit, now, hits),
+                _ => State::new(hit.limit.algorithm).check(&hit.limit, now, hits),
             };
             verdicts.push(verdict);
         }
 
         let admitted = admits(hits, |i| verdicts[i].over);
-        if admitted {
-            for ((hit, &hash), verdict) in hits.iter().zip(&hashes).zip(&verdicts) {
-                if verdict.over || hit.hits == 0 {
-                    continue; // an over-limit shadow or quota hit has nothing to take
-                }
-                self.commit(&mut guards[at(hash)], hit, hash, now);
+        for ((hit, &hash), verdict) in hits.iter().zip(&hashes).zip(&verdicts) {
+            let change = match hit.kind {
+                // An over-limit shadow or quota admission has nothing to take.
+                HitKind::Admission if admitted && !verdict.over => Change::Admit,
+                HitKind::Report => Change::Record,
+                _ => continue,
+            };
+            if hit.hits > 0 {
+                self.commit(&mut guards[at(hash)], hit, hash, now, change);
             }
         }
         Outcome { admitted, verdicts }
     }
 
-    fn commit(&self, shard: &mut Shard, hit: &Hit, hash: Hash, now: u64) {
+    /// Applies `change` of `hit` to its counter, keeping the shard's bytes, expiry index and
+    /// bound in step.
+    fn commit(&self, shard: &mut Shard, hit: &Hit, hash: Hash, now: u64, change: Change) {
         let limit = &hit.limit;
         let mut delta = -(shard.expire(now, EXPIRE_PER_COMMIT) as i64);
         let key_bytes = hit.key.as_bytes();
@@ -242,6 +281,13 @@ impl MemoryBackend {
             Some(e) => {
                 let indexed = Some(e.expires_at);
                 (e, indexed)
+            }
+            // Nothing to give back: no counter is made for a refund.
+            None if matches!(change, Change::Refund) => {
+                if delta != 0 {
+                    self.metrics.bytes.inc_by(delta);
+                }
+                return;
             }
             None => {
                 let entry = Entry {
@@ -259,7 +305,11 @@ impl MemoryBackend {
             entry.state = State::new(limit.algorithm);
         }
         let was_bytes = entry.bytes;
-        entry.state.commit(limit, now, hit.hits);
+        match change {
+            Change::Admit => entry.state.commit(limit, now, hit.hits),
+            Change::Record => entry.state.record(limit, now, hit.hits, self.max_debt),
+            Change::Refund => entry.state.refund(limit, now, hit.hits),
+        }
         entry.expires_at = entry.state.expires_at(limit);
         entry.bytes = cost(&entry.key, &entry.state);
         let (expires_at, bytes) = (entry.expires_at, entry.bytes);
@@ -336,6 +386,7 @@ mod tests {
             },
             hits: 1,
             enforcement: Enforcement::Enforce,
+            kind: HitKind::Admission,
         }
     }
 
@@ -354,6 +405,45 @@ mod tests {
             out.verdicts[0].remaining, 8,
             "the rejected request took nothing"
         );
+    }
+
+    #[test]
+    fn reports_are_recorded_and_refunds_given_back_whatever_the_admissions_say() {
+        let backend = MemoryBackend::new(Arc::new(ManualClock::new(T0)));
+        let mut budget = hit("budget", Algorithm::TokenBucket, 10);
+        let tight = hit("tight", Algorithm::FixedWindow, 1);
+        assert!(backend.decide_now(std::slice::from_ref(&tight)).admitted);
+        // A refused request: its admission takes nothing, its report is recorded anyway.
+        budget.kind = HitKind::Report;
+        budget.hits = 4;
+        let out = backend.decide_now(&[tight.clone(), budget.clone()]);
+        assert!(!out.admitted);
+        assert_eq!(out.verdicts[1].remaining, 6);
+        budget.hits = 0;
+        budget.kind = HitKind::Admission;
+        assert_eq!(
+            backend.decide_now(&[budget.clone()]).verdicts[0].remaining,
+            6
+        );
+        // A refund comes first: the same request's admission sees what it freed.
+        let mut refund = tight.clone();
+        refund.kind = HitKind::Refund;
+        let out = backend.decide_now(&[tight.clone(), refund]);
+        assert!(out.admitted, "{out:?}");
+        assert_eq!(
+            out.verdicts[1].remaining, 1,
+            "the counter as the refund left it"
+        );
+        assert!(
+            !backend.decide_now(&[tight]).admitted,
+            "the admission was consumed"
+        );
+        // A refund on a counter never used makes no counter.
+        let mut unused = hit("unused", Algorithm::SlidingLog, 3);
+        unused.kind = HitKind::Refund;
+        let held = backend.len();
+        assert!(backend.decide_now(&[unused]).admitted);
+        assert_eq!(backend.len(), held);
     }
 
     #[test]

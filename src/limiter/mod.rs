@@ -41,6 +41,77 @@ pub enum Enforcement {
     Quota,
 }
 
+/// What a hit's units are: a request asking to pass, usage that already happened, or units
+/// given back.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum HitKind {
+    /// A request asking to pass (all-or-nothing): consumed only when the whole request is
+    /// admitted; a refused request consumes nothing. 0 hits checks whether one more unit fits.
+    #[default]
+    Admission,
+    /// A cost report (usage known after the response, e.g. LLM tokens): recorded whether or not
+    /// it fits, past the limit as debt up to the backend's bound; over the limit it still
+    /// answers over.
+    Report,
+    /// A refund (`is_negative_hits`): gives the hits back, never below an empty counter, before
+    /// the request's other hits are checked. Never rejects.
+    Refund,
+}
+
+/// How a limit counts a descriptor's hits: the per-limit `accounting` setting and the
+/// server-wide `--accounting` flag.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Accounting {
+    /// A descriptor carrying its own `hits_addend` greater than 0 is a cost report (Envoy sends
+    /// those when a stream is done, with the units used); any other is an admission.
+    #[default]
+    Auto,
+    /// Every descriptor is an admission (nothing is recorded for a refused request).
+    Admission,
+    /// Every descriptor is a cost report (recorded even when over, as envoyproxy/ratelimit
+    /// counts every hit).
+    Report,
+}
+
+impl Accounting {
+    /// Every value, in documentation order.
+    pub const ALL: [Accounting; 3] = [Accounting::Auto, Accounting::Admission, Accounting::Report];
+
+    /// The name used in config files and flags.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Accounting::Auto => "auto",
+            Accounting::Admission => "admission",
+            Accounting::Report => "report",
+        }
+    }
+
+    /// Parses a config name, case-insensitively.
+    pub fn parse(name: &str) -> Option<Accounting> {
+        Accounting::ALL
+            .into_iter()
+            .find(|a| a.as_str().eq_ignore_ascii_case(name))
+    }
+
+    /// The kind of a (non-refund) hit of a descriptor whose own `hits_addend` is
+    /// `own_hits_addend`.
+    pub fn kind(self, own_hits_addend: Option<u64>) -> HitKind {
+        match self {
+            Accounting::Admission => HitKind::Admission,
+            Accounting::Report => HitKind::Report,
+            Accounting::Auto if own_hits_addend.is_some_and(|h| h > 0) => HitKind::Report,
+            Accounting::Auto => HitKind::Admission,
+        }
+    }
+}
+
+/// How far past its limit a cost report may take a counter, by default: one limit's worth
+/// (`--max-debt`). See [`State::record`](algorithm::State::record) for what that means per
+/// algorithm.
+pub(crate) const DEFAULT_MAX_DEBT: u64 = 1;
+/// The largest `--max-debt`.
+pub(crate) const MAX_MAX_DEBT: u64 = 1_000;
+
 /// One counter touched by a request: the key that names it, its limit and how many hits to add.
 #[derive(Clone, Debug)]
 pub struct Hit {
@@ -48,10 +119,12 @@ pub struct Hit {
     pub key: CounterKey,
     /// The limit to apply.
     pub limit: Limit,
-    /// Hits to add; 0 checks without consuming.
+    /// Hits to add (a refund: to give back); 0 checks without consuming.
     pub hits: u64,
     /// What an over-limit verdict on this hit does to the request.
     pub enforcement: Enforcement,
+    /// Admission, cost report or refund.
+    pub kind: HitKind,
 }
 
 /// The verdict on one hit.
@@ -72,7 +145,8 @@ pub struct Verdict {
 /// The backend's answer for a whole request.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Outcome {
-    /// Whether the request was admitted; when false, no counter was consumed.
+    /// Whether the request was admitted; when false, no admission was consumed (cost reports
+    /// are recorded and refunds given back either way).
     pub admitted: bool,
     /// One verdict per hit, in the order of the hits.
     pub verdicts: Vec<Verdict>,
@@ -113,9 +187,11 @@ impl BackendError {
 /// A boxed future, so backends can be chosen at run time.
 pub(crate) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
-/// Where counters live. Every backend gives the same guarantee: all-or-nothing per request.
-/// If any enforcing hit would exceed its limit (see [`admits`]), nothing is consumed;
-/// otherwise every hit that fits is consumed, atomically with the check.
+/// Where counters live. Every backend gives the same guarantees, per request and atomically:
+/// refunds are given back first; then every other hit is checked; cost reports are recorded
+/// whatever the checks say (up to the backend's debt bound); admissions are all-or-nothing: if
+/// any enforcing hit would exceed its limit (see [`admits`]), no admission is consumed,
+/// otherwise every admission that fits is.
 pub trait Backend: Send + Sync + 'static {
     /// Checks every hit and commits them all or none.
     fn decide<'a>(&'a self, hits: &'a [Hit]) -> BoxFuture<'a, Result<Outcome, BackendError>>;
@@ -139,12 +215,11 @@ pub trait Backend: Send + Sync + 'static {
 
 /// The request-level rule shared by every backend: is a request admitted given each hit's
 /// `over` flag? Enforcing hits that are over reject; quota hits reject only when every quota
-/// hit of the request is over; shadow hits never reject.
+/// hit of the request is over; shadow hits and refunds never reject.
 pub(crate) fn admits(hits: &[Hit], over: impl Fn(usize) -> bool) -> bool {
-    let enforced_over = hits
-        .iter()
-        .enumerate()
-        .any(|(i, h)| h.enforcement == Enforcement::Enforce && over(i));
+    let enforced_over = hits.iter().enumerate().any(|(i, h)| {
+        h.enforcement == Enforcement::Enforce && h.kind != HitKind::Refund && over(i)
+    });
     !enforced_over && !quota_rejects(hits, over)
 }
 
@@ -153,7 +228,7 @@ pub(crate) fn quota_rejects(hits: &[Hit], over: impl Fn(usize) -> bool) -> bool 
     let mut quota = hits
         .iter()
         .enumerate()
-        .filter(|(_, h)| h.enforcement == Enforcement::Quota)
+        .filter(|(_, h)| h.enforcement == Enforcement::Quota && h.kind != HitKind::Refund)
         .peekable();
     quota.peek().is_some() && quota.all(|(i, _)| over(i))
 }
@@ -173,6 +248,7 @@ mod tests {
             },
             hits: 1,
             enforcement,
+            kind: HitKind::Admission,
         }
     }
 
@@ -194,5 +270,29 @@ mod tests {
         assert!(admits(&hits, |i| i == 0));
         assert!(!admits(&hits, |i| i < 2));
         assert!(!admits(&hits, |i| i == 2));
+    }
+
+    #[test]
+    fn refunds_never_reject() {
+        let mut refund = hit(Enforcement::Enforce);
+        refund.kind = HitKind::Refund;
+        let mut quota_refund = hit(Enforcement::Quota);
+        quota_refund.kind = HitKind::Refund;
+        assert!(admits(&[refund.clone(), quota_refund.clone()], |_| true));
+        // A quota refund is not one of the quota hits that must all be over.
+        let hits = [quota_refund, hit(Enforcement::Quota)];
+        assert!(!admits(&hits, |i| i == 1));
+    }
+
+    #[test]
+    fn auto_accounting_reads_the_descriptors_own_hits_addend() {
+        assert_eq!(Accounting::Auto.kind(Some(40)), HitKind::Report);
+        assert_eq!(Accounting::Auto.kind(Some(0)), HitKind::Admission);
+        assert_eq!(Accounting::Auto.kind(None), HitKind::Admission);
+        assert_eq!(Accounting::Admission.kind(Some(40)), HitKind::Admission);
+        assert_eq!(Accounting::Report.kind(None), HitKind::Report);
+        for a in Accounting::ALL {
+            assert_eq!(Accounting::parse(&a.as_str().to_uppercase()), Some(a));
+        }
     }
 }

@@ -160,9 +160,6 @@ fn pb_unit(unit: Unit) -> PbUnit {
 /// or 400 on `/json`).
 #[derive(Debug, thiserror::Error)]
 pub enum RequestError {
-    /// `is_negative_hits`: a refund.
-    #[error("descriptors[{0}].is_negative_hits is not supported (refunds are not implemented)")]
-    NegativeHits(usize),
     /// A `limit` override with an unknown unit.
     #[error("descriptors[{descriptor}].limit.unit {unit} is not a valid unit")]
     Unit {
@@ -175,9 +172,6 @@ pub enum RequestError {
 
 /// Converts one descriptor, refusing what we cannot honour.
 fn descriptor(i: usize, d: &RateLimitDescriptor) -> Result<Descriptor<'_>, RequestError> {
-    if d.is_negative_hits {
-        return Err(RequestError::NegativeHits(i));
-    }
     let limit_override = match &d.limit {
         None => None,
         Some(o) => Some(LimitOverride {
@@ -196,6 +190,7 @@ fn descriptor(i: usize, d: &RateLimitDescriptor) -> Result<Descriptor<'_>, Reque
             .collect(),
         limit_override,
         hits_addend: d.hits_addend.map(|h| h.value),
+        refund: d.is_negative_hits,
     })
 }
 

@@ -60,10 +60,6 @@ const IGNORED: &[(&str, &str)] = &[
         "EXPIRATION_JITTER_MAX_SECONDS",
         "keys expire at their window's end",
     ),
-    (
-        "STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT",
-        "a rejected request never consumes",
-    ),
     ("USE_STATSD", "no statsd: metrics are on /metrics"),
     ("USE_DOG_STATSD", "no statsd: metrics are on /metrics"),
     ("USE_DOG_STATSD_MOGRIFIERS", "no statsd"),
@@ -419,6 +415,12 @@ fn behaviour(env: &Env<'_>, dropin: bool, t: &mut Translated) -> Result<(), Stri
     if let Some(timeout) = env.var("REDIS_TIMEOUT") {
         t.flag("redis-timeout", timeout);
     }
+    // true: nothing past a limit is recorded, reports included. Unset or false (that service's
+    // default, which counts every hit): the default accounting, where reports are recorded as
+    // that service records them and a refused admission still consumes nothing.
+    if env.bool_var("STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT")? == Some(true) {
+        t.flag("accounting", "admission".into());
+    }
     Ok(())
 }
 
@@ -665,6 +667,30 @@ mod tests {
                 ("response-headers", "reference"),
                 ("response-dynamic-metadata", "true")
             ]
+        );
+    }
+
+    #[test]
+    fn stop_cache_key_increment_when_overlimit_true_makes_every_descriptor_an_admission() {
+        let t = run(
+            &[("STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT", "true")],
+            false,
+        )
+        .unwrap();
+        assert_eq!(flags(&t), vec![("accounting", "admission")]);
+        // false is that service's default: the default accounting, nothing logged as ignored.
+        let t = run(
+            &[("STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT", "false")],
+            false,
+        )
+        .unwrap();
+        assert!(t.flags.is_empty() && t.ignored.is_empty(), "{t:?}");
+        assert!(
+            run(
+                &[("STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT", "maybe")],
+                false
+            )
+            .is_err()
         );
     }
 

@@ -79,6 +79,19 @@ pub enum AlgorithmArg {
     TokenBucket,
 }
 
+/// `--accounting`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum AccountingArg {
+    /// A descriptor with its own hits_addend greater than 0 is a cost report (recorded even
+    /// past the limit); any other is an admission (a refused request consumes nothing).
+    Auto,
+    /// Every descriptor is an admission (STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT=true).
+    Admission,
+    /// Every descriptor is a cost report: hits are recorded even when refused, as
+    /// envoyproxy/ratelimit counts them.
+    Report,
+}
+
 /// Parses a Redis URL flag. A custom parser (not a function) so that a refused value is never
 /// echoed: clap would print the whole value, password included.
 #[derive(Clone)]
@@ -218,6 +231,19 @@ pub struct Flags {
     /// Gateway's API has no field for one: set RATELIMITD_DEFAULT_ALGORITHM in its deployment).
     #[arg(long, value_enum, default_value = "fixed-window")]
     pub default_algorithm: AlgorithmArg,
+
+    /// How limits that set no `accounting` of their own count a descriptor's hits: auto (a
+    /// descriptor carrying its own hits_addend > 0 is a cost report, as Envoy sends when a
+    /// stream is done), admission (all-or-nothing) or report (recorded even when over).
+    #[arg(long, value_enum, default_value = "auto")]
+    pub accounting: AccountingArg,
+
+    /// How far past its limit one cost report may take a counter, in limits: the count at most
+    /// (1 + N) × requests_per_unit (a token bucket: at most N × requests_per_unit tokens below
+    /// empty). 0: a report fills the limit and no more.
+    #[arg(long, value_name = "N", default_value_t = crate::limiter::DEFAULT_MAX_DEBT,
+        value_parser = clap::value_parser!(u64).range(0..=crate::limiter::MAX_MAX_DEBT))]
+    pub max_debt: u64,
 
     /// Also export envoyproxy/ratelimit's per-rule families on /metrics
     /// (`ratelimit_service_rate_limit_{total_hits,within_limit,near_limit,over_limit,shadow_mode}`

@@ -8,14 +8,15 @@ use std::time::Duration;
 use clap::CommandFactory;
 
 use super::flags::{
-    AlgorithmArg, BackendArg, FailureModeArg, Flags, HashTagArg, HeaderModeArg, TracingProtocolArg,
+    AccountingArg, AlgorithmArg, BackendArg, FailureModeArg, Flags, HashTagArg, HeaderModeArg,
+    TracingProtocolArg,
 };
 use crate::config::CompileOptions;
 use crate::engine::{EngineOptions, RequestLimits};
-use crate::limiter::Algorithm;
 use crate::limiter::fallback::FailureMode;
 use crate::limiter::key::{HashTag, KeyFormat, PrefixError};
 use crate::limiter::redis::{Credentials, RedisOptions, RedisUrl, Target, TlsFiles};
+use crate::limiter::{Accounting, Algorithm};
 use crate::quota::QuotaOptions;
 use crate::server::conn::ConnLimits;
 use crate::server::headers::HeaderMode;
@@ -69,7 +70,13 @@ impl Flags {
                 near_limit_ratio: self.near_limit_ratio,
                 global_shadow_mode: self.shadow_mode,
                 dynamic_metadata: self.response_dynamic_metadata,
+                accounting: match self.accounting {
+                    AccountingArg::Auto => Accounting::Auto,
+                    AccountingArg::Admission => Accounting::Admission,
+                    AccountingArg::Report => Accounting::Report,
+                },
             },
+            max_debt: self.max_debt,
             grpc_tls,
             response_headers: self.header_mode(),
             admin: self.admin,
@@ -144,6 +151,7 @@ impl Flags {
             local_cache_bytes: self.local_cache_bytes,
             pipeline: self.redis_pipeline,
             max_batch: self.redis_max_batch,
+            max_debt: self.max_debt,
         })
     }
 
@@ -327,6 +335,8 @@ pub struct Options {
     pub(crate) admin: bool,
     /// Bound of the memory backend (and the `local` failure mode).
     pub(crate) memory_max_bytes: u64,
+    /// How far past its limit a cost report may take a counter, in limits (every backend).
+    pub(crate) max_debt: u64,
     /// How long in-flight calls may finish after shutdown begins.
     pub(crate) shutdown_grace: Duration,
     /// Bounds of each gRPC connection.

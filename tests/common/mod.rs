@@ -141,11 +141,35 @@ impl TestServer {
         Self::start_at(dir, None, flags, clock).await
     }
 
+    /// Starts a server with extra flags and environment variables (read as the process's
+    /// environment would be).
+    pub(crate) async fn start_with_env(
+        files: &[(&str, &str)],
+        flags: &[&str],
+        env: &[(&str, &str)],
+    ) -> TestServer {
+        let dir = tempfile::tempdir().unwrap();
+        for (name, text) in files {
+            std::fs::write(dir.path().join(name), text).unwrap();
+        }
+        Self::start_at_env(dir, None, flags, env, Arc::new(SystemClock)).await
+    }
+
     /// Starts a server on a prepared directory; `config` defaults to the directory itself.
     pub(crate) async fn start_at(
         dir: tempfile::TempDir,
         config: Option<PathBuf>,
         flags: &[&str],
+        clock: Arc<dyn Clock>,
+    ) -> TestServer {
+        Self::start_at_env(dir, config, flags, &[], clock).await
+    }
+
+    async fn start_at_env(
+        dir: tempfile::TempDir,
+        config: Option<PathBuf>,
+        flags: &[&str],
+        env: &[(&str, &str)],
         clock: Arc<dyn Clock>,
     ) -> TestServer {
         let config = config.unwrap_or_else(|| dir.path().to_owned());
@@ -155,7 +179,16 @@ impl TestServer {
             args.extend(["--config".into(), config.display().to_string()]);
         }
         args.extend(flags.iter().map(|s| s.to_string()));
-        let (_, options) = ratelimitd::settings::parse(args.clone(), |_| None).expect("settings");
+        let env: Vec<(String, String)> = env
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let lookup = move |name: &str| {
+            env.iter()
+                .find(|(k, _)| k.as_str() == name)
+                .map(|(_, v)| v.clone())
+        };
+        let (_, options) = ratelimitd::settings::parse(args.clone(), lookup).expect("settings");
         let grpc_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let http_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let grpc = grpc_listener.local_addr().unwrap();
@@ -322,9 +355,17 @@ pub(crate) async fn call(client: &mut Client, req: RateLimitRequest) -> RateLimi
         .into_inner()
 }
 
-/// `req` with descriptor `i` carrying `hits_addend = hits`.
+/// `req` with descriptor `i` carrying its own `hits_addend`: greater than 0, a cost report under
+/// the default accounting (recorded even past the limit); 0, a check.
 pub(crate) fn with_hits(mut req: RateLimitRequest, i: usize, hits: u64) -> RateLimitRequest {
     req.descriptors[i].hits_addend = Some(UInt64Value { value: hits });
+    req
+}
+
+/// `req` asking to pass with `hits` (the request-level `hits_addend`): a weighted admission,
+/// all-or-nothing.
+pub(crate) fn weighted(mut req: RateLimitRequest, hits: u32) -> RateLimitRequest {
+    req.hits_addend = hits;
     req
 }
 

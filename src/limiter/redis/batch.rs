@@ -77,7 +77,7 @@ pub(super) struct Reply {
 }
 
 impl Reply {
-    /// `{admitted, then per limit: room, reset}` (refund: `{1}`); see [`wire::Decided`].
+    /// `{admitted, then per limit: room, reset}` (undo: `{1}`); see [`wire::Decided`].
     pub(super) fn values(&self) -> &[i64] {
         &self.values[self.range.clone()]
     }
@@ -112,6 +112,8 @@ pub(crate) struct BatchOptions {
     pub max_requests: usize,
     /// Budget of one call.
     pub timeout: Duration,
+    /// How far past its limit a cost report may take a counter.
+    pub max_debt: u64,
 }
 
 /// What the worker and its calls share.
@@ -340,7 +342,7 @@ async fn send(shared: Shared, parts: Vec<Part>) -> Done {
     };
     let mut loaded = false;
     let result = loop {
-        let cmd = wire::command(&args, how);
+        let cmd = wire::command(&args, how, options.max_debt);
         let r = attempt::<Vec<i64>>(&conn, cmd, timeout, deadline, &mut unanswered).await;
         let Err(CallError::Redis(e)) = &r else {
             break r;

@@ -5,9 +5,10 @@
 //! domain: a request's keys share one cluster slot and one script call decides them exactly.
 //! With `--redis-hash-tag descriptor` each descriptor's keys carry their own tag so a busy
 //! domain spreads over the cluster; the request's keys are grouped by slot, one script runs per
-//! group in parallel, and when any group rejects, the groups that consumed are refunded. That
-//! mode may over-reject for one round trip (a concurrent request can see the consumed-then-
-//! refunded hits); it never over-admits.
+//! group in parallel, and when any group rejects, the admissions of the groups that consumed
+//! are undone (their cost reports and refunds stand: they happened). That mode may over-reject
+//! for one round trip (a concurrent request can see the consumed-then-undone hits); it never
+//! over-admits.
 
 mod batch;
 mod breaker;
@@ -37,7 +38,9 @@ pub use self::connection::{RedisUrl, SetupError};
 use self::error::ErrorKind;
 pub use self::wire::SCRIPT;
 use self::wire::{Args, Decided, Mode};
-use super::{Backend, BackendError, BoxFuture, Enforcement, Hit, Outcome, Verdict, admits};
+use super::{
+    Backend, BackendError, BoxFuture, Enforcement, Hit, HitKind, Outcome, Verdict, admits,
+};
 use crate::metrics::BackendMetrics;
 
 /// Everything the Redis backend needs (keys come built: see [`crate::limiter::key`]).
@@ -55,6 +58,8 @@ pub(crate) struct RedisOptions {
     pub pipeline: usize,
     /// Most requests one script call carries.
     pub max_batch: usize,
+    /// How far past its limit a cost report may take a counter (`--max-debt`).
+    pub max_debt: u64,
 }
 
 /// Counters in Redis.
@@ -106,6 +111,7 @@ impl RedisBackend {
                 pipeline: opts.pipeline,
                 max_requests: opts.max_batch,
                 timeout: opts.timeout,
+                max_debt: opts.max_debt,
             },
             metrics.clone(),
             health.clone(),
@@ -179,9 +185,9 @@ impl RedisBackend {
         groups
     }
 
-    /// Submits `group`'s share of a request to the batcher. For a refund, `consumed[i]` says
-    /// whether the decide took hit `i` (it did not when that limit was over): only what was
-    /// taken is given back.
+    /// Submits `group`'s share of a request to the batcher. For an undo, `consumed[i]` says
+    /// whether the decide took admission `i` (it did not when that limit was over, nor for a
+    /// report or a refund): only what was taken is given back.
     #[allow(clippy::too_many_arguments)]
     fn submit(
         &self,
@@ -202,27 +208,27 @@ impl RedisBackend {
         let nonce = &nonce.0[..nonce.1 as usize];
         let mut args = match mode {
             Mode::Decide => Args::decide(nonce, bytes),
-            Mode::Refund => {
+            Mode::Undo => {
                 let through_tag = hits[group.hits[0]].key.through_tag();
-                let mut marker = Vec::with_capacity(through_tag.len() + 7 + nonce.len());
+                let mut marker = Vec::with_capacity(through_tag.len() + 5 + nonce.len());
                 marker.extend_from_slice(through_tag);
-                marker.extend_from_slice(b"refund:");
+                marker.extend_from_slice(b"undo:");
                 marker.extend_from_slice(nonce);
-                Args::refund(nonce, at, marker, bytes)
+                Args::undo(nonce, at, marker, bytes)
             }
         };
         for &i in &group.hits {
             let hit = &hits[i];
-            let given = match consumed {
-                Some(c) if !c[i] => 0,
-                _ => hit.hits,
+            let (given, kind) = match consumed {
+                Some(c) => (if c[i] { hit.hits } else { 0 }, HitKind::Admission),
+                None => (hit.hits, hit.kind),
             };
             // Across several calls no one call can judge "every quota limit is over".
             let enforcement = match hit.enforcement {
                 Enforcement::Quota if soft_quota => Enforcement::Shadow,
                 e => e,
             };
-            args.push(hit.key.as_bytes(), &hit.limit, given, enforcement);
+            args.push(hit.key.as_bytes(), &hit.limit, given, enforcement, kind);
         }
         let part = Part {
             args,
@@ -375,26 +381,33 @@ impl RedisBackend {
         }
         let admitted = first_error.is_none() && admits(hits, |i| verdicts[i].over);
         if !admitted && groups.len() > 1 {
-            // Undo the groups that consumed, and in them only the limits that were taken (an
-            // over limit, shadow or quota, took nothing); never over-admit, may over-reject
-            // briefly.
-            let consumed: Vec<bool> = verdicts.iter().map(|v| !v.over).collect();
+            // Undo the groups that consumed, and in them only the admissions that were taken
+            // (an over limit, shadow or quota, took nothing; reports and refunds stand); never
+            // over-admit, may over-reject briefly.
+            let consumed: Vec<bool> = hits
+                .iter()
+                .zip(&verdicts)
+                .map(|(h, v)| h.kind == HitKind::Admission && !v.over)
+                .collect();
             let deadline = tokio::time::Instant::now() + self.opts.timeout;
-            let refunds = committed.iter().map(|&(g, at)| {
-                let answer = self.submit(
-                    hits,
-                    &groups[g],
-                    Mode::Refund,
-                    nonce,
-                    at,
-                    soft_quota,
-                    Some(&consumed),
-                );
-                self.answer(answer, deadline)
-            });
-            for result in join_all(refunds).await {
+            let undos = committed
+                .iter()
+                .filter(|&&(g, _)| groups[g].hits.iter().any(|&i| consumed[i]))
+                .map(|&(g, at)| {
+                    let answer = self.submit(
+                        hits,
+                        &groups[g],
+                        Mode::Undo,
+                        nonce,
+                        at,
+                        soft_quota,
+                        Some(&consumed),
+                    );
+                    self.answer(answer, deadline)
+                });
+            for result in join_all(undos).await {
                 if let Err(e) = result {
-                    tracing::warn!(error = %e, "refund failed; the hits stay counted until their window ends");
+                    tracing::warn!(error = %e, "undo failed; the hits stay counted until their window ends");
                 }
             }
         }
@@ -404,7 +417,10 @@ impl RedisBackend {
         if let Some(cache) = &self.cache {
             let now = Instant::now();
             for (hit, v) in hits.iter().zip(&verdicts) {
-                if v.over && hit.enforcement == Enforcement::Enforce {
+                if hit.kind == HitKind::Refund {
+                    // What was known over may fit again.
+                    cache.remove(hit.key.as_bytes());
+                } else if v.over && hit.enforcement == Enforcement::Enforce {
                     let limit = (hit.limit.requests_per_unit, hit.limit.burst);
                     cache.insert(hit.key.as_bytes(), limit, now, now + v.reset, hit.hits);
                 }
@@ -413,9 +429,13 @@ impl RedisBackend {
         Ok(Outcome { admitted, verdicts })
     }
 
-    /// Answers from the over-limit cache when an enforced hit is known to be over.
+    /// Answers from the over-limit cache when an enforced hit is known to be over. Never for a
+    /// request carrying a cost report or a refund: those must reach Redis, over or not.
     fn decide_cached(&self, hits: &[Hit]) -> Option<Outcome> {
         let cache = self.cache.as_ref()?;
+        if hits.iter().any(|h| h.kind != HitKind::Admission) {
+            return None;
+        }
         let now = Instant::now();
         let mut any = false;
         let verdicts: Vec<Verdict> = hits

@@ -1,4 +1,4 @@
--- ratelimitd: decide (or refund) every counter of one request in one atomic step.
+-- ratelimitd: decide (or undo) every counter of one request in one atomic step.
 --
 -- Why a script: checking several counters and then committing them must be one step, or two
 -- replicas both read 99 of 100 and both admit; and the window must come from one clock (Redis
@@ -29,13 +29,14 @@
 --              member `#` scored -(total hits in the log): O(1) work per call however many hits
 --              a request carries (a member per hit let one request block Redis for seconds)
 --            token_bucket: string GCRA theoretical arrival time (µs)
--- ARGV[1]    "decide" or "refund"
+-- ARGV[1]    "decide" or "undo"
 -- ARGV[2]    every number of the call, packed: little-endian doubles back to back, read with
 --            struct.unpack (as text each cost Redis a strtod: a fifth of a lone request's cost)
 -- ARGV[3..]  the nonces, one per entry that has one (below), in the entries' order
 -- The numbers, in order:
 --   E        how many entries this call carries (an entry stands for one request or more)
 --   C        how many counters
+--   D        how far past its limit a cost report may take a counter, in limits (--max-debt)
 -- then per counter c (C times; the same key may come twice with different limits, e.g. from
 -- requests on either side of a config reload), its key being KEYS[k] with k from the first field:
 --   k, algorithm (1 fixed_window, 2 sliding_window, 3 sliding_log, 4 token_bucket),
@@ -43,18 +44,28 @@
 -- then per entry (E of them), decide:
 --   m        the entry stands for m identical requests in a row, decided one after another
 --   n        how many limits each has
---   3 per limit: its counter c (1..C), hits, enforcement (1 E: over rejects; 2 Q: rejects only
---            if every Q is over; 3 S: never rejects)
+--   3 per limit: its counter c (1..C), hits, and how, one number: the enforcement (1 E: over
+--            rejects; 2 Q: rejects only if every Q is over; 3 S: never rejects), plus 3 for a
+--            cost report, plus 6 for a refund (see "Kinds" below)
 --   and a nonce (ARGV) only when one of its limits is a sliding_log: unique to the request, it
---            names the request's log members (so refunds can find them); such an entry has m = 1
--- refund (one request per entry):
+--            names the request's log members (so an undo can find them); such an entry has m = 1
+-- undo (one request per entry; another slot group of the request rejected it):
 --   at       the decide's time (µs), as returned by decide
---   marker   the KEYS index of the request's refund marker (`<prefix>{<tag>}` then
---            `refund:<nonce>`, in the slot of its keys): SET NX before refunding, so a refund
---            that a client retries after an I/O error gives back only once
---   n, then 3 per limit as for decide, hits being what the limit's decide CONSUMED (0 for one
---            that was over), so a refund never gives back what was never taken
+--   marker   the KEYS index of the request's undo marker (`<prefix>{<tag>}` then
+--            `undo:<nonce>`, in the slot of its keys): SET NX before undoing, so an undo that a
+--            client retries after an I/O error gives back only once
+--   n, then 3 per limit as for decide, hits being what the limit's decide CONSUMED as an
+--            admission (0 for one that was over, a report or a refund), so an undo never gives
+--            back what was never taken
 --   and the decide's nonce (ARGV).
+--
+-- Kinds. An admission (a request asking to pass) is all-or-nothing: consumed only if the whole
+-- request is admitted. A cost report (usage that already happened, sent when a stream is done)
+-- is recorded whether it fits or not; past the limit it is debt, kept up to D limits' worth
+-- (fixed_window, sliding_window and sliding_log: the count at most (1 + D) × requests_per_unit;
+-- token_bucket: at most D × requests_per_unit tokens below empty). A refund gives its hits back
+-- before the request's other limits are checked, never below an empty counter, and never
+-- rejects. A check of 0 hits asks whether one more unit fits: it is over once nothing is left.
 --
 -- Limits are sent once per counter, keys once per call and identical requests once per run,
 -- not once per request: parsing arguments was most of what Redis spent on a coalesced request.
@@ -65,7 +76,7 @@
 --   statistics): one value where two would say the same, since Redis writes out every value of
 --   a reply as text and the client parses it back. Nothing is written for a request unless it
 --   is admitted; then every limit that fits is consumed and every key written gets an expiry.
--- refund: 1. It undoes an admitted decide of the same KEYS and ARGV.
+-- undo: 1. It takes back what an admitted decide of the same KEYS and ARGV consumed.
 --
 -- Each request succeeds or fails on its own: one whose counter holds foreign data (a key of the
 -- wrong type, a value that is not ours) gets admitted = -1 and zeros, nothing is written for it,
@@ -74,23 +85,27 @@
 -- would fail every request alike, and the client's failure mode answers them.
 
 -- Set on the first call: a library's top level may not read the standard libraries.
-local floor, ceil, max, unpack_numbers
--- The codes the numbers carry for algorithms and enforcements.
+local floor, ceil, max, min, unpack_numbers
+-- The codes the numbers carry for algorithms, and for enforcements and kinds (admission,
+-- report, refund) in one number.
 local ALGORITHMS = {'f', 's', 'w', 'b'}
-local ENFORCEMENTS = {'E', 'Q', 'S'}
+local ENFORCEMENTS = {'E', 'Q', 'S', 'E', 'Q', 'S', 'E', 'Q', 'S'}
+local KINDS = {'a', 'a', 'a', 'r', 'r', 'r', 'n', 'n', 'n'}
 -- The call's counters: key, algorithm, requests_per_unit, window, burst.
 local c_key, c_algo, c_rpu, c_w, c_burst = {}, {}, {}, {}, {}
 -- The request being decided: its nonce, how many limits it has, and per limit its counter,
--- hits and enforcement (reused from request to request: only 1..n are read).
+-- hits, enforcement and kind (reused from request to request: only 1..n are read).
 local nonce, n = '', 0
-local l_c, l_hits, l_enf = {}, {}, {}
+local l_c, l_hits, l_enf, l_kind = {}, {}, {}, {}
 -- The reply so far (`#out` is a search each time: keep the length here).
 local out, out_n
--- Per limit of the current request: the check's verdict, and the counter state it read.
-local over, remaining, reset, state = {}, {}, {}, {}
+-- Per limit of the current request: the check's verdict, the counter state it read, and (a
+-- token bucket admission) the arrival time a commit writes. Per limit, not per state: a
+-- request may name one counter twice (a refund and an admission).
+local over, remaining, reset, state, next_tat = {}, {}, {}, {}, {}
 
--- The call's Redis TIME (µs).
-local now = 0
+-- The call's Redis TIME (µs), and how far past its limit a report may take a counter.
+local now, debt = 0, 0
 
 local function expiry_ms(at_us)
   -- Expiries are in ms and a key lives while now_ms <= at_ms, so expire at the last ms before
@@ -114,10 +129,12 @@ local function member(i, hits)
   return nonce .. ':' .. i .. ':' .. hits
 end
 
--- sliding_log bounds: entries pruned per call, and entries scanned for a rejected request's
--- reset. Both keep one call's work constant; see log_total and log_wait.
+-- sliding_log bounds: entries pruned per call, entries scanned for a rejected request's reset,
+-- and entries a refund removes or shortens. Each keeps one call's work constant; see log_total,
+-- log_wait and give_back. (The last two are LOG_SCAN_MAX and LOG_REFUND_MAX in algorithm.rs.)
 local LOG_PRUNE_MAX = 1000
 local LOG_SCAN_MAX = 128
+local LOG_REFUND_MAX = 1000
 
 -- The weighted log's total after dropping (up to LOG_PRUNE_MAX) entries at or before `upto`.
 -- Entries left unpruned still count: an over-count, which may over-reject until the next
@@ -208,6 +225,23 @@ local function load_b(key)
   return st
 end
 
+-- Brings a fixed_window state to the window starting at `start`.
+local function roll_f(st, start)
+  if st.start == 'legacy' then
+    st.start = start
+  elseif st.start ~= start then -- another window's value, or none: this window starts empty
+    st.count, st.start = 0, start
+  end
+end
+
+-- Brings a sliding_window state to the window starting at `start`.
+local function roll_s(st, start, w)
+  if st.s ~= start then
+    if st.s == start - w then st.p = st.c else st.p = 0 end
+    st.c, st.s, st.rolled = 0, start, true
+  end
+end
+
 local function flush()
   for _, key in ipairs(order) do
     local st = cache[key]
@@ -221,7 +255,8 @@ local function flush()
         end
       end
     elseif st.algo == 's' then
-      if st.rolled and st.delta > 0 then -- a new key or window: rewrite it, with its expiry
+      -- A new key or window, or a refund: rewrite it, with its expiry.
+      if st.rewrite or (st.rolled and st.delta > 0) then
         redis.call('HSET', key, 's', st.s, 'p', st.p, 'c', st.c)
         expire_at_us(key, st.s + 2 * st.w)
       elseif st.delta > 0 then
@@ -233,7 +268,8 @@ local function flush()
   end
 end
 
-local function refund(at)
+-- Takes back what an admitted decide made at `at` consumed (mode "undo").
+local function undo(at)
   for i = 1, n do
     local key, algo, rpu, w, burst, hits = limit(i)
     if hits > 0 then
@@ -273,44 +309,152 @@ local function refund(at)
   end
 end
 
+-- Gives limit i's hits back (a refund), before anything of the request is checked: never below
+-- an empty counter (see State::refund in algorithm.rs).
+local function give_back(i)
+  local c = l_c[i]
+  local key, algo, rpu, w, hits = c_key[c], c_algo[c], c_rpu[c], c_w[c], l_hits[i]
+  if hits <= 0 then return end
+  local start = now - (now % w)
+  if algo == 'f' then
+    local st = cache[key] or cached(key, load_f)
+    roll_f(st, start)
+    if st.count > 0 then
+      st.count, st.dirty, st.w = max(st.count - hits, 0), true, w
+    end
+  elseif algo == 's' then
+    local st = cache[key] or cached(key, load_s)
+    roll_s(st, start, w)
+    local from_c = min(hits, st.c)
+    local from_p = min(hits - from_c, st.p)
+    if from_c + from_p > 0 then
+      st.c, st.p, st.rewrite, st.w = st.c - from_c, st.p - from_p, true, w
+    end
+  elseif algo == 'w' then
+    -- The most recent weight first: remove whole members, shorten the last one.
+    local total = log_total(key, now - w)
+    if total <= 0 then return end
+    local newest = redis.call('ZREVRANGEBYSCORE', key, '+inf', string.format('(%d', now - w),
+      'WITHSCORES', 'LIMIT', 0, LOG_REFUND_MAX)
+    local rest = hits
+    for j = 1, #newest, 2 do
+      local m = newest[j]
+      local weight = tonumber(string.match(m, ':(%d+)$'))
+      redis.call('ZREM', key, m)
+      if weight <= rest then
+        rest = rest - weight
+      else
+        redis.call('ZADD', key, newest[j + 1], string.match(m, '^(.*):%d+$') .. ':' .. (weight - rest))
+        rest = 0
+      end
+      if rest <= 0 then break end
+    end
+    local left = total - (hits - rest)
+    if left <= 0 then
+      redis.call('ZREM', key, '#')
+    else
+      redis.call('ZADD', key, -left, '#')
+    end
+  elseif algo == 'b' then
+    if rpu > 0 then
+      local st = cache[key] or cached(key, load_b)
+      if st.tat > now then
+        st.tat, st.dirty = max(st.tat - hits * (w / rpu), now), true
+      end
+    end
+  end
+end
+
+-- Records limit i's cost report, fitting or not, up to D limits' worth past the limit (see
+-- State::record in algorithm.rs). The check has read its state into state[i].
+local function record(i)
+  local c = l_c[i]
+  local key, algo, rpu, w, burst, hits = c_key[c], c_algo[c], c_rpu[c], c_w[c], c_burst[c], l_hits[i]
+  local ceiling = rpu * (debt + 1)
+  local st = state[i]
+  if algo == 'f' then
+    local add = min(hits, max(ceiling - st.count, 0))
+    if add > 0 then st.count, st.dirty, st.w = st.count + add, true, w end
+  elseif algo == 's' then
+    local used = ceil(st.p * (w - (now - st.s)) / w) + st.c
+    local add = min(hits, max(ceiling - used, 0))
+    if add > 0 then st.c, st.delta, st.w = st.c + add, st.delta + add, w end
+  elseif algo == 'w' then
+    local add = min(hits, max(ceiling - st, 0)) -- state[i]: the log's total
+    if add > 0 then
+      redis.call('ZADD', key, now, member(i, add))
+      redis.call('ZINCRBY', key, -add, '#')
+      expire_at_us(key, now + w + 1)
+    end
+  elseif algo == 'b' and rpu > 0 then
+    local interval = w / rpu
+    local base = max(st.tat, now)
+    st.tat = max(base, min(base + hits * interval, now + burst * interval + debt * w))
+    st.dirty = true
+  end
+end
+
+-- Reads limit i's counter (into the call's cache; a sliding_log's type is checked), so that a
+-- request whose counters hold foreign data fails before it changes any of them.
+local function preload(i)
+  local c = l_c[i]
+  local key, algo = c_key[c], c_algo[c]
+  if cache[key] then return end
+  if algo == 'f' then
+    cached(key, load_f)
+  elseif algo == 's' then
+    cached(key, load_s)
+  elseif algo == 'b' and c_rpu[c] > 0 then
+    cached(key, load_b)
+  elseif algo == 'w' then
+    redis.call('ZSCORE', key, '#')
+  end
+end
+
 -- Decides the current request and appends its reply to `out`.
 local function decide()
-  -- Check every limit (reads only; pruning the log changes no count).
+  -- Refunds first: they happened, and the request's other limits see what they freed. Every
+  -- counter is read before the first refund changes one (see decide_entry).
+  local refunds = false
+  for i = 1, n do
+    if l_kind[i] == 'n' then refunds = true end
+  end
+  if refunds then
+    for i = 1, n do preload(i) end
+    for i = 1, n do
+      if l_kind[i] == 'n' then give_back(i) end
+    end
+  end
+  -- Check every limit (reads only; pruning the log changes no count). A refund's verdict is its
+  -- counter as the refund left it. `need`: a check of 0 hits asks whether one more unit fits.
   for i = 1, n do
     local c = l_c[i]
     local key, algo, rpu, w, burst, hits = c_key[c], c_algo[c], c_rpu[c], c_w[c], c_burst[c], l_hits[i]
+    if l_kind[i] == 'n' then hits = 0 end
+    local need = max(hits, 1)
     local start = now - (now % w)
     local o, rem, rst = true, 0, w
     if algo == 'f' then
       local st = cache[key] or cached(key, load_f)
       state[i] = st
-      if st.start == 'legacy' then
-        st.start = start
-      elseif st.start ~= start then -- another window's value, or none: this window starts empty
-        st.count, st.start = 0, start
-      end
-      local after = st.count + hits
-      o = rpu == 0 or after > rpu
-      if not o then rem = rpu - after else rem = max(rpu - st.count, 0) end
+      roll_f(st, start)
+      o = rpu == 0 or st.count + need > rpu
+      if not o then rem = rpu - st.count - hits else rem = max(rpu - st.count, 0) end
       rst = start + w - now
     elseif algo == 's' then
       local st = cache[key] or cached(key, load_s)
       state[i] = st
-      if st.s ~= start then
-        if st.s == start - w then st.p = st.c else st.p = 0 end
-        st.c, st.s, st.rolled = 0, start, true
-      end
+      roll_s(st, start, w)
       local p, c = st.p, st.c
       local e = now - start
       local faded = p * (w - e) -- the previous window's weight, times w
-      local room = rpu - c - hits
-      o = rpu == 0 or faded > room * w
+      o = rpu == 0 or faded > (rpu - c - need) * w
       if o then rem = max(rpu - c - ceil(faded / w), 0) end
       if not o then
-        rem = room - ceil(faded / w)
+        rem = rpu - c - hits - ceil(faded / w)
         if c + hits > 0 then rst = 2 * w - e elseif p > 0 then rst = w - e else rst = 0 end
-      elseif rpu > 0 and hits <= rpu then
-        local r = rpu - hits
+      elseif rpu > 0 and need <= rpu then
+        local r = rpu - need
         if c <= r then
           rst = max(1, (w - floor((r - c) * w / max(p, 1))) - e)
         else
@@ -319,11 +463,11 @@ local function decide()
       end
     elseif algo == 'w' then
       local count = log_total(key, now - w)
-      local after = count + hits
-      o = rpu == 0 or after > rpu
+      state[i] = count
+      o = rpu == 0 or count + need > rpu
       if o then rem = max(rpu - count, 0) end
       if not o then
-        rem = rpu - after
+        rem = rpu - count - hits
         if hits > 0 then
           rst = w
         else
@@ -334,8 +478,8 @@ local function decide()
             rst = 0
           end
         end
-      elseif rpu > 0 and hits <= rpu then
-        rst = log_wait(key, after - rpu, w)
+      elseif rpu > 0 and need <= rpu then
+        rst = log_wait(key, count + need - rpu, w)
       end
     elseif algo == 'b' then
       if rpu > 0 then
@@ -344,15 +488,15 @@ local function decide()
         local st = cache[key] or cached(key, load_b)
         state[i] = st
         local tat = max(st.tat, now)
-        local new_tat = tat + hits * interval
-        o = new_tat - now > cap + 0.001
+        o = tat + need * interval - now > cap + 0.001
         if not o then
+          local new_tat = tat + hits * interval
           rem = floor((cap - (new_tat - now)) / interval + 0.000001)
           rst = ceil(new_tat - now - 0.001)
-          st.next = new_tat
+          next_tat[i] = new_tat
         else
           rem = max(floor((cap - (tat - now)) / interval + 0.000001), 0)
-          if hits <= burst then rst = ceil(new_tat - now - cap - 0.001) end
+          if need <= burst then rst = ceil(tat + need * interval - now - cap - 0.001) end
         end
       end
     else
@@ -362,35 +506,39 @@ local function decide()
   end
 
   -- All-or-nothing: an enforced limit over, or every quota limit over, rejects the request.
+  -- Refunds never reject.
   local admitted, quota_seen, quota_all_over = true, false, true
   for i = 1, n do
-    local enforcement = l_enf[i]
-    if enforcement == 'E' and over[i] then admitted = false end
-    if enforcement == 'Q' then
-      quota_seen = true
-      if not over[i] then quota_all_over = false end
+    if l_kind[i] ~= 'n' then
+      local enforcement = l_enf[i]
+      if enforcement == 'E' and over[i] then admitted = false end
+      if enforcement == 'Q' then
+        quota_seen = true
+        if not over[i] then quota_all_over = false end
+      end
     end
   end
   if quota_seen and quota_all_over then admitted = false end
 
-  if admitted then
-    for i = 1, n do
-      local hits = l_hits[i]
-      if not over[i] and hits > 0 then
-        local c = l_c[i]
-        local key, algo, w = c_key[c], c_algo[c], c_w[c]
-        local st = state[i]
-        if algo == 'f' then
-          st.count, st.dirty, st.w = st.count + hits, true, w
-        elseif algo == 's' then
-          st.c, st.delta, st.w = st.c + hits, st.delta + hits, w
-        elseif algo == 'w' then
-          redis.call('ZADD', key, now, member(i, hits))
-          redis.call('ZINCRBY', key, -hits, '#')
-          expire_at_us(key, now + w + 1)
-        elseif algo == 'b' then
-          st.tat, st.dirty = st.next, true
-        end
+  -- Admissions are consumed only if the request is admitted; reports are recorded anyway.
+  for i = 1, n do
+    local hits, kind = l_hits[i], l_kind[i]
+    if hits > 0 and kind == 'r' then
+      record(i)
+    elseif hits > 0 and kind == 'a' and admitted and not over[i] then
+      local c = l_c[i]
+      local key, algo, w = c_key[c], c_algo[c], c_w[c]
+      local st = state[i]
+      if algo == 'f' then
+        st.count, st.dirty, st.w = st.count + hits, true, w
+      elseif algo == 's' then
+        st.c, st.delta, st.w = st.c + hits, st.delta + hits, w
+      elseif algo == 'w' then
+        redis.call('ZADD', key, now, member(i, hits))
+        redis.call('ZINCRBY', key, -hits, '#')
+        expire_at_us(key, now + w + 1)
+      elseif algo == 'b' then
+        st.tat, st.dirty = next_tat[i], true
       end
     end
   end
@@ -442,7 +590,7 @@ end
 -- One call: everything above is built once per library load (FCALL), or once per call (EVAL).
 local function main(KEYS, ARGV)
   if not floor then
-    floor, ceil, max, unpack_numbers = math.floor, math.ceil, math.max, struct.unpack
+    floor, ceil, max, min, unpack_numbers = math.floor, math.ceil, math.max, math.min, struct.unpack
   end
   local t = redis.call('TIME')
   now = tonumber(t[1]) * 1000000 + tonumber(t[2])
@@ -452,16 +600,16 @@ local function main(KEYS, ARGV)
   -- The numbers, read in order from ARGV[2]; the nonces, in order from ARGV[3].
   local blob, at_byte, next_nonce = ARGV[2], 1, 3
   local entries, counters
-  entries, counters, at_byte = unpack_numbers('<dd', blob, at_byte)
+  entries, counters, debt, at_byte = unpack_numbers('<ddd', blob, at_byte)
   for c = 1, counters do
     local k, a
     k, a, c_rpu[c], c_w[c], c_burst[c], at_byte = unpack_numbers('<ddddd', blob, at_byte)
     c_key[c], c_algo[c] = KEYS[k], ALGORITHMS[a]
   end
-  local refunding = mode == 'refund'
+  local undoing = mode == 'undo'
   for _ = 1, entries do
     local m, at, marker = 1, 0, 0
-    if refunding then
+    if undoing then
       at, marker, n, at_byte = unpack_numbers('<ddd', blob, at_byte)
       nonce, next_nonce = ARGV[next_nonce], next_nonce + 1
     else
@@ -471,12 +619,12 @@ local function main(KEYS, ARGV)
     for i = 1, n do
       local c, hits, e
       c, hits, e, at_byte = unpack_numbers('<ddd', blob, at_byte)
-      l_c[i], l_hits[i], l_enf[i] = c, hits, ENFORCEMENTS[e]
+      l_c[i], l_hits[i], l_enf[i], l_kind[i] = c, hits, ENFORCEMENTS[e], KINDS[e]
       if c_algo[c] == 'w' then logged = true end
     end
-    if refunding then
+    if undoing then
       -- The marker outlives any retry of this call (the client's budget is seconds at most).
-      if redis.call('SET', KEYS[marker], '1', 'NX', 'PX', 60000) then refund(at) end
+      if redis.call('SET', KEYS[marker], '1', 'NX', 'PX', 60000) then undo(at) end
       out[out_n + 1] = 1
       out_n = out_n + 1
     else

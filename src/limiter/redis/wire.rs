@@ -9,7 +9,7 @@ use std::time::Duration;
 use redis::Cmd;
 use smallvec::SmallVec;
 
-use crate::limiter::{Algorithm, Enforcement, Limit, Verdict};
+use crate::limiter::{Algorithm, Enforcement, HitKind, Limit, Verdict};
 
 /// The script. Loaded as a Redis function library once per Redis (FUNCTION LOAD, then FCALL),
 /// or where Redis has no functions (before 7) or the user may not load them, called with
@@ -31,17 +31,19 @@ pub(super) enum Call {
 /// What a call does to its requests' counters.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Mode {
-    /// Check every limit, commit all or none (per request).
+    /// Give back refunds, check every other limit, record cost reports, commit all admissions
+    /// or none (per request).
     Decide,
-    /// Give back what an admitted decide took.
-    Refund,
+    /// Take back what an admitted decide's admissions took (another slot group of the request
+    /// rejected it).
+    Undo,
 }
 
 impl Mode {
     fn arg(self) -> &'static str {
         match self {
             Mode::Decide => "decide",
-            Mode::Refund => "refund",
+            Mode::Undo => "undo",
         }
     }
 }
@@ -57,10 +59,12 @@ struct LimitArgs {
     window_us: u64,
     /// Token bucket capacity.
     burst: u64,
-    /// Hits to add (refund: to give back).
+    /// Hits to add (a refund, or an undo: to give back).
     hits: u64,
     /// What an over verdict does.
     enforcement: Enforcement,
+    /// Admission, cost report or refund.
+    kind: HitKind,
 }
 
 /// A request's share of a script call: its counters' keys and limits, and what to do with
@@ -70,9 +74,9 @@ pub(super) struct Args {
     /// Names the request's sliding_log members.
     nonce: [u8; 33],
     nonce_len: u8,
-    /// Refund: the decide's time (µs).
+    /// Undo: the decide's time (µs).
     at: i64,
-    /// Refund: the key marking this request's refund as done (empty for a decide).
+    /// Undo: the key marking this request's undo as done (empty for a decide).
     marker: Vec<u8>,
     /// Every key's bytes, back to back.
     keys: Vec<u8>,
@@ -88,10 +92,10 @@ impl Args {
         Args::new(Mode::Decide, nonce, 0, Vec::new(), key_bytes)
     }
 
-    /// The refund of the decide made at `at` (µs, as its reply said) for the request named by
+    /// The undo of the decide made at `at` (µs, as its reply said) for the request named by
     /// `nonce`: `marker` is the key (in the slot of its counters) that makes it run once.
-    pub(super) fn refund(nonce: &[u8], at: i64, marker: Vec<u8>, key_bytes: usize) -> Args {
-        Args::new(Mode::Refund, nonce, at, marker, key_bytes)
+    pub(super) fn undo(nonce: &[u8], at: i64, marker: Vec<u8>, key_bytes: usize) -> Args {
+        Args::new(Mode::Undo, nonce, at, marker, key_bytes)
     }
 
     fn new(mode: Mode, nonce: &[u8], at: i64, marker: Vec<u8>, key_bytes: usize) -> Args {
@@ -110,9 +114,17 @@ impl Args {
         }
     }
 
-    /// Adds a counter: its key, its limit, the hits to add (refund: to give back) and what an
-    /// over verdict does (a quota limit the caller cannot judge across calls goes as shadow).
-    pub(super) fn push(&mut self, key: &[u8], limit: &Limit, hits: u64, enforcement: Enforcement) {
+    /// Adds a counter: its key, its limit, the hits to add (a refund, or an undo: to give back),
+    /// what an over verdict does (a quota limit the caller cannot judge across calls goes as
+    /// shadow) and the hits' kind (an undo's are all admissions).
+    pub(super) fn push(
+        &mut self,
+        key: &[u8],
+        limit: &Limit,
+        hits: u64,
+        enforcement: Enforcement,
+        kind: HitKind,
+    ) {
         self.keys.extend_from_slice(key);
         self.key_ends.push(self.keys.len() as u32);
         self.limits.push(LimitArgs {
@@ -122,10 +134,11 @@ impl Args {
             burst: limit.burst,
             hits,
             enforcement,
+            kind,
         });
     }
 
-    /// Decide or refund.
+    /// Decide or undo.
     pub(super) fn mode(&self) -> Mode {
         self.mode
     }
@@ -144,7 +157,7 @@ impl Args {
     pub(super) fn reply_len(&self) -> usize {
         match self.mode {
             Mode::Decide => 1 + 2 * self.limits.len(),
-            Mode::Refund => 1,
+            Mode::Undo => 1,
         }
     }
 
@@ -169,16 +182,17 @@ impl Args {
 /// Up to this many limits in a call, keys and counters are matched by a scan.
 const SCAN_LIMITS: usize = 16;
 
-/// The script call carrying `parts` (all of one mode), naming the script as `how` says. Each
-/// distinct key is sent once and each distinct (key, limit) counter once; requests name their
-/// counters by number (see script.lua).
-pub(super) fn command(parts: &[&Args], how: Call) -> Cmd {
+/// The script call carrying `parts` (all of one mode), naming the script as `how` says, with
+/// cost reports taking a counter at most `max_debt` times its limit past it. Each distinct key
+/// is sent once and each distinct (key, limit) counter once; requests name their counters by
+/// number (see script.lua).
+pub(super) fn command(parts: &[&Args], how: Call, max_debt: u64) -> Cmd {
     // Keys → KEYS index, (key, algorithm, requests_per_unit, window, burst) → counter number,
     // both 1-based as Lua counts.
     let limits_in: usize = parts.iter().map(|p| p.limits.len()).sum();
-    let refunding = parts.first().is_some_and(|p| p.mode == Mode::Refund);
+    let undoing = parts.first().is_some_and(|p| p.mode == Mode::Undo);
     let mut keys: Vec<&[u8]> =
-        Vec::with_capacity(limits_in + if refunding { parts.len() } else { 0 });
+        Vec::with_capacity(limits_in + if undoing { parts.len() } else { 0 });
     // A few limits (an idle service's lone request) are matched by a scan; a call of many by
     // hashing, which costs more to set up than a short scan does.
     let hashed = limits_in > SCAN_LIMITS;
@@ -233,27 +247,27 @@ pub(super) fn command(parts: &[&Args], how: Call) -> Cmd {
             limits.push(c);
         }
     }
-    // A refund's markers follow the counters' keys (each its own: one per request).
+    // An undo's markers follow the counters' keys (each its own: one per request).
     let markers = keys.len();
-    if refunding {
+    if undoing {
         keys.extend(parts.iter().map(|p| &p.marker[..]));
     }
-    // Runs of identical decides (same counters, hits and enforcement, no sliding_log member to
-    // name) go as one entry with their count: a hot key's coalesced requests are parsed once.
+    // Runs of identical decides (same counters, hits, enforcement and kind, no sliding_log
+    // member to name) go as one entry with their count: a hot key's coalesced requests are
+    // parsed once.
     let mut entries: Vec<(usize, usize, usize)> = Vec::with_capacity(parts.len()); // (part, first limit, run)
     let mut first = 0;
     for (i, p) in parts.iter().enumerate() {
         let these = first..first + p.limits.len();
-        let same_as_last = !refunding
+        let same_as_last = !undoing
             && !p.logged()
             && entries.last().is_some_and(|&(j, from, _)| {
                 let q = parts[j];
                 !q.logged()
                     && limits[from..from + q.limits.len()] == limits[these.clone()]
-                    && q.limits
-                        .iter()
-                        .zip(&p.limits)
-                        .all(|(a, b)| (a.hits, a.enforcement) == (b.hits, b.enforcement))
+                    && q.limits.iter().zip(&p.limits).all(|(a, b)| {
+                        (a.hits, a.enforcement, a.kind) == (b.hits, b.enforcement, b.kind)
+                    })
             });
         match entries.last_mut() {
             Some((_, _, run)) if same_as_last => *run += 1,
@@ -262,7 +276,7 @@ pub(super) fn command(parts: &[&Args], how: Call) -> Cmd {
         first = these.end;
     }
     // Every number goes in one argument, packed (see [`Numbers`]); the nonces follow it.
-    let numbers = 2
+    let numbers = 3
         + 5 * counters.len()
         + entries
             .iter()
@@ -271,7 +285,8 @@ pub(super) fn command(parts: &[&Args], how: Call) -> Cmd {
     let mut packed = Numbers(Vec::with_capacity(8 * numbers));
     packed
         .push(entries.len() as f64)
-        .push(counters.len() as f64);
+        .push(counters.len() as f64)
+        .push(max_debt as f64);
     for (k, l) in &counters {
         packed
             .push(*k as f64)
@@ -284,7 +299,7 @@ pub(super) fn command(parts: &[&Args], how: Call) -> Cmd {
     for &(i, from, run) in &entries {
         let p = parts[i];
         let nonce = &p.nonce[..p.nonce_len as usize];
-        if refunding {
+        if undoing {
             packed.push(p.at as f64).push((markers + i + 1) as f64);
             nonces.push(nonce);
         } else {
@@ -295,9 +310,9 @@ pub(super) fn command(parts: &[&Args], how: Call) -> Cmd {
             packed
                 .push(*c as f64)
                 .push(l.hits as f64)
-                .push(enforcement_code(l.enforcement));
+                .push(how_code(l.enforcement, l.kind));
         }
-        if !refunding && p.logged() {
+        if !undoing && p.logged() {
             nonces.push(nonce);
         }
     }
@@ -316,11 +331,7 @@ pub(super) fn command(parts: &[&Args], how: Call) -> Cmd {
     for key in &keys {
         cmd.arg(*key);
     }
-    let mode = if refunding {
-        Mode::Refund
-    } else {
-        Mode::Decide
-    };
+    let mode = if undoing { Mode::Undo } else { Mode::Decide };
     cmd.arg(mode.arg()).arg(&packed.0[..]);
     for nonce in nonces {
         cmd.arg(nonce);
@@ -351,13 +362,20 @@ fn algorithm_code(algorithm: Algorithm) -> f64 {
     }
 }
 
-/// The script's code for an enforcement (`ENFORCEMENTS` in script.lua).
-fn enforcement_code(enforcement: Enforcement) -> f64 {
-    match enforcement {
+/// The script's code for a limit's enforcement and kind, one number (`ENFORCEMENTS` and
+/// `KINDS` in script.lua): 1-3 an admission (E, Q, S), 4-6 a cost report, 7-9 a refund.
+fn how_code(enforcement: Enforcement, kind: HitKind) -> f64 {
+    let enforcement = match enforcement {
         Enforcement::Enforce => 1.0,
         Enforcement::Quota => 2.0,
         Enforcement::Shadow => 3.0,
-    }
+    };
+    let kind = match kind {
+        HitKind::Admission => 0.0,
+        HitKind::Report => 3.0,
+        HitKind::Refund => 6.0,
+    };
+    enforcement + kind
 }
 
 /// The script's SHA1, as EVALSHA names it (computed once).
@@ -459,7 +477,7 @@ mod tests {
             burst: rpu,
         };
         for key in keys {
-            p.push(key, &limit, hits, Enforcement::Enforce);
+            p.push(key, &limit, hits, Enforcement::Enforce, HitKind::Admission);
         }
         p
     }
@@ -481,7 +499,7 @@ mod tests {
                 packed_next = false;
                 continue;
             }
-            packed_next = b == b"decide" || b == b"refund";
+            packed_next = b == b"decide" || b == b"undo";
             out.push(String::from_utf8_lossy(b).into_owned());
         }
         out
@@ -497,39 +515,47 @@ mod tests {
             part(&[b"{d}:a"], 7),
         ];
         let parts: Vec<&Args> = parts.iter().collect();
-        let got = args(&command(&parts, Call::Hash));
+        let got = args(&command(&parts, Call::Hash, 1));
         #[rustfmt::skip]
         let expected = [
             "EVALSHA", script_hash(), "2", "{d}:a", "{d}:b", "decide",
-            // packed numbers: entries, counters
-            "2", "3",
+            // packed numbers: entries, counters, the reports' debt bound
+            "2", "3", "1",
             // counters: key, algorithm (1: fixed_window), requests_per_unit, window, burst
             "1", "1", "5", "1000000", "5",
             "2", "1", "5", "1000000", "5",
             "1", "1", "7", "1000000", "7",
-            // entries: requests in the run, n, then counter, hits, enforcement (1: E) per limit
+            // entries: requests in the run, n, then counter, hits, how (1: an admission, E)
+            // per limit
             "2", "2", "1", "1", "1", "2", "1", "1",
             "1", "1", "3", "1", "1",
         ];
         assert_eq!(got, expected);
-        assert_eq!(args(&command(&parts, Call::Source))[..2], ["EVAL", SCRIPT]);
+        assert_eq!(
+            args(&command(&parts, Call::Source, 1))[..2],
+            ["EVAL", SCRIPT]
+        );
         // The same arguments after the function's name.
-        let function = args(&command(&parts, Call::Function));
+        let function = args(&command(&parts, Call::Function, 1));
         assert_eq!(function[..2], ["FCALL", function_name()]);
         assert_eq!(function[2..], expected[2..]);
 
         // Past SCAN_LIMITS limits, keys and counters are matched by hashing: the same call.
         let many: Vec<Args> = (0..10).map(|_| part(&[b"{d}:a", b"{d}:b"], 5)).collect();
         let many: Vec<&Args> = many.iter().collect();
-        let got = args(&command(&many, Call::Hash));
-        assert_eq!(got[2..8], ["2", "{d}:a", "{d}:b", "decide", "1", "2"]);
-        assert_eq!(got[18..], ["10", "2", "1", "1", "1", "2", "1", "1"]);
+        let got = args(&command(&many, Call::Hash, 1));
+        assert_eq!(got[2..9], ["2", "{d}:a", "{d}:b", "decide", "1", "2", "1"]);
+        assert_eq!(got[19..], ["10", "2", "1", "1", "1", "2", "1", "1"]);
     }
 
     #[test]
-    fn only_requests_alike_in_counters_hits_and_enforcement_share_an_entry() {
+    fn only_requests_alike_in_counters_hits_enforcement_and_kind_share_an_entry() {
         let mut quota = part(&[b"{d}:a"], 5);
         quota.limits[0].enforcement = Enforcement::Quota;
+        let mut report = part(&[b"{d}:b"], 5);
+        report.limits[0].kind = HitKind::Report;
+        let mut refund = part(&[b"{d}:b"], 5);
+        refund.limits[0].kind = HitKind::Refund;
         let parts = [
             part(&[b"{d}:a"], 5),
             part_of(Algorithm::FixedWindow, &[b"{d}:a"], 5, 2), // other hits
@@ -538,10 +564,12 @@ mod tests {
             part(&[b"{d}:b"], 5),
             part(&[b"{d}:b"], 5), // a run of three
             part(&[b"{d}:a"], 5), // alike, but not next to its kind
+            report,               // other kind
+            refund,
         ];
         let parts: Vec<&Args> = parts.iter().collect();
-        let got = args(&command(&parts, Call::Hash));
-        assert_eq!(got[5..8], ["decide", "5", "2"]);
+        let got = args(&command(&parts, Call::Hash, 7));
+        assert_eq!(got[5..9], ["decide", "7", "2", "7"]);
         #[rustfmt::skip]
         let entries = [
             "1", "1", "1", "1", "1",
@@ -549,8 +577,10 @@ mod tests {
             "1", "1", "1", "1", "2", // Q
             "3", "1", "2", "1", "1",
             "1", "1", "1", "1", "1",
+            "1", "1", "2", "1", "4", // a report, E
+            "1", "1", "2", "1", "7", // a refund, E
         ];
-        assert_eq!(got[18..], entries);
+        assert_eq!(got[19..], entries);
 
         // sliding_log members are named by each request's nonce: never a run, nonce sent.
         let logs = [
@@ -558,29 +588,29 @@ mod tests {
             part_of(Algorithm::SlidingLog, &[b"{d}:a"], 5, 1),
         ];
         let logs: Vec<&Args> = logs.iter().collect();
-        let got = args(&command(&logs, Call::Hash));
-        assert_eq!(got[4..7], ["decide", "2", "1"]);
+        let got = args(&command(&logs, Call::Hash, 1));
+        assert_eq!(got[4..8], ["decide", "2", "1", "1"]);
         assert_eq!(
-            got[12..],
+            got[13..],
             ["1", "1", "1", "1", "1", "1", "1", "1", "1", "1", "nn", "nn"]
         );
     }
 
     #[test]
-    fn a_refund_names_its_marker_after_the_counters_keys() {
-        let mut p = Args::refund(b"nn", 42, b"{d}refund:nn".to_vec(), 0);
+    fn an_undo_names_its_marker_after_the_counters_keys() {
+        let mut p = Args::undo(b"nn", 42, b"{d}undo:nn".to_vec(), 0);
         let limit = Limit {
             algorithm: Algorithm::SlidingLog,
             requests_per_unit: 3,
             window_us: 2_000_000,
             burst: 3,
         };
-        p.push(b"{d}:a", &limit, 1, Enforcement::Quota);
+        p.push(b"{d}:a", &limit, 1, Enforcement::Quota, HitKind::Admission);
         assert_eq!(p.reply_len(), 1);
-        let got = args(&command(&[&p], Call::Hash));
+        let got = args(&command(&[&p], Call::Hash, 1));
         #[rustfmt::skip]
         let expected = [
-            "EVALSHA", script_hash(), "2", "{d}:a", "{d}refund:nn", "refund", "1", "1",
+            "EVALSHA", script_hash(), "2", "{d}:a", "{d}undo:nn", "undo", "1", "1", "1",
             "1", "3", "3", "2000000", "3", // 3: sliding_log
             "42", "2", "1", "1", "1", "2", // at, marker (KEYS[2]), n; 2: Q
             "nn",
