@@ -66,7 +66,8 @@ async fn budget_rounds(c: &mut Client, key: &str, units: u64, rounds: usize) -> 
 /// budget over and is recorded, and every later check is refused. Before reports were
 /// recorded, every request after the second passed.
 async fn a_token_budget_admits_as_many_requests_as_it_allows(kind: Kind) {
-    let s = start(kind, &[("b.yaml", &budgets(10_000, LONG, ""))], &[]).await;
+    let yaml = budgets(10_000, LONG, "");
+    let s = start(kind, &[("b.yaml", &yaml)], &["--reference-metrics"]).await;
     let mut c = s.client().await;
     for a in Algorithm::ALL.map(Algorithm::as_str) {
         assert_eq!(budget_rounds(&mut c, a, 4_000, 8).await, 3, "{kind:?} {a}");
@@ -81,6 +82,13 @@ async fn a_token_budget_admits_as_many_requests_as_it_allows(kind: Kind) {
             "ratelimit_accounted_hits_total{{domain=\"b\",rule=\"{a}\",kind=\"report_over_limit\"}}"
         );
         assert_eq!(metric(&m, &series), 4_000.0, "{kind:?} {a}\n{m}");
+        // As envoyproxy/ratelimit counts them: of 8,000 + 4,000, the 2,000 past the limit are
+        // over, the 2,000 below it past the near threshold (8,000) near.
+        for (family, n) in [("over_limit", 2_000.0), ("near_limit", 2_000.0)] {
+            let series =
+                format!("ratelimit_service_rate_limit_{family}{{domain=\"b\",key1=\"{a}\"}}");
+            assert_eq!(metric(&m, &series), n, "{kind:?} {a} {family}\n{m}");
+        }
     }
 }
 

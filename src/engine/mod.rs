@@ -189,7 +189,7 @@ impl Engine {
             HitKind::Report if tally.over => Some(Accounted::report_over_limit),
             _ => None,
         };
-        if let Some(accounted) = accounted {
+        if let Some(accounted) = accounted.filter(|_| tally.hits > 0) {
             let rule = if a.limit.rule_has_values {
                 self.value_rules.label(&a.limit.rule)
             } else {

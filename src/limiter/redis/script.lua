@@ -86,17 +86,18 @@
 
 -- Set on the first call: a library's top level may not read the standard libraries.
 local floor, ceil, max, min, unpack_numbers
--- The codes the numbers carry for algorithms, and for enforcements and kinds (admission,
--- report, refund) in one number.
+-- The codes the numbers carry for algorithms and enforcements (a limit's "how" is its
+-- enforcement, plus 3 for a report, plus 6 for a refund; see main).
 local ALGORITHMS = {'f', 's', 'w', 'b'}
-local ENFORCEMENTS = {'E', 'Q', 'S', 'E', 'Q', 'S', 'E', 'Q', 'S'}
-local KINDS = {'a', 'a', 'a', 'r', 'r', 'r', 'n', 'n', 'n'}
+local ENFORCEMENTS = {'E', 'Q', 'S'}
 -- The call's counters: key, algorithm, requests_per_unit, window, burst.
 local c_key, c_algo, c_rpu, c_w, c_burst = {}, {}, {}, {}, {}
 -- The request being decided: its nonce, how many limits it has, and per limit its counter,
--- hits, enforcement and kind (reused from request to request: only 1..n are read).
+-- hits (0 for a refund, whose hits are in l_back), enforcement and kind (reused from request
+-- to request: only 1..n are read); whether it has refunds, and reports.
 local nonce, n = '', 0
-local l_c, l_hits, l_enf, l_kind = {}, {}, {}, {}
+local l_c, l_hits, l_enf, l_kind, l_back = {}, {}, {}, {}, {}
+local refunds, reports = false, false
 -- The reply so far (`#out` is a search each time: keep the length here).
 local out, out_n
 -- Per limit of the current request: the check's verdict, the counter state it read, and (a
@@ -309,152 +310,158 @@ local function undo(at)
   end
 end
 
--- Gives limit i's hits back (a refund), before anything of the request is checked: never below
--- an empty counter (see State::refund in algorithm.rs).
-local function give_back(i)
-  local c = l_c[i]
-  local key, algo, rpu, w, hits = c_key[c], c_algo[c], c_rpu[c], c_w[c], l_hits[i]
-  if hits <= 0 then return end
-  local start = now - (now % w)
-  if algo == 'f' then
-    local st = cache[key] or cached(key, load_f)
-    roll_f(st, start)
-    if st.count > 0 then
-      st.count, st.dirty, st.w = max(st.count - hits, 0), true, w
-    end
-  elseif algo == 's' then
-    local st = cache[key] or cached(key, load_s)
-    roll_s(st, start, w)
-    local from_c = min(hits, st.c)
-    local from_p = min(hits - from_c, st.p)
-    if from_c + from_p > 0 then
-      st.c, st.p, st.rewrite, st.w = st.c - from_c, st.p - from_p, true, w
-    end
-  elseif algo == 'w' then
-    -- The most recent weight first: remove whole members, shorten the last one.
-    local total = log_total(key, now - w)
-    if total <= 0 then return end
-    local newest = redis.call('ZREVRANGEBYSCORE', key, '+inf', string.format('(%d', now - w),
-      'WITHSCORES', 'LIMIT', 0, LOG_REFUND_MAX)
-    local rest = hits
-    for j = 1, #newest, 2 do
-      local m = newest[j]
-      local weight = tonumber(string.match(m, ':(%d+)$'))
-      redis.call('ZREM', key, m)
-      if weight <= rest then
-        rest = rest - weight
+-- Refunds and cost reports (see "Kinds" above), built on first use: rare next to admissions,
+-- and under EVAL the whole file runs on every call, where each function it builds costs.
+local accounting
+local function build_accounting()
+  -- Gives limit i's hits back (a refund), before anything of the request is checked: never below
+  -- an empty counter (see State::refund in algorithm.rs).
+  local function give_back(i)
+    local c = l_c[i]
+    local key, algo, rpu, w, hits = c_key[c], c_algo[c], c_rpu[c], c_w[c], l_back[i]
+    if hits <= 0 then return end
+    local start = now - (now % w)
+    if algo == 'f' then
+      local st = cache[key] or cached(key, load_f)
+      roll_f(st, start)
+      if st.count > 0 then
+        st.count, st.dirty, st.w = max(st.count - hits, 0), true, w
+      end
+    elseif algo == 's' then
+      local st = cache[key] or cached(key, load_s)
+      roll_s(st, start, w)
+      local from_c = min(hits, st.c)
+      local from_p = min(hits - from_c, st.p)
+      if from_c + from_p > 0 then
+        st.c, st.p, st.rewrite, st.w = st.c - from_c, st.p - from_p, true, w
+      end
+    elseif algo == 'w' then
+      -- The most recent weight first: remove whole members, shorten the last one.
+      local total = log_total(key, now - w)
+      if total <= 0 then return end
+      local newest = redis.call('ZREVRANGEBYSCORE', key, '+inf', string.format('(%d', now - w),
+        'WITHSCORES', 'LIMIT', 0, LOG_REFUND_MAX)
+      local rest = hits
+      for j = 1, #newest, 2 do
+        local m = newest[j]
+        local weight = tonumber(string.match(m, ':(%d+)$'))
+        redis.call('ZREM', key, m)
+        if weight <= rest then
+          rest = rest - weight
+        else
+          redis.call('ZADD', key, newest[j + 1], string.match(m, '^(.*):%d+$') .. ':' .. (weight - rest))
+          rest = 0
+        end
+        if rest <= 0 then break end
+      end
+      local left = total - (hits - rest)
+      if left <= 0 then
+        redis.call('ZREM', key, '#')
       else
-        redis.call('ZADD', key, newest[j + 1], string.match(m, '^(.*):%d+$') .. ':' .. (weight - rest))
-        rest = 0
+        redis.call('ZADD', key, -left, '#')
       end
-      if rest <= 0 then break end
-    end
-    local left = total - (hits - rest)
-    if left <= 0 then
-      redis.call('ZREM', key, '#')
-    else
-      redis.call('ZADD', key, -left, '#')
-    end
-  elseif algo == 'b' then
-    if rpu > 0 then
-      local st = cache[key] or cached(key, load_b)
-      if st.tat > now then
-        st.tat, st.dirty = max(st.tat - hits * (w / rpu), now), true
+    elseif algo == 'b' then
+      if rpu > 0 then
+        local st = cache[key] or cached(key, load_b)
+        if st.tat > now then
+          st.tat, st.dirty = max(st.tat - hits * (w / rpu), now), true
+        end
       end
     end
   end
-end
 
--- Records limit i's cost report, fitting or not, up to D limits' worth past the limit (see
--- State::record in algorithm.rs). The check has read its state into state[i].
-local function record(i)
-  local c = l_c[i]
-  local key, algo, rpu, w, burst, hits = c_key[c], c_algo[c], c_rpu[c], c_w[c], c_burst[c], l_hits[i]
-  local ceiling = rpu * (debt + 1)
-  local st = state[i]
-  if algo == 'f' then
-    local add = min(hits, max(ceiling - st.count, 0))
-    if add > 0 then st.count, st.dirty, st.w = st.count + add, true, w end
-  elseif algo == 's' then
-    local used = ceil(st.p * (w - (now - st.s)) / w) + st.c
-    local add = min(hits, max(ceiling - used, 0))
-    if add > 0 then st.c, st.delta, st.w = st.c + add, st.delta + add, w end
-  elseif algo == 'w' then
-    local add = min(hits, max(ceiling - st, 0)) -- state[i]: the log's total
-    if add > 0 then
-      redis.call('ZADD', key, now, member(i, add))
-      redis.call('ZINCRBY', key, -add, '#')
-      expire_at_us(key, now + w + 1)
+  -- Records limit i's cost report, fitting or not, up to D limits' worth past the limit (see
+  -- State::record in algorithm.rs). The check has read its state into state[i].
+  local function record(i)
+    local c = l_c[i]
+    local key, algo, rpu, w, burst, hits = c_key[c], c_algo[c], c_rpu[c], c_w[c], c_burst[c], l_hits[i]
+    local ceiling = rpu * (debt + 1)
+    local st = state[i]
+    if algo == 'f' then
+      local add = min(hits, max(ceiling - st.count, 0))
+      if add > 0 then st.count, st.dirty, st.w = st.count + add, true, w end
+    elseif algo == 's' then
+      local used = ceil(st.p * (w - (now - st.s)) / w) + st.c
+      local add = min(hits, max(ceiling - used, 0))
+      if add > 0 then st.c, st.delta, st.w = st.c + add, st.delta + add, w end
+    elseif algo == 'w' then
+      local add = min(hits, max(ceiling - st, 0)) -- state[i]: the log's total
+      if add > 0 then
+        redis.call('ZADD', key, now, member(i, add))
+        redis.call('ZINCRBY', key, -add, '#')
+        expire_at_us(key, now + w + 1)
+      end
+    elseif algo == 'b' and rpu > 0 then
+      local interval = w / rpu
+      local base = max(st.tat, now)
+      st.tat = max(base, min(base + hits * interval, now + burst * interval + debt * w))
+      st.dirty = true
     end
-  elseif algo == 'b' and rpu > 0 then
-    local interval = w / rpu
-    local base = max(st.tat, now)
-    st.tat = max(base, min(base + hits * interval, now + burst * interval + debt * w))
-    st.dirty = true
   end
-end
 
--- Reads limit i's counter (into the call's cache; a sliding_log's type is checked), so that a
--- request whose counters hold foreign data fails before it changes any of them.
-local function preload(i)
-  local c = l_c[i]
-  local key, algo = c_key[c], c_algo[c]
-  if cache[key] then return end
-  if algo == 'f' then
-    cached(key, load_f)
-  elseif algo == 's' then
-    cached(key, load_s)
-  elseif algo == 'b' and c_rpu[c] > 0 then
-    cached(key, load_b)
-  elseif algo == 'w' then
-    redis.call('ZSCORE', key, '#')
+  -- Reads limit i's counter (into the call's cache; a sliding_log's type is checked), so that a
+  -- request whose counters hold foreign data fails before it changes any of them.
+  local function preload(i)
+    local c = l_c[i]
+    local key, algo = c_key[c], c_algo[c]
+    if cache[key] then return end
+    if algo == 'f' then
+      cached(key, load_f)
+    elseif algo == 's' then
+      cached(key, load_s)
+    elseif algo == 'b' and c_rpu[c] > 0 then
+      cached(key, load_b)
+    elseif algo == 'w' then
+      redis.call('ZSCORE', key, '#')
+    end
   end
+
+  return {give_back = give_back, record = record, preload = preload}
 end
 
 -- Decides the current request and appends its reply to `out`.
 local function decide()
   -- Refunds first: they happened, and the request's other limits see what they freed. Every
   -- counter is read before the first refund changes one (see decide_entry).
-  local refunds = false
-  for i = 1, n do
-    if l_kind[i] == 'n' then refunds = true end
-  end
   if refunds then
-    for i = 1, n do preload(i) end
+    for i = 1, n do accounting.preload(i) end
     for i = 1, n do
-      if l_kind[i] == 'n' then give_back(i) end
+      if l_kind[i] == 'n' then accounting.give_back(i) end
     end
   end
   -- Check every limit (reads only; pruning the log changes no count). A refund's verdict is its
-  -- counter as the refund left it. `need`: a check of 0 hits asks whether one more unit fits.
+  -- counter as the refund left it (its hits are 0 here). A check of 0 hits asks whether one more
+  -- unit fits: judged as 1 hit (`need`), what is left counted as for 0. (Checked apart, after
+  -- the common case: a Lua operation per limit shows in what a call costs.)
   for i = 1, n do
     local c = l_c[i]
     local key, algo, rpu, w, burst, hits = c_key[c], c_algo[c], c_rpu[c], c_w[c], c_burst[c], l_hits[i]
-    if l_kind[i] == 'n' then hits = 0 end
-    local need = max(hits, 1)
     local start = now - (now % w)
     local o, rem, rst = true, 0, w
     if algo == 'f' then
       local st = cache[key] or cached(key, load_f)
       state[i] = st
-      roll_f(st, start)
-      o = rpu == 0 or st.count + need > rpu
-      if not o then rem = rpu - st.count - hits else rem = max(rpu - st.count, 0) end
+      if st.start ~= start then roll_f(st, start) end
+      local after = st.count + hits
+      o = rpu == 0 or after > rpu or (hits == 0 and after == rpu)
+      if not o then rem = rpu - after else rem = max(rpu - st.count, 0) end
       rst = start + w - now
     elseif algo == 's' then
       local st = cache[key] or cached(key, load_s)
       state[i] = st
-      roll_s(st, start, w)
+      if st.s ~= start then roll_s(st, start, w) end
       local p, c = st.p, st.c
       local e = now - start
       local faded = p * (w - e) -- the previous window's weight, times w
-      o = rpu == 0 or faded > (rpu - c - need) * w
+      local room = rpu - c - hits
+      o = rpu == 0 or faded > room * w or (hits == 0 and faded > (room - 1) * w)
       if o then rem = max(rpu - c - ceil(faded / w), 0) end
       if not o then
-        rem = rpu - c - hits - ceil(faded / w)
+        rem = room - ceil(faded / w)
         if c + hits > 0 then rst = 2 * w - e elseif p > 0 then rst = w - e else rst = 0 end
-      elseif rpu > 0 and need <= rpu then
-        local r = rpu - need
+      elseif rpu > 0 and hits <= rpu then
+        local r = rpu - hits
+        if hits == 0 then r = rpu - 1 end
         if c <= r then
           rst = max(1, (w - floor((r - c) * w / max(p, 1))) - e)
         else
@@ -464,10 +471,11 @@ local function decide()
     elseif algo == 'w' then
       local count = log_total(key, now - w)
       state[i] = count
-      o = rpu == 0 or count + need > rpu
+      local after = count + hits
+      o = rpu == 0 or after > rpu or (hits == 0 and after == rpu)
       if o then rem = max(rpu - count, 0) end
       if not o then
-        rem = rpu - count - hits
+        rem = rpu - after
         if hits > 0 then
           rst = w
         else
@@ -478,8 +486,8 @@ local function decide()
             rst = 0
           end
         end
-      elseif rpu > 0 and need <= rpu then
-        rst = log_wait(key, count + need - rpu, w)
+      elseif rpu > 0 and hits <= rpu then
+        rst = log_wait(key, max(after, count + 1) - rpu, w)
       end
     elseif algo == 'b' then
       if rpu > 0 then
@@ -488,9 +496,11 @@ local function decide()
         local st = cache[key] or cached(key, load_b)
         state[i] = st
         local tat = max(st.tat, now)
+        local need = hits
+        if hits == 0 then need = 1 end
+        local new_tat = tat + hits * interval
         o = tat + need * interval - now > cap + 0.001
         if not o then
-          local new_tat = tat + hits * interval
           rem = floor((cap - (new_tat - now)) / interval + 0.000001)
           rst = ceil(new_tat - now - 0.001)
           next_tat[i] = new_tat
@@ -506,40 +516,49 @@ local function decide()
   end
 
   -- All-or-nothing: an enforced limit over, or every quota limit over, rejects the request.
-  -- Refunds never reject.
+  -- (A refund's enforcement is S: it never rejects.)
   local admitted, quota_seen, quota_all_over = true, false, true
   for i = 1, n do
-    if l_kind[i] ~= 'n' then
-      local enforcement = l_enf[i]
-      if enforcement == 'E' and over[i] then admitted = false end
-      if enforcement == 'Q' then
-        quota_seen = true
-        if not over[i] then quota_all_over = false end
-      end
+    local enforcement = l_enf[i]
+    if enforcement == 'E' and over[i] then admitted = false end
+    if enforcement == 'Q' then
+      quota_seen = true
+      if not over[i] then quota_all_over = false end
     end
   end
   if quota_seen and quota_all_over then admitted = false end
 
-  -- Admissions are consumed only if the request is admitted; reports are recorded anyway.
-  for i = 1, n do
-    local hits, kind = l_hits[i], l_kind[i]
-    if hits > 0 and kind == 'r' then
-      record(i)
-    elseif hits > 0 and kind == 'a' and admitted and not over[i] then
-      local c = l_c[i]
-      local key, algo, w = c_key[c], c_algo[c], c_w[c]
-      local st = state[i]
-      if algo == 'f' then
-        st.count, st.dirty, st.w = st.count + hits, true, w
-      elseif algo == 's' then
-        st.c, st.delta, st.w = st.c + hits, st.delta + hits, w
-      elseif algo == 'w' then
-        redis.call('ZADD', key, now, member(i, hits))
-        redis.call('ZINCRBY', key, -hits, '#')
-        expire_at_us(key, now + w + 1)
-      elseif algo == 'b' then
-        st.tat, st.dirty = next_tat[i], true
+  -- Admissions are consumed only if the request is admitted; reports are recorded anyway
+  -- (a refund's hits are 0 here: it is given back already).
+  if admitted then
+    for i = 1, n do
+      local hits = l_hits[i]
+      if not over[i] and hits > 0 then
+        if reports and l_kind[i] == 'r' then
+          accounting.record(i)
+        else
+          local c = l_c[i]
+          local key, algo, w = c_key[c], c_algo[c], c_w[c]
+          local st = state[i]
+          if algo == 'f' then
+            st.count, st.dirty, st.w = st.count + hits, true, w
+          elseif algo == 's' then
+            st.c, st.delta, st.w = st.c + hits, st.delta + hits, w
+          elseif algo == 'w' then
+            redis.call('ZADD', key, now, member(i, hits))
+            redis.call('ZINCRBY', key, -hits, '#')
+            expire_at_us(key, now + w + 1)
+          elseif algo == 'b' then
+            st.tat, st.dirty = next_tat[i], true
+          end
+        end
+      elseif reports and hits > 0 and l_kind[i] == 'r' then
+        accounting.record(i)
       end
+    end
+  elseif reports then
+    for i = 1, n do
+      if l_kind[i] == 'r' and l_hits[i] > 0 then accounting.record(i) end
     end
   end
 
@@ -616,12 +635,22 @@ local function main(KEYS, ARGV)
       m, n, at_byte = unpack_numbers('<dd', blob, at_byte)
     end
     local logged = false
+    refunds, reports = false, false
     for i = 1, n do
       local c, hits, e
       c, hits, e, at_byte = unpack_numbers('<ddd', blob, at_byte)
-      l_c[i], l_hits[i], l_enf[i], l_kind[i] = c, hits, ENFORCEMENTS[e], KINDS[e]
+      -- Kinds: a (admission), r (cost report), n (refund: its hits go to l_back; as to the
+      -- request's admission it is a shadow limit, which never rejects).
+      if e <= 3 then
+        l_c[i], l_hits[i], l_enf[i], l_kind[i] = c, hits, ENFORCEMENTS[e], 'a'
+      elseif e <= 6 then
+        l_c[i], l_hits[i], l_enf[i], l_kind[i], reports = c, hits, ENFORCEMENTS[e - 3], 'r', true
+      else
+        l_c[i], l_hits[i], l_enf[i], l_kind[i], l_back[i], refunds = c, 0, 'S', 'n', hits, true
+      end
       if c_algo[c] == 'w' then logged = true end
     end
+    if (refunds or reports) and not accounting then accounting = build_accounting() end
     if undoing then
       -- The marker outlives any retry of this call (the client's budget is seconds at most).
       if redis.call('SET', KEYS[marker], '1', 'NX', 'PX', 60000) then undo(at) end
