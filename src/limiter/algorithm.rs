@@ -1,7 +1,9 @@
 //! The four counting algorithms as pure state transitions over microsecond timestamps.
 //!
 //! Each counter is checked first ([`State::check`]) and committed later ([`State::commit`]) only
-//! if the whole request is admitted; a check never consumes. The Redis script mirrors this math.
+//! if the whole request is admitted; a check never consumes. A cost report is recorded whatever
+//! the check said ([`State::record`], past the limit as bounded debt) and a refund given back
+//! before anything is checked ([`State::refund`]). The Redis script mirrors this math.
 
 use std::collections::VecDeque;
 use std::fmt;

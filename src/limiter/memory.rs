@@ -1,8 +1,9 @@
 //! The embedded backend: counters in this process, sharded behind mutexes.
 //!
 //! Guarantees: exact under any number of concurrent callers (a request holds the locks of every
-//! shard its keys live in, taken in shard order, for its check and commit), all-or-nothing per
-//! request, and bounded memory. Counts are per process: replicas do not share them (use the
+//! shard its keys live in, taken in shard order, for its refunds, check and commit),
+//! all-or-nothing admissions per request (reports recorded, refunds given back, in the same
+//! step), and bounded memory. Counts are per process: replicas do not share them (use the
 //! Redis backend for that).
 //!
 //! The bound is in bytes, keys included (`--memory-max-bytes`), split evenly over the shards.
