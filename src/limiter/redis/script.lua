@@ -341,19 +341,23 @@ local function build_accounting()
       if total <= 0 then return end
       local newest = redis.call('ZREVRANGEBYSCORE', key, '+inf', string.format('(%d', now - w),
         'WITHSCORES', 'LIMIT', 0, LOG_REFUND_MAX)
-      local rest = hits
+      -- One ZREM for every member taken (a call per member let a request of many refunds on
+      -- long logs hold Redis for a long time); the member shortened is written anew.
+      local rest, gone, shortened = hits, {}, nil
       for j = 1, #newest, 2 do
         local m = newest[j]
         local weight = tonumber(string.match(m, ':(%d+)$'))
-        redis.call('ZREM', key, m)
+        gone[#gone + 1] = m
         if weight <= rest then
           rest = rest - weight
         else
-          redis.call('ZADD', key, newest[j + 1], string.match(m, '^(.*):%d+$') .. ':' .. (weight - rest))
+          shortened = {newest[j + 1], string.match(m, '^(.*):%d+$') .. ':' .. (weight - rest)}
           rest = 0
         end
         if rest <= 0 then break end
       end
+      if #gone > 0 then redis.call('ZREM', key, unpack(gone)) end
+      if shortened then redis.call('ZADD', key, shortened[1], shortened[2]) end
       local left = total - (hits - rest)
       if left <= 0 then
         redis.call('ZREM', key, '#')
