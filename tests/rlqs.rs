@@ -742,14 +742,21 @@ async fn hostile_reports_are_skipped_or_refused() {
                 ("e", "5"),
             ])),
             usage(Some(vec![("name", long.as_str())])),
+            usage(Some(vec![])),
             usage(Some(vec![("name", "api")])),
         ],
     })
     .await;
     e.until(API, |t| t.tokens().is_some()).await;
+    assert_eq!(
+        e.told(&[]),
+        None,
+        "an empty bucket id is no bucket: nothing assigned"
+    );
     let (_, m) = s.http_get("/metrics").await;
     for (kind, n) in [
         ("no_bucket_id", 1.0),
+        ("empty_bucket_id", 1.0),
         ("empty_key_or_value", 2.0),
         ("too_many_pairs", 1.0),
         ("too_long", 1.0),
@@ -1009,4 +1016,54 @@ fn users(range: std::ops::Range<usize>) -> RateLimitQuotaUsageReports {
             })
             .collect(),
     }
+}
+
+/// A report that does not decode ends its stream with INVALID_ARGUMENT saying why; it used to
+/// end with OK, as if the client had closed it.
+#[tokio::test]
+async fn a_report_that_does_not_decode_ends_the_stream_saying_why() {
+    let s = quota_server(&[("q.yaml", POOL)], FAST).await;
+    let tcp = tokio::net::TcpStream::connect(s.grpc).await.unwrap();
+    let (h2, connection) = h2::client::handshake(tcp).await.unwrap();
+    let connection = tokio::spawn(connection);
+    let mut h2 = h2.ready().await.unwrap();
+    let path = "/envoy.service.rate_limit_quota.v3.RateLimitQuotaService/StreamRateLimitQuotas";
+    let req = http::Request::post(format!("http://{}{path}", s.grpc))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(())
+        .unwrap();
+    let (response, mut stream) = h2.send_request(req, false).unwrap();
+    // One gRPC message of two bytes: field 1 (domain) declared 100 bytes long, none of them there.
+    const MESSAGE: [u8; 7] = [0, 0, 0, 0, 2, 0x0a, 100];
+    stream
+        .send_data(bytes::Bytes::from_static(&MESSAGE), false)
+        .unwrap();
+    let response = tokio::time::timeout(Duration::from_secs(10), response)
+        .await
+        .expect("answered")
+        .unwrap();
+    let (head, mut body) = response.into_parts();
+    let status = match head.headers.get("grpc-status") {
+        // Trailers only.
+        Some(_) => head.headers,
+        None => {
+            while let Some(chunk) = body.data().await {
+                chunk.unwrap();
+            }
+            tokio::time::timeout(Duration::from_secs(10), body.trailers())
+                .await
+                .expect("trailers")
+                .unwrap()
+                .expect("grpc-status in the trailers")
+        }
+    };
+    let code = status.get("grpc-status").unwrap().to_str().unwrap();
+    let message = status
+        .get("grpc-message")
+        .map(|m| m.to_str().unwrap().to_owned())
+        .unwrap_or_default();
+    assert_eq!(code, "3", "INVALID_ARGUMENT, not OK: {message}");
+    assert!(message.contains("decode"), "{message}");
+    connection.abort();
 }

@@ -153,6 +153,10 @@ fn fault<'u>(
     let Some(id) = usage.bucket_id.as_ref() else {
         return Err("no_bucket_id");
     };
+    // Envoy's proto requires at least one pair: `{}` names no bucket.
+    if id.bucket.is_empty() {
+        return Err("empty_bucket_id");
+    }
     if id.bucket.len() > limits.max_entries {
         return Err("too_many_pairs");
     }
@@ -196,8 +200,16 @@ impl QuotaStream {
                 message = inbound.message() => match message {
                     Ok(Some(reports)) => self.on_reports(reports).await,
                     Ok(None) => break,
+                    // A report that does not decode (or another fault of the client's stream)
+                    // ends the stream with what went wrong, not with OK; a client that reset
+                    // the stream hears nothing either way.
                     Err(status) => {
-                        tracing::debug!(%status, "RLQS stream ended by the client");
+                        tracing::debug!(%status, "RLQS stream failed");
+                        let why = Status::invalid_argument(format!(
+                            "the RLQS stream could not be read: {}",
+                            status.message()
+                        ));
+                        let _ = tx.send_timeout(Err(why), SEND_TIMEOUT).await;
                         break;
                     }
                 },
