@@ -153,10 +153,6 @@ fn fault<'u>(
     let Some(id) = usage.bucket_id.as_ref() else {
         return Err("no_bucket_id");
     };
-    // Envoy's proto requires at least one pair: `{}` names no bucket.
-    if id.bucket.is_empty() {
-        return Err("empty_bucket_id");
-    }
     if id.bucket.len() > limits.max_entries {
         return Err("too_many_pairs");
     }
