@@ -190,6 +190,21 @@ async fn refunds_restore_what_was_taken_and_never_more(kind: Kind) {
     let series =
         "ratelimit_accounted_hits_total{domain=\"b\",rule=\"token_bucket\",kind=\"refund\"}";
     assert_eq!(metric(&m, series), 1_016.0, "{kind:?}\n{m}");
+    // A refund is no decision, not even one of 0 hits.
+    let decided = |m: &str| -> f64 {
+        ["within_limit", "near_limit", "over_limit"]
+            .iter()
+            .map(|d| {
+                metric(
+                    m,
+                    &format!("ratelimit_decisions_total{{domain=\"b\",rule=\"token_bucket\",decision=\"{d}\"}}"),
+                )
+            })
+            .sum()
+    };
+    call(&mut c, refund("token_bucket", "f", 0)).await;
+    let (_, after) = s.http_get("/metrics").await;
+    assert_eq!(decided(&after), decided(&m), "{kind:?}\n{after}");
 }
 
 /// A report of 2^64 - 1 hits overflows nothing and takes a limit at most one limit's worth past
@@ -393,17 +408,7 @@ async fn the_token_budget_example_meets_envoys_protos_and_holds() {
         Router::type_url(),
         HttpProtocolOptions::type_url(),
     ];
-    let types: Vec<&str> = text
-        .lines()
-        .filter_map(|l| l.trim().strip_prefix("\"@type\": "))
-        .collect();
-    assert_eq!(types.len(), 5);
-    for t in types {
-        assert!(
-            known.iter().any(|k| k == t),
-            "{t} is not a message Envoy knows"
-        );
-    }
+    assert_eq!(envoy_types_in(&text, &known), 5);
     let doc: serde_json::Value = serde_saphyr::from_str(&text).unwrap();
     let hcm =
         &doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"];

@@ -845,17 +845,7 @@ async fn the_envoy_example_buckets_meet_the_example_limits() {
         Router::type_url(),
         HttpProtocolOptions::type_url(),
     ];
-    let mut types = 0;
-    for line in text.lines() {
-        if let Some(t) = line.trim().strip_prefix("\"@type\": ") {
-            assert!(
-                known.iter().any(|k| k == t),
-                "{t} is not a message Envoy knows"
-            );
-            types += 1;
-        }
-    }
-    assert_eq!(types, 7);
+    assert_eq!(envoy_types_in(&text, &known), 7);
     let doc: serde_json::Value = serde_saphyr::from_str(&text).unwrap();
     let filter = &doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
         ["http_filters"][0]["typed_config"];

@@ -190,16 +190,11 @@ impl Engine {
             _ => None,
         };
         if let Some(accounted) = accounted.filter(|_| tally.hits > 0) {
-            let rule = if a.limit.rule_has_values {
-                self.value_rules.label(&a.limit.rule)
-            } else {
-                (*a.limit.rule).clone()
-            };
             self.decisions
-                .record_accounted(domain, rule, accounted, tally.hits);
-            if kind == HitKind::Refund {
-                return;
-            }
+                .record_accounted(domain, self.rule_label(a), accounted, tally.hits);
+        }
+        if kind == HitKind::Refund {
+            return;
         }
         let reference = self.decisions.reference.is_some().then(|| {
             report::reference_counts(
@@ -209,8 +204,9 @@ impl Engine {
             )
         });
         if a.limit.rule_has_values {
-            let rule = self.value_rules.label(&a.limit.rule);
-            return self.decisions.record(domain, rule, decision, reference);
+            return self
+                .decisions
+                .record(domain, self.rule_label(a), decision, reference);
         }
         match a
             .limit
@@ -220,7 +216,17 @@ impl Engine {
             Some(counters) => counters.record(decision, reference),
             None => self
                 .decisions
-                .record(domain, (*a.limit.rule).clone(), decision, reference),
+                .record(domain, self.rule_label(a), decision, reference),
+        }
+    }
+
+    /// The metric `rule` label of `a`: its config path, or where that carries request values,
+    /// one of the [`MAX_VALUE_RULES`] kept (else [`OVERFLOW_RULE`]).
+    fn rule_label(&self, a: &Applied<'_>) -> Arc<String> {
+        if a.limit.rule_has_values {
+            self.value_rules.label(&a.limit.rule)
+        } else {
+            (*a.limit.rule).clone()
         }
     }
 

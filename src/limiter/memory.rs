@@ -241,7 +241,7 @@ impl MemoryBackend {
         for (hit, &hash) in hits.iter().zip(&hashes) {
             let key = hit.key.as_bytes();
             // A refund's verdict is its counter as the refund left it.
-            let hits = if hit.kind == HitKind::Refund {
+            let asked = if hit.kind == HitKind::Refund {
                 0
             } else {
                 hit.hits
@@ -250,8 +250,8 @@ impl MemoryBackend {
                 .entries
                 .find_mut(hash.0, |e| *e.key == *key)
             {
-                Some(e) if e.state.is(hit.limit.algorithm) => e.state.check(&hit.limit, now, hits),
-                _ => State::new(hit.limit.algorithm).check(&hit.limit, now, hits),
+                Some(e) if e.state.is(hit.limit.algorithm) => e.state.check(&hit.limit, now, asked),
+                _ => State::new(hit.limit.algorithm).check(&hit.limit, now, asked),
             };
             verdicts.push(verdict);
         }

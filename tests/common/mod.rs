@@ -404,6 +404,22 @@ pub(crate) fn reset_of(resp: &RateLimitResponse, i: usize) -> Duration {
     Duration::new(d.seconds as u64, d.nanos as u32)
 }
 
+/// The `"@type"` URLs in an Envoy example's text, each checked to be one of `known` (messages
+/// of Envoy's own protos); returns how many there are.
+pub(crate) fn envoy_types_in(text: &str, known: &[String]) -> usize {
+    let mut types = 0;
+    for line in text.lines() {
+        if let Some(t) = line.trim().strip_prefix("\"@type\": ") {
+            assert!(
+                known.iter().any(|k| k == t),
+                "{t} is not a message Envoy knows"
+            );
+            types += 1;
+        }
+    }
+    types
+}
+
 /// Path to envoyproxy/ratelimit's fixtures, if present (required when CI asks).
 pub(crate) fn fixtures() -> Option<PathBuf> {
     let dir = std::env::var_os("RATELIMITD_FIXTURES")
