@@ -554,7 +554,8 @@ async fn a_stalled_redis_is_answered_within_the_timeout_and_recovers() {
     let s = fault_server(&redis, &[]).await;
     let mut c = s.client().await;
     assert!(is_ok(&call(&mut c, request("f", &[&[("k", "v")]])).await));
-    let mut stall = redis.stall(2.0);
+    // Long enough for the circuit to open (a confirming PING gets 0.5 s) with time to spare.
+    let mut stall = redis.stall(3.0);
     // Wait for the stall to begin: the first request that times out.
     poll(Duration::from_secs(2), || {
         let mut c = c.clone();
@@ -564,13 +565,25 @@ async fn a_stalled_redis_is_answered_within_the_timeout_and_recovers() {
         }
     })
     .await;
-    let mut slowest = Duration::ZERO;
-    for _ in 0..8 {
+    // Every request is answered within its budget while the breaker makes up its mind, and
+    // once it has opened; it opens while the stall lasts.
+    let circuit_open = r#"ratelimit_backend_errors_total{kind="circuit_open"}"#;
+    let (mut slowest, mut asked) = (Duration::ZERO, 0);
+    let until = Instant::now() + Duration::from_secs(3);
+    while metric(&s.http_get("/metrics").await.1, circuit_open) < 1.0 {
+        assert!(
+            Instant::now() < until,
+            "still closed after {asked} timed-out requests"
+        );
         let (answer, took) = timed(&mut c, request("f", &[&[("k", "v")]])).await;
         assert_eq!(answer, Err(tonic::Code::Unavailable));
         slowest = slowest.max(took);
+        asked += 1;
     }
-    assert!(slowest < ANSWER_BOUND, "slowest answer {slowest:?}");
+    assert!(
+        slowest < ANSWER_BOUND,
+        "slowest of {asked} answers {slowest:?}"
+    );
     let _ = stall.wait();
     // Calls that timed out were still queued in Redis and may have counted (never admitted):
     // recovery is checked on a fresh counter.
@@ -583,10 +596,6 @@ async fn a_stalled_redis_is_answered_within_the_timeout_and_recovers() {
     assert!(
         metric(&m, r#"ratelimit_backend_errors_total{kind="timeout"}"#) >= 1.0,
         "{m}"
-    );
-    assert!(
-        metric(&m, r#"ratelimit_backend_errors_total{kind="circuit_open"}"#) >= 1.0,
-        "the breaker spared Redis: {m}"
     );
 }
 

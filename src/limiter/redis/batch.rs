@@ -379,8 +379,8 @@ async fn send(shared: Shared, parts: Vec<Part>) -> Done {
     };
     match &result {
         Ok(_) => health.on_answer(),
-        Err(_) if evidence == Evidence::Unreachable => health.on_unreachable(),
-        Err(_) if evidence == Evidence::Stalled => health.on_timeout(&conn, timeout),
+        Err(CallError::Redis(e)) if evidence == Evidence::Unreachable => health.on_unreachable(e),
+        Err(_) if evidence == Evidence::Stalled => health.on_timeout(timeout),
         Err(_) => {}
     }
     drop(args);

@@ -6,7 +6,9 @@
 //! once per script call (never once per request in it). A connection error is such evidence; a
 //! call that timed out is only a suspicion until a PING, sent at once, times out too. One
 //! client's oversized work can make its own call slow, but Redis still answers the PING, so the
-//! circuit stays closed for everyone else.
+//! circuit stays closed for everyone else. PINGs travel on a connection of their own: on a
+//! call's connection a PING waited behind that connection's calls (a huge one's bytes
+//! included), and timed out while Redis was answering.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::Duration;
@@ -22,15 +24,16 @@ use crate::metrics::BackendMetrics;
 const THRESHOLD: u32 = 3;
 /// How long the circuit stays open before a probe.
 pub(super) const COOL_DOWN: Duration = Duration::from_millis(500);
-/// The least time a PING confirming a timed-out call gets. A Redis that answers within it is
-/// alive, only slow (one client's huge calls on a loaded machine): opening the circuit then
-/// would turn that client's slowness into errors for every other client. A stalled Redis still
-/// opens it this long after its first timeout, every request meanwhile answered within its own
-/// budget.
+/// The least time a PING confirming a timed-out call (or the health probe's) gets. A Redis that
+/// answers within it is alive, only slow (one client's huge calls on a loaded machine): opening
+/// the circuit then would turn that client's slowness into errors for every other client. A
+/// stalled Redis still opens it this long after its first timeout, every request meanwhile
+/// answered within its own budget. (On its own connection, with three busy loops starving the
+/// test machine's two cores of CPU, a PING took at most 240 ms.)
 const CONFIRM_AT_LEAST: Duration = Duration::from_millis(500);
 
 /// What a PING that judges Redis's health gets, for calls of `call_budget`.
-pub(super) fn ping_budget(call_budget: Duration) -> Duration {
+fn ping_budget(call_budget: Duration) -> Duration {
     call_budget.max(CONFIRM_AT_LEAST)
 }
 
@@ -78,13 +81,15 @@ impl Breaker {
         self.probing.store(false, Ordering::Release);
     }
 
-    /// Records a failed call.
-    pub(super) fn on_failure(&self) {
+    /// Records a failed call; whether it opened the circuit.
+    pub(super) fn on_failure(&self) -> bool {
         let failures = self.failures.fetch_add(1, Ordering::AcqRel) + 1;
-        if failures >= THRESHOLD || self.probing.load(Ordering::Acquire) {
+        let opens = failures >= THRESHOLD || self.probing.load(Ordering::Acquire);
+        if opens {
             *self.open_until.lock() = Some(Instant::now() + COOL_DOWN);
             self.probing.store(false, Ordering::Release);
         }
+        opens
     }
 }
 
@@ -92,6 +97,8 @@ impl Breaker {
 /// (for health and `ratelimit_backend_up`). Shared by the script calls and the probe.
 pub(super) struct Health {
     breaker: Breaker,
+    /// The connection PINGs use, and nothing else.
+    ping: Conn,
     up: AtomicBool,
     /// A PING confirming a timed-out call's suspicion is in flight.
     confirming: AtomicBool,
@@ -99,10 +106,11 @@ pub(super) struct Health {
 }
 
 impl Health {
-    /// Closed, and Redis presumed up.
-    pub(super) fn new(metrics: BackendMetrics) -> Health {
+    /// Closed, and Redis presumed up; PINGs go on `ping`.
+    pub(super) fn new(ping: Conn, metrics: BackendMetrics) -> Health {
         Health {
             breaker: Breaker::new(),
+            ping,
             up: AtomicBool::new(true),
             confirming: AtomicBool::new(false),
             metrics,
@@ -130,30 +138,44 @@ impl Health {
         self.set_up(true);
     }
 
-    /// Redis could not be reached (a connection error, a failed PING): counts toward opening.
-    pub(super) fn on_unreachable(&self) {
-        self.breaker.on_failure();
+    /// Redis could not be reached (`why`: a connection error, a failed PING): counts toward
+    /// opening.
+    pub(super) fn on_unreachable(&self, why: &dyn std::fmt::Display) {
+        if self.breaker.on_failure() {
+            tracing::warn!("redis circuit open: unreachable ({why})");
+        }
         self.set_up(false);
     }
 
-    /// A call timed out: opens the circuit only if a PING on `conn` fails too, within the call
-    /// budget or [`CONFIRM_AT_LEAST`], whichever is longer. One confirmation at a time; the
-    /// calls timing out meanwhile add nothing.
-    pub(super) fn on_timeout(self: &std::sync::Arc<Self>, conn: &Conn, call_budget: Duration) {
+    /// PINGs Redis, giving it the call budget or [`CONFIRM_AT_LEAST`], whichever is longer;
+    /// why it failed, if it did.
+    pub(super) async fn ping(&self, call_budget: Duration) -> Result<(), String> {
+        let budget = ping_budget(call_budget);
+        match tokio::time::timeout(budget, self.ping.ping(budget)).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => {
+                self.ping.on_error(&e).await;
+                Err(format!("PING: {e}"))
+            }
+            Err(_) => Err(format!("PING: no answer in {budget:?}")),
+        }
+    }
+
+    /// A call timed out: opens the circuit only if a [`Health::ping`] fails too. One
+    /// confirmation at a time; the calls timing out meanwhile add nothing.
+    pub(super) fn on_timeout(self: &std::sync::Arc<Self>, call_budget: Duration) {
         if self.confirming.swap(true, Ordering::AcqRel) {
             return;
         }
         let health = self.clone();
-        let conn = conn.clone();
-        let budget = ping_budget(call_budget);
         tokio::spawn(async move {
-            let ping = tokio::time::timeout(budget, conn.ping(budget)).await;
-            if matches!(ping, Ok(Ok(()))) {
-                health.on_answer();
-            } else {
-                tracing::warn!("a script call and a PING both timed out: redis circuit open");
-                health.breaker.trip();
-                health.set_up(false);
+            match health.ping(call_budget).await {
+                Ok(()) => health.on_answer(),
+                Err(why) => {
+                    tracing::warn!("redis circuit open: a script call timed out, and {why}");
+                    health.breaker.trip();
+                    health.set_up(false);
+                }
             }
             health.confirming.store(false, Ordering::Release);
         });
@@ -167,9 +189,9 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn opens_after_repeated_failures_and_probes_once() {
         let b = Breaker::new();
-        for _ in 0..THRESHOLD {
+        for n in 1..=THRESHOLD {
             assert!(b.allow());
-            b.on_failure();
+            assert_eq!(b.on_failure(), n == THRESHOLD, "opens at the {THRESHOLD}th");
         }
         assert!(!b.allow());
         tokio::time::advance(COOL_DOWN - Duration::from_millis(1)).await;
@@ -177,8 +199,8 @@ mod tests {
         tokio::time::advance(Duration::from_millis(1)).await;
         assert!(b.allow(), "one probe");
         assert!(!b.allow(), "only one");
-        b.on_failure();
-        assert!(!b.allow(), "a failed probe re-opens");
+        assert!(b.on_failure(), "a failed probe re-opens");
+        assert!(!b.allow());
         tokio::time::advance(COOL_DOWN).await;
         assert!(b.allow());
         b.on_success();

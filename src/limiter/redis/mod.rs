@@ -103,7 +103,8 @@ impl RedisBackend {
         metrics: BackendMetrics,
     ) -> Result<RedisBackend, SetupError> {
         let conn = Conn::new(&opts.target, &opts.tls, opts.timeout)?;
-        let health = Arc::new(Health::new(metrics.clone()));
+        let ping = Conn::new(&opts.target, &opts.tls, opts.timeout)?;
+        let health = Arc::new(Health::new(ping, metrics.clone()));
         let batcher = Batcher::new(
             conn.clone(),
             matches!(opts.target, Target::Cluster(_)),
@@ -148,21 +149,19 @@ impl RedisBackend {
                 let Some(b) = backend.upgrade() else { return };
                 // As long as a timed-out call's confirming PING: a Redis slow under one
                 // client's load is not down.
-                let budget = breaker::ping_budget(b.opts.timeout);
-                let ok = matches!(
-                    tokio::time::timeout(budget, b.conn.ping(budget)).await,
-                    Ok(Ok(()))
-                );
-                if !ok && b.is_up() {
-                    tracing::warn!("redis unreachable");
-                }
-                if ok && !b.is_up() {
-                    tracing::info!("redis reachable again");
-                }
-                if ok {
-                    b.health.on_answer();
-                } else {
-                    b.health.on_unreachable();
+                match b.health.ping(b.opts.timeout).await {
+                    Ok(()) => {
+                        if !b.is_up() {
+                            tracing::info!("redis reachable again");
+                        }
+                        b.health.on_answer();
+                    }
+                    Err(why) => {
+                        if b.is_up() {
+                            tracing::warn!("redis unreachable ({why})");
+                        }
+                        b.health.on_unreachable(&why);
+                    }
                 }
             }
         })

@@ -171,15 +171,15 @@ impl RedisBackend {
             }
             Ok(Err(e)) => {
                 match ErrorKind::of(&e).evidence() {
-                    Evidence::Unreachable => self.health.on_unreachable(),
-                    Evidence::Stalled => self.health.on_timeout(&self.conn, timeout),
+                    Evidence::Unreachable => self.health.on_unreachable(&e),
+                    Evidence::Stalled => self.health.on_timeout(timeout),
                     Evidence::None => {}
                 }
                 self.conn.on_error(&e).await;
                 Err(self.redis_error(&e))
             }
             Err(_) => {
-                self.health.on_timeout(&self.conn, timeout);
+                self.health.on_timeout(timeout);
                 Err(self.timeout_error())
             }
         }
