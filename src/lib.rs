@@ -318,11 +318,13 @@ fn follow_xds(
     };
     let refused = {
         let metrics = metrics.clone();
-        move |why: &str| {
-            tracing::error!(
-                error = why,
-                "xDS config refused; the previous config stays in force"
-            );
+        move |r: xds::Refusal<'_>| {
+            if r.say {
+                tracing::error!(
+                    error = r.why,
+                    "xDS config refused; the previous config stays in force"
+                );
+            }
             metrics.config_load(LoadResult::error);
         }
     };

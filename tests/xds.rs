@@ -6,6 +6,7 @@
 mod common;
 
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -1088,4 +1089,184 @@ async fn the_envoy_gateway_environment_runs_unchanged() {
     let (exit, stderr) = d.terminate().await;
     assert!(exit.success(), "{stderr}");
     assert!(!stderr.contains("ERROR"), "{stderr}");
+}
+
+/// An address that accepts TCP and never speaks: the first connection is held open and
+/// silent; the client gives it up after `--xds-connect-timeout` and tries again, and the
+/// control plane it then finds on the same address is followed.
+#[tokio::test]
+async fn a_control_plane_that_accepts_tcp_and_says_nothing_is_left_and_retried() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let flags = [
+        "--xds-server".to_owned(),
+        format!("http://{addr}"),
+        "--xds-connect-timeout".into(),
+        "300ms".into(),
+        "--xds-backoff-initial".into(),
+        "50ms".into(),
+        "--xds-backoff-max".into(),
+        "100ms".into(),
+        "--start-without-config".into(),
+    ];
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let s = TestServer::start_with(&[], &flags, Arc::new(SystemClock)).await;
+    // The first connection, held silent for far longer than the deadline.
+    let (silent, _) = tokio::time::timeout(Duration::from_secs(10), listener.accept())
+        .await
+        .expect("the client connects")
+        .unwrap();
+    let ads = AdsServer::start_on(listener, Ads::default());
+    ads.set(
+        "v1",
+        &[config("d", vec![limit("k", 2, pb::RateLimitUnit::Hour)])],
+    )
+    .await;
+    let c = s.client().await;
+    until_answered(&c, "d", Duration::from_secs(10)).await;
+    assert_eq!(ads.ads.0.lock().unwrap().streams, 1);
+    drop(silent);
+}
+
+/// A stream whose first response never comes (a control plane holding the request, e.g. with
+/// no snapshot for this node) is abandoned after `--xds-response-timeout` and reopened.
+#[tokio::test]
+async fn a_stream_without_a_first_response_is_reopened() {
+    let ads = AdsServer::start().await;
+    let _s = server(
+        &ads,
+        &["--xds-response-timeout", "300ms", "--start-without-config"],
+    )
+    .await;
+    poll(Duration::from_secs(10), || async {
+        (ads.ads.0.lock().unwrap().streams >= 3).then_some(())
+    })
+    .await;
+    // Each new stream asks again, naming the node.
+    let requests = ads.requests();
+    assert!(
+        requests.len() >= 3 && requests.iter().all(|r| r.node.is_some()),
+        "{requests:#?}"
+    );
+}
+
+/// Forwards TCP to `upstream`. Bumping the returned epoch freezes every connection open at
+/// that moment: held open, not a byte moved either way (a partition, or a control plane hung
+/// mid-stream); connections made later are forwarded again.
+async fn freezing_proxy(upstream: std::net::SocketAddr) -> (std::net::SocketAddr, Arc<AtomicU64>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let epoch = Arc::new(AtomicU64::new(0));
+    let current = epoch.clone();
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            let Ok(server) = tokio::net::TcpStream::connect(upstream).await else {
+                return;
+            };
+            let born = current.load(Ordering::SeqCst);
+            let (cr, cw) = client.into_split();
+            let (sr, sw) = server.into_split();
+            tokio::spawn(pump(cr, sw, born, current.clone()));
+            tokio::spawn(pump(sr, cw, born, current.clone()));
+        }
+    });
+    (addr, epoch)
+}
+
+/// Copies `from` to `to` until either ends, or forever nothing once `epoch` passes `born`.
+async fn pump(
+    mut from: impl tokio::io::AsyncRead + Unpin,
+    mut to: impl tokio::io::AsyncWrite + Unpin,
+    born: u64,
+    epoch: Arc<AtomicU64>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut buf = vec![0u8; 16 << 10];
+    while let Ok(n @ 1..) = from.read(&mut buf).await {
+        if epoch.load(Ordering::SeqCst) > born {
+            // Swallowed; both sockets stay open.
+            std::future::pending::<()>().await;
+        }
+        if to.write_all(&buf[..n]).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// A control plane that goes silent mid-stream, its connection still open: HTTP/2 PINGs go
+/// unanswered, the connection is given up after `--xds-keepalive-timeout`, and a new stream
+/// brings the update the frozen one never delivered.
+#[tokio::test]
+async fn a_control_plane_silent_mid_stream_is_left_by_keepalive() {
+    let ads = AdsServer::start().await;
+    ads.set(
+        "v1",
+        &[config("d", vec![limit("k", 2, pb::RateLimitUnit::Hour)])],
+    )
+    .await;
+    let (proxy, epoch) = freezing_proxy(ads.addr).await;
+    let flags = [
+        "--xds-server".to_owned(),
+        format!("http://{proxy}"),
+        "--xds-keepalive-interval".into(),
+        "200ms".into(),
+        "--xds-keepalive-timeout".into(),
+        "300ms".into(),
+        "--xds-backoff-initial".into(),
+        "50ms".into(),
+        "--xds-backoff-max".into(),
+        "100ms".into(),
+    ];
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let s = TestServer::start_with(&[], &flags, Arc::new(SystemClock)).await;
+    let c = s.client().await;
+    until_rpu(&c, "d", "k", Some(2)).await;
+    ads.until_request("ACK", |r| !r.response_nonce.is_empty())
+        .await;
+    epoch.fetch_add(1, Ordering::SeqCst);
+    ads.set(
+        "v2",
+        &[config("d", vec![limit("k", 5, pb::RateLimitUnit::Hour)])],
+    )
+    .await;
+    until_rpu(&c, "d", "k", Some(5)).await;
+    assert_eq!(ads.ads.0.lock().unwrap().streams, 2, "one new stream");
+}
+
+/// A response over `--xds-max-message-bytes` cannot be read, so not NACKed: each time it comes
+/// (on every reconnect) it is counted as a failed load, but logged once; the config in force
+/// stays.
+#[tokio::test]
+async fn an_oversized_response_is_counted_each_time_and_logged_once() {
+    use common::daemon::{BIN, Daemon};
+    let ads = AdsServer::start().await;
+    ads.set(
+        "v1",
+        &[config("d", vec![limit("k", 2, pb::RateLimitUnit::Hour)])],
+    )
+    .await;
+    let mut cmd = std::process::Command::new(BIN);
+    cmd.args(ads.flags())
+        .args(["--xds-max-message-bytes", "64KiB"]);
+    let d = Daemon::start(cmd).await;
+    let mut c = d.client().await;
+    assert_eq!(rpu(&mut c, "d", "k").await, Some(2));
+    let mut big = config("d", vec![limit("k", 9, pb::RateLimitUnit::Hour)]);
+    big.name = "n".repeat(100 << 10);
+    ads.set("v2", &[big]).await;
+    let errors = r#"ratelimit_config_loads_total{result="error"}"#;
+    poll(Duration::from_secs(10), || async {
+        let (_, m) = http_get(d.http, "/metrics").await;
+        (metric(&m, errors) >= 3.0).then_some(())
+    })
+    .await;
+    assert_eq!(rpu(&mut c, "d", "k").await, Some(2), "v1 stays in force");
+    assert!(
+        ads.ads.0.lock().unwrap().streams >= 3,
+        "fetched again on each reconnect"
+    );
+    let (_, stderr) = d.terminate().await;
+    let said = stderr.matches("refused unread").count();
+    assert_eq!(said, 1, "logged once: {stderr}");
+    assert!(stderr.contains("found 10"), "the size: {stderr}");
 }

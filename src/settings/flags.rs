@@ -181,11 +181,11 @@ pub struct Flags {
     pub xds_headers: String,
 
     /// Shortest wait before reopening a failed xDS stream.
-    #[arg(long, default_value = "10s", value_parser = parse_backoff)]
+    #[arg(long, default_value = "10s", value_parser = parse_xds_duration)]
     pub xds_backoff_initial: Duration,
 
     /// Longest wait before reopening a failed xDS stream.
-    #[arg(long, default_value = "60s", value_parser = parse_backoff)]
+    #[arg(long, default_value = "60s", value_parser = parse_xds_duration)]
     pub xds_backoff_max: Duration,
 
     /// Growth of the wait per failed attempt (envoyproxy/ratelimit's default, 0.5, never grows).
@@ -195,6 +195,30 @@ pub struct Flags {
     /// Draw each wait at random between the shortest and the computed one.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
     pub xds_backoff_jitter: bool,
+
+    /// Longest wait for an xDS stream to open: the TCP connection, TLS, HTTP/2 and the
+    /// server's answer to the stream's request (envoyproxy/ratelimit's gRPC dial gives up after
+    /// 20 s). Past it the attempt is abandoned and retried after the backoff.
+    #[arg(long, default_value = "20s", value_parser = parse_xds_duration)]
+    pub xds_connect_timeout: Duration,
+
+    /// Longest wait for the first response on an open xDS stream; past it the stream is
+    /// abandoned and reopened after the backoff. Later silence is normal (the config did not
+    /// change): HTTP/2 and TCP keepalive watch the connection then.
+    #[arg(long, default_value = "60s", value_parser = parse_xds_duration)]
+    pub xds_response_timeout: Duration,
+
+    /// HTTP/2 PING interval on the xDS connection. gRPC servers refuse pings more frequent than
+    /// every 5 minutes by default (Envoy Gateway's keeps that default) with a GOAWAY, so
+    /// shorter needs a server that permits it; TCP keepalive (60 s idle, 3 probes 10 s apart)
+    /// notices a dead peer host sooner regardless.
+    #[arg(long, default_value = "5m", value_parser = parse_xds_duration)]
+    pub xds_keepalive_interval: Duration,
+
+    /// How long an HTTP/2 PING on the xDS connection may go unanswered before the connection
+    /// is given up (and the stream reopened after the backoff).
+    #[arg(long, default_value = "20s", value_parser = parse_xds_duration)]
+    pub xds_keepalive_timeout: Duration,
 
     /// Connect to the xDS server over TLS, trusting this CA bundle (PEM).
     #[arg(long, value_name = "PATH")]
@@ -544,8 +568,8 @@ fn parse_timeout(s: &str) -> Result<Duration, String> {
     Ok(d)
 }
 
-/// `--xds-backoff-*`: more than 0 and at most an hour.
-fn parse_backoff(s: &str) -> Result<Duration, String> {
+/// `--xds-backoff-*` and the xDS deadlines: more than 0 and at most an hour.
+fn parse_xds_duration(s: &str) -> Result<Duration, String> {
     let d = parse_duration_within(s, Duration::from_secs(3_600))?;
     if d.is_zero() {
         return Err("must be more than 0".into());

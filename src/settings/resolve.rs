@@ -21,7 +21,7 @@ use crate::quota::QuotaOptions;
 use crate::server::conn::ConnLimits;
 use crate::server::headers::HeaderMode;
 use crate::telemetry::{Protocol, TracingOptions};
-use crate::xds::{Backoff, XdsOptions, XdsTls};
+use crate::xds::{Backoff, Deadlines, XdsOptions, XdsTls};
 
 impl Flags {
     /// Resolves and validates the settings into what the service runs with: every
@@ -203,6 +203,12 @@ impl Flags {
                 jitter: self.xds_backoff_jitter,
             },
             max_message_bytes: usize::try_from(self.xds_max_message_bytes).unwrap_or(usize::MAX),
+            deadlines: Deadlines {
+                connect: self.xds_connect_timeout,
+                first_response: self.xds_response_timeout,
+                keepalive_interval: self.xds_keepalive_interval,
+                keepalive_timeout: self.xds_keepalive_timeout,
+            },
             tls,
         })))
     }

@@ -10,6 +10,14 @@
 //! the config), and the previous snapshot stays in force. A control plane that resends a
 //! refused snapshot gets a NACK each time. When the stream ends or cannot be opened, it is
 //! opened again after envoyproxy/ratelimit's backoff, the last snapshot staying in force.
+//!
+//! Every wait has an end ([`Deadlines`]): opening a stream (TCP, TLS, HTTP/2 and the server's
+//! answer to the stream's request), its first response, and, once it is open, HTTP/2 PINGs and
+//! TCP keepalive on the connection: a control plane that accepts TCP and says nothing, or
+//! vanishes mid-stream, is left and tried again. A response over the size limit cannot be
+//! read, so it cannot be NACKed (its nonce is inside it): the stream is cancelled, the refusal
+//! counted as a failed load and logged once for as long as the same refusal repeats, and the
+//! stream reopened after the backoff, asking for the last accepted version.
 
 mod convert;
 
@@ -35,8 +43,25 @@ pub mod pb {
 /// The resource type ratelimitd subscribes to.
 pub const TYPE_URL: &str = "type.googleapis.com/ratelimit.config.ratelimit.v3.RateLimitConfig";
 
-/// Longest wait for the control plane to accept a connection.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// TCP keepalive on the connection to the control plane: idle time before the first probe,
+/// the time between probes, and how many go unanswered before the connection is dropped. The
+/// kernel's, so invisible to a gRPC server's ping policy: a dead peer host is noticed within
+/// about 90 s even with HTTP/2 PINGs minutes apart.
+const TCP_KEEPALIVE: (Duration, Duration, u32) =
+    (Duration::from_secs(60), Duration::from_secs(10), 3);
+
+/// How long each wait on the control plane may last.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Deadlines {
+    /// Opening a stream: TCP, TLS, HTTP/2 and the server's answer to the stream's request.
+    pub(crate) connect: Duration,
+    /// The first response on an open stream.
+    pub(crate) first_response: Duration,
+    /// Between HTTP/2 PINGs on the connection.
+    pub(crate) keepalive_interval: Duration,
+    /// For a PING's answer, before the connection is given up.
+    pub(crate) keepalive_timeout: Duration,
+}
 
 /// Where the config comes from and how to ask for it.
 #[derive(Clone, Debug)]
@@ -53,6 +78,8 @@ pub(crate) struct XdsOptions {
     pub(crate) backoff: Backoff,
     /// Largest response accepted.
     pub(crate) max_message_bytes: usize,
+    /// How long each wait may last.
+    pub(crate) deadlines: Deadlines,
     /// TLS to the control plane, if any.
     pub(crate) tls: Option<XdsTls>,
 }
@@ -120,29 +147,51 @@ impl Backoff {
     }
 }
 
+/// A response the client refused: why, and whether to say so (a refusal that repeats one
+/// already said, such as the same oversized snapshot on every reconnect, is only counted).
+pub(crate) struct Refusal<'a> {
+    /// Why, naming the config or the limit.
+    pub(crate) why: &'a str,
+    /// Whether to log it.
+    pub(crate) say: bool,
+}
+
 /// Runs the ADS client until the task is aborted. `accepted` receives every snapshot the
-/// client accepts, in order; `refused` every response it NACKs, with why.
+/// client accepts, in order; `refused` every response it refuses (NACKed, or too large to
+/// read).
 pub(crate) async fn run(
     options: XdsOptions,
     compile: CompileOptions,
     mut accepted: impl FnMut(Snapshot, &str) + Send,
-    mut refused: impl FnMut(&str) + Send,
+    mut refused: impl FnMut(Refusal<'_>) + Send,
 ) {
     let mut attempt = 0;
     // The version of the last accepted response: sent with every NACK, across streams.
     let mut version = String::new();
+    // The last oversized response's refusal, said once until a response is accepted.
+    let mut oversized: Option<String> = None;
     loop {
-        match stream(
+        let mut accept = |snapshot: Snapshot, version: &str| {
+            oversized = None;
+            accepted(snapshot, version);
+        };
+        let mut nack = |why: &str| refused(Refusal { why, say: true });
+        let ended = stream(
             &options,
             compile,
             &mut version,
             &mut attempt,
-            &mut accepted,
-            &mut refused,
+            &mut accept,
+            &mut nack,
         )
-        .await
-        {
+        .await;
+        match ended {
             Ok(()) => tracing::warn!(server = %options.server, "xDS stream closed by the server"),
+            Err(StreamError::Oversized(why)) => {
+                let say = oversized.as_deref() != Some(why.as_str());
+                refused(Refusal { why: &why, say });
+                oversized = Some(why);
+            }
             Err(e) => tracing::warn!(server = %options.server, error = %e, "xDS stream failed"),
         }
         let wait = options.backoff.delay(attempt);
@@ -163,6 +212,12 @@ enum StreamError {
     Header(String),
     #[error("cannot read a TLS file: {0}")]
     TlsFile(String),
+    #[error("no stream within {0:?} (--xds-connect-timeout)")]
+    OpenTimeout(Duration),
+    #[error("no response within {0:?} of opening the stream (--xds-response-timeout)")]
+    ResponseTimeout(Duration),
+    #[error("{0}")]
+    Oversized(String),
 }
 
 /// One stream: opens it, then answers each response until it ends.
@@ -174,12 +229,23 @@ async fn stream(
     accepted: &mut (impl FnMut(Snapshot, &str) + Send),
     refused: &mut (impl FnMut(&str) + Send),
 ) -> Result<(), StreamError> {
-    let mut endpoint =
-        Endpoint::from_shared(options.server.clone())?.connect_timeout(CONNECT_TIMEOUT);
+    let d = options.deadlines;
+    let mut endpoint = Endpoint::from_shared(options.server.clone())?
+        .connect_timeout(d.connect)
+        .http2_keep_alive_interval(d.keepalive_interval)
+        .keep_alive_timeout(d.keepalive_timeout)
+        .tcp_keepalive(Some(TCP_KEEPALIVE.0))
+        .tcp_keepalive_interval(Some(TCP_KEEPALIVE.1))
+        .tcp_keepalive_retries(Some(TCP_KEEPALIVE.2));
     if let Some(tls) = &options.tls {
         endpoint = endpoint.tls_config(tls.config()?)?;
     }
-    let channel = endpoint.connect().await?;
+    // Opening, all of it within the connect deadline.
+    let opened_by = tokio::time::Instant::now() + d.connect;
+    let open_timeout = |_| StreamError::OpenTimeout(d.connect);
+    let channel = tokio::time::timeout_at(opened_by, endpoint.connect())
+        .await
+        .map_err(open_timeout)??;
     let mut client = AggregatedDiscoveryServiceClient::new(channel)
         .max_decoding_message_size(options.max_message_bytes);
     let (tx, rx) = tokio::sync::mpsc::channel::<DiscoveryRequest>(4);
@@ -201,12 +267,31 @@ async fn stream(
         let value = v.parse().map_err(|_| StreamError::Header(k.clone()))?;
         request.metadata_mut().insert(key, value);
     }
-    let mut responses = client
-        .stream_aggregated_resources(request)
-        .await?
-        .into_inner();
+    let mut responses =
+        tokio::time::timeout_at(opened_by, client.stream_aggregated_resources(request))
+            .await
+            .map_err(open_timeout)??
+            .into_inner();
     tracing::info!(server = %options.server, node = %options.node_id, "xDS stream open");
-    while let Some(response) = responses.message().await? {
+    let mut first = Some(tokio::time::Instant::now() + d.first_response);
+    loop {
+        let next = match first.take() {
+            Some(by) => tokio::time::timeout_at(by, responses.message())
+                .await
+                .map_err(|_| StreamError::ResponseTimeout(d.first_response))?,
+            None => responses.message().await,
+        };
+        let response = match next {
+            Ok(Some(response)) => response,
+            Ok(None) => break,
+            Err(status) if is_oversized(&status) => {
+                return Err(StreamError::Oversized(format!(
+                    "xDS response refused unread: {} (--xds-max-message-bytes)",
+                    status.message()
+                )));
+            }
+            Err(status) => return Err(status.into()),
+        };
         *attempt = 0;
         let reply = match snapshot_of(&response, compile) {
             Ok(snapshot) => {
@@ -240,6 +325,13 @@ async fn stream(
         }
     }
     Ok(())
+}
+
+/// Whether `status` is the client's own refusal of a message over its decoding limit (tonic
+/// says so with OUT_OF_RANGE; a server's OUT_OF_RANGE would carry its own words).
+fn is_oversized(status: &tonic::Status) -> bool {
+    status.code() == tonic::Code::OutOfRange
+        && status.message().contains("message length too large")
 }
 
 /// The node this client presents.
