@@ -78,7 +78,7 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpSocket};
 use tonic::transport::server::TcpIncoming;
 use tonic_health::ServingStatus;
 
@@ -118,14 +118,33 @@ const MAX_HEADER_BYTES: u32 = 16 << 10;
 /// Connections the HTTP ports (health, metrics, debug, `/json`) hold together.
 pub const MAX_HTTP_CONNECTIONS: usize = 512;
 
-/// The sockets the service serves on, bound by the caller.
+/// The sockets the service serves on, bound by the caller (so that a port taken fails at
+/// once, and a test can bind port 0 and know its port) and listening only once the service can
+/// serve: before the first xDS config a client is refused, not left waiting on a socket that
+/// never answers. [`bind`] makes one.
 pub struct Listeners {
     /// For gRPC.
-    pub grpc: TcpListener,
+    pub grpc: TcpSocket,
     /// For HTTP.
-    pub http: TcpListener,
-    /// More listeners serving the same HTTP endpoints (`--debug-addr`, `--metrics-addr`).
-    pub extra_http: Vec<TcpListener>,
+    pub http: TcpSocket,
+    /// More sockets serving the same HTTP endpoints (`--debug-addr`, `--metrics-addr`).
+    pub extra_http: Vec<TcpSocket>,
+}
+
+/// Connections the kernel queues on a listening socket before the service accepts them.
+const BACKLOG: u32 = 1024;
+
+/// A socket bound to `addr` (address reuse on, as a listener binds) and not yet listening.
+pub fn bind(addr: std::net::SocketAddr) -> std::io::Result<TcpSocket> {
+    let socket = if addr.is_ipv4() {
+        TcpSocket::new_v4()?
+    } else {
+        TcpSocket::new_v6()?
+    };
+    #[cfg(unix)]
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    Ok(socket)
 }
 
 /// Why the service could not start or stopped abnormally.
@@ -146,6 +165,24 @@ pub enum RunError {
     /// The HTTP server failed.
     #[error("HTTP server: {0}")]
     Http(#[from] std::io::Error),
+    /// A bound socket could not listen.
+    #[error("cannot listen on {addr}: {source}")]
+    Listen {
+        /// The socket's address, if it has one.
+        addr: String,
+        /// Why.
+        source: std::io::Error,
+    },
+}
+
+/// Starts `socket` listening.
+fn listen(socket: TcpSocket) -> Result<TcpListener, RunError> {
+    let addr = socket
+        .local_addr()
+        .map_or_else(|_| "an unbound socket".to_owned(), |a| a.to_string());
+    socket
+        .listen(BACKLOG)
+        .map_err(|source| RunError::Listen { addr, source })
 }
 
 /// Loads the config files `options` name, as the service would at start, without running it:
@@ -238,11 +275,19 @@ pub async fn run_with_clock(
         options.engine,
     ));
 
-    let grpc_addr = listeners.grpc.local_addr().ok();
-    let http_addr = listeners.http.local_addr().ok();
+    // Listening only now: the config is in force and the backend ready.
+    let grpc_listener = listen(listeners.grpc)?;
+    let http_listener = listen(listeners.http)?;
+    let extra_http = listeners
+        .extra_http
+        .into_iter()
+        .map(listen)
+        .collect::<Result<Vec<_>, _>>()?;
+    let grpc_addr = grpc_listener.local_addr().ok();
+    let http_addr = http_listener.local_addr().ok();
     let grpc = serve_grpc(
         &options,
-        listeners.grpc,
+        grpc_listener,
         Protocols {
             engine: engine.clone(),
             quota,
@@ -260,8 +305,8 @@ pub async fn run_with_clock(
         headers: options.response_headers,
     });
     let http = serve_http(
-        listeners.http,
-        listeners.extra_http,
+        http_listener,
+        extra_http,
         http_state,
         &options,
         &stop,

@@ -4,8 +4,7 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use ratelimitd::settings::{Flags, Options};
-use ratelimitd::{Listeners, check_config, run};
-use tokio::net::TcpListener;
+use ratelimitd::{Listeners, bind, check_config, run};
 
 /// mimalloc: the hot path allocates small, short-lived buffers per request (decoded protos, keys,
 /// responses); a thread-caching allocator measurably beats the system one there (`make bench`).
@@ -28,21 +27,18 @@ async fn shutdown_signal() {
 }
 
 async fn serve(flags: Flags, options: Options) -> anyhow::Result<()> {
-    let grpc = TcpListener::bind(flags.grpc_addr)
-        .await
-        .with_context(|| format!("--grpc-addr: cannot listen on {}", flags.grpc_addr))?;
-    let http = TcpListener::bind(flags.http_addr)
-        .await
-        .with_context(|| format!("--http-addr: cannot listen on {}", flags.http_addr))?;
+    // Bound now (a port taken fails at once); listening once the service can serve.
+    let grpc = bind(flags.grpc_addr)
+        .with_context(|| format!("--grpc-addr: cannot bind {}", flags.grpc_addr))?;
+    let http = bind(flags.http_addr)
+        .with_context(|| format!("--http-addr: cannot bind {}", flags.http_addr))?;
     let mut extra_http = Vec::new();
     for (flag, addr) in [
         ("--debug-addr", flags.debug_addr),
         ("--metrics-addr", flags.metrics_addr),
     ] {
         if let Some(addr) = addr {
-            let l = TcpListener::bind(addr)
-                .await
-                .with_context(|| format!("{flag}: cannot listen on {addr}"))?;
+            let l = bind(addr).with_context(|| format!("{flag}: cannot bind {addr}"))?;
             extra_http.push(l);
         }
     }

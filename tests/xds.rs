@@ -652,6 +652,18 @@ async fn started_without_a_config_requests_fail_until_the_first_arrives() {
 async fn otherwise_nothing_is_served_before_the_first_config() {
     let ads = AdsServer::start().await;
     let s = server(&ads, &[]).await;
+    // Not even a TCP connection: a client is refused at once, not left waiting (the stream is
+    // open and asked, so the service is past its start).
+    ads.until_request("the first request", |r| r.node.is_some())
+        .await;
+    for port in [s.grpc, s.http] {
+        let refused = tokio::net::TcpStream::connect(port).await;
+        assert_eq!(
+            refused.map(|_| ()).map_err(|e| e.kind()),
+            Err(std::io::ErrorKind::ConnectionRefused),
+            "{port} before the first config"
+        );
+    }
     let url = format!("http://{}", s.grpc);
     let early =
         tokio::time::timeout(Duration::from_millis(500), ratelimitd_client(url.clone())).await;

@@ -17,7 +17,7 @@ use ratelimitd::testing::run_with_clock;
 use ratelimitd::testing::{Clock, SystemClock};
 use ratelimitd::{Listeners, RunError};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpStream;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tonic::transport::Channel;
@@ -189,8 +189,9 @@ impl TestServer {
                 .map(|(_, v)| v.clone())
         };
         let (_, options) = ratelimitd::settings::parse(args.clone(), lookup).expect("settings");
-        let grpc_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let http_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let loopback = "127.0.0.1:0".parse().unwrap();
+        let grpc_listener = ratelimitd::bind(loopback).unwrap();
+        let http_listener = ratelimitd::bind(loopback).unwrap();
         let grpc = grpc_listener.local_addr().unwrap();
         let http = http_listener.local_addr().unwrap();
         let (stop, stopped) = oneshot::channel::<()>();
