@@ -181,6 +181,69 @@ async fn half_sent_attack(d: &Daemon, rss: u64) -> u64 {
     peak
 }
 
+/// One connection opening 200 RLQS streams, each sending 1007 KiB of a 1015 KiB report and
+/// stopping there, kept open: the server grew by 240 MiB, because a stream gave its frames back
+/// to the connection's budget as soon as the next arrived while the decoder kept them all. Now
+/// a stream's unfinished message counts until it is complete: the streams past the connection's
+/// 4 MiB are refused with RESOURCE_EXHAUSTED, the rest hold at most that, and the server stays
+/// within its bound while the connection stays open.
+#[tokio::test]
+async fn half_sent_rlqs_reports_pin_no_more_than_the_connections_budget() {
+    let (d, _dir) = daemon(&[]).await;
+    victim_is_served(&d).await;
+    let rss = d.rss();
+    let tcp = TcpStream::connect(("127.0.0.1", d.grpc)).await.unwrap();
+    let (mut h2, connection) = h2::client::handshake(tcp).await.unwrap();
+    let connection = tokio::spawn(connection);
+    let declared = 1015 << 10;
+    let mut body = vec![0u8];
+    body.extend_from_slice(&(declared as u32).to_be_bytes());
+    body.resize(5 + (1007 << 10), 0x0a);
+    let body = bytes::Bytes::from(body);
+    let mut streams = Vec::new();
+    for _ in 0..200 {
+        let mut req = http::Request::post(
+            "http://ratelimitd/envoy.service.rate_limit_quota.v3.RateLimitQuotaService/StreamRateLimitQuotas",
+        );
+        for (name, value) in &CALL[4..] {
+            req = req.header(*name, *value);
+        }
+        h2 = h2.ready().await.unwrap();
+        let (answer, mut stream) = h2.send_request(req.body(()).unwrap(), false).unwrap();
+        stream.send_data(body.clone(), false).unwrap();
+        streams.push((answer, stream));
+    }
+    // Each stream is refused or held; the refusals come at once (all within a few seconds).
+    let by = tokio::time::Instant::now() + Duration::from_secs(10);
+    let ends = streams.iter_mut().map(|(answer, _)| async move {
+        let response = tokio::time::timeout_at(by, answer).await.ok()?.unwrap();
+        let mut body = response.into_body();
+        let trailers = tokio::time::timeout_at(by, body.trailers()).await.ok()?;
+        trailers
+            .unwrap()
+            .and_then(|t| t.get("grpc-status").cloned())
+    });
+    let ends = futures_util::future::join_all(ends).await;
+    let peak = d.rss().saturating_sub(rss);
+    let refused = ends
+        .iter()
+        .filter(|s| s.as_ref().is_some_and(|s| s == "8"))
+        .count();
+    let held = ends.iter().filter(|s| s.is_none()).count();
+    assert_eq!(refused + held, 200, "refused (8) or held: {ends:?}");
+    eprintln!("{refused} refused, {held} held, peak +{} KiB", peak >> 10);
+    assert!(held <= 5, "{held} streams held, {refused} refused");
+    assert!(
+        peak < 48 << 20,
+        "200 half-sent reports grew the server by {} MiB",
+        peak >> 20
+    );
+    victim_is_served(&d).await;
+    drop(streams);
+    drop(h2);
+    connection.abort();
+}
+
 /// 200 streams each carrying 1 MiB of a request one byte short of complete pinned 239 MB with
 /// the connection kept open, and kept it after the client left. Now a connection's requests in
 /// flight hold at most 4 MiB (the rest are refused on that connection), each is ended at the

@@ -10,7 +10,11 @@
 //! - **Request bytes (gRPC).** The requests a connection has in flight, from their first body
 //!   byte until their answer is ready, hold at most `request_bytes` between them; a request
 //!   that would pass that is refused (`RESOURCE_EXHAUSTED`) on its own connection only. Half-
-//!   sent requests therefore pin at most that much, and only until the request deadline.
+//!   sent requests therefore pin at most that much, and only until the request deadline. On a
+//!   long-lived stream (RLQS) a message counts from its first byte until it is complete, and
+//!   what was taken in is given back: a stream holds its unfinished message and the frame
+//!   being read, never everything it ever sent; 200 streams each stopping one byte short of a
+//!   1 MiB message hold the connection's budget between them, not 200 MiB.
 
 use std::future::Future;
 use std::io;
@@ -307,10 +311,57 @@ impl Drop for Held {
 struct Counted {
     inner: tonic::body::Body,
     held: Arc<Held>,
-    /// A long-lived stream of messages (RLQS): each frame is given back when the next one is
-    /// read (the one before has been taken in by then), so the stream holds one frame's worth
-    /// of the budget, not everything it ever sent.
-    streaming: bool,
+    /// On a long-lived stream of messages (RLQS), where its messages begin and end.
+    streaming: Option<Framing>,
+}
+
+/// Where a stream of gRPC messages (each a flag byte, a 4-byte big-endian length, then the
+/// message) is: how much of an unfinished message has arrived. The decoder reads the body only
+/// once it has taken in every complete message before, so what it holds when a frame arrives
+/// is the unfinished message's bytes so far, plus the frame.
+#[derive(Default)]
+struct Framing {
+    /// Bytes of the unfinished message received so far (its prefix included); 0 between
+    /// messages.
+    partial: usize,
+    /// Of the 5-byte prefix, the bytes received.
+    prefix: [u8; 5],
+    /// The message's length, once its prefix is complete.
+    length: Option<usize>,
+}
+
+impl Framing {
+    /// Takes in `data`; what the decoder then holds: the unfinished message's bytes from
+    /// before, plus `data`.
+    fn read(&mut self, mut data: &[u8]) -> usize {
+        let held = self.partial + data.len();
+        while !data.is_empty() {
+            let n = match self.length {
+                None => {
+                    let filled = self.partial;
+                    let n = (5 - filled).min(data.len());
+                    self.prefix[filled..filled + n].copy_from_slice(&data[..n]);
+                    if filled + n == 5 {
+                        let len = u32::from_be_bytes([
+                            self.prefix[1],
+                            self.prefix[2],
+                            self.prefix[3],
+                            self.prefix[4],
+                        ]);
+                        self.length = Some(len as usize);
+                    }
+                    n
+                }
+                Some(len) => (5 + len - self.partial).min(data.len()),
+            };
+            self.partial += n;
+            data = &data[n..];
+            if self.length.is_some_and(|len| self.partial == 5 + len) {
+                *self = Framing::default();
+            }
+        }
+        held
+    }
 }
 
 impl HttpBody for Counted {
@@ -322,13 +373,23 @@ impl HttpBody for Counted {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, tonic::Status>>> {
         let frame = std::task::ready!(Pin::new(&mut self.inner).poll_frame(cx));
-        if self.streaming {
-            let before = self.held.bytes.swap(0, Ordering::AcqRel);
-            self.held.budget.used.fetch_sub(before, Ordering::AcqRel);
-        }
-        if let Some(Ok(f)) = &frame
-            && let Some(data) = f.data_ref()
-            && !self.held.take(data.len())
+        let this = &mut *self;
+        let data = match &frame {
+            Some(Ok(f)) => f.data_ref(),
+            _ => None,
+        };
+        // A stream gives back what it held for the frame before (taken in by now) and holds
+        // its unfinished message with this frame; a unary request holds all it sent.
+        let take = match (&mut this.streaming, data) {
+            (Some(framing), data) => {
+                let before = this.held.bytes.swap(0, Ordering::AcqRel);
+                this.held.budget.used.fetch_sub(before, Ordering::AcqRel);
+                data.map(|d| framing.read(d))
+            }
+            (None, data) => data.map(|d| d.len()),
+        };
+        if let Some(n) = take
+            && !this.held.take(n)
         {
             return Poll::Ready(Some(Err(tonic::Status::resource_exhausted(format!(
                 "this connection's requests in flight would hold more than {} bytes",
@@ -400,7 +461,11 @@ where
             bytes: AtomicUsize::new(0),
         });
         let body_held = held.clone();
-        let streaming = req.uri().path().ends_with(STREAMING_METHOD);
+        let streaming = req
+            .uri()
+            .path()
+            .ends_with(STREAMING_METHOD)
+            .then(Framing::default);
         let req = req.map(|inner| {
             tonic::body::Body::new(Counted {
                 inner,
@@ -441,6 +506,35 @@ mod tests {
     use super::*;
     use std::task::{Wake, Waker};
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// What a stream's decoder holds as frames arrive, cut anywhere: the unfinished message
+    /// so far plus the frame; nothing of a message once it is complete.
+    #[test]
+    fn a_stream_holds_its_unfinished_message_and_the_frame() {
+        let message = |len: usize| {
+            let mut m = vec![0u8];
+            m.extend_from_slice(&(len as u32).to_be_bytes());
+            m.resize(5 + len, 7);
+            m
+        };
+        let mut f = Framing::default();
+        // Two whole messages in one frame: nothing left over.
+        let two = [message(3), message(0)].concat();
+        assert_eq!(f.read(&two), two.len());
+        assert_eq!(f.partial, 0);
+        // A 100-byte message in pieces, its prefix split too.
+        let m = message(100);
+        assert_eq!(f.read(&m[..2]), 2);
+        assert_eq!(f.read(&m[2..50]), 50);
+        assert_eq!(f.read(&m[50..104]), 104);
+        // Its last byte, and the start of the next.
+        let next = message(10);
+        let frame = [&m[104..], &next[..6]].concat();
+        assert_eq!(f.read(&frame), 104 + 7);
+        assert_eq!(f.partial, 6, "only the next message's start is unfinished");
+        assert_eq!(f.read(&next[6..]), 6 + 9);
+        assert_eq!(f.partial, 0);
+    }
 
     /// Counts its wake-ups: how an executor learns a task must be polled again.
     #[derive(Default)]

@@ -30,7 +30,7 @@ use envoy_types::pb::google::protobuf::{Duration as PbDuration, UInt32Value};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::{Request, Response, Status, Streaming};
+use tonic::{Code, Request, Response, Status, Streaming};
 
 use crate::config::Snapshot;
 use crate::engine::RequestLimits;
@@ -201,7 +201,13 @@ impl QuotaStream {
                     // the stream hears nothing either way.
                     Err(status) => {
                         tracing::debug!(%status, "RLQS stream failed");
-                        let why = Status::invalid_argument(format!(
+                        // Over its connection's budget stays RESOURCE_EXHAUSTED; anything else
+                        // the stream carried was malformed.
+                        let code = match status.code() {
+                            Code::ResourceExhausted => Code::ResourceExhausted,
+                            _ => Code::InvalidArgument,
+                        };
+                        let why = Status::new(code, format!(
                             "the RLQS stream could not be read: {}",
                             status.message()
                         ));
