@@ -394,6 +394,8 @@ pub struct QuotaMetrics {
     /// `ratelimit_rlqs_pools`: quota pools held in this process (leases of closed streams
     /// included; with Redis, only those the `local` failure mode used).
     pub pools: Gauge,
+    /// `ratelimit_rlqs_bytes`: the open streams' buckets, as charged to `--rlqs-max-bytes`.
+    pub bytes: Gauge,
     /// `ratelimit_rlqs_assignments_total{kind}`: assignments sent, by strategy.
     pub assignments: Family<NameLabels, Counter>,
     /// `ratelimit_rlqs_skipped_entries_total{kind}`: report entries skipped, by fault.
@@ -421,6 +423,11 @@ impl QuotaMetrics {
             "ratelimit_rlqs_pools",
             "Quota pools held in this process, leases of closed streams included",
             self.pools.clone(),
+        );
+        registry.register(
+            "ratelimit_rlqs_bytes",
+            "Bytes the open RLQS streams' buckets are charged against --rlqs-max-bytes",
+            self.bytes.clone(),
         );
         registry.register(
             "ratelimit_rlqs_assignments",

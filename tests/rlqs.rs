@@ -923,6 +923,122 @@ async fn memory_per_bucket_and_per_stream_is_bounded() {
     assert!(per_stream <= 64 * 1024, "{per_stream} B per stream");
 }
 
+/// The RLQS entries a daemon skipped as over its byte budget.
+async fn over_budget(d: &daemon::Daemon) -> f64 {
+    let (_, m) = http_get(d.http, "/metrics").await;
+    metric(
+        &m,
+        r#"ratelimit_rlqs_skipped_entries_total{kind="over_budget"}"#,
+    )
+}
+
+/// One connection with 16 streams of 10,000 buckets each (every one its own pool) took
+/// 160,000 buckets and grew the server by 292-311 MiB: only the count per stream was bounded.
+/// Now the connection's streams hold at most a quarter of `--rlqs-max-bytes` (64 MiB): the rest
+/// are skipped and counted, the buckets held keep being answered, and another connection still
+/// gets its buckets.
+#[tokio::test]
+async fn buckets_past_the_byte_budget_are_skipped_and_the_rest_keep_working() {
+    const STREAMS: usize = 16;
+    const PER_STREAM: usize = 10_000;
+    let quota = QuotaDaemon::start_with(&[]).await;
+    let before = quota.daemon.rss();
+    let mut streams = Vec::new();
+    for s in 0..STREAMS {
+        let tx = quota.open().await;
+        let first = s * PER_STREAM;
+        for from in (first..first + PER_STREAM).step_by(1000) {
+            tx.send(users(from..from + 1000)).await.unwrap();
+        }
+        streams.push(tx);
+    }
+    let total = (STREAMS * PER_STREAM) as f64;
+    let (held, skipped) = poll(Duration::from_secs(60), || async {
+        let answered = quota.answered.load(std::sync::atomic::Ordering::Relaxed);
+        let skipped = over_budget(&quota.daemon).await;
+        (answered as f64 + skipped >= total).then_some((answered, skipped))
+    })
+    .await;
+    let grown = quota.daemon.rss().saturating_sub(before);
+    println!(
+        "{held} buckets held, {skipped} skipped; the server grew by {} KiB",
+        grown >> 10
+    );
+    assert!(
+        held > 4_000 && skipped > 140_000.0,
+        "{held} held, {skipped} skipped"
+    );
+    assert!(grown < 48 << 20, "grew by {} MiB", grown >> 20);
+    // A bucket held is answered again.
+    let answered = quota.answered.load(std::sync::atomic::Ordering::Relaxed);
+    streams[0].send(users(0..1)).await.unwrap();
+    quota.answered(answered + 1).await;
+    // Another connection has a share of its own.
+    let other =
+        tonic::transport::Channel::from_shared(format!("http://127.0.0.1:{}", quota.daemon.grpc))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+    let mut client = RateLimitQuotaServiceClient::new(other);
+    let (tx, rx) = mpsc::channel(1);
+    tx.send(users(900_000..900_001)).await.unwrap();
+    let mut answers = client
+        .stream_rate_limit_quotas(ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    let answer = tokio::time::timeout(Duration::from_secs(10), answers.message())
+        .await
+        .expect("answered")
+        .unwrap()
+        .expect("a message");
+    assert_eq!(answer.bucket_action.len(), 1);
+}
+
+/// One stream of 201 buckets whose ids are 32 pairs of 4 KiB keys and values (50 MiB sent)
+/// grew the server by 162-170 MiB, 3.3 times what was sent: the id was kept three times. Now
+/// it is kept once and charged: the connection's share holds about 60 such ids, the rest are
+/// skipped.
+#[tokio::test]
+async fn maximum_size_bucket_ids_are_kept_once_and_within_the_budget() {
+    let quota = QuotaDaemon::start_with(&[]).await;
+    let before = quota.daemon.rss();
+    let tx = quota.open().await;
+    let big =
+        |i: usize, j: usize, what: char| format!("{i:04}{j:02}{}", what.to_string().repeat(4090));
+    const IDS: usize = 201;
+    for first in (0..IDS).step_by(3) {
+        let report = RateLimitQuotaUsageReports {
+            domain: "u".into(),
+            bucket_quota_usages: (first..(first + 3).min(IDS))
+                .map(|i| BucketQuotaUsage {
+                    bucket_id: Some(BucketId {
+                        bucket: (0..32).map(|j| (big(i, j, 'k'), big(i, j, 'v'))).collect(),
+                    }),
+                    time_elapsed: None,
+                    num_requests_allowed: 1,
+                    num_requests_denied: 0,
+                })
+                .collect(),
+        };
+        tx.send(report).await.unwrap();
+    }
+    let (held, skipped) = poll(Duration::from_secs(60), || async {
+        let answered = quota.answered.load(std::sync::atomic::Ordering::Relaxed);
+        let skipped = over_budget(&quota.daemon).await;
+        (answered as f64 + skipped >= IDS as f64).then_some((answered, skipped))
+    })
+    .await;
+    let grown = quota.daemon.rss().saturating_sub(before);
+    println!(
+        "{held} maximum-size ids held, {skipped} skipped; the server grew by {} KiB",
+        grown >> 10
+    );
+    assert!((40..=70).contains(&held), "{held} held, {skipped} skipped");
+    assert!(grown < 48 << 20, "grew by {} MiB", grown >> 20);
+}
+
 /// A `ratelimitd` process with a per-user rule, and streams to it whose answers are counted.
 struct QuotaDaemon {
     daemon: daemon::Daemon,
@@ -932,17 +1048,20 @@ struct QuotaDaemon {
 }
 
 impl QuotaDaemon {
+    /// Bounds raised far above what a test holds.
     async fn start() -> QuotaDaemon {
+        Self::start_with(&["--rlqs-max-buckets", "30000", "--rlqs-max-bytes", "1GiB"]).await
+    }
+
+    async fn start_with(flags: &[&str]) -> QuotaDaemon {
         let dir = tempfile::tempdir().unwrap();
         let rule = "domain: u\ndescriptors:\n  - key: user\n    rate_limit: {unit: minute, requests_per_unit: 100}\n";
         std::fs::write(dir.path().join("u.yaml"), rule).unwrap();
         let mut cmd = std::process::Command::new(daemon::BIN);
-        cmd.arg("--config").arg(dir.path()).args([
-            "--rlqs-max-buckets",
-            "30000",
-            "--log-level",
-            "warn",
-        ]);
+        cmd.arg("--config")
+            .arg(dir.path())
+            .args(flags)
+            .args(["--log-level", "warn"]);
         let daemon = daemon::Daemon::start_with(cmd, std::process::Stdio::null()).await;
         let channel =
             tonic::transport::Channel::from_shared(format!("http://127.0.0.1:{}", daemon.grpc))

@@ -28,6 +28,9 @@ pub(crate) struct QuotaOptions {
     pub(crate) report_interval: Duration,
     /// Buckets one stream may hold.
     pub(crate) max_buckets_per_stream: usize,
+    /// Bytes the buckets of every stream may be charged together; a connection's streams get
+    /// at most a quarter of it.
+    pub(crate) max_bytes: usize,
 }
 
 /// What the config makes of a bucket.

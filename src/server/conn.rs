@@ -100,6 +100,7 @@ impl Tracker {
                     max: self.limits.request_bytes,
                     used: AtomicUsize::new(0),
                 }),
+                quota_bytes: Arc::default(),
             },
             _slot: slot,
         })
@@ -139,6 +140,23 @@ pub(crate) struct Tracked<IO> {
 #[derive(Clone)]
 pub(crate) struct ConnInfo {
     budget: Arc<RequestBudget>,
+    /// Bytes of RLQS state this connection's streams hold (see `server::rlqs`).
+    quota_bytes: Arc<AtomicUsize>,
+}
+
+impl ConnInfo {
+    /// The connection's, from a request's extensions (plain or TLS).
+    pub(crate) fn of(ext: &http::Extensions) -> Option<&ConnInfo> {
+        ext.get::<ConnInfo>().or_else(|| {
+            ext.get::<tonic::transport::server::TlsConnectInfo<ConnInfo>>()
+                .map(|i| i.get_ref())
+        })
+    }
+
+    /// Bytes of RLQS state this connection's streams hold, shared by them.
+    pub(crate) fn quota_bytes(&self) -> Arc<AtomicUsize> {
+        self.quota_bytes.clone()
+    }
 }
 
 fn timed_out(what: &str) -> io::Error {
@@ -445,11 +463,7 @@ where
     }
 
     fn call(&mut self, req: Request) -> Self::Future {
-        let ext = req.extensions();
-        let budget = ext.get::<ConnInfo>().map(|i| i.budget.clone()).or_else(|| {
-            ext.get::<tonic::transport::server::TlsConnectInfo<ConnInfo>>()
-                .map(|i| i.get_ref().budget.clone())
-        });
+        let budget = ConnInfo::of(req.extensions()).map(|i| i.budget.clone());
         let Some(budget) = budget else {
             return Answer {
                 inner: self.inner.call(req),

@@ -7,10 +7,16 @@
 //! `--max-entries` pairs of `--max-key-bytes`/`--max-value-bytes` (else the entry is skipped and
 //! counted, never the stream ended: Envoy would drop every bucket and resend the same entry),
 //! answers queued (a few messages; a client that reads none for [`SEND_TIMEOUT`] is dropped).
+//! In bytes: every bucket is charged what it holds ([`charge`]) against the process's
+//! `--rlqs-max-bytes` and its connection's quarter of it (which bounds each of the connection's
+//! streams too); a new bucket past either is skipped and counted (`over_budget`), and the
+//! buckets held keep working. A
+//! bucket's id is kept once: its sorted pairs, shared with the stream's index, and made into a
+//! `BucketId` again only to answer.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
@@ -40,6 +46,7 @@ use crate::metrics::{NameLabels, QuotaMetrics};
 use crate::quota::{
     self, Ask, Assignment, ParticipantId, Quota, QuotaOptions, Signal, Target, Usage,
 };
+use crate::server::conn::ConnInfo;
 
 /// Answers a stream may have waiting for the client.
 const QUEUE: usize = 4;
@@ -60,6 +67,8 @@ pub(crate) struct Shared {
     pub(crate) global_shadow: bool,
     pub(crate) metrics: QuotaMetrics,
     next_id: AtomicU64,
+    /// Bytes every stream's buckets are charged, together.
+    bytes: AtomicUsize,
 }
 
 /// The RLQS gRPC service.
@@ -88,6 +97,7 @@ impl RlqsService {
                 global_shadow,
                 metrics,
                 next_id: AtomicU64::new(1),
+                bytes: AtomicUsize::new(0),
             }),
         }
     }
@@ -115,19 +125,63 @@ impl RateLimitQuotaService for RlqsService {
         request: Request<Streaming<RateLimitQuotaUsageReports>>,
     ) -> Result<Response<Self::StreamRateLimitQuotasStream>, Status> {
         let (tx, rx) = mpsc::channel(QUEUE);
-        let stream = QuotaStream::new(self.shared.clone());
+        // Shared by the connection's streams; a request without one (never, over a listener)
+        // gets its own.
+        let conn_bytes = ConnInfo::of(request.extensions())
+            .map(ConnInfo::quota_bytes)
+            .unwrap_or_default();
+        let stream = QuotaStream::new(self.shared.clone(), conn_bytes);
         tokio::spawn(stream.run(request.into_inner(), tx));
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 }
 
-/// A bucket id's pairs, sorted: the bucket's identity within a stream.
-type BucketKey = Box<[(Box<str>, Box<str>)]>;
+/// One pair of a bucket id.
+type Pair = (Box<str>, Box<str>);
+
+/// A bucket id's pairs, sorted: the bucket's identity within a stream, kept once (the bucket
+/// and the stream's index share it).
+type BucketKey = Arc<[Pair]>;
+
+/// Bytes a bucket holds beyond its pairs and its pools: the bucket, its index entry and its
+/// task's share of the stream's maps. With [`POOL_BYTES`], what a daemon's resident memory
+/// grows by per bucket of its own pool (tests/rlqs.rs measures 1.9 KB; a bucket sharing a pool
+/// costs less and is charged the same).
+const BUCKET_BYTES: usize = 640;
+/// Per pair: its two boxed strings.
+const PAIR_BYTES: usize = 32;
+/// Per pool the bucket takes part in, beyond the pool's key: the pool, its member entry and
+/// lease.
+const POOL_BYTES: usize = 1152;
+
+/// What a bucket of `key` resolved to `target` is charged.
+fn charge(key: &[Pair], target: &Target) -> usize {
+    let pairs: usize = key
+        .iter()
+        .map(|(k, v)| k.len() + v.len() + PAIR_BYTES)
+        .sum();
+    let pools = match target {
+        Target::Pools { pools, .. } => pools.iter().map(|p| p.key.len() + POOL_BYTES).sum(),
+        Target::Allow | Target::Deny => 0,
+    };
+    BUCKET_BYTES + pairs + pools
+}
+
+/// The protocol's form of a bucket's id.
+fn id_of(key: &[Pair]) -> BucketId {
+    BucketId {
+        bucket: key
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+    }
+}
 
 struct Bucket {
-    id: BucketId,
     key: BucketKey,
     target: Target,
+    /// What it is charged (see [`charge`]).
+    charge: usize,
     /// When its requests were last reported non-zero (or it was created).
     last_used: Instant,
     /// When it was last reported.
@@ -143,13 +197,17 @@ struct QuotaStream {
     signal: Arc<Signal>,
     /// The snapshot the buckets were resolved against.
     snapshot: Arc<Snapshot>,
+    /// Bytes its connection's streams are charged, together.
+    conn_bytes: Arc<AtomicUsize>,
+    /// Bytes its buckets are charged.
+    held: usize,
 }
 
 /// Why an entry of a report is skipped.
-fn fault<'u>(
-    usage: &'u BucketQuotaUsage,
+fn fault(
+    usage: &BucketQuotaUsage,
     limits: &RequestLimits,
-) -> Result<(&'u BucketId, BucketKey), &'static str> {
+) -> Result<Vec<Pair>, &'static str> {
     let Some(id) = usage.bucket_id.as_ref() else {
         return Err("no_bucket_id");
     };
@@ -167,11 +225,11 @@ fn fault<'u>(
         pairs.push((k.as_str().into(), v.as_str().into()));
     }
     pairs.sort();
-    Ok((id, pairs.into_boxed_slice()))
+    Ok(pairs)
 }
 
 impl QuotaStream {
-    fn new(shared: Arc<Shared>) -> QuotaStream {
+    fn new(shared: Arc<Shared>, conn_bytes: Arc<AtomicUsize>) -> QuotaStream {
         shared.metrics.streams.inc();
         let snapshot = shared.config.load_full();
         QuotaStream {
@@ -181,6 +239,8 @@ impl QuotaStream {
             by_key: HashMap::new(),
             signal: Arc::new(Signal::default()),
             snapshot,
+            conn_bytes,
+            held: 0,
         }
     }
 
@@ -287,18 +347,14 @@ impl QuotaStream {
         let mut actions = Vec::new();
         let mut asks = Vec::with_capacity(reports.bucket_quota_usages.len());
         for usage in &reports.bucket_quota_usages {
-            let (id, key) = match fault(usage, &self.shared.limits) {
-                Ok(ok) => ok,
+            let key = match fault(usage, &self.shared.limits) {
+                Ok(key) => key,
                 Err(kind) => {
-                    self.shared
-                        .metrics
-                        .skipped
-                        .get_or_create(&NameLabels { kind })
-                        .inc();
+                    self.skipped(kind);
                     continue;
                 }
             };
-            let pid = match self.by_key.get(&key) {
+            let pid = match self.by_key.get(&key[..]) {
                 Some(pid) => *pid,
                 None => {
                     if self.buckets.len() >= self.shared.options.max_buckets_per_stream {
@@ -307,13 +363,19 @@ impl QuotaStream {
                             self.buckets.len()
                         )));
                     }
-                    self.open(id.clone(), key, now)
+                    let target = self.resolve(&key);
+                    let charge = charge(&key, &target);
+                    if !self.take(charge) {
+                        self.skipped("over_budget");
+                        continue;
+                    }
+                    self.open(key.into(), target, charge, now)
                 }
             };
             match self.measure(pid, usage, now) {
                 Some(usage) => asks.push((pid, Ask::Report(usage))),
                 None => {
-                    let id = self.buckets[&pid].id.clone();
+                    let id = id_of(&self.buckets[&pid].key);
                     self.remove(pid, now).await;
                     self.shared.metrics.abandons.inc();
                     actions.push(BucketAction {
@@ -329,18 +391,57 @@ impl QuotaStream {
         Ok(actions)
     }
 
-    /// A new bucket: resolved, and a participant of its pools.
-    fn open(&mut self, id: BucketId, key: BucketKey, now: Instant) -> ParticipantId {
+    /// Counts an entry skipped for `kind`.
+    fn skipped(&self, kind: &'static str) {
+        self.shared
+            .metrics
+            .skipped
+            .get_or_create(&NameLabels { kind })
+            .inc();
+    }
+
+    /// Charges `n` bytes to the stream, its connection and the process, if both have room.
+    fn take(&mut self, n: usize) -> bool {
+        let max = self.shared.options.max_bytes;
+        if self.conn_bytes.fetch_add(n, Ordering::AcqRel) + n > max / 4 {
+            self.conn_bytes.fetch_sub(n, Ordering::AcqRel);
+            return false;
+        }
+        if self.shared.bytes.fetch_add(n, Ordering::AcqRel) + n > max {
+            self.shared.bytes.fetch_sub(n, Ordering::AcqRel);
+            self.conn_bytes.fetch_sub(n, Ordering::AcqRel);
+            return false;
+        }
+        self.held += n;
+        self.shared.metrics.bytes.inc_by(n as i64);
+        true
+    }
+
+    /// Gives back `n` bytes [`QuotaStream::take`] charged.
+    fn give_back(&mut self, n: usize) {
+        self.held -= n;
+        self.conn_bytes.fetch_sub(n, Ordering::AcqRel);
+        self.shared.bytes.fetch_sub(n, Ordering::AcqRel);
+        self.shared.metrics.bytes.dec_by(n as i64);
+    }
+
+    /// A new bucket, charged `charge`: a participant of its pools.
+    fn open(
+        &mut self,
+        key: BucketKey,
+        target: Target,
+        charge: usize,
+        now: Instant,
+    ) -> ParticipantId {
         let pid = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
-        let target = self.resolve(&key);
         self.shared.quota.join(pid, &target, &self.signal, now);
         self.by_key.insert(key.clone(), pid);
         self.buckets.insert(
             pid,
             Bucket {
-                id,
                 key,
                 target,
+                charge,
                 last_used: now,
                 last_report: now,
             },
@@ -349,7 +450,7 @@ impl QuotaStream {
         pid
     }
 
-    fn resolve(&self, key: &BucketKey) -> Target {
+    fn resolve(&self, key: &[Pair]) -> Target {
         let entries: Vec<(&str, &str)> = key.iter().map(|(k, v)| (&**k, &**v)).collect();
         quota::resolve(
             &self.snapshot,
@@ -412,7 +513,7 @@ impl QuotaStream {
                     .quota
                     .assign(pid, &bucket.target, ask, &self.signal, now)
                     .await?;
-                Some(action(bucket.id.clone(), assignment, ttl))
+                Some(action(id_of(&bucket.key), assignment, ttl))
             });
             Some(answer)
         });
@@ -423,6 +524,7 @@ impl QuotaStream {
         if let Some(b) = self.buckets.remove(&pid) {
             self.shared.quota.leave(pid, &b.target, now).await;
             self.by_key.remove(&b.key);
+            self.give_back(b.charge);
             self.shared.metrics.buckets.dec();
         }
     }
@@ -452,7 +554,19 @@ impl QuotaStream {
             let target = self.resolve(&key);
             let bucket = self.buckets.get_mut(&pid).expect("indexed");
             if bucket.target != target {
+                // Charged again for its new pools, room or not: a bucket held keeps working.
+                let (was, now_charged) = (bucket.charge, charge(&key, &target));
+                bucket.charge = now_charged;
                 let old = std::mem::replace(&mut bucket.target, target.clone());
+                self.held = self.held + now_charged - was;
+                self.conn_bytes.fetch_add(now_charged, Ordering::AcqRel);
+                self.conn_bytes.fetch_sub(was, Ordering::AcqRel);
+                self.shared.bytes.fetch_add(now_charged, Ordering::AcqRel);
+                self.shared.bytes.fetch_sub(was, Ordering::AcqRel);
+                self.shared
+                    .metrics
+                    .bytes
+                    .inc_by(now_charged as i64 - was as i64);
                 self.shared.quota.leave(pid, &old, now).await;
                 self.shared.quota.join(pid, &target, &self.signal, now);
                 changed.push((pid, Ask::Push));
@@ -464,6 +578,9 @@ impl QuotaStream {
     /// The stream is gone: its buckets leave their pools (their leases run out as usual).
     async fn close(self) {
         let now = Instant::now();
+        self.conn_bytes.fetch_sub(self.held, Ordering::AcqRel);
+        self.shared.bytes.fetch_sub(self.held, Ordering::AcqRel);
+        self.shared.metrics.bytes.dec_by(self.held as i64);
         let quota = &self.shared.quota;
         join_all(
             self.buckets

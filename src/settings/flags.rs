@@ -516,6 +516,14 @@ pub struct Flags {
     /// RESOURCE_EXHAUSTED.
     #[arg(long, default_value_t = 10_000)]
     pub rlqs_max_buckets: usize,
+
+    /// Bytes the buckets of all RLQS streams may hold together (their ids, their index and
+    /// their part of the pools: about 1.9 KB for a bucket with a short id), e.g. 64MiB; the
+    /// streams of one connection get at most a quarter of it. A bucket past either is skipped
+    /// and counted (`ratelimit_rlqs_skipped_entries_total{kind="over_budget"}`); the others keep
+    /// working.
+    #[arg(long, default_value = "64MiB", value_parser = parse_bytes)]
+    pub rlqs_max_bytes: u64,
 }
 
 /// `--rlqs-assignment-ttl`: whole seconds, at least one, at most an hour.

@@ -94,6 +94,7 @@ impl Flags {
                 abandon_after: self.rlqs_abandon_after,
                 report_interval: self.rlqs_report_interval,
                 max_buckets_per_stream: self.rlqs_max_buckets.max(1),
+                max_bytes: usize::try_from(self.rlqs_max_bytes).unwrap_or(usize::MAX),
             },
         })
     }

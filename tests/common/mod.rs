@@ -207,6 +207,18 @@ impl TestServer {
             },
             clock,
         ));
+        // The ports listen once the service serves: wait for that (a config that fails ends
+        // the task instead), except where the first config comes over xDS, which a test may
+        // send later.
+        let waits_for_xds = args.iter().any(|a| a.starts_with("--xds-server"))
+            && !args.iter().any(|a| a.starts_with("--start-without-config"));
+        if !waits_for_xds {
+            let until = Instant::now() + Duration::from_secs(20);
+            while !task.is_finished() && TcpStream::connect(http).await.is_err() {
+                assert!(Instant::now() < until, "not listening after 20 s");
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
         TestServer {
             grpc,
             http,
