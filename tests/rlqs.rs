@@ -1169,3 +1169,69 @@ async fn a_report_that_does_not_decode_ends_the_stream_saying_why() {
     assert!(message.contains("decode"), "{message}");
     connection.abort();
 }
+
+/// The quota pools' calls to Redis go their own way: their connection failing over and over
+/// (every connection whose last command was the quota script is killed, as a proxy or a
+/// flaky network path would) opens only their circuit. They shared the RLS connection and
+/// breaker, so the same kills failed RLS requests beside them.
+#[tokio::test]
+async fn failing_quota_calls_never_fail_rls_requests() {
+    let redis = redis::RedisProc::start(&[]);
+    let url = redis.url();
+    let rls = "domain: r\ndescriptors:\n  - key: k\n    rate_limit: {unit: day, requests_per_unit: 1000000}\n";
+    let mut flags = FAST.to_vec();
+    flags.extend(["--backend", "redis", "--redis-url", &url]);
+    flags.extend(["--redis-timeout", "300ms", "--redis-failure-mode", "error"]);
+    let s = quota_server(&[("q.yaml", POOL), ("r.yaml", rls)], &flags).await;
+    let board = Arc::new(Mutex::new(Board::default()));
+    let e = Envoy::connect(&s, 0, "q", &board).await;
+    e.report(&[(API, 0, 0)], Duration::ZERO).await;
+    e.until(API, |t| t.tokens().is_some()).await;
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let killed = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let killer = {
+        let (stop, killed, port) = (stop.clone(), killed.clone(), redis.port);
+        std::thread::spawn(move || {
+            let cli = |args: &[&str]| {
+                let out = std::process::Command::new("redis-cli")
+                    .args(["-p", &port.to_string()])
+                    .args(args)
+                    .output()
+                    .unwrap();
+                String::from_utf8_lossy(&out.stdout).into_owned()
+            };
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                for line in cli(&["CLIENT", "LIST"]).lines() {
+                    if line.contains("cmd=evalsha") || line.contains("cmd=eval ") {
+                        let id = line.split(' ').next().unwrap().trim_start_matches("id=");
+                        if cli(&["CLIENT", "KILL", "ID", id]).trim() == "1" {
+                            killed.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        }
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        })
+    };
+    let mut c = s.client().await;
+    let (mut ok, mut failed) = (0, 0);
+    for _ in 0..60 {
+        e.report(&[(API, 1, 0)], Duration::from_millis(50)).await;
+        match c.should_rate_limit(request("r", &[&[("k", "v")]])).await {
+            Ok(r) if is_ok(r.get_ref()) => ok += 1,
+            _ => failed += 1,
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    killer.join().unwrap();
+    let (_, m) = s.http_get("/metrics").await;
+    let kills = killed.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(kills >= 3, "the quota connection was killed {kills} times");
+    assert_eq!(
+        (ok, failed),
+        (60, 0),
+        "RLS requests beside it ({kills} kills): {m}"
+    );
+    assert_eq!(metric(&m, "ratelimit_backend_up"), 1.0);
+}

@@ -15,7 +15,6 @@ use std::time::Duration;
 
 use futures_util::future::join_all;
 use parking_lot::Mutex;
-use tokio::sync::Semaphore;
 use tokio::time::Instant;
 
 use super::pool::{Demand, SHARE_MOVE};
@@ -24,10 +23,6 @@ use super::{Grant, ParticipantId, PoolSpec, Signal, Usage};
 use crate::limiter::BackendError;
 use crate::limiter::redis::RedisBackend;
 use crate::limiter::redis::quota::{PoolCall, PoolOp, SharePolicy};
-
-/// Script calls in flight at once for every stream of the process: RLQS traffic, however
-/// many buckets its clients open, queues here rather than in front of RLS's calls.
-const CALLS_IN_FLIGHT: usize = 32;
 
 /// The policy the script applies, from the constants the memory pools use.
 pub(crate) const POLICY: SharePolicy = SharePolicy {
@@ -51,7 +46,6 @@ pub(crate) struct SharedPools {
     ttl: Duration,
     /// A member not granted for this long is disconnected; its demand is stale.
     stale: Duration,
-    calls: Semaphore,
 }
 
 impl SharedPools {
@@ -69,7 +63,6 @@ impl SharedPools {
             participants: Mutex::default(),
             ttl,
             stale: report_interval * 3,
-            calls: Semaphore::new(CALLS_IN_FLIGHT),
         }
     }
 
@@ -141,10 +134,9 @@ impl SharedPools {
         }
     }
 
-    /// One script call, queued behind [`CALLS_IN_FLIGHT`]; the members it names as moved that
-    /// belong to this replica are pushed.
+    /// One script call (queued in the backend's quota lane, which bounds how many reach Redis
+    /// at once); the members it names as moved that belong to this replica are pushed.
     async fn call(&self, spec: &PoolSpec, member: &str, op: PoolOp) -> Result<Grant, BackendError> {
-        let _permit = self.calls.acquire().await.expect("never closed");
         let reply = self
             .redis
             .pool(&PoolCall {

@@ -204,10 +204,7 @@ struct QuotaStream {
 }
 
 /// Why an entry of a report is skipped.
-fn fault(
-    usage: &BucketQuotaUsage,
-    limits: &RequestLimits,
-) -> Result<Vec<Pair>, &'static str> {
+fn fault(usage: &BucketQuotaUsage, limits: &RequestLimits) -> Result<Vec<Pair>, &'static str> {
     let Some(id) = usage.bucket_id.as_ref() else {
         return Err("no_bucket_id");
     };

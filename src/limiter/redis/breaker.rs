@@ -102,18 +102,20 @@ pub(super) struct Health {
     up: AtomicBool,
     /// A PING confirming a timed-out call's suspicion is in flight.
     confirming: AtomicBool,
-    metrics: BackendMetrics,
+    /// Where `ratelimit_backend_up` is set: the RLS path's health only.
+    up_gauge: Option<BackendMetrics>,
 }
 
 impl Health {
-    /// Closed, and Redis presumed up; PINGs go on `ping`.
-    pub(super) fn new(ping: Conn, metrics: BackendMetrics) -> Health {
+    /// Closed, and Redis presumed up; PINGs go on `ping`. `up_gauge`: the metrics whose
+    /// `ratelimit_backend_up` this health sets (one health of a backend does).
+    pub(super) fn new(ping: Conn, up_gauge: Option<BackendMetrics>) -> Health {
         Health {
             breaker: Breaker::new(),
             ping,
             up: AtomicBool::new(true),
             confirming: AtomicBool::new(false),
-            metrics,
+            up_gauge,
         }
     }
 
@@ -129,7 +131,9 @@ impl Health {
 
     fn set_up(&self, up: bool) {
         self.up.store(up, Ordering::Relaxed);
-        self.metrics.up.set(up as i64);
+        if let Some(m) = &self.up_gauge {
+            m.up.set(up as i64);
+        }
     }
 
     /// Redis answered (a call, or a PING).

@@ -69,6 +69,8 @@ pub(crate) struct RedisBackend {
     opts: RedisOptions,
     cache: Option<OverLimitCache>,
     health: Arc<Health>,
+    /// The quota pools' (RLQS) calls: a lane of their own (see [`quota::Lane`]).
+    quota: quota::Lane,
     metrics: BackendMetrics,
     nonce_base: u64,
     nonce: AtomicU64,
@@ -104,7 +106,8 @@ impl RedisBackend {
     ) -> Result<RedisBackend, SetupError> {
         let conn = Conn::new(&opts.target, &opts.tls, opts.timeout)?;
         let ping = Conn::new(&opts.target, &opts.tls, opts.timeout)?;
-        let health = Arc::new(Health::new(ping, metrics.clone()));
+        let health = Arc::new(Health::new(ping, Some(metrics.clone())));
+        let quota = quota::Lane::new(&opts)?;
         let batcher = Batcher::new(
             conn.clone(),
             matches!(opts.target, Target::Cluster(_)),
@@ -123,6 +126,7 @@ impl RedisBackend {
             cache: (opts.local_cache_bytes > 0)
                 .then(|| OverLimitCache::new(opts.local_cache_bytes)),
             health,
+            quota,
             metrics,
             nonce_base: RandomState::new().hash_one(std::process::id()),
             nonce: AtomicU64::new(0),

@@ -3,15 +3,48 @@
 //! pure fair-share arithmetic ([`RedisBackend::pool_shares`]), which a test holds against the
 //! Rust function. The script's header documents the layout; this is the one place on the Rust
 //! side that knows it.
+//!
+//! Pool calls travel in a [`Lane`] of their own: their own connection, their own circuit
+//! breaker (fed only by their own calls and the PINGs confirming their timeouts) and at most
+//! [`Lane::IN_FLIGHT`] calls at once, a call waiting for its turn no longer than its budget.
+//! A large pool whose calls time out opens the quota lane's circuit, never the one RLS
+//! requests go through; RLS calls wait at Redis behind at most that many pool calls.
 
 use std::time::Duration;
 
 use redis::{Cmd, Value};
 use tokio::time::Instant;
 
-use super::RedisBackend;
+use std::sync::Arc;
+
+use super::breaker::Health;
+use super::connection::Conn;
 use super::error::{ErrorKind, Evidence};
+use super::{RedisBackend, RedisOptions};
 use crate::limiter::BackendError;
+use crate::limiter::redis::SetupError;
+
+/// The quota pools' way to Redis, apart from RLS's.
+pub(super) struct Lane {
+    conn: Conn,
+    health: Arc<Health>,
+    turns: tokio::sync::Semaphore,
+}
+
+impl Lane {
+    /// Pool calls at Redis at once.
+    pub(super) const IN_FLIGHT: usize = 4;
+
+    /// A lane to `opts`' Redis (nothing connects until the first call).
+    pub(super) fn new(opts: &RedisOptions) -> Result<Lane, SetupError> {
+        let conn = || Conn::new(&opts.target, &opts.tls, opts.timeout);
+        Ok(Lane {
+            conn: conn()?,
+            health: Arc::new(Health::new(conn()?, None)),
+            turns: tokio::sync::Semaphore::new(Self::IN_FLIGHT),
+        })
+    }
+}
 
 /// The script, loaded once per process and per Redis (EVALSHA; EVAL after NOSCRIPT).
 const QUOTA_SCRIPT: &str = include_str!("quota.lua");
@@ -136,9 +169,25 @@ impl RedisBackend {
     /// Runs the quota script on `keys` with `args`, within the call budget, through the
     /// circuit breaker; NOSCRIPT is answered by sending the source once.
     async fn eval_quota(&self, keys: &[&[u8]], args: &[Vec<u8>]) -> Result<Value, BackendError> {
-        self.circuit_closed()?;
+        let lane = &self.quota;
+        if !lane.health.allow() {
+            return Err(self.error(
+                ErrorKind::CircuitOpen,
+                "redis circuit of the quota pools open after repeated failures",
+            ));
+        }
         let timeout = self.opts.timeout;
         let deadline = Instant::now() + timeout;
+        // Its turn, within its budget; a lane that stays full answers like a full queue.
+        let Ok(Ok(_turn)) = tokio::time::timeout_at(deadline, lane.turns.acquire()).await else {
+            return Err(self.error(
+                ErrorKind::Overloaded,
+                format!(
+                    "the quota pools' calls to redis are {} deep",
+                    Lane::IN_FLIGHT
+                ),
+            ));
+        };
         let command = |by_source: bool| {
             let mut cmd = Cmd::new();
             if by_source {
@@ -156,7 +205,7 @@ impl RedisBackend {
             cmd
         };
         let attempt = |cmd: Cmd| async move {
-            tokio::time::timeout_at(deadline, self.conn.query::<Value>(&cmd, timeout)).await
+            tokio::time::timeout_at(deadline, lane.conn.query::<Value>(&cmd, timeout)).await
         };
         let mut result = attempt(command(false)).await;
         if let Ok(Err(e)) = &result
@@ -166,20 +215,20 @@ impl RedisBackend {
         }
         match result {
             Ok(Ok(v)) => {
-                self.health.on_answer();
+                lane.health.on_answer();
                 Ok(v)
             }
             Ok(Err(e)) => {
                 match ErrorKind::of(&e).evidence() {
-                    Evidence::Unreachable => self.health.on_unreachable(&e),
-                    Evidence::Stalled => self.health.on_timeout(timeout),
+                    Evidence::Unreachable => lane.health.on_unreachable(&e),
+                    Evidence::Stalled => lane.health.on_timeout(timeout),
                     Evidence::None => {}
                 }
-                self.conn.on_error(&e).await;
+                lane.conn.on_error(&e).await;
                 Err(self.redis_error(&e))
             }
             Err(_) => {
-                self.health.on_timeout(timeout);
+                lane.health.on_timeout(timeout);
                 Err(self.timeout_error())
             }
         }
