@@ -10,9 +10,8 @@
 //! In bytes: every bucket is charged what it holds ([`charge`]) against the process's
 //! `--rlqs-max-bytes` and its connection's quarter of it (which bounds each of the connection's
 //! streams too); a new bucket past either is skipped and counted (`over_budget`), and the
-//! buckets held keep working. A
-//! bucket's id is kept once: its sorted pairs, shared with the stream's index, and made into a
-//! `BucketId` again only to answer.
+//! buckets held keep working. A bucket's id is kept once: its sorted pairs, shared with the
+//! stream's index, and made into a `BucketId` again only to answer.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
