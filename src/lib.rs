@@ -593,7 +593,9 @@ fn serve_grpc(
         .timeout(options.request_timeout)
         .http2_keepalive_interval(Some(conns.idle_timeout / 3))
         .http2_keepalive_timeout(Some(conns.idle_timeout / 3))
-        .layer(server::conn::BudgetLayer)
+        .layer(server::conn::BudgetLayer {
+            message_timeout: options.request_timeout,
+        })
         .add_service(health_service)
         .add_service(
             RateLimitServiceServer::new(GrpcService::new(

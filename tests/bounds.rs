@@ -185,11 +185,11 @@ async fn half_sent_attack(d: &Daemon, rss: u64) -> u64 {
 /// stopping there, kept open: the server grew by 240 MiB, because a stream gave its frames back
 /// to the connection's budget as soon as the next arrived while the decoder kept them all. Now
 /// a stream's unfinished message counts until it is complete: the streams past the connection's
-/// 4 MiB are refused with RESOURCE_EXHAUSTED, the rest hold at most that, and the server stays
-/// within its bound while the connection stays open.
+/// 4 MiB are refused with RESOURCE_EXHAUSTED, the rest hold at most that, and only until the
+/// request deadline (DEADLINE_EXCEEDED); the server's peak stays within its bound.
 #[tokio::test]
 async fn half_sent_rlqs_reports_pin_no_more_than_the_connections_budget() {
-    let (d, _dir) = daemon(&[]).await;
+    let (d, _dir) = daemon(&["--request-timeout", "2s"]).await;
     victim_is_served(&d).await;
     let rss = d.rss();
     let tcp = TcpStream::connect(("127.0.0.1", d.grpc)).await.unwrap();
@@ -224,15 +224,26 @@ async fn half_sent_rlqs_reports_pin_no_more_than_the_connections_budget() {
             .and_then(|t| t.get("grpc-status").cloned())
     });
     let ends = futures_util::future::join_all(ends).await;
-    let peak = d.rss().saturating_sub(rss);
-    let refused = ends
-        .iter()
-        .filter(|s| s.as_ref().is_some_and(|s| s == "8"))
-        .count();
-    let held = ends.iter().filter(|s| s.is_none()).count();
-    assert_eq!(refused + held, 200, "refused (8) or held: {ends:?}");
-    eprintln!("{refused} refused, {held} held, peak +{} KiB", peak >> 10);
-    assert!(held <= 5, "{held} streams held, {refused} refused");
+    let peak = d.hwm().saturating_sub(rss);
+    let count = |code: &str| {
+        ends.iter()
+            .filter(|s| s.as_ref().is_some_and(|s| s == code))
+            .count()
+    };
+    let (refused, timed_out) = (count("8"), count("4"));
+    assert_eq!(
+        refused + timed_out,
+        200,
+        "refused (8) or ended at the deadline (4): {ends:?}"
+    );
+    eprintln!(
+        "{refused} refused, {timed_out} held until the deadline, peak +{} KiB",
+        peak >> 10
+    );
+    assert!(
+        timed_out <= 5,
+        "{timed_out} streams held, {refused} refused"
+    );
     assert!(
         peak < 48 << 20,
         "200 half-sent reports grew the server by {} MiB",

@@ -14,7 +14,9 @@
 //!   long-lived stream (RLQS) a message counts from its first byte until it is complete, and
 //!   what was taken in is given back: a stream holds its unfinished message and the frame
 //!   being read, never everything it ever sent; 200 streams each stopping one byte short of a
-//!   1 MiB message hold the connection's budget between them, not 200 MiB.
+//!   1 MiB message hold the connection's budget between them, not 200 MiB. A stream's message
+//!   must also arrive whole within the request deadline from its first byte, or the stream is
+//!   ended (`DEADLINE_EXCEEDED`): what it held is given back.
 
 use std::future::Future;
 use std::io;
@@ -331,6 +333,10 @@ struct Counted {
     held: Arc<Held>,
     /// On a long-lived stream of messages (RLQS), where its messages begin and end.
     streaming: Option<Framing>,
+    /// How long a stream's message may take to arrive whole.
+    message_timeout: Duration,
+    /// When the stream's unfinished message must be whole.
+    unfinished: Option<Pin<Box<Sleep>>>,
 }
 
 /// Where a stream of gRPC messages (each a flag byte, a 4-byte big-endian length, then the
@@ -390,6 +396,15 @@ impl HttpBody for Counted {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, tonic::Status>>> {
+        if let Some(deadline) = &mut self.unfinished
+            && deadline.as_mut().poll(cx).is_ready()
+        {
+            self.unfinished = None;
+            return Poll::Ready(Some(Err(tonic::Status::deadline_exceeded(format!(
+                "a message of this stream did not arrive whole within {:?}",
+                self.message_timeout
+            )))));
+        }
         let frame = std::task::ready!(Pin::new(&mut self.inner).poll_frame(cx));
         let this = &mut *self;
         let data = match &frame {
@@ -402,7 +417,14 @@ impl HttpBody for Counted {
             (Some(framing), data) => {
                 let before = this.held.bytes.swap(0, Ordering::AcqRel);
                 this.held.budget.used.fetch_sub(before, Ordering::AcqRel);
-                data.map(|d| framing.read(d))
+                let held = data.map(|d| framing.read(d));
+                // The deadline runs from an unfinished message's first byte until it is whole.
+                if framing.partial == 0 {
+                    this.unfinished = None;
+                } else if this.unfinished.is_none() {
+                    this.unfinished = Some(Box::pin(tokio::time::sleep(this.message_timeout)));
+                }
+                held
             }
             (None, data) => data.map(|d| d.len()),
         };
@@ -429,15 +451,21 @@ impl HttpBody for Counted {
 /// The one method whose request is a long-lived stream of messages (RLQS).
 const STREAMING_METHOD: &str = "/StreamRateLimitQuotas";
 
-/// Counts each gRPC request against its connection's request-byte budget.
-#[derive(Clone, Copy, Debug, Default)]
-pub(crate) struct BudgetLayer;
+/// Counts each gRPC request against its connection's request-byte budget; a stream's message
+/// must arrive whole within `message_timeout` (the request deadline).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct BudgetLayer {
+    pub(crate) message_timeout: Duration,
+}
 
 impl<S> tower::Layer<S> for BudgetLayer {
     type Service = Budgeted<S>;
 
     fn layer(&self, inner: S) -> Budgeted<S> {
-        Budgeted { inner }
+        Budgeted {
+            inner,
+            message_timeout: self.message_timeout,
+        }
     }
 }
 
@@ -445,6 +473,7 @@ impl<S> tower::Layer<S> for BudgetLayer {
 #[derive(Clone, Debug)]
 pub(crate) struct Budgeted<S> {
     inner: S,
+    message_timeout: Duration,
 }
 
 type Request = http::Request<tonic::body::Body>;
@@ -475,6 +504,7 @@ where
             bytes: AtomicUsize::new(0),
         });
         let body_held = held.clone();
+        let message_timeout = self.message_timeout;
         let streaming = req
             .uri()
             .path()
@@ -485,6 +515,8 @@ where
                 inner,
                 held: body_held,
                 streaming,
+                message_timeout,
+                unfinished: None,
             })
         });
         Answer {

@@ -257,10 +257,10 @@ impl QuotaStream {
                     // the stream hears nothing either way.
                     Err(status) => {
                         tracing::debug!(%status, "RLQS stream failed");
-                        // Over its connection's budget stays RESOURCE_EXHAUSTED; anything else
-                        // the stream carried was malformed.
+                        // Over its connection's budget stays RESOURCE_EXHAUSTED, a message too
+                        // slow to arrive DEADLINE_EXCEEDED; anything else was malformed.
                         let code = match status.code() {
-                            Code::ResourceExhausted => Code::ResourceExhausted,
+                            c @ (Code::ResourceExhausted | Code::DeadlineExceeded) => c,
                             _ => Code::InvalidArgument,
                         };
                         let why = Status::new(code, format!(

@@ -97,12 +97,22 @@ impl Drop for Daemon {
 }
 
 impl Daemon {
+    /// The most resident memory the process has had, in bytes (VmHWM).
+    pub(crate) fn hwm(&self) -> u64 {
+        self.status_bytes("VmHWM:")
+    }
+
     /// Resident memory, in bytes.
     pub(crate) fn rss(&self) -> u64 {
+        self.status_bytes("VmRSS:")
+    }
+
+    /// A `kB` field of `/proc/<pid>/status`, in bytes.
+    fn status_bytes(&self, field: &str) -> u64 {
         let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap();
         let kb: u64 = status
             .lines()
-            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .find_map(|l| l.strip_prefix(field))
             .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
             .unwrap();
         kb * 1024
