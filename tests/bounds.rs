@@ -139,30 +139,48 @@ async fn a_client_that_never_reads_holds_bounded_memory_and_is_cut_off() {
     drop(socket);
 }
 
-/// One connection opening 200 streams, each carrying 1 MiB of a request one byte short of
-/// complete; returns once every stream is answered and the connection is gone, with the
-/// server's peak growth over `rss` while it lasted.
-async fn half_sent_attack(d: &Daemon, rss: u64) -> u64 {
+/// The answers and request sides of streams opened on one new connection to `d`: 200 calls
+/// of `path`, each sending the first `sent` bytes of a message declared `declared` bytes long,
+/// and no more. The connection's task is returned too.
+async fn half_sent_streams(
+    d: &Daemon,
+    path: &str,
+    declared: usize,
+    sent: usize,
+) -> (
+    Vec<(h2::client::ResponseFuture, h2::SendStream<bytes::Bytes>)>,
+    h2::client::SendRequest<bytes::Bytes>,
+    tokio::task::JoinHandle<Result<(), h2::Error>>,
+) {
     let tcp = TcpStream::connect(("127.0.0.1", d.grpc)).await.unwrap();
     let (mut h2, connection) = h2::client::handshake(tcp).await.unwrap();
     let connection = tokio::spawn(connection);
-    // A message declared 1 MiB long, of which all but its last byte is sent.
-    let declared = (1 << 20) - 5;
     let mut body = vec![0u8];
     body.extend_from_slice(&(declared as u32).to_be_bytes());
-    body.resize(5 + declared - 1, 0x0a);
+    body.resize(5 + sent, 0x0a);
     let body = bytes::Bytes::from(body);
-    let mut answers = Vec::new();
+    let mut streams = Vec::new();
     for _ in 0..200 {
-        let mut req = http::Request::post(format!("http://ratelimitd{}", CALL[2].1));
+        let mut req = http::Request::post(format!("http://ratelimitd{path}"));
         for (name, value) in &CALL[4..] {
             req = req.header(*name, *value);
         }
         h2 = h2.ready().await.unwrap();
         let (answer, mut stream) = h2.send_request(req.body(()).unwrap(), false).unwrap();
         stream.send_data(body.clone(), false).unwrap();
-        answers.push((answer, stream));
+        streams.push((answer, stream));
     }
+    (streams, h2, connection)
+}
+
+/// One connection opening 200 streams, each carrying 1 MiB of a request one byte short of
+/// complete; returns once every stream is answered and the connection is gone, with the
+/// server's peak growth over `rss` while it lasted.
+async fn half_sent_attack(d: &Daemon, rss: u64) -> u64 {
+    // A message declared 1 MiB long, of which all but its last byte is sent.
+    let declared = (1 << 20) - 5;
+    let (mut answers, h2, connection) =
+        half_sent_streams(d, CALL[2].1, declared, declared - 1).await;
     let mut peak = 0;
     let started = Instant::now();
     for (answer, _stream) in &mut answers {
@@ -192,27 +210,8 @@ async fn half_sent_rlqs_reports_pin_no_more_than_the_connections_budget() {
     let (d, _dir) = daemon(&["--request-timeout", "2s"]).await;
     victim_is_served(&d).await;
     let rss = d.rss();
-    let tcp = TcpStream::connect(("127.0.0.1", d.grpc)).await.unwrap();
-    let (mut h2, connection) = h2::client::handshake(tcp).await.unwrap();
-    let connection = tokio::spawn(connection);
-    let declared = 1015 << 10;
-    let mut body = vec![0u8];
-    body.extend_from_slice(&(declared as u32).to_be_bytes());
-    body.resize(5 + (1007 << 10), 0x0a);
-    let body = bytes::Bytes::from(body);
-    let mut streams = Vec::new();
-    for _ in 0..200 {
-        let mut req = http::Request::post(
-            "http://ratelimitd/envoy.service.rate_limit_quota.v3.RateLimitQuotaService/StreamRateLimitQuotas",
-        );
-        for (name, value) in &CALL[4..] {
-            req = req.header(*name, *value);
-        }
-        h2 = h2.ready().await.unwrap();
-        let (answer, mut stream) = h2.send_request(req.body(()).unwrap(), false).unwrap();
-        stream.send_data(body.clone(), false).unwrap();
-        streams.push((answer, stream));
-    }
+    let path = "/envoy.service.rate_limit_quota.v3.RateLimitQuotaService/StreamRateLimitQuotas";
+    let (mut streams, h2, connection) = half_sent_streams(&d, path, 1015 << 10, 1007 << 10).await;
     // Each stream is refused or held; the refusals come at once (all within a few seconds).
     let by = tokio::time::Instant::now() + Duration::from_secs(10);
     let ends = streams.iter_mut().map(|(answer, _)| async move {

@@ -215,16 +215,7 @@ impl AdsServer {
     }
 
     fn flags(&self) -> Vec<String> {
-        vec![
-            "--xds-server".into(),
-            format!("http://{}", self.addr),
-            "--xds-node-id".into(),
-            "test-node".into(),
-            "--xds-backoff-initial".into(),
-            "50ms".into(),
-            "--xds-backoff-max".into(),
-            "200ms".into(),
-        ]
+        xds_flags(self.addr)
     }
 
     /// Waits until a request matching `pred` (`what`) has been received; returns it.
@@ -284,11 +275,30 @@ fn config(domain: &str, descriptors: Vec<pb::RateLimitDescriptor>) -> pb::RateLi
     }
 }
 
-async fn server(ads: &AdsServer, extra: &[&str]) -> TestServer {
-    let mut flags = ads.flags();
+/// Flags for a server following the control plane at `addr`, retrying within a fraction of a
+/// second.
+fn xds_flags(addr: std::net::SocketAddr) -> Vec<String> {
+    vec![
+        "--xds-server".into(),
+        format!("http://{addr}"),
+        "--xds-node-id".into(),
+        "test-node".into(),
+        "--xds-backoff-initial".into(),
+        "50ms".into(),
+        "--xds-backoff-max".into(),
+        "200ms".into(),
+    ]
+}
+
+/// A server on `flags` and `extra`, with no config files.
+async fn server_with(mut flags: Vec<String>, extra: &[&str]) -> TestServer {
     flags.extend(extra.iter().map(|s| s.to_string()));
     let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
     TestServer::start_with(&[], &flags, Arc::new(SystemClock)).await
+}
+
+async fn server(ads: &AdsServer, extra: &[&str]) -> TestServer {
+    server_with(ads.flags(), extra).await
 }
 
 /// Waits until a check-only call on `domain` (key `k`) is answered at all: the first config
@@ -1110,19 +1120,8 @@ async fn the_envoy_gateway_environment_runs_unchanged() {
 async fn a_control_plane_that_accepts_tcp_and_says_nothing_is_left_and_retried() {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let flags = [
-        "--xds-server".to_owned(),
-        format!("http://{addr}"),
-        "--xds-connect-timeout".into(),
-        "300ms".into(),
-        "--xds-backoff-initial".into(),
-        "50ms".into(),
-        "--xds-backoff-max".into(),
-        "100ms".into(),
-        "--start-without-config".into(),
-    ];
-    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
-    let s = TestServer::start_with(&[], &flags, Arc::new(SystemClock)).await;
+    let extra = ["--xds-connect-timeout", "300ms", "--start-without-config"];
+    let s = server_with(xds_flags(addr), &extra).await;
     // The first connection, held silent for far longer than the deadline.
     let (silent, _) = tokio::time::timeout(Duration::from_secs(10), listener.accept())
         .await
@@ -1217,20 +1216,13 @@ async fn a_control_plane_silent_mid_stream_is_left_by_keepalive() {
     )
     .await;
     let (proxy, epoch) = freezing_proxy(ads.addr).await;
-    let flags = [
-        "--xds-server".to_owned(),
-        format!("http://{proxy}"),
-        "--xds-keepalive-interval".into(),
-        "200ms".into(),
-        "--xds-keepalive-timeout".into(),
-        "300ms".into(),
-        "--xds-backoff-initial".into(),
-        "50ms".into(),
-        "--xds-backoff-max".into(),
-        "100ms".into(),
+    let extra = [
+        "--xds-keepalive-interval",
+        "200ms",
+        "--xds-keepalive-timeout",
+        "300ms",
     ];
-    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
-    let s = TestServer::start_with(&[], &flags, Arc::new(SystemClock)).await;
+    let s = server_with(xds_flags(proxy), &extra).await;
     let c = s.client().await;
     until_rpu(&c, "d", "k", Some(2)).await;
     ads.until_request("ACK", |r| !r.response_nonce.is_empty())

@@ -413,6 +413,14 @@ impl QuotaStream {
         true
     }
 
+    /// Charges `n` bytes to the stream, its connection and the process, room or not.
+    fn add(&mut self, n: usize) {
+        self.held += n;
+        self.conn_bytes.fetch_add(n, Ordering::AcqRel);
+        self.shared.bytes.fetch_add(n, Ordering::AcqRel);
+        self.shared.metrics.bytes.inc_by(n as i64);
+    }
+
     /// Gives back `n` bytes [`QuotaStream::take`] charged.
     fn give_back(&mut self, n: usize) {
         self.held -= n;
@@ -550,19 +558,12 @@ impl QuotaStream {
             let target = self.resolve(&key);
             let bucket = self.buckets.get_mut(&pid).expect("indexed");
             if bucket.target != target {
-                // Charged again for its new pools, room or not: a bucket held keeps working.
-                let (was, now_charged) = (bucket.charge, charge(&key, &target));
-                bucket.charge = now_charged;
+                let now_charged = charge(&key, &target);
+                let was = std::mem::replace(&mut bucket.charge, now_charged);
                 let old = std::mem::replace(&mut bucket.target, target.clone());
-                self.held = self.held + now_charged - was;
-                self.conn_bytes.fetch_add(now_charged, Ordering::AcqRel);
-                self.conn_bytes.fetch_sub(was, Ordering::AcqRel);
-                self.shared.bytes.fetch_add(now_charged, Ordering::AcqRel);
-                self.shared.bytes.fetch_sub(was, Ordering::AcqRel);
-                self.shared
-                    .metrics
-                    .bytes
-                    .inc_by(now_charged as i64 - was as i64);
+                // Charged again for its new pools, room or not: a bucket held keeps working.
+                self.give_back(was);
+                self.add(now_charged);
                 self.shared.quota.leave(pid, &old, now).await;
                 self.shared.quota.join(pid, &target, &self.signal, now);
                 changed.push((pid, Ask::Push));
@@ -572,11 +573,9 @@ impl QuotaStream {
     }
 
     /// The stream is gone: its buckets leave their pools (their leases run out as usual).
-    async fn close(self) {
+    async fn close(mut self) {
         let now = Instant::now();
-        self.conn_bytes.fetch_sub(self.held, Ordering::AcqRel);
-        self.shared.bytes.fetch_sub(self.held, Ordering::AcqRel);
-        self.shared.metrics.bytes.dec_by(self.held as i64);
+        self.give_back(self.held);
         let quota = &self.shared.quota;
         join_all(
             self.buckets
