@@ -2,7 +2,7 @@
 CARGO ?= cargo
 EXAMPLE_LIMITS ?= examples/envoy/limits
 
-.PHONY: run test lint deps build bench worst fuzz soak
+.PHONY: run test lint deps build bench pools worst fuzz soak
 
 ## Build and start ratelimitd on the embedded memory backend with the example limits.
 run:
@@ -28,6 +28,10 @@ build:
 ## Throughput and latency under load (release build, loopback only; not part of `make test`).
 bench:
 	./scripts/bench.sh
+
+## A large RLQS pool beside RLS traffic, memory and Redis (release build, loopback); not in CI.
+pools:
+	./scripts/pools.sh
 
 ## What the costliest accepted request costs, and what a victim sees beside it; not in CI.
 worst:

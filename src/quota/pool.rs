@@ -152,6 +152,8 @@ struct Pool {
     changes: usize,
     /// When they were.
     balanced: Option<Instant>,
+    /// Emptied and taken out of the map: a joiner that still found it makes a new one.
+    dead: bool,
 }
 
 impl Pool {
@@ -168,6 +170,7 @@ impl Pool {
             held: 0,
             changes: 0,
             balanced: None,
+            dead: false,
         }
     }
 
@@ -269,9 +272,14 @@ impl Pool {
     }
 }
 
-/// Every pool of this replica.
+/// A pool behind its own lock.
+type Locked = Arc<Mutex<Pool>>;
+
+/// Every pool of this replica. Each pool has a lock of its own: the map's lock is held only
+/// to find or add a pool, never across a rebalance, so a large pool's recomputation stalls
+/// only the reports on that pool.
 pub(crate) struct Pools {
-    pools: Mutex<HashMap<Box<[u8]>, Pool>>,
+    pools: Mutex<HashMap<Box<[u8]>, Locked>>,
     ttl: Duration,
     /// A demand older than this no longer counts (a few report intervals).
     stale: Duration,
@@ -287,6 +295,27 @@ impl Pools {
         }
     }
 
+    /// The pool of `key`, if there is one.
+    fn get(&self, key: &[u8]) -> Option<Locked> {
+        self.pools.lock().get(key).cloned()
+    }
+
+    /// Takes `pool` out of the map once it is empty (marked `dead` first, under its own lock,
+    /// so that whoever finds it in the map meanwhile replaces it rather than joins it).
+    fn drop_if_empty(&self, key: &[u8], pool: &Locked) {
+        {
+            let mut p = pool.lock();
+            if !p.members.is_empty() {
+                return;
+            }
+            p.dead = true;
+        }
+        let mut pools = self.pools.lock();
+        if pools.get(key).is_some_and(|p| Arc::ptr_eq(p, pool)) {
+            pools.remove(key);
+        }
+    }
+
     /// Makes `pid` a connected participant of `spec`'s pool (taking the spec's limit as the
     /// pool's from now on) and rebalances.
     pub(crate) fn join(
@@ -296,10 +325,24 @@ impl Pools {
         signal: &Arc<Signal>,
         now: Instant,
     ) {
-        let mut pools = self.pools.lock();
-        let pool = pools
+        let pool = self
+            .pools
+            .lock()
             .entry(spec.key.clone())
-            .or_insert_with(|| Pool::new(spec.clone()));
+            .or_insert_with(|| Arc::new(Mutex::new(Pool::new(spec.clone()))))
+            .clone();
+        let mut locked = pool.lock();
+        if locked.dead {
+            // Emptied and on its way out of the map: put a new pool in its place and join that.
+            drop(locked);
+            let mut pools = self.pools.lock();
+            if pools.get(&spec.key).is_some_and(|p| Arc::ptr_eq(p, &pool)) {
+                pools.remove(&spec.key);
+            }
+            drop(pools);
+            return self.join(spec, pid, signal, now);
+        }
+        let pool = &mut *locked;
         pool.spec = spec.clone();
         let m = pool.members.entry(pid).or_insert_with(|| Member {
             demand: Demand::default(),
@@ -323,8 +366,8 @@ impl Pools {
         usage: Option<Usage>,
         now: Instant,
     ) -> Option<Grant> {
-        let mut pools = self.pools.lock();
-        let pool = pools.get_mut(key)?;
+        let pool = self.get(key)?;
+        let mut pool = pool.lock();
         let m = pool.members.get_mut(&pid)?;
         m.reported = now;
         m.demand.measure(usage);
@@ -334,40 +377,47 @@ impl Pools {
 
     /// Grants `pid` its current part without a new measure (a push).
     pub(crate) fn regrant(&self, key: &[u8], pid: ParticipantId, now: Instant) -> Option<Grant> {
-        self.pools
-            .lock()
-            .get_mut(key)?
-            .grant(pid, now, self.ttl, self.stale)
+        self.get(key)?.lock().grant(pid, now, self.ttl, self.stale)
     }
 
     /// `pid`'s stream no longer asks for this pool: its lease counts until it runs out.
     pub(crate) fn leave(&self, key: &[u8], pid: ParticipantId, now: Instant) {
-        let mut pools = self.pools.lock();
-        if let Some(pool) = pools.get_mut(key) {
-            if let Some(m) = pool.members.get_mut(&pid) {
+        let Some(pool) = self.get(key) else {
+            return;
+        };
+        {
+            let mut p = pool.lock();
+            if let Some(m) = p.members.get_mut(&pid) {
                 m.connected = false;
             }
-            pool.changed(now, self.stale);
-            if pool.members.is_empty() {
-                pools.remove(key);
-            }
+            p.changed(now, self.stale);
         }
+        self.drop_if_empty(key, &pool);
     }
 
     /// Drops expired leases and empty pools; the members left get the capacity freed, and
-    /// changes not yet counted in the shares are.
+    /// changes not yet counted in the shares are. One pool at a time, each under its own lock.
     pub(crate) fn sweep(&self, now: Instant) {
         let stale = self.stale;
-        self.pools.lock().retain(|_, pool| {
-            let expired = pool
-                .members
-                .values()
-                .any(|m| !m.connected && m.holds(now).is_none());
-            if expired || pool.changes > 0 {
-                pool.rebalance(now, stale);
+        let all: Vec<(Box<[u8]>, Locked)> = self
+            .pools
+            .lock()
+            .iter()
+            .map(|(k, p)| (k.clone(), p.clone()))
+            .collect();
+        for (key, pool) in all {
+            {
+                let mut p = pool.lock();
+                let expired = p
+                    .members
+                    .values()
+                    .any(|m| !m.connected && m.holds(now).is_none());
+                if expired || p.changes > 0 {
+                    p.rebalance(now, stale);
+                }
             }
-            !pool.members.is_empty()
-        });
+            self.drop_if_empty(&key, &pool);
+        }
     }
 
     /// Pools held now.
@@ -403,8 +453,8 @@ mod tests {
             pools.join(&sp, pid, &s, now);
         }
         let held = |pools: &Pools| -> u64 {
-            let p = pools.pools.lock();
-            let pool = &p[&sp.key];
+            let pool = pools.get(&sp.key).unwrap();
+            let pool = pool.lock();
             pool.members
                 .values()
                 .filter_map(|m| m.holds(now))
@@ -425,8 +475,8 @@ mod tests {
             }
         }
         pools.sweep(now);
-        let p = pools.pools.lock();
-        let pool = &p[&sp.key];
+        let pool = pools.get(&sp.key).unwrap();
+        let pool = pool.lock();
         assert_eq!(pool.changes, 0, "the sweep recomputed the shares");
         let shares: f64 = pool.members.values().map(|m| m.share).sum();
         assert!((shares - 1_000.0).abs() < 1e-6, "{shares}");

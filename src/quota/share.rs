@@ -30,20 +30,26 @@ pub fn fair_shares(capacity: f64, demands: &[Option<f64>]) -> Vec<f64> {
         .collect();
     let mut order: Vec<usize> = (0..n).collect();
     order.sort_by(|&a, &b| asks[a].total_cmp(&asks[b]));
-    let mut shares = vec![0.0; n];
+    // Water-filling in ascending order: each client takes its ask while that is no more than
+    // an equal split of what is left; the first one asking more sets the level, which every
+    // client from there on gets (an equal split of what is left no longer changes). The same
+    // steps, in the same order, as quota.lua's walk, so the two agree bit for bit.
     let mut left = capacity;
+    let mut level = f64::INFINITY;
     for (k, &i) in order.iter().enumerate() {
         let equal = left / (n - k) as f64;
-        shares[i] = asks[i].min(equal);
-        left -= shares[i];
-    }
-    if left > 0.0 {
-        let extra = left / n as f64;
-        for s in &mut shares {
-            *s += extra;
+        if asks[i] > equal {
+            level = equal;
+            break;
         }
+        left -= asks[i];
     }
-    shares
+    let extra = if level.is_infinite() && left > 0.0 {
+        left / n as f64
+    } else {
+        0.0
+    };
+    asks.iter().map(|a| a.min(level) + extra).collect()
 }
 
 #[cfg(test)]

@@ -1,8 +1,10 @@
 //! Pools shared by every replica on one Redis (`--backend redis`). Each grant is one atomic
 //! call of `quota.lua` on its pool: the members' demands, liveness and leases live in Redis
-//! with expiries, and the share is computed there, so two replicas never hand out the same
-//! capacity. What stays here is what only this replica sees: each participant's smoothed
-//! demand (its reports arrive here) and the streams to push when the script says a share moved.
+//! with expiries, the pool's running sums and shares too, so two replicas never hand out the
+//! same capacity, and a call's work in Redis does not grow with the pool (the script says
+//! how). What stays here is what only this replica sees: each participant's smoothed demand
+//! (its reports arrive here), what each of its members holds, and the streams to push when a
+//! call ends a recomputation of a pool's shares and a member's share moved.
 //!
 //! A member is connected while it was granted within the last three report intervals (its
 //! replica keeps calling); a replica that dies leaves leases that count until their TTL, then
@@ -22,7 +24,7 @@ use super::share::{FLOOR_OF_EQUAL_SPLIT, HEADROOM};
 use super::{Grant, ParticipantId, PoolSpec, Signal, Usage};
 use crate::limiter::BackendError;
 use crate::limiter::redis::RedisBackend;
-use crate::limiter::redis::quota::{PoolCall, PoolOp, SharePolicy};
+use crate::limiter::redis::quota::{PoolCall, PoolOp, SharePolicy, ShareTerms};
 
 /// The policy the script applies, from the constants the memory pools use.
 pub(crate) const POLICY: SharePolicy = SharePolicy {
@@ -37,12 +39,18 @@ struct Participant {
     signal: Weak<Signal>,
 }
 
+/// Per pool, this replica's members and the tokens each was last granted.
+type Held = HashMap<Box<[u8]>, HashMap<ParticipantId, u64>>;
+
 /// This replica's view of the shared pools.
 pub(crate) struct SharedPools {
     redis: Arc<RedisBackend>,
     /// This process's part of every member id, with its separator: `<replica>.`.
     replica: String,
     participants: Mutex<HashMap<ParticipantId, Participant>>,
+    /// Per pool, this replica's members and the tokens each was last granted: whom to look
+    /// at when the pool's shares move.
+    members: Mutex<Held>,
     ttl: Duration,
     /// A member not granted for this long is disconnected; its demand is stale.
     stale: Duration,
@@ -61,6 +69,7 @@ impl SharedPools {
             redis,
             replica: format!("{random:x}."),
             participants: Mutex::default(),
+            members: Mutex::default(),
             ttl,
             stale: report_interval * 3,
         }
@@ -110,7 +119,7 @@ impl SharedPools {
         let member = self.member(pid);
         let calls = pools.iter().map(|spec| {
             let demand = rate.map(|r| r * spec.window_s as f64);
-            self.call(spec, &member, PoolOp::Grant(demand))
+            self.call(spec, pid, &member, PoolOp::Grant(demand))
         });
         let mut grants = Vec::with_capacity(pools.len());
         for reply in join_all(calls).await {
@@ -122,10 +131,21 @@ impl SharedPools {
     /// `pid` no longer asks for `pools`: its leases count until they run out.
     pub(crate) async fn leave(&self, pid: ParticipantId, pools: &[PoolSpec]) {
         self.participants.lock().remove(&pid);
+        {
+            let mut members = self.members.lock();
+            for spec in pools {
+                if let Some(m) = members.get_mut(&spec.key) {
+                    m.remove(&pid);
+                    if m.is_empty() {
+                        members.remove(&spec.key);
+                    }
+                }
+            }
+        }
         let member = self.member(pid);
         let calls = pools
             .iter()
-            .map(|spec| self.call(spec, &member, PoolOp::Leave));
+            .map(|spec| self.call(spec, pid, &member, PoolOp::Leave));
         for result in join_all(calls).await {
             if let Err(e) = result {
                 // Its liveness runs out in Redis by itself.
@@ -135,8 +155,15 @@ impl SharedPools {
     }
 
     /// One script call (queued in the backend's quota lane, which bounds how many reach Redis
-    /// at once); the members it names as moved that belong to this replica are pushed.
-    async fn call(&self, spec: &PoolSpec, member: &str, op: PoolOp) -> Result<Grant, BackendError> {
+    /// at once); what `pid` holds is noted, and when the call ended a recomputation of the
+    /// pool's shares, this replica's members whose share moved are pushed.
+    async fn call(
+        &self,
+        spec: &PoolSpec,
+        pid: ParticipantId,
+        member: &str,
+        op: PoolOp,
+    ) -> Result<Grant, BackendError> {
         let reply = self
             .redis
             .pool(&PoolCall {
@@ -150,23 +177,51 @@ impl SharedPools {
                 policy: POLICY,
             })
             .await?;
-        let moved: Vec<ParticipantId> = reply
-            .moved
-            .iter()
-            .filter_map(|m| m.strip_prefix(self.replica.as_str()))
-            .filter_map(|pid| ParticipantId::from_str_radix(pid, 16).ok())
-            .collect();
-        if !moved.is_empty() {
-            let participants = self.participants.lock();
-            for pid in moved {
-                if let Some(signal) = participants.get(&pid).and_then(|p| p.signal.upgrade()) {
-                    signal.mark(pid);
-                }
+        if let PoolOp::Grant(_) = op {
+            let mut members = self.members.lock();
+            // A member that left meanwhile is not noted again.
+            if self.participants.lock().contains_key(&pid) {
+                members
+                    .entry(spec.key.clone())
+                    .or_default()
+                    .insert(pid, reply.tokens);
             }
+        }
+        if let Some(terms) = reply.pass {
+            self.push_moved(spec, &terms);
         }
         Ok(Grant {
             tokens: reply.tokens,
             max_tokens: reply.max_tokens,
         })
+    }
+
+    /// Marks this replica's members of `spec`'s pool whose share under `terms` is far from
+    /// what they hold, so their streams send them a new grant now. Linear in this replica's
+    /// members of the pool, once per recomputation of its shares (every ~2n/64 calls on it).
+    fn push_moved(&self, spec: &PoolSpec, terms: &ShareTerms) {
+        let members = self.members.lock();
+        let Some(held) = members.get(&spec.key) else {
+            return;
+        };
+        let participants = self.participants.lock();
+        let now = Instant::now();
+        for (pid, tokens) in held {
+            let Some(p) = participants.get(pid) else {
+                continue;
+            };
+            let demand = p
+                .demand
+                .rate()
+                .filter(|_| now.duration_since(p.reported) <= self.stale)
+                .map(|r| r * spec.window_s as f64);
+            let next = terms.share(demand, POLICY.headroom).floor().max(1.0);
+            let holds = *tokens as f64;
+            if (next - holds).abs() > (holds * SHARE_MOVE).max(1.0)
+                && let Some(signal) = p.signal.upgrade()
+            {
+                signal.mark(*pid);
+            }
+        }
     }
 }

@@ -1,17 +1,29 @@
 -- ratelimitd: one participant's share of an RLQS quota pool, decided in one atomic step.
 --
--- Why a script: replicas on one Redis share a pool. Reading its members, computing the fair
--- shares and recording a grant must be one step, or two replicas both see the same free
--- capacity and both hand it out. Time is Redis TIME (ms), so leases expire on one clock.
--- The arithmetic mirrors src/quota/share.rs and src/quota/pool.rs (the memory backend's
--- pools); a test runs the 'shares' operation against the Rust function on the same inputs.
+-- Why a script: replicas on one Redis share a pool. Recording a grant against what the others
+-- hold must be one step, or two replicas both see the same free capacity and both hand it
+-- out. Time is Redis TIME (ms), so leases expire on one clock. The arithmetic mirrors
+-- src/quota/share.rs (a test runs the 'shares' operation against the Rust function on the same
+-- inputs) and the pool mirrors src/quota/pool.rs: a grant is O(1) against running sums, and
+-- the fair shares are recomputed apart from it.
 --
--- KEYS[1]    the pool: a hash, field = member id (`<replica>.<participant>`, hex), value =
+-- Cost per call, whatever the pool's size: a grant or leave reads and writes its own member
+-- and the pool's running sums and sorted demands (O(log n)), and advances the recomputation
+-- of the shares by at most STEPS members (a pass: scan every member, expiring what ran out,
+-- then walk the demands in order to find the water level). A pass over n members takes about
+-- 2n/STEPS calls; until it ends, grants follow the shares of the pass before. They never take
+-- more than the others' leases leave, so the limit holds all the same.
+--
+-- KEYS[1]    the pool: a hash. Field = member id (`<replica>.<participant>`, hex), value =
 --            `<demand> <tokens> <max_tokens> <lease until ms> <alive until ms>`, demand in
 --            tokens per window or `-` when not measured. A member is connected while `alive
---            until` is ahead (its replica refreshes it at each grant); its grant is a lease
---            that counts against the limit until `lease until`, connected or not. A member
---            with neither is deleted. The key expires when the last lease or liveness would.
+--            until` is ahead (its replica refreshes it at each grant); its `tokens` count
+--            against the limit until a pass finds `lease until` behind and zeroes them. A
+--            member with neither is deleted. Field `#` holds the pool's state (see `load`).
+--            The key expires when the last lease or liveness would.
+-- KEYS[2]    the connected members' demands in order: a sorted set (score = demand or 0,
+--            member id), written by each grant and leave (a member whose replica died is
+--            taken out by the scan); same slot as KEYS[1].
 -- ARGV[1]    "grant", "leave" or "shares"
 --
 -- grant, leave:
@@ -21,12 +33,14 @@
 -- ARGV[5]    lease (ms): how long a grant is held (the assignment TTL)
 -- ARGV[6]    liveness (ms): how long a member counts as connected after a grant
 -- ARGV[7]    demand (grant: tokens per window; `-` none)
--- ARGV[8..10] floor of an equal split, headroom, share move (the Rust constants)
+-- ARGV[8..9] floor of an equal split, headroom (the Rust constants)
 -- grant records the member's demand, makes it connected, and grants it its fair share within
 -- what the others' leases leave (whole tokens, at least one); leave makes it disconnected (its
--- lease still counts). Both return {tokens, max_tokens, then the ids of connected members whose
--- share moved far enough from what they hold to push them a new grant}; leave's tokens are 0.
--- {-1}: the key holds data this service did not write; nothing is written.
+-- lease still counts). Both return {tokens, max_tokens, pass} and, when `pass` is 1 (a pass
+-- ended in this call: the shares moved), the new shares' terms as strings: {level, extra,
+-- floor, capacity}; a member's share is min(ask, level) + extra, its ask being its demand
+-- with headroom, at most the capacity and at least the floor (level `inf`: every ask is met).
+-- Leave's tokens are 0. {-1}: the key holds data this service did not write; nothing written.
 --
 -- shares (pure: no key read or written):
 -- ARGV[2..3] floor of an equal split, headroom
@@ -34,152 +48,236 @@
 -- ARGV[5..]  demands (`-` none)
 -- returns the fair shares, as strings (`%.17g`: Redis would truncate a number to an integer).
 
-local floor, max, min, abs = math.floor, math.max, math.min, math.abs
+local floor, max, min = math.floor, math.max, math.min
+local STEPS = 32
 local op = ARGV[1]
 
--- Max-min fair shares of `capacity` among `n` demands (nil: none): see fair_shares in share.rs.
-local function fair_shares(capacity, demands, n, floor_frac, headroom)
-  local shares = {}
-  if n == 0 then return shares end
-  capacity = max(capacity, 0)
-  local least = capacity / n * floor_frac
-  local asks, order = {}, {}
-  for i = 1, n do
-    local d = demands[i]
-    if d and d > 0 then asks[i] = max(min(d * headroom, capacity), least) else asks[i] = least end
-    order[i] = i
-  end
-  table.sort(order, function(a, b)
-    if asks[a] ~= asks[b] then return asks[a] < asks[b] end
-    return a < b
-  end)
-  local left = capacity
-  for k = 1, n do
-    local i = order[k]
-    local equal = left / (n - k + 1)
-    shares[i] = min(asks[i], equal)
-    left = left - shares[i]
-  end
-  if left > 0 then
-    local extra = left / n
-    for i = 1, n do shares[i] = shares[i] + extra end
-  end
-  return shares
+-- What a demand asks: with headroom, at most the capacity, at least the floor (none: the floor).
+local function ask(d, cap, least, headroom)
+  if d and d > 0 then return max(min(d * headroom, cap), least) end
+  return least
+end
+
+-- One step of the water-filling walk over demands in ascending order (see fair_shares in
+-- share.rs): `w` = {k = members walked, n, left, cap, least, headroom}. Returns the level when
+-- this member's ask is above an equal split of what is left (every later member gets the
+-- level), else nil and takes the ask.
+local function walk(w, d)
+  local a = ask(d, w.cap, w.least, w.headroom)
+  local equal = w.left / (w.n - w.k)
+  if a > equal then return equal end
+  w.left = w.left - a
+  w.k = w.k + 1
+  return nil
+end
+
+local function new_walk(n, cap, floor_frac, headroom)
+  cap = max(cap, 0)
+  local least = 0
+  if n > 0 then least = cap / n * floor_frac end
+  return {k = 0, n = n, left = cap, cap = cap, least = least, headroom = headroom}
+end
+
+-- The end of a walk: the level (math.huge when every ask was met) and what nobody asked,
+-- spread over everyone.
+local function finish(w, level)
+  if level then return level, 0 end
+  local extra = 0
+  if w.left > 0 and w.n > 0 then extra = w.left / w.n end
+  return math.huge, extra
 end
 
 if op == 'shares' then
   local floor_frac, headroom, capacity = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
   local demands, n = {}, #ARGV - 4
   for i = 1, n do demands[i] = tonumber(ARGV[i + 4]) end
-  local out = {}
-  for i, s in ipairs(fair_shares(capacity, demands, n, floor_frac, headroom)) do
-    out[i] = string.format('%.17g', s)
+  local w = new_walk(n, capacity, floor_frac, headroom)
+  local order = {}
+  for i = 1, n do order[i] = i end
+  local asks = {}
+  for i = 1, n do asks[i] = ask(demands[i], w.cap, w.least, headroom) end
+  table.sort(order, function(a, b)
+    if asks[a] ~= asks[b] then return asks[a] < asks[b] end
+    return a < b
+  end)
+  local level
+  for _, i in ipairs(order) do
+    level = walk(w, demands[i])
+    if level then break end
   end
+  local extra
+  level, extra = finish(w, level)
+  local out = {}
+  for i = 1, n do out[i] = string.format('%.17g', min(asks[i], level) + extra) end
   return out
 end
 
-local key, me_id = KEYS[1], ARGV[2]
+local key, order_key, me_id = KEYS[1], KEYS[2], ARGV[2]
 local limit, burst = tonumber(ARGV[3]), tonumber(ARGV[4])
 local lease_ms, alive_ms = tonumber(ARGV[5]), tonumber(ARGV[6])
 local demand = tonumber(ARGV[7])
-local floor_frac, headroom, share_move = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
+local floor_frac, headroom = tonumber(ARGV[8]), tonumber(ARGV[9])
 
 local kind = redis.call('TYPE', key)['ok']
 if kind ~= 'hash' and kind ~= 'none' then return {-1} end
+local okind = redis.call('TYPE', order_key)['ok']
+if okind ~= 'zset' and okind ~= 'none' then return {-1} end
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + floor(tonumber(t[2]) / 1000)
 
--- The members that still count, in the hash's order.
-local ids, m = {}, {}
-local raw = redis.call('HGETALL', key)
-for i = 1, #raw, 2 do
-  local d, tk, mx, u, a = string.match(raw[i + 1], '^(%S+) (%d+) (%d+) (%d+) (%d+)$')
-  if not d then return {-1} end
-  u, a = tonumber(u), tonumber(a)
-  if u <= now and a <= now then
-    redis.call('HDEL', key, raw[i])
-  else
-    ids[#ids + 1] = raw[i]
-    m[raw[i]] = {demand = tonumber(d), tokens = tonumber(tk), max = tonumber(mx), lease = u, alive = a}
-  end
+local function parse(v)
+  local d, tk, mx, u, a = string.match(v, '^(%S+) (%d+) (%d+) (%d+) (%d+)$')
+  if not d then return nil end
+  return {demand = tonumber(d), tokens = tonumber(tk), max = tonumber(mx), lease = tonumber(u),
+    alive = tonumber(a)}
 end
-
-local me = m[me_id]
-if op == 'grant' then
-  if not me then
-    me = {tokens = 0, max = 0, lease = 0}
-    m[me_id] = me
-    ids[#ids + 1] = me_id
-  end
-  me.demand = demand
-  me.alive = now + alive_ms
-elseif me then
-  me.alive = 0
-end
-
-local function held(x)
-  if x.lease > now then return x.tokens end
-  return 0
-end
-local function whole(s) return max(floor(s), 1) end
-
--- Shares of what the disconnected members' leases leave, among the connected.
-local leased, live, demands = 0, {}, {}
-for _, id in ipairs(ids) do
-  local x = m[id]
-  if x.alive > now then
-    live[#live + 1] = id
-    demands[#live] = x.demand
-  else
-    leased = leased + held(x)
-  end
-end
-local share = {}
-for i, s in ipairs(fair_shares(max(limit - leased, 0), demands, #live, floor_frac, headroom)) do
-  share[live[i]] = s
-end
-
-local tokens, max_tokens, before = 0, 0, 0
-if op == 'grant' then
-  local others = 0
-  for _, id in ipairs(ids) do
-    if id ~= me_id then others = others + held(m[id]) end
-  end
-  before = held(me)
-  tokens = max(min(whole(share[me_id]), max(limit - others, 0)), 1)
-  max_tokens = max(floor(burst * tokens / limit), 1)
-  me.tokens, me.max, me.lease = tokens, max_tokens, now + lease_ms
-end
-
 local function encode(x)
   local d = '-'
   if x.demand then d = string.format('%.17g', x.demand) end
   return string.format('%s %d %d %d %d', d, x.tokens, x.max, x.lease, x.alive)
 end
+
+-- The pool's state, field `#`: held (tokens of every member: the sum grants are made against),
+-- the pass in progress (phase `s` scanning from `cursor`, counting the connected and the
+-- disconnected members' leases; phase `w` walking the sorted demands from rank `k` with `left`
+-- of the capacity), and the last pass's terms (n, level, extra, floor, capacity).
+local S
+local raw = redis.call('HGET', key, '#')
+if raw then
+  local f = {}
+  for x in string.gmatch(raw, '%S+') do f[#f + 1] = x end
+  if #f ~= 12 then return {-1} end
+  S = {held = tonumber(f[1]), phase = f[2], cursor = f[3], live = tonumber(f[4]),
+    leased = tonumber(f[5]), k = tonumber(f[6]), left = tonumber(f[7]), n = tonumber(f[8]),
+    level = tonumber(f[9]), extra = tonumber(f[10]), least = tonumber(f[11]),
+    cap = tonumber(f[12])}
+  if not S.held or not S.level then return {-1} end
+else
+  -- A new pool (or one written before the state existed: its tokens summed once).
+  S = {held = 0, phase = 's', cursor = '0', live = 0, leased = 0, k = 0, left = 0, n = 0,
+    level = 0, extra = 0, least = 0, cap = 0}
+  redis.call('DEL', order_key)
+  local all = redis.call('HGETALL', key)
+  for i = 1, #all, 2 do
+    local x = parse(all[i + 1])
+    if not x then return {-1} end
+    S.held = S.held + x.tokens
+    if x.alive > now then redis.call('ZADD', order_key, x.demand or 0, all[i]) end
+  end
+end
+
+-- This call's member, read once and written at the end.
+local me
+do
+  local v = redis.call('HGET', key, me_id)
+  if v then
+    me = parse(v)
+    if not me then return {-1} end
+  end
+end
+if op == 'grant' then
+  if not me then me = {tokens = 0, max = 0, lease = 0} end
+  me.demand = demand
+  me.alive = now + alive_ms
+  redis.call('ZADD', order_key, demand or 0, me_id)
+elseif me then
+  me.alive = 0
+  redis.call('ZREM', order_key, me_id)
+end
+
+-- Advances the pass by at most STEPS members. Returns true when it ended here.
+local function step()
+  local steps = STEPS
+  while steps > 0 do
+    if S.phase == 's' then
+      local r = redis.call('HSCAN', key, S.cursor, 'COUNT', 32)
+      local pairs_ = r[2]
+      for i = 1, #pairs_, 2 do
+        local id = pairs_[i]
+        if id ~= '#' and id ~= me_id then
+          local x = parse(pairs_[i + 1])
+          if not x then return nil end
+          local dirty = false
+          if x.lease <= now and x.tokens > 0 then
+            S.held = S.held - x.tokens
+            x.tokens, dirty = 0, true
+          end
+          if x.alive <= now then
+            -- Disconnected without a leave (its replica died): out of the demands.
+            redis.call('ZREM', order_key, id)
+          end
+          if x.alive <= now and x.lease <= now then
+            redis.call('HDEL', key, id)
+          else
+            if dirty then redis.call('HSET', key, id, encode(x)) end
+            if x.alive <= now then S.leased = S.leased + x.tokens end
+          end
+        end
+      end
+      steps = steps - max(#pairs_ / 2, 1)
+      S.cursor = r[1]
+      if S.cursor == '0' then
+        -- This call's member is counted as it is now, not as the scan would have seen it.
+        if me and me.alive <= now and me.lease > now then S.leased = S.leased + me.tokens end
+        local w = new_walk(redis.call('ZCARD', order_key), limit - S.leased, floor_frac, headroom)
+        S.phase, S.k, S.left, S.live, S.cap, S.least = 'w', 0, w.left, w.n, w.cap, w.least
+      end
+    else
+      local w = {k = S.k, n = S.live, left = S.left, cap = S.cap, least = S.least,
+        headroom = headroom}
+      local batch = redis.call('ZRANGE', order_key, S.k, S.k + steps - 1, 'WITHSCORES')
+      local level
+      for i = 2, #batch, 2 do
+        level = walk(w, tonumber(batch[i]))
+        if level then break end
+      end
+      steps = steps - max(#batch / 2, 1)
+      S.k, S.left = w.k, w.left
+      if level or w.k >= w.n or #batch == 0 then
+        S.level, S.extra = finish(w, level)
+        S.n, S.cap, S.least = w.n, w.cap, w.least
+        S.phase, S.cursor, S.live, S.leased, S.k, S.left = 's', '0', 0, 0, 0, 0
+        return true
+      end
+    end
+  end
+  return false
+end
+local passed = step()
+if passed == nil then return {-1} end
+
+local function whole(s) return max(floor(s), 1) end
+
+local tokens, max_tokens = 0, 0
+if op == 'grant' then
+  local others = S.held - me.tokens
+  local share = 0
+  if S.n > 0 then share = min(ask(me.demand, S.cap, S.least, headroom), S.level) + S.extra end
+  tokens = max(min(whole(share), max(limit - others, 0)), 1)
+  max_tokens = max(floor(burst * tokens / limit), 1)
+  S.held = others + tokens
+  me.tokens, me.max, me.lease = tokens, max_tokens, now + lease_ms
+end
+
 if me then
   if me.lease > now or me.alive > now then
     redis.call('HSET', key, me_id, encode(me))
   else
+    S.held = S.held - me.tokens
     redis.call('HDEL', key, me_id)
   end
 end
-if redis.call('EXISTS', key) == 1 then
-  redis.call('PEXPIRE', key, max(lease_ms, alive_ms))
-end
+local level = 'inf'
+if S.level < math.huge then level = string.format('%.17g', S.level) end
+redis.call('HSET', key, '#', string.format('%d %s %s %d %.17g %d %.17g %d %s %.17g %.17g %.17g',
+  S.held, S.phase, S.cursor, S.live, S.leased, S.k, S.left, S.n, level, S.extra, S.least, S.cap))
+local ttl = max(lease_ms, alive_ms)
+redis.call('PEXPIRE', key, ttl)
+if redis.call('EXISTS', order_key) == 1 then redis.call('PEXPIRE', order_key, ttl) end
 
--- Whom to push: a share far from what its member holds, or, when this grant freed capacity,
--- anyone holding less than its share.
-local out = {tokens, max_tokens}
-for _, id in ipairs(live) do
-  if id ~= me_id then
-    local h = held(m[id])
-    if h > 0 then
-      local next_tokens = whole(share[id])
-      if abs(next_tokens - h) > max(h * share_move, 1) or (tokens < before and h < share[id]) then
-        out[#out + 1] = id
-      end
-    end
-  end
+if passed then
+  return {tokens, max_tokens, 1, level, string.format('%.17g', S.extra),
+    string.format('%.17g', S.least), string.format('%.17g', S.cap)}
 end
-return out
+return {tokens, max_tokens, 0}

@@ -57,7 +57,8 @@ pub(crate) struct SharePolicy {
     pub(crate) floor_of_equal_split: f64,
     /// Demand is met with this factor of room.
     pub(crate) headroom: f64,
-    /// A share moving by more than this fraction of what its member holds is pushed.
+    /// A share moving by more than this fraction of what its member holds is pushed (by the
+    /// replica holding it: the script names no members).
     pub(crate) share_move: f64,
 }
 
@@ -91,24 +92,50 @@ pub(crate) struct PoolCall<'a> {
 }
 
 /// The script's answer to a [`PoolCall`].
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub(crate) struct PoolReply {
     /// Tokens per window granted (0 for a leave).
     pub(crate) tokens: u64,
     /// The grant's part of the burst.
     pub(crate) max_tokens: u64,
-    /// Connected members whose share moved enough to push them a new grant.
-    pub(crate) moved: Vec<String>,
+    /// The pool's new shares, when a recomputation ended in this call.
+    pub(crate) pass: Option<ShareTerms>,
 }
 
-/// The pool's Redis key: `<prefix>{<tag>}quota<rest of the counter key>`. A counter key holds
-/// no brace but its tag's, and continues the tag with `:`, so this is no counter's key and
-/// distinct pools have distinct keys.
-fn pool_key(counter: &[u8]) -> Vec<u8> {
+/// A pool's fair shares in four numbers: a member's share is `min(ask, level) + extra`, its
+/// ask being its demand with headroom, at most `capacity` and at least `least`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct ShareTerms {
+    /// The water level (infinite: every ask is met).
+    pub(crate) level: f64,
+    /// What nobody asked for, per member.
+    pub(crate) extra: f64,
+    /// The least a member asks.
+    pub(crate) least: f64,
+    /// What the members share: the limit less the disconnected members' leases.
+    pub(crate) capacity: f64,
+}
+
+impl ShareTerms {
+    /// The share of a member asking `demand` tokens per window (`None`: not measured).
+    pub(crate) fn share(&self, demand: Option<f64>, headroom: f64) -> f64 {
+        let ask = match demand {
+            Some(d) if d > 0.0 => (d * headroom).min(self.capacity).max(self.least),
+            _ => self.least,
+        };
+        ask.min(self.level) + self.extra
+    }
+}
+
+/// A pool's Redis key: `<prefix>{<tag>}<what><rest of the counter key>` (`quota`: the pool,
+/// `quota-order`: its recomputation's sorted demands). A counter key holds no brace but its
+/// tag's, and continues the tag with `:`, so this is no counter's key, distinct pools have
+/// distinct keys, and a pool's two keys share its counter's slot.
+fn pool_key(counter: &[u8], what: &[u8]) -> Vec<u8> {
     let tag_end = counter.iter().position(|b| *b == b'}').map_or(0, |i| i + 1);
-    let mut key = Vec::with_capacity(counter.len() + 5);
+    let mut key = Vec::with_capacity(counter.len() + what.len());
     key.extend_from_slice(&counter[..tag_end]);
-    key.extend_from_slice(b"quota");
+    key.extend_from_slice(what);
     key.extend_from_slice(&counter[tag_end..]);
     key
 }
@@ -132,6 +159,13 @@ fn int(v: &Value) -> Option<i64> {
     }
 }
 
+fn number(v: &Value) -> Option<f64> {
+    match text(v)?.as_str() {
+        "inf" => Some(f64::INFINITY),
+        t => t.parse().ok(),
+    }
+}
+
 fn text(v: &Value) -> Option<String> {
     match v {
         Value::BulkString(b) => String::from_utf8(b.clone()).ok(),
@@ -147,18 +181,23 @@ impl PoolReply {
         };
         match values.as_slice() {
             [first] if int(first) == Some(-1) => Err("foreign"),
-            [tokens, max_tokens, moved @ ..] => Ok(PoolReply {
+            [tokens, max_tokens, pass, terms @ ..] => Ok(PoolReply {
                 tokens: int(tokens)
                     .and_then(|t| u64::try_from(t).ok())
                     .ok_or("tokens")?,
                 max_tokens: int(max_tokens)
                     .and_then(|t| u64::try_from(t).ok())
                     .ok_or("max_tokens")?,
-                moved: moved
-                    .iter()
-                    .map(text)
-                    .collect::<Option<_>>()
-                    .ok_or("moved")?,
+                pass: match (int(pass), terms) {
+                    (Some(0), []) => None,
+                    (Some(1), [level, extra, least, capacity]) => Some(ShareTerms {
+                        level: number(level).ok_or("level")?,
+                        extra: number(extra).ok_or("extra")?,
+                        least: number(least).ok_or("least")?,
+                        capacity: number(capacity).ok_or("capacity")?,
+                    }),
+                    _ => return Err("pass"),
+                },
             }),
             _ => Err("too short"),
         }
@@ -236,7 +275,8 @@ impl RedisBackend {
 
     /// One member's call on one pool.
     pub(crate) async fn pool(&self, call: &PoolCall<'_>) -> Result<PoolReply, BackendError> {
-        let key = pool_key(call.pool);
+        let key = pool_key(call.pool, b"quota");
+        let order = pool_key(call.pool, b"quota-order");
         let (op, demand) = match call.op {
             PoolOp::Grant(demand) => ("grant", demand),
             PoolOp::Leave => ("leave", None),
@@ -252,12 +292,11 @@ impl RedisBackend {
             demand_arg(demand),
             format!("{:e}", p.floor_of_equal_split),
             format!("{:e}", p.headroom),
-            format!("{:e}", p.share_move),
         ]
         .into_iter()
         .map(String::into_bytes)
         .collect();
-        let reply = self.eval_quota(&[&key], &args).await?;
+        let reply = self.eval_quota(&[&key, &order], &args).await?;
         PoolReply::parse(&reply).map_err(|why| match why {
             "foreign" => self.error(
                 ErrorKind::ForeignData,
@@ -310,27 +349,44 @@ mod tests {
     #[test]
     fn pool_keys_sit_beside_the_counter_in_its_slot() {
         assert_eq!(
-            pool_key(b"p:{edge}:name:api:f60000000:0"),
+            pool_key(b"p:{edge}:name:api:f60000000:0", b"quota"),
             b"p:{edge}quota:name:api:f60000000:0"
         );
-        assert_eq!(pool_key(b"{d:k:v}:f1000000:0"), b"{d:k:v}quota:f1000000:0");
+        assert_eq!(
+            pool_key(b"{d:k:v}:f1000000:0", b"quota-order"),
+            b"{d:k:v}quota-order:f1000000:0"
+        );
     }
 
     #[test]
     fn replies_are_read_or_refused() {
+        let bulk = |s: &str| Value::BulkString(s.as_bytes().to_vec());
         let reply = Value::Array(vec![
             Value::Int(5),
             Value::Int(2),
-            Value::BulkString(b"a.1".to_vec()),
+            Value::Int(1),
+            bulk("inf"),
+            bulk("2.5"),
+            bulk("1"),
+            bulk("100"),
         ]);
         assert_eq!(
             PoolReply::parse(&reply),
             Ok(PoolReply {
                 tokens: 5,
                 max_tokens: 2,
-                moved: vec!["a.1".into()]
+                pass: Some(ShareTerms {
+                    level: f64::INFINITY,
+                    extra: 2.5,
+                    least: 1.0,
+                    capacity: 100.0
+                })
             })
         );
+        let quiet = Value::Array(vec![Value::Int(5), Value::Int(2), Value::Int(0)]);
+        assert_eq!(PoolReply::parse(&quiet).map(|r| r.pass), Ok(None));
+        let short = Value::Array(vec![Value::Int(5), Value::Int(2), Value::Int(1)]);
+        assert!(PoolReply::parse(&short).is_err());
         assert_eq!(
             PoolReply::parse(&Value::Array(vec![Value::Int(-1)])),
             Err("foreign")
