@@ -229,6 +229,8 @@ local function step()
       local batch = redis.call('ZRANGE', order_key, S.k, S.k + steps - 1, 'WITHSCORES')
       local level
       for i = 2, #batch, 2 do
+        -- Members granted since the pass counted them wait for the next pass.
+        if w.k >= w.n then break end
         level = walk(w, tonumber(batch[i]))
         if level then break end
       end
