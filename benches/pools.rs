@@ -5,7 +5,8 @@
 //!
 //! One run against a fresh server (`scripts/pools.sh` starts one per round):
 //! 1. quiet: an RLS client sends the bench domain's request at `--rls-rate` for `--window`
-//!    seconds (open loop: a call is timed from when it was due, so waiting is measured);
+//!    seconds (open loop: a call is timed from when it was due, so waiting is measured; on a
+//!    thread and runtime of its own, apart from the RLQS load this process makes);
 //! 2. set-up: `--streams` streams, each on its own connection, report `--members - --report`
 //!    buckets of one pool (`tenant: t-<n>`, one `share_threshold` counter) and wait for every
 //!    answer;
@@ -122,6 +123,32 @@ async fn probe(client: RateLimitServiceClient<Channel>, rate: f64, window: Durat
     p
 }
 
+/// How long the probe warms its connection before it measures.
+const WARM: Duration = Duration::from_millis(300);
+
+/// The RLS client on a thread and a runtime of its own, so that the RLQS load this process
+/// generates (large messages to encode and decode) never delays it: what it measures is the
+/// server (the cores stay shared, as they are with any neighbour).
+fn apart(target: String, rate: f64, window: Duration) -> tokio::task::JoinHandle<Probe> {
+    tokio::task::spawn_blocking(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("a runtime");
+        rt.block_on(async {
+            let client = RateLimitServiceClient::new(
+                Channel::from_shared(target)
+                    .expect("target URL")
+                    .connect()
+                    .await
+                    .expect("connect to the target"),
+            );
+            probe(client.clone(), rate, WARM).await;
+            probe(client, rate, window).await
+        })
+    })
+}
+
 #[derive(Default)]
 struct Probe {
     latencies_us: Vec<u64>,
@@ -230,16 +257,9 @@ async fn main() {
         std::process::exit(2);
     }
     let window = Duration::from_secs_f64(flags.window);
-    let rls = RateLimitServiceClient::new(
-        Channel::from_shared(target.clone())
-            .expect("target URL")
-            .connect()
-            .await
-            .expect("connect to the target"),
-    );
-    // Warm the connection and the counters, then the quiet phase.
-    probe(rls.clone(), flags.rls_rate, Duration::from_millis(500)).await;
-    let quiet = probe(rls.clone(), flags.rls_rate, window).await;
+    let quiet = apart(target.clone(), flags.rls_rate, window)
+        .await
+        .expect("the probe");
 
     // Set-up: the pool's other members, split over the streams.
     let others = flags.members.saturating_sub(flags.report);
@@ -263,8 +283,8 @@ async fn main() {
     let newcomer = Stream::open(&target).await;
 
     // Busy: the large report at once, the others' reports spread over the window.
-    let busy = tokio::spawn(probe(rls.clone(), flags.rls_rate, window));
-    tokio::time::sleep(window / 10).await;
+    let busy = apart(target.clone(), flags.rls_rate, window);
+    tokio::time::sleep(WARM + window / 10).await;
     let (cpu0, redis0, t0) = (cpu(flags.server_pid), cpu(flags.redis_pid), Instant::now());
     newcomer.report(others..others + flags.report).await;
     let done = newcomer

@@ -13,7 +13,7 @@
 //! buckets held keep working. A bucket's id is kept once: its sorted pairs, shared with the
 //! stream's index, and made into a `BucketId` again only to answer.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
@@ -55,6 +55,13 @@ const SEND_TIMEOUT: Duration = Duration::from_secs(30);
 const CONFIG_CHECK: Duration = Duration::from_secs(1);
 /// Reports claiming less time than this are measured on the server's clock instead.
 const MIN_ELAPSED: Duration = Duration::from_millis(10);
+/// Pushes of moved shares a stream sends at once; more wait [`PUSH_TICK`]. When one large
+/// report moves every share of a pool of 30,000, pushing them all is linear work that cannot be
+/// avoided: this spreads it (at most 2,560 pushes a second per stream) and lets a bucket that
+/// moves again meanwhile be pushed once.
+const PUSHES: usize = 256;
+/// How long pushes past [`PUSHES`] wait.
+const PUSH_TICK: Duration = Duration::from_millis(100);
 /// Buckets a stream handles before it hands its worker thread back: a report (or a close, or
 /// a reload) of 10,000 buckets never holds a thread that RLS requests are waiting for longer
 /// than this many buckets take (about 0.1 ms on the memory backend).
@@ -249,6 +256,8 @@ impl QuotaStream {
         mut inbound: Streaming<RateLimitQuotaUsageReports>,
         tx: mpsc::Sender<Result<RateLimitQuotaResponse, Status>>,
     ) {
+        // Set while moved buckets wait for their turn to be pushed (see `PUSHES`).
+        let mut push_after: Option<Instant> = None;
         let mut config_check = tokio::time::interval(CONFIG_CHECK);
         config_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -275,7 +284,15 @@ impl QuotaStream {
                         break;
                     }
                 },
-                () = self.signal.notify.notified() => Ok(self.on_moved().await),
+                () = self.signal.notify.notified(), if push_after.is_none() => {
+                    Ok(self.on_moved(&mut push_after).await)
+                }
+                () = tokio::time::sleep_until(push_after.unwrap_or_else(Instant::now)),
+                    if push_after.is_some() =>
+                {
+                    push_after = None;
+                    Ok(self.on_moved(&mut push_after).await)
+                }
                 _ = config_check.tick() => Ok(self.on_config_check().await),
             };
             let (actions, end) = match answer {
@@ -553,14 +570,16 @@ impl QuotaStream {
         }
     }
 
-    /// Buckets whose share moved: pushed their assignment now.
-    async fn on_moved(&mut self) -> Vec<BucketAction> {
-        let moved: HashSet<ParticipantId> = self.signal.take();
-        self.answer(
-            moved.into_iter().map(|pid| (pid, Ask::Push)),
-            Instant::now(),
-        )
-        .await
+    /// Buckets whose share moved: pushed their assignment now, at most [`PUSHES`] of them;
+    /// the rest wait for `push_after`.
+    async fn on_moved(&mut self, push_after: &mut Option<Instant>) -> Vec<BucketAction> {
+        let (moved, more) = self.signal.take(PUSHES);
+        let now = Instant::now();
+        if more {
+            *push_after = Some(now + PUSH_TICK);
+        }
+        self.answer(moved.into_iter().map(|pid| (pid, Ask::Push)), now)
+            .await
     }
 
     /// A new config: every bucket resolved again; those whose target changed are told now.

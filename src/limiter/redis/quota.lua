@@ -49,7 +49,7 @@
 -- returns the fair shares, as strings (`%.17g`: Redis would truncate a number to an integer).
 
 local floor, max, min = math.floor, math.max, math.min
-local STEPS = 32
+local STEPS = 16
 local op = ARGV[1]
 
 -- What a demand asks: with headroom, at most the capacity, at least the floor (none: the floor).
@@ -191,7 +191,7 @@ local function step()
   local steps = STEPS
   while steps > 0 do
     if S.phase == 's' then
-      local r = redis.call('HSCAN', key, S.cursor, 'COUNT', 32)
+      local r = redis.call('HSCAN', key, S.cursor, 'COUNT', steps)
       local pairs_ = r[2]
       for i = 1, #pairs_, 2 do
         local id = pairs_[i]
