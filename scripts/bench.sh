@@ -40,8 +40,6 @@ ulimit -n 65536 2>/dev/null || ulimit -n "$(ulimit -Hn)"
 command -v h2load >/dev/null || { echo "bench: h2load missing: apt-get install nghttp2-client" >&2; exit 1; }
 cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 HZ=$(getconf CLK_TCK)
-# The median of the numbers on stdin (separated by spaces or lines).
-median() { tr ' ' '\n' | grep -v '^$' | sort -g | awk '{v[NR] = $1} END {print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2}'; }
 
 cargo build --release --quiet
 LOADGEN=$(bench_bin loadgen)
@@ -320,7 +318,7 @@ if [ "$CALLGRIND" = 1 ] && command -v valgrind >/dev/null; then
     valgrind --tool=callgrind --callgrind-out-file="$WORK/cg.$name.%p" --instr-atstart=no "${SERVER_CMD[@]}" >/dev/null 2>&1 &
     SERVER_PID=$!
     pids+=("$SERVER_PID")
-    for _ in $(seq 300); do (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break; sleep 0.1; done
+    wait_port "$port" 300 || true
     "$LOADGEN" --target "http://127.0.0.1:$port" --duration 2 --warmup 0 --concurrency 8 --connections 2 >/dev/null
     callgrind_control -i on "$SERVER_PID" >/dev/null 2>&1
     n=$("$LOADGEN" --target "http://127.0.0.1:$port" --duration 5 --warmup 0 --concurrency 8 --connections 2 | awk '/^requests:/ {print $2}')

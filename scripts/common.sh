@@ -19,6 +19,21 @@ free_port() {
   done
 }
 
+# Waits until something accepts on loopback port $1, trying every 0.1 s up to $2 times (200:
+# 20 s); says so on stderr and returns 1 when nothing does.
+wait_port() { # PORT [TRIES]
+  local i
+  for i in $(seq "${2:-200}"); do
+    (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0
+    sleep 0.1
+  done
+  echo "nothing listens on 127.0.0.1:$1" >&2
+  return 1
+}
+
+# The median of the numbers on stdin (separated by spaces or lines).
+median() { tr ' ' '\n' | grep -v '^$' | sort -g | awk '{v[NR] = $1} END {print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2}'; }
+
 # Builds bench target $1 (release profile) and prints its executable's path as cargo reports
 # it (not guessed from file times).
 bench_bin() {

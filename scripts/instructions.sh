@@ -59,7 +59,7 @@ for server in "$@"; do
   valgrind --tool=callgrind --instr-atstart=no --callgrind-out-file="$WORK/cg.$name.%p" "${SERVER_CMD[@]}" >/dev/null 2>&1 &
   pid=$!
   pids+=("$pid")
-  for _ in $(seq 300); do (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break; sleep 0.1; done
+  wait_port "$port" 300 || true
   load() {
     h2load -c"$CLIENTS" -m"$STREAMS" -t1 -n "$1" -d "$WORK/request.bin" -H 'content-type: application/grpc' \
       -H 'te: trailers' "http://127.0.0.1:$port/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit"

@@ -18,7 +18,6 @@ STREAMS=${STREAMS:-4}
 RLS_RATE=${RLS_RATE:-1000}
 WINDOW=${WINDOW:-5}
 BACKENDS=${BACKENDS:-memory redis}
-median() { tr ' ' '\n' | grep -v '^$' | sort -g | awk '{v[NR] = $1} END {print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2}'; }
 
 cargo build --release --quiet
 POOLS=$(bench_bin pools)
@@ -26,12 +25,6 @@ WORK=$(mktemp -d)
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$WORK" "$_ports_given"; }
 trap cleanup EXIT
-
-# Waits for a TCP port to accept, for at most 20 s.
-wait_port() {
-  for _ in $(seq 200); do (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0; sleep 0.1; done
-  echo "pools: nothing listens on $1" >&2; return 1
-}
 
 echo "machine: $(nproc) cores, $(redis-server --version | cut -d' ' -f1-3)"
 echo "a report of $REPORT new buckets joining a pool of $MEMBERS (the others on $STREAMS streams), RLS at $RLS_RATE/s, ${WINDOW}s windows, $ROUNDS rounds"

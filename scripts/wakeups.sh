@@ -41,7 +41,7 @@ for _ in $(seq "$ROUNDS"); do
     esac
     pid=$!
     pids+=("$pid")
-    for _ in $(seq 100); do (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break; sleep 0.1; done
+    wait_port "$port" 100 || true
     "$LOADGEN" --target "http://127.0.0.1:$port" --duration 2 --warmup 0 --concurrency 8 --connections 2 >/dev/null
     redis-cli -p "$REDIS_PORT" config resetstat >/dev/null
     read -r s0 u0 < <(ticks "$pid"); read -r r0 v0 < <(ticks "$REDIS_PID")

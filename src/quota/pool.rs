@@ -165,12 +165,18 @@ struct Pool {
     dead: bool,
 }
 
-impl Pool {
-    /// Whole tokens of a share: rounded down, at least one.
-    fn whole(share: f64) -> u64 {
-        (share.floor() as u64).max(1)
-    }
+/// Whole tokens of a share: rounded down, at least one.
+pub(super) fn whole(share: f64) -> u64 {
+    (share.floor() as u64).max(1)
+}
 
+/// Whether a member holding `holds` tokens, whose share is now worth `next`, is pushed a new
+/// grant at once: a move of more than [`SHARE_MOVE`] of what it holds, and at least one token.
+pub(super) fn moved_far(holds: u64, next: u64) -> bool {
+    (next as f64 - holds as f64).abs() > (holds as f64 * SHARE_MOVE).max(1.0)
+}
+
+impl Pool {
     /// A new, empty pool.
     fn new(spec: PoolSpec) -> Pool {
         Pool {
@@ -229,23 +235,21 @@ impl Pool {
         for (id, share) in ids.into_iter().zip(fair_shares(capacity, &demands)) {
             self.members.get_mut(&id).expect("listed above").share = share;
         }
-        self.push_moved(now, |_| true);
+        self.push_moved(now);
     }
 
-    /// Marks the connected members (among those `which` picks) whose share is far from what
-    /// they hold, so their streams send them a new grant now.
-    fn push_moved(&self, now: Instant, which: impl Fn(&Member) -> bool) {
+    /// Marks the connected members whose share is far from what they hold, so their streams
+    /// send them a new grant now.
+    fn push_moved(&self, now: Instant) {
         for (id, m) in &self.members {
-            if !m.connected || !which(m) {
+            if !m.connected {
                 continue;
             }
-            if let Some(held) = m.holds(now) {
-                let (holds, next) = (held.tokens as f64, Self::whole(m.share) as f64);
-                if (next - holds).abs() > (holds * SHARE_MOVE).max(1.0)
-                    && let Some(signal) = m.signal.upgrade()
-                {
-                    signal.mark(*id);
-                }
+            if let Some(held) = m.holds(now)
+                && moved_far(held.tokens, whole(m.share))
+                && let Some(signal) = m.signal.upgrade()
+            {
+                signal.mark(*id);
             }
         }
     }
@@ -262,7 +266,7 @@ impl Pool {
         let others = self.held.saturating_sub(m.counted);
         let free = self.spec.limit.saturating_sub(others);
         let before = m.holds(now).map_or(0, |g| g.tokens);
-        let tokens = Self::whole(m.share).min(free).max(1);
+        let tokens = whole(m.share).min(free).max(1);
         let max_tokens = (u128::from(self.spec.burst) * u128::from(tokens)
             / u128::from(self.spec.limit.max(1))) as u64;
         let g = Grant {
@@ -319,6 +323,11 @@ impl Pools {
             }
             p.dead = true;
         }
+        self.forget(key, pool);
+    }
+
+    /// Takes `key` out of the map if it still names `pool` (a dead one).
+    fn forget(&self, key: &[u8], pool: &Locked) {
         let mut pools = self.pools.lock();
         if pools.get(key).is_some_and(|p| Arc::ptr_eq(p, pool)) {
             pools.remove(key);
@@ -344,11 +353,7 @@ impl Pools {
         if locked.dead {
             // Emptied and on its way out of the map: put a new pool in its place and join that.
             drop(locked);
-            let mut pools = self.pools.lock();
-            if pools.get(&spec.key).is_some_and(|p| Arc::ptr_eq(p, &pool)) {
-                pools.remove(&spec.key);
-            }
-            drop(pools);
+            self.forget(&spec.key, &pool);
             return self.join(spec, pid, signal, now);
         }
         let pool = &mut *locked;

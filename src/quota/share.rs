@@ -19,15 +19,7 @@ pub fn fair_shares(capacity: f64, demands: &[Option<f64>]) -> Vec<f64> {
     }
     let capacity = capacity.max(0.0);
     let floor = capacity / n as f64 * FLOOR_OF_EQUAL_SPLIT;
-    // What each asks, bounded: nobody can ask more than the whole (a client's absurd report
-    // weighs no more than an honest "everything").
-    let asks: Vec<f64> = demands
-        .iter()
-        .map(|d| match d {
-            Some(d) if *d > 0.0 => (d * HEADROOM).min(capacity).max(floor),
-            _ => floor,
-        })
-        .collect();
+    let asks: Vec<f64> = demands.iter().map(|d| ask(*d, capacity, floor)).collect();
     let mut order: Vec<usize> = (0..n).collect();
     order.sort_by(|&a, &b| asks[a].total_cmp(&asks[b]));
     // Water-filling in ascending order: each client takes its ask while that is no more than
@@ -50,6 +42,17 @@ pub fn fair_shares(capacity: f64, demands: &[Option<f64>]) -> Vec<f64> {
         0.0
     };
     asks.iter().map(|a| a.min(level) + extra).collect()
+}
+
+/// What a client asking `demand` (tokens per window; `None` when not measured) counts for in a
+/// split of `capacity` whose least ask is `least`: its demand with `HEADROOM`, bounded, so that
+/// nobody asks more than the whole (a client's absurd report weighs no more than an honest
+/// "everything") or less than the floor.
+pub(crate) fn ask(demand: Option<f64>, capacity: f64, least: f64) -> f64 {
+    match demand {
+        Some(d) if d > 0.0 => (d * HEADROOM).min(capacity).max(least),
+        _ => least,
+    }
 }
 
 #[cfg(test)]

@@ -19,8 +19,8 @@ use futures_util::future::join_all;
 use parking_lot::Mutex;
 use tokio::time::Instant;
 
-use super::pool::{Demand, SHARE_MOVE};
-use super::share::{FLOOR_OF_EQUAL_SPLIT, HEADROOM};
+use super::pool::{Demand, moved_far, whole};
+use super::share::{FLOOR_OF_EQUAL_SPLIT, HEADROOM, ask};
 use super::{Grant, ParticipantId, PoolSpec, Signal, Usage};
 use crate::limiter::BackendError;
 use crate::limiter::redis::RedisBackend;
@@ -30,13 +30,22 @@ use crate::limiter::redis::quota::{PoolCall, PoolOp, SharePolicy, ShareTerms};
 pub(crate) const POLICY: SharePolicy = SharePolicy {
     floor_of_equal_split: FLOOR_OF_EQUAL_SPLIT,
     headroom: HEADROOM,
-    share_move: SHARE_MOVE,
 };
 
 struct Participant {
     demand: Demand,
     reported: Instant,
     signal: Weak<Signal>,
+}
+
+impl Participant {
+    /// Requests per second, or none when not measured or no longer fresh (its last report is
+    /// older than `stale`).
+    fn rate(&self, now: Instant, stale: Duration) -> Option<f64> {
+        self.demand
+            .rate()
+            .filter(|_| now.duration_since(self.reported) <= stale)
+    }
 }
 
 /// Per pool, this replica's members and the tokens each was last granted.
@@ -112,9 +121,7 @@ impl SharedPools {
                 p.reported = now;
                 p.demand.measure(usage);
             }
-            p.demand
-                .rate()
-                .filter(|_| now.duration_since(p.reported) <= self.stale)
+            p.rate(now, self.stale)
         };
         let member = self.member(pid);
         let calls = pools.iter().map(|spec| {
@@ -198,7 +205,7 @@ impl SharedPools {
 
     /// Marks this replica's members of `spec`'s pool whose share under `terms` is far from
     /// what they hold, so their streams send them a new grant now. Linear in this replica's
-    /// members of the pool, once per recomputation of its shares (every ~2n/64 calls on it).
+    /// members of the pool, once per recomputation of its shares (every ~2n/16 calls on it).
     fn push_moved(&self, spec: &PoolSpec, terms: &ShareTerms) {
         let members = self.members.lock();
         let Some(held) = members.get(&spec.key) else {
@@ -210,14 +217,10 @@ impl SharedPools {
             let Some(p) = participants.get(pid) else {
                 continue;
             };
-            let demand = p
-                .demand
-                .rate()
-                .filter(|_| now.duration_since(p.reported) <= self.stale)
-                .map(|r| r * spec.window_s as f64);
-            let next = terms.share(demand, POLICY.headroom).floor().max(1.0);
-            let holds = *tokens as f64;
-            if (next - holds).abs() > (holds * SHARE_MOVE).max(1.0)
+            let demand = p.rate(now, self.stale).map(|r| r * spec.window_s as f64);
+            // The script's share, from its terms: min(ask, level) + extra.
+            let share = ask(demand, terms.capacity, terms.least).min(terms.level) + terms.extra;
+            if moved_far(*tokens, whole(share))
                 && let Some(signal) = p.signal.upgrade()
             {
                 signal.mark(*pid);

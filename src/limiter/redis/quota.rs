@@ -59,9 +59,6 @@ pub(crate) struct SharePolicy {
     pub(crate) floor_of_equal_split: f64,
     /// Demand is met with this factor of room.
     pub(crate) headroom: f64,
-    /// A share moving by more than this fraction of what its member holds is pushed (by the
-    /// replica holding it: the script names no members).
-    pub(crate) share_move: f64,
 }
 
 /// What a call does to its member.
@@ -116,17 +113,6 @@ pub(crate) struct ShareTerms {
     pub(crate) least: f64,
     /// What the members share: the limit less the disconnected members' leases.
     pub(crate) capacity: f64,
-}
-
-impl ShareTerms {
-    /// The share of a member asking `demand` tokens per window (`None`: not measured).
-    pub(crate) fn share(&self, demand: Option<f64>, headroom: f64) -> f64 {
-        let ask = match demand {
-            Some(d) if d > 0.0 => (d * headroom).min(self.capacity).max(self.least),
-            _ => self.least,
-        };
-        ask.min(self.level) + self.extra
-    }
 }
 
 /// A pool's Redis key: `<prefix>{<tag>}<what><rest of the counter key>` (`quota`: the pool,
