@@ -213,23 +213,25 @@ struct QuotaStream {
     held: usize,
 }
 
-/// Why an entry of a report is skipped.
-fn fault(usage: &BucketQuotaUsage, limits: &RequestLimits) -> Result<Vec<Pair>, &'static str> {
-    let Some(id) = usage.bucket_id.as_ref() else {
+/// An entry's bucket id as sorted pairs, or why the entry is skipped. The id's strings are
+/// taken, not copied: decoded at their length, they become the pairs as they are, so a
+/// bucket held keeps the very bytes decoded and leaves no freed copy behind.
+fn fault(usage: &mut BucketQuotaUsage, limits: &RequestLimits) -> Result<Vec<Pair>, &'static str> {
+    let Some(id) = usage.bucket_id.take() else {
         return Err("no_bucket_id");
     };
     if id.bucket.len() > limits.max_entries {
         return Err("too_many_pairs");
     }
     let mut pairs = Vec::with_capacity(id.bucket.len());
-    for (k, v) in &id.bucket {
+    for (k, v) in id.bucket {
         if k.is_empty() || v.is_empty() {
             return Err("empty_key_or_value");
         }
         if k.len() > limits.max_key_bytes || v.len() > limits.max_value_bytes {
             return Err("too_long");
         }
-        pairs.push((k.as_str().into(), v.as_str().into()));
+        pairs.push((k.into_boxed_str(), v.into_boxed_str()));
     }
     pairs.sort();
     Ok(pairs)
@@ -363,11 +365,11 @@ impl QuotaStream {
         let now = Instant::now();
         let mut actions = Vec::new();
         let mut asks = Vec::with_capacity(reports.bucket_quota_usages.len());
-        for (i, usage) in reports.bucket_quota_usages.iter().enumerate() {
+        for (i, mut usage) in reports.bucket_quota_usages.into_iter().enumerate() {
             if i % SLICE == SLICE - 1 {
                 tokio::task::yield_now().await;
             }
-            let key = match fault(usage, &self.shared.limits) {
+            let key = match fault(&mut usage, &self.shared.limits) {
                 Ok(key) => key,
                 Err(kind) => {
                     self.skipped(kind);
@@ -392,7 +394,7 @@ impl QuotaStream {
                     self.open(key.into(), target, charge, now)
                 }
             };
-            match self.measure(pid, usage, now) {
+            match self.measure(pid, &usage, now) {
                 Some(usage) => asks.push((pid, Ask::Report(usage))),
                 None => {
                     let id = id_of(&self.buckets[&pid].key);
