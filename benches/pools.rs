@@ -5,8 +5,9 @@
 //!
 //! One run against a fresh server (`scripts/pools.sh` starts one per round):
 //! 1. quiet: an RLS client sends the bench domain's request at `--rls-rate` for `--window`
-//!    seconds (open loop: a call is timed from when it was due, so waiting is measured; on a
-//!    thread and runtime of its own, apart from the RLQS load this process makes);
+//!    seconds (open loop: calls are sent at the rate whatever the answers take, each timed
+//!    from when it is sent; on a thread and runtime of its own, apart from the RLQS load this
+//!    process makes);
 //! 2. set-up: `--streams` streams, each on its own connection, report `--members - --report`
 //!    buckets of one pool (`tenant: t-<n>`, one `share_threshold` counter) and wait for every
 //!    answer;
@@ -102,15 +103,17 @@ async fn probe(client: RateLimitServiceClient<Channel>, rate: f64, window: Durat
     let mut calls = tokio::task::JoinSet::new();
     let mut n = 0u64;
     loop {
-        let due = tick.tick().await.into_std();
-        if due >= end {
+        if tick.tick().await.into_std() >= end {
             break;
         }
         n += 1;
         let mut c = client.clone();
         calls.spawn(async move {
+            // Timed from when it is sent, not from when it was due: the timer fires up to a
+            // millisecond late, which would add the same to every call of both phases.
+            let sent = Instant::now();
             let ok = c.should_rate_limit(rls_request(n)).await.is_ok();
-            (due.elapsed().as_micros() as u64, ok)
+            (sent.elapsed().as_micros() as u64, ok)
         });
     }
     let mut p = Probe::default();

@@ -165,6 +165,9 @@ pub enum RunError {
     /// The HTTP server failed.
     #[error("HTTP server: {0}")]
     Http(#[from] std::io::Error),
+    /// The RLQS thread could not be started.
+    #[error("cannot start the RLQS thread: {0}")]
+    Thread(std::io::Error),
     /// A bound socket could not listen.
     #[error("cannot listen on {addr}: {source}")]
     Listen {
@@ -265,8 +268,8 @@ pub async fn run_with_clock(
         options.engine.request_limits,
         options.engine.global_shadow_mode,
         metrics.quota.clone(),
-    );
-    tasks.push(tokio::spawn(quota.clone().sweep_forever()));
+    )
+    .map_err(RunError::Thread)?;
     let engine = Arc::new(Engine::new(
         config,
         backend.clone(),

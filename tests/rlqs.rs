@@ -496,6 +496,168 @@ async fn the_script_shares_as_the_rust_function_does() {
     }
 }
 
+/// A pass over a pool spans calls (a scan, then a walk over the demands in order); until it
+/// ends, grants follow the last pass's terms. The walk keeps its own floor and capacity: a
+/// grant made mid-walk never mixes the new pass's capacity and floor with the old pass's
+/// level and extra (it did, when the walk overwrote them as it began).
+#[tokio::test]
+async fn grants_during_a_walk_follow_the_last_pass_terms() {
+    use ::redis::Value;
+    let node = redis::shared_standalone();
+    let client = ::redis::Client::open(node.url()).unwrap();
+    let mut con = client.get_multiplexed_async_connection().await.unwrap();
+    let script = ::redis::Script::new(include_str!("../src/limiter/redis/quota.lua"));
+    let tag = redis::unique_prefix();
+    let (pool, order) = (format!("{{{tag}}}pool"), format!("{{{tag}}}order"));
+    let text = |v: &Value| match v {
+        Value::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
+        Value::Int(i) => i.to_string(),
+        other => panic!("unexpected {other:?}"),
+    };
+    // {tokens, max, pass[, level, extra, least, cap]}, as text.
+    let mut call = async |op: &str, member: usize| -> Vec<String> {
+        let reply: Vec<Value> = script
+            .key(&pool)
+            .key(&order)
+            .arg(op)
+            .arg(format!("m{member}"))
+            .arg(100_000)
+            .arg(100_000)
+            .arg(60_000)
+            .arg(60_000)
+            .arg("5")
+            .arg(0.25)
+            .arg(1.1)
+            .invoke_async(&mut con)
+            .await
+            .unwrap();
+        reply.iter().map(text).collect()
+    };
+    // 48 members, three times the members a call advances a pass by.
+    let mut last = None;
+    for m in 0..48 {
+        let r = call("grant", m).await;
+        if r[2] == "1" {
+            last = Some((r[5].clone(), r[6].clone()));
+        }
+    }
+    for m in 0..48 {
+        let r = call("grant", m).await;
+        if r[2] == "1" {
+            last = Some((r[5].clone(), r[6].clone()));
+        }
+    }
+    let mut last = last.expect("a pass ended");
+    // Half leave: their leases still count, so the next pass has less capacity to share.
+    for m in 0..24 {
+        let r = call("leave", m).await;
+        if r[2] == "1" {
+            last = (r[5].clone(), r[6].clone());
+        }
+    }
+    let mut walked_apart = 0;
+    for _ in 0..200 {
+        let r = call("grant", 40).await;
+        if r[2] == "1" {
+            last = (r[5].clone(), r[6].clone());
+            continue;
+        }
+        let state = node.cli(&["HGET", &pool, "#"]);
+        let f: Vec<&str> = state.split_whitespace().collect();
+        assert_eq!(f.len(), 14, "{state}");
+        if f[1] == "w" {
+            assert_eq!((f[10], f[11]), (&*last.0, &*last.1), "mid-walk: {state}");
+            walked_apart += usize::from(f[13] != f[11]);
+        }
+    }
+    assert!(walked_apart > 0, "no walk ran with a capacity of its own");
+}
+
+const TENANTS: &str = "domain: q
+descriptors:
+  - key: tenant
+    value: t-*
+    share_threshold: true
+    rate_limit: {unit: minute, requests_per_unit: 600}
+";
+
+/// Shares that fall are pushed without a script call, and shares that rise only as far as the
+/// free capacity pays: when 40 new buckets join a pool of 40 on Redis, the 40 already there are
+/// pushed their smaller share from the pass terms the new buckets' calls returned. Before, every
+/// pass end called Redis once per member pushed (a report of 10,000 buckets joining 20,000 made
+/// 90,000 calls), and members below their share were pushed again at every pass end to be told
+/// the capacity was still held.
+#[tokio::test]
+async fn pushes_that_lower_a_share_on_redis_make_no_call() {
+    let redis = redis::RedisProc::start(&[]);
+    let url = redis.url();
+    let mut flags = FAST.to_vec();
+    flags.extend(["--backend", "redis", "--redis-url", &url]);
+    let server = quota_server(&[("q.yaml", TENANTS)], &flags).await;
+    let board = Arc::new(Mutex::new(Board::default()));
+    let names: Vec<String> = (0..80).map(|n| format!("t-{n}")).collect();
+    let ids: Vec<[(&str, &str); 1]> = names.iter().map(|n| [("tenant", n.as_str())]).collect();
+    let first = Envoy::connect(&server, 0, "q", &board).await;
+    let second = Envoy::connect(&server, 1, "q", &board).await;
+    // 1 request a second each: they ask 66 a minute; 40 of them share 600 (15 each).
+    let entries = |range: std::ops::Range<usize>| -> Vec<(Pairs<'_>, u64, u64)> {
+        ids[range].iter().map(|id| (&id[..], 1, 0)).collect()
+    };
+    for _ in 0..3 {
+        first.report(&entries(0..40), TICK).await;
+        for id in &ids[..40] {
+            first.until(id, |t| t.tokens().is_some()).await;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let held: Vec<u32> = ids[..40]
+        .iter()
+        .map(|id| first.told(id).and_then(Told::tokens).expect("told").0)
+        .collect();
+    let calls = || -> u64 {
+        let stats = redis.cli(&["INFO", "commandstats"]);
+        stats
+            .lines()
+            .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
+            .filter_map(|l| {
+                l.split("calls=")
+                    .nth(1)?
+                    .split(',')
+                    .next()?
+                    .parse::<u64>()
+                    .ok()
+            })
+            .sum()
+    };
+    let before = calls();
+    second.report(&entries(40..80), TICK).await;
+    for id in &ids[40..] {
+        second.until(id, |t| t.tokens().is_some()).await;
+    }
+    // Every one of the first 40 is pushed a smaller share.
+    for (id, was) in ids[..40].iter().zip(&held) {
+        first
+            .until(id, |t| {
+                t.tokens().is_some_and(|(per_fill, _)| per_fill < *was)
+            })
+            .await;
+    }
+    let made = calls() - before;
+    println!("40 new buckets joining 40: {made} script calls; first shares {held:?}");
+    assert!(
+        (40..60).contains(&made),
+        "{made} script calls for 40 grants and 40 pushes down"
+    );
+    let board = board.lock().unwrap();
+    let total: u64 = board
+        .latest
+        .values()
+        .filter_map(|t| t.tokens())
+        .map(|(per_fill, _)| u64::from(per_fill))
+        .sum();
+    assert!(total <= 600, "{total} tokens a minute told in all");
+}
+
 /// While Redis cannot answer, the failure mode decides what a bucket is told: `deny` denies,
 /// `local` shares the limit among this replica's own clients, `error` sends nothing (the client
 /// keeps its assignment until its TTL, then its own fallback) and keeps the stream. Once Redis

@@ -60,6 +60,8 @@ pub(crate) enum Assignment {
         tokens_per_fill: u64,
         /// The refill interval, whole seconds.
         fill_s: u64,
+        /// How long it holds, when less than the assignment TTL (`None`: the TTL).
+        lease: Option<Duration>,
     },
 }
 
@@ -321,5 +323,6 @@ fn combine(fill_s: u64, pools: &[PoolSpec], grants: &[Grant]) -> Assignment {
         max_tokens,
         tokens_per_fill,
         fill_s,
+        lease: grants.iter().filter_map(|g| g.lease).min(),
     }
 }

@@ -128,6 +128,8 @@ pub(crate) struct Grant {
     pub(crate) tokens: u64,
     /// Its part of the pool's burst.
     pub(crate) max_tokens: u64,
+    /// How long it holds, when less than the assignment TTL (`None`: the TTL).
+    pub(crate) lease: Option<Duration>,
 }
 
 struct Member {
@@ -272,6 +274,7 @@ impl Pool {
         let g = Grant {
             tokens,
             max_tokens: max_tokens.max(1),
+            lease: None,
         };
         m.held = Some((g, now + ttl));
         self.held = others + tokens;

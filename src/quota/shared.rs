@@ -4,7 +4,9 @@
 //! same capacity, and a call's work in Redis does not grow with the pool (the script says
 //! how). What stays here is what only this replica sees: each participant's smoothed demand
 //! (its reports arrive here), what each of its members holds, and the streams to push when a
-//! call ends a recomputation of a pool's shares and a member's share moved.
+//! call ends a recomputation of a pool's shares and a member's share moved. A push that lowers
+//! a grant is answered here from the shares that call returned, without a call of its own
+//! ([`SharedPools::lowered`] says why that keeps the limit).
 //!
 //! A member is connected while it was granted within the last three report intervals (its
 //! replica keeps calling); a replica that dies leaves leases that count until their TTL, then
@@ -48,8 +50,25 @@ impl Participant {
     }
 }
 
-/// Per pool, this replica's members and the tokens each was last granted.
-type Held = HashMap<Box<[u8]>, HashMap<ParticipantId, u64>>;
+/// What this replica last told one of its members of a pool.
+#[derive(Clone, Copy)]
+struct Told {
+    tokens: u64,
+    /// When Redis stops counting the grant that was recorded (at the latest: the lease is
+    /// Redis's TIME at the call plus the TTL, later than this replica's clock before it).
+    counted_until: Instant,
+}
+
+/// Per pool: the terms of its last recomputation this replica saw, and this replica's members
+/// with what each was last told.
+#[derive(Default)]
+struct View {
+    terms: Option<ShareTerms>,
+    members: HashMap<ParticipantId, Told>,
+}
+
+/// Per pool, this replica's view of it.
+type Held = HashMap<Box<[u8]>, View>;
 
 /// This replica's view of the shared pools.
 pub(crate) struct SharedPools {
@@ -124,9 +143,15 @@ impl SharedPools {
             p.rate(now, self.stale)
         };
         let member = self.member(pid);
-        let calls = pools.iter().map(|spec| {
+        let member = &member;
+        let calls = pools.iter().map(|spec| async move {
             let demand = rate.map(|r| r * spec.window_s as f64);
-            self.call(spec, pid, &member, PoolOp::Grant(demand))
+            if usage.is_none()
+                && let Some(lower) = self.lowered(pid, spec, demand, now)
+            {
+                return Ok(lower);
+            }
+            self.call(spec, pid, member, PoolOp::Grant(demand)).await
         });
         let mut grants = Vec::with_capacity(pools.len());
         for reply in join_all(calls).await {
@@ -142,8 +167,8 @@ impl SharedPools {
             let mut members = self.members.lock();
             for spec in pools {
                 if let Some(m) = members.get_mut(&spec.key) {
-                    m.remove(&pid);
-                    if m.is_empty() {
+                    m.members.remove(&pid);
+                    if m.members.is_empty() {
                         members.remove(&spec.key);
                     }
                 }
@@ -171,6 +196,7 @@ impl SharedPools {
         member: &str,
         op: PoolOp,
     ) -> Result<Grant, BackendError> {
+        let asked = Instant::now();
         let reply = self
             .redis
             .pool(&PoolCall {
@@ -184,14 +210,24 @@ impl SharedPools {
                 policy: POLICY,
             })
             .await?;
-        if let PoolOp::Grant(_) = op {
+        {
             let mut members = self.members.lock();
             // A member that left meanwhile is not noted again.
-            if self.participants.lock().contains_key(&pid) {
-                members
-                    .entry(spec.key.clone())
-                    .or_default()
-                    .insert(pid, reply.tokens);
+            if let PoolOp::Grant(_) = op
+                && self.participants.lock().contains_key(&pid)
+            {
+                members.entry(spec.key.clone()).or_default().members.insert(
+                    pid,
+                    Told {
+                        tokens: reply.tokens,
+                        counted_until: asked + self.ttl,
+                    },
+                );
+            }
+            if let Some(terms) = reply.pass
+                && let Some(view) = members.get_mut(&spec.key)
+            {
+                view.terms = Some(terms);
             }
         }
         if let Some(terms) = reply.pass {
@@ -200,29 +236,83 @@ impl SharedPools {
         Ok(Grant {
             tokens: reply.tokens,
             max_tokens: reply.max_tokens,
+            lease: None,
+        })
+    }
+
+    /// A push that lowers `pid`'s grant of `spec`'s pool, answered here from the pool's last
+    /// shares without a call: when one large report moves every share of a pool of 30,000
+    /// down, its pushes would otherwise be as many script calls again. Redis keeps counting
+    /// the larger grant recorded until the member's next report replaces it (the limit holds,
+    /// with room to spare meanwhile), and the lower grant is leased no longer than Redis
+    /// counts that one, in whole seconds. `None`: not lower, or too little lease left; the
+    /// push calls Redis.
+    fn lowered(
+        &self,
+        pid: ParticipantId,
+        spec: &PoolSpec,
+        demand: Option<f64>,
+        now: Instant,
+    ) -> Option<Grant> {
+        let mut members = self.members.lock();
+        let view = members.get_mut(&spec.key)?;
+        let terms = view.terms?;
+        let told = view.members.get_mut(&pid)?;
+        let lease =
+            Duration::from_secs(told.counted_until.saturating_duration_since(now).as_secs());
+        if lease.is_zero() {
+            return None;
+        }
+        let share = ask(demand, terms.capacity, terms.least).min(terms.level) + terms.extra;
+        let tokens = whole(share);
+        if tokens >= told.tokens {
+            return None;
+        }
+        told.tokens = tokens;
+        let max_tokens =
+            (u128::from(spec.burst) * u128::from(tokens) / u128::from(spec.limit.max(1))) as u64;
+        Some(Grant {
+            tokens,
+            max_tokens: max_tokens.max(1),
+            lease: Some(lease),
         })
     }
 
     /// Marks this replica's members of `spec`'s pool whose share under `terms` is far from
     /// what they hold, so their streams send them a new grant now. Linear in this replica's
     /// members of the pool, once per recomputation of its shares (every ~2n/16 calls on it).
+    ///
+    /// A share that fell is pushed without a call ([`SharedPools::lowered`]). A share that
+    /// rose is pushed only as far as the tokens no grant holds (`terms.free`) pay for it: the
+    /// rest would call Redis only to be told the capacity is still held (one large report
+    /// made every pass end push all 20,000 other members up and down again, 90,000 calls
+    /// in 9 s); they get their share at their next report, or at a later pass that frees it.
     fn push_moved(&self, spec: &PoolSpec, terms: &ShareTerms) {
         let members = self.members.lock();
-        let Some(held) = members.get(&spec.key) else {
+        let Some(view) = members.get(&spec.key) else {
             return;
         };
         let participants = self.participants.lock();
         let now = Instant::now();
-        for (pid, tokens) in held {
+        let mut free = terms.free;
+        for (pid, Told { tokens, .. }) in &view.members {
             let Some(p) = participants.get(pid) else {
                 continue;
             };
             let demand = p.rate(now, self.stale).map(|r| r * spec.window_s as f64);
             // The script's share, from its terms: min(ask, level) + extra.
-            let share = ask(demand, terms.capacity, terms.least).min(terms.level) + terms.extra;
-            if moved_far(*tokens, whole(share))
-                && let Some(signal) = p.signal.upgrade()
-            {
+            let share =
+                whole(ask(demand, terms.capacity, terms.least).min(terms.level) + terms.extra);
+            if !moved_far(*tokens, share) {
+                continue;
+            }
+            if share > *tokens {
+                let Some(left) = free.checked_sub(share - tokens) else {
+                    continue;
+                };
+                free = left;
+            }
+            if let Some(signal) = p.signal.upgrade() {
                 signal.mark(*pid);
             }
         }

@@ -85,6 +85,49 @@ pub(crate) struct Shared {
 #[derive(Clone)]
 pub(crate) struct RlqsService {
     shared: Arc<Shared>,
+    apart: Arc<Apart>,
+}
+
+/// The thread every RLQS stream (and the sweep of the pools) runs on, apart from the workers
+/// that answer RLS. A report of 10,000 buckets, a pool's rebalance or the pushes that follow
+/// are CPU work that RLS requests must never queue behind: on a thread of its own, at a lower
+/// scheduling priority (nice +10), the kernel hands the cores to an RLS worker the moment it
+/// has a request, and gives RLQS what is left. One thread: RLQS is a few Envoys reporting
+/// every few seconds, not a request path.
+struct Apart {
+    handle: tokio::runtime::Handle,
+    /// Dropped with the last clone of the service: the thread's runtime then stops, dropping
+    /// the streams still on it.
+    _stop: tokio::sync::oneshot::Sender<()>,
+}
+
+/// The nice value of the RLQS thread (0 is the default; 19 the lowest priority).
+const NICENESS: i32 = 10;
+
+impl Apart {
+    fn start() -> std::io::Result<Apart> {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        let handle = runtime.handle().clone();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        std::thread::Builder::new()
+            .name("rlqs".into())
+            .spawn(move || {
+                if let Err(e) =
+                    rustix::process::setpriority_process(Some(rustix::thread::gettid()), NICENESS)
+                {
+                    tracing::warn!(error = %e, "the RLQS thread keeps the default priority");
+                }
+                runtime.block_on(async {
+                    let _ = stopped.await;
+                });
+            })?;
+        Ok(Apart {
+            handle,
+            _stop: stop,
+        })
+    }
 }
 
 impl RlqsService {
@@ -96,8 +139,9 @@ impl RlqsService {
         limits: RequestLimits,
         global_shadow: bool,
         metrics: QuotaMetrics,
-    ) -> RlqsService {
-        RlqsService {
+    ) -> std::io::Result<RlqsService> {
+        let service = RlqsService {
+            apart: Arc::new(Apart::start()?),
             shared: Arc::new(Shared {
                 config,
                 quota,
@@ -109,20 +153,22 @@ impl RlqsService {
                 next_id: AtomicU64::new(1),
                 bytes: AtomicUsize::new(0),
             }),
-        }
+        };
+        service
+            .apart
+            .handle
+            .spawn(sweep_forever(service.shared.clone()));
+        Ok(service)
     }
+}
 
-    /// Drops expired leases now and then, so pools nobody reports on go away.
-    pub(crate) async fn sweep_forever(self) {
-        let mut every = tokio::time::interval(CONFIG_CHECK);
-        loop {
-            every.tick().await;
-            self.shared.quota.sweep(Instant::now());
-            self.shared
-                .metrics
-                .pools
-                .set(self.shared.quota.len() as i64);
-        }
+/// Drops expired leases now and then, so pools nobody reports on go away.
+async fn sweep_forever(shared: Arc<Shared>) {
+    let mut every = tokio::time::interval(CONFIG_CHECK);
+    loop {
+        every.tick().await;
+        shared.quota.sweep(Instant::now());
+        shared.metrics.pools.set(shared.quota.len() as i64);
     }
 }
 
@@ -141,7 +187,9 @@ impl RateLimitQuotaService for RlqsService {
             .map(ConnInfo::quota_bytes)
             .unwrap_or_default();
         let stream = QuotaStream::new(self.shared.clone(), conn_bytes);
-        tokio::spawn(stream.run(request.into_inner(), tx));
+        self.apart
+            .handle
+            .spawn(stream.run(request.into_inner(), tx));
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 }
@@ -637,8 +685,14 @@ impl QuotaStream {
     }
 }
 
-/// The protocol form of an assignment, with its TTL.
+/// The protocol form of an assignment, with its TTL (or its shorter lease).
 fn action(id: BucketId, assignment: Assignment, ttl: Duration) -> BucketAction {
+    let ttl = match assignment {
+        Assignment::Bucket {
+            lease: Some(lease), ..
+        } => lease.min(ttl),
+        _ => ttl,
+    };
     let strategy = match assignment {
         Assignment::Allow => Strategy::BlanketRule(BlanketRule::AllowAll as i32),
         Assignment::Deny => Strategy::BlanketRule(BlanketRule::DenyAll as i32),
@@ -646,6 +700,7 @@ fn action(id: BucketId, assignment: Assignment, ttl: Duration) -> BucketAction {
             max_tokens,
             tokens_per_fill,
             fill_s,
+            ..
         } => Strategy::TokenBucket(TokenBucket {
             max_tokens: u32::try_from(max_tokens).unwrap_or(u32::MAX),
             tokens_per_fill: Some(UInt32Value {

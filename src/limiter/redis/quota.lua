@@ -38,8 +38,9 @@
 -- what the others' leases leave (whole tokens, at least one); leave makes it disconnected (its
 -- lease still counts). Both return {tokens, max_tokens, pass} and, when `pass` is 1 (a pass
 -- ended in this call: the shares moved), the new shares' terms as strings: {level, extra,
--- floor, capacity}; a member's share is min(ask, level) + extra, its ask being its demand
--- with headroom, at most the capacity and at least the floor (level `inf`: every ask is met).
+-- floor, capacity}, and the tokens of the limit no grant holds (an integer); a member's share
+-- is min(ask, level) + extra, its ask being its demand with headroom, at most the capacity
+-- and at least the floor (level `inf`: every ask is met).
 -- Leave's tokens are 0. {-1}: the key holds data this service did not write; nothing written.
 --
 -- shares (pure: no key read or written):
@@ -141,22 +142,26 @@ end
 -- The pool's state, field `#`: held (tokens of every member: the sum grants are made against),
 -- the pass in progress (phase `s` scanning from `cursor`, counting the connected and the
 -- disconnected members' leases; phase `w` walking the sorted demands from rank `k` with `left`
--- of the capacity), and the last pass's terms (n, level, extra, floor, capacity).
+-- of the capacity `wcap` and the floor `wleast`), and the last pass's terms (n, level, extra,
+-- floor, capacity), which grants follow until the pass in progress ends: a grant never mixes
+-- the terms of two passes.
 local S
 local raw = redis.call('HGET', key, '#')
 if raw then
   local f = {}
   for x in string.gmatch(raw, '%S+') do f[#f + 1] = x end
-  if #f ~= 12 then return {-1} end
+  -- 12 fields: written before the walk kept its own floor and capacity (it then used the
+  -- last pass's, which is what those pools get until their walk starts again).
+  if #f ~= 14 and #f ~= 12 then return {-1} end
   S = {held = tonumber(f[1]), phase = f[2], cursor = f[3], live = tonumber(f[4]),
     leased = tonumber(f[5]), k = tonumber(f[6]), left = tonumber(f[7]), n = tonumber(f[8]),
     level = tonumber(f[9]), extra = tonumber(f[10]), least = tonumber(f[11]),
-    cap = tonumber(f[12])}
-  if not S.held or not S.level then return {-1} end
+    cap = tonumber(f[12]), wleast = tonumber(f[13] or f[11]), wcap = tonumber(f[14] or f[12])}
+  if not S.held or not S.level or not S.wcap then return {-1} end
 else
   -- A new pool (or one written before the state existed: its tokens summed once).
   S = {held = 0, phase = 's', cursor = '0', live = 0, leased = 0, k = 0, left = 0, n = 0,
-    level = 0, extra = 0, least = 0, cap = 0}
+    level = 0, extra = 0, least = 0, cap = 0, wleast = 0, wcap = 0}
   redis.call('DEL', order_key)
   local all = redis.call('HGETALL', key)
   for i = 1, #all, 2 do
@@ -221,10 +226,10 @@ local function step()
         -- This call's member is counted as it is now, not as the scan would have seen it.
         if me and me.alive <= now and me.lease > now then S.leased = S.leased + me.tokens end
         local w = new_walk(redis.call('ZCARD', order_key), limit - S.leased, floor_frac, headroom)
-        S.phase, S.k, S.left, S.live, S.cap, S.least = 'w', 0, w.left, w.n, w.cap, w.least
+        S.phase, S.k, S.left, S.live, S.wcap, S.wleast = 'w', 0, w.left, w.n, w.cap, w.least
       end
     else
-      local w = {k = S.k, n = S.live, left = S.left, cap = S.cap, least = S.least,
+      local w = {k = S.k, n = S.live, left = S.left, cap = S.wcap, least = S.wleast,
         headroom = headroom}
       local batch = redis.call('ZRANGE', order_key, S.k, S.k + steps - 1, 'WITHSCORES')
       local level
@@ -272,14 +277,16 @@ if me then
 end
 local level = 'inf'
 if S.level < math.huge then level = string.format('%.17g', S.level) end
-redis.call('HSET', key, '#', string.format('%d %s %s %d %.17g %d %.17g %d %s %.17g %.17g %.17g',
-  S.held, S.phase, S.cursor, S.live, S.leased, S.k, S.left, S.n, level, S.extra, S.least, S.cap))
+redis.call('HSET', key, '#',
+  string.format('%d %s %s %d %.17g %d %.17g %d %s %.17g %.17g %.17g %.17g %.17g',
+  S.held, S.phase, S.cursor, S.live, S.leased, S.k, S.left, S.n, level, S.extra, S.least, S.cap,
+  S.wleast, S.wcap))
 local ttl = max(lease_ms, alive_ms)
 redis.call('PEXPIRE', key, ttl)
 if redis.call('EXISTS', order_key) == 1 then redis.call('PEXPIRE', order_key, ttl) end
 
 if passed then
   return {tokens, max_tokens, 1, level, string.format('%.17g', S.extra),
-    string.format('%.17g', S.least), string.format('%.17g', S.cap)}
+    string.format('%.17g', S.least), string.format('%.17g', S.cap), max(limit - S.held, 0)}
 end
 return {tokens, max_tokens, 0}

@@ -113,6 +113,9 @@ pub(crate) struct ShareTerms {
     pub(crate) least: f64,
     /// What the members share: the limit less the disconnected members' leases.
     pub(crate) capacity: f64,
+    /// Tokens of the limit no grant held once the call that ended the pass had granted: what
+    /// raising other members' grants can be paid from.
+    pub(crate) free: u64,
 }
 
 /// A pool's Redis key: `<prefix>{<tag>}<what><rest of the counter key>` (`quota`: the pool,
@@ -178,11 +181,14 @@ impl PoolReply {
                     .ok_or("max_tokens")?,
                 pass: match (int(pass), terms) {
                     (Some(0), []) => None,
-                    (Some(1), [level, extra, least, capacity]) => Some(ShareTerms {
+                    (Some(1), [level, extra, least, capacity, free]) => Some(ShareTerms {
                         level: number(level).ok_or("level")?,
                         extra: number(extra).ok_or("extra")?,
                         least: number(least).ok_or("least")?,
                         capacity: number(capacity).ok_or("capacity")?,
+                        free: int(free)
+                            .and_then(|f| u64::try_from(f).ok())
+                            .ok_or("free")?,
                     }),
                     _ => return Err("pass"),
                 },
@@ -357,6 +363,7 @@ mod tests {
             bulk("2.5"),
             bulk("1"),
             bulk("100"),
+            Value::Int(7),
         ]);
         assert_eq!(
             PoolReply::parse(&reply),
@@ -367,7 +374,8 @@ mod tests {
                     level: f64::INFINITY,
                     extra: 2.5,
                     least: 1.0,
-                    capacity: 100.0
+                    capacity: 100.0,
+                    free: 7,
                 })
             })
         );
