@@ -280,7 +280,7 @@ impl SharedPools {
 
     /// Marks this replica's members of `spec`'s pool whose share under `terms` is far from
     /// what they hold, so their streams send them a new grant now. Linear in this replica's
-    /// members of the pool, once per recomputation of its shares (every ~2n/16 calls on it).
+    /// members of the pool, once per recomputation of its shares (every ~2n/8 calls on it).
     ///
     /// A share that fell is pushed without a call ([`SharedPools::lowered`]). A share that
     /// rose is pushed only as far as the tokens no grant holds (`terms.free`) pay for it: the

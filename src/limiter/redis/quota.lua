@@ -50,7 +50,10 @@
 -- returns the fair shares, as strings (`%.17g`: Redis would truncate a number to an integer).
 
 local floor, max, min = math.floor, math.max, math.min
-local STEPS = 16
+-- 8: against 16, interleaved in `make pools` (7 rounds each), 15-20% less Redis CPU and a
+-- tenth less time for a report of 10,000 joining 30,000 (fewer passes end, so fewer pushes);
+-- a pass over 30,000 members spans ~7,500 calls, about a second of that pool's reports.
+local STEPS = 8
 local op = ARGV[1]
 
 -- What a demand asks: with headroom, at most the capacity, at least the floor (none: the floor).
