@@ -187,10 +187,31 @@ impl RateLimitQuotaService for RlqsService {
             .map(ConnInfo::quota_bytes)
             .unwrap_or_default();
         let stream = QuotaStream::new(self.shared.clone(), conn_bytes);
-        self.apart
-            .handle
-            .spawn(stream.run(request.into_inner(), tx));
+        let (reports_tx, reports) = mpsc::channel(1);
+        tokio::spawn(read(request.into_inner(), reports_tx));
+        self.apart.handle.spawn(stream.run(reports, tx));
         Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+/// What the reader hands a stream's task: a decoded report, the end of the stream (`None`),
+/// or why it could not be read.
+type Inbound = Result<Option<RateLimitQuotaUsageReports>, Status>;
+
+/// Reads and decodes a stream's reports on the server's workers, as every request body is
+/// read (the connection's byte budget and the message deadline act there, at the pace the
+/// connection delivers), and hands them one at a time to the stream's task on the RLQS thread.
+/// Ends when the stream does, or when its task has (the client may hold its side open).
+async fn read(mut inbound: Streaming<RateLimitQuotaUsageReports>, reports: mpsc::Sender<Inbound>) {
+    loop {
+        let message = tokio::select! {
+            m = inbound.message() => m,
+            () = reports.closed() => return,
+        };
+        let more = matches!(message, Ok(Some(_)));
+        if reports.send(message).await.is_err() || !more {
+            return;
+        }
     }
 }
 
@@ -303,7 +324,7 @@ impl QuotaStream {
 
     async fn run(
         mut self,
-        mut inbound: Streaming<RateLimitQuotaUsageReports>,
+        mut inbound: mpsc::Receiver<Inbound>,
         tx: mpsc::Sender<Result<RateLimitQuotaResponse, Status>>,
     ) {
         // Set while moved buckets wait for their turn to be pushed (see `PUSHES`).
@@ -312,13 +333,13 @@ impl QuotaStream {
         config_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             let answer = tokio::select! {
-                message = inbound.message() => match message {
-                    Ok(Some(reports)) => self.on_reports(reports).await,
-                    Ok(None) => break,
+                message = inbound.recv() => match message {
+                    Some(Ok(Some(reports))) => self.on_reports(reports).await,
+                    Some(Ok(None)) | None => break,
                     // A report that does not decode (or another fault of the client's stream)
                     // ends the stream with what went wrong, not with OK; a client that reset
                     // the stream hears nothing either way.
-                    Err(status) => {
+                    Some(Err(status)) => {
                         tracing::debug!(%status, "RLQS stream failed");
                         // Over its connection's budget stays RESOURCE_EXHAUSTED, a message too
                         // slow to arrive DEADLINE_EXCEEDED; anything else was malformed.
