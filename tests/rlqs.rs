@@ -93,6 +93,15 @@ impl Board {
         self.total(bucket, |(_, max)| max)
     }
 
+    /// Σ `tokens_per_fill` over every client's latest token bucket, whatever its key.
+    fn sum_all(&self) -> u64 {
+        self.latest
+            .values()
+            .filter_map(|t| t.tokens())
+            .map(|(per_fill, _)| u64::from(per_fill))
+            .sum()
+    }
+
     fn total(&self, bucket: &Key, part: fn((u32, u32)) -> u32) -> u64 {
         self.latest
             .iter()
@@ -514,7 +523,7 @@ async fn grants_during_a_walk_follow_the_last_pass_terms() {
         Value::Int(i) => i.to_string(),
         other => panic!("unexpected {other:?}"),
     };
-    // {tokens, max, pass[, level, extra, least, cap]}, as text.
+    // {tokens, max, pass[, level, extra, least, cap, free]}, as text.
     let mut call = async |op: &str, member: usize| -> Vec<String> {
         let reply: Vec<Value> = script
             .key(&pool)
@@ -535,13 +544,7 @@ async fn grants_during_a_walk_follow_the_last_pass_terms() {
     };
     // 48 members, three times the members a call advances a pass by.
     let mut last = None;
-    for m in 0..48 {
-        let r = call("grant", m).await;
-        if r[2] == "1" {
-            last = Some((r[5].clone(), r[6].clone()));
-        }
-    }
-    for m in 0..48 {
+    for m in (0..48).chain(0..48) {
         let r = call("grant", m).await;
         if r[2] == "1" {
             last = Some((r[5].clone(), r[6].clone()));
@@ -648,13 +651,7 @@ async fn pushes_that_lower_a_share_on_redis_make_no_call() {
         (40..60).contains(&made),
         "{made} script calls for 40 grants and 40 pushes down"
     );
-    let board = board.lock().unwrap();
-    let total: u64 = board
-        .latest
-        .values()
-        .filter_map(|t| t.tokens())
-        .map(|(per_fill, _)| u64::from(per_fill))
-        .sum();
+    let total = board.lock().unwrap().sum_all();
     assert!(total <= 600, "{total} tokens a minute told in all");
 }
 
@@ -714,13 +711,7 @@ async fn a_large_pool_beside_rls(backend: &[&str]) {
     }
     println!("{ok} RLS requests answered OK beside a report of {BUCKETS} buckets of one pool");
     assert!(failed.is_empty(), "{ok} OK, failed: {failed:?}");
-    let board = board.lock().unwrap();
-    let total: u64 = board
-        .latest
-        .values()
-        .filter_map(|t| t.tokens())
-        .map(|(per_fill, _)| u64::from(per_fill))
-        .sum();
+    let total = board.lock().unwrap().sum_all();
     assert!(total <= 600_000, "{total} tokens a minute told in all");
 }
 

@@ -121,6 +121,14 @@ pub(crate) struct PoolSpec {
     pub(crate) burst: u64,
 }
 
+impl PoolSpec {
+    /// A grant of `tokens`' part of the burst: its share of the limit, at least one.
+    pub(crate) fn burst_part(&self, tokens: u64) -> u64 {
+        let part = u128::from(self.burst) * u128::from(tokens) / u128::from(self.limit.max(1));
+        (part as u64).max(1)
+    }
+}
+
 /// A participant's part of one pool.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Grant {
@@ -269,11 +277,9 @@ impl Pool {
         let free = self.spec.limit.saturating_sub(others);
         let before = m.holds(now).map_or(0, |g| g.tokens);
         let tokens = whole(m.share).min(free).max(1);
-        let max_tokens = (u128::from(self.spec.burst) * u128::from(tokens)
-            / u128::from(self.spec.limit.max(1))) as u64;
         let g = Grant {
             tokens,
-            max_tokens: max_tokens.max(1),
+            max_tokens: self.spec.burst_part(tokens),
             lease: None,
         };
         m.held = Some((g, now + ttl));

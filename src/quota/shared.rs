@@ -263,17 +263,14 @@ impl SharedPools {
         if lease.is_zero() {
             return None;
         }
-        let share = ask(demand, terms.capacity, terms.least).min(terms.level) + terms.extra;
-        let tokens = whole(share);
+        let tokens = share(&terms, demand);
         if tokens >= told.tokens {
             return None;
         }
         told.tokens = tokens;
-        let max_tokens =
-            (u128::from(spec.burst) * u128::from(tokens) / u128::from(spec.limit.max(1))) as u64;
         Some(Grant {
             tokens,
-            max_tokens: max_tokens.max(1),
+            max_tokens: spec.burst_part(tokens),
             lease: Some(lease),
         })
     }
@@ -300,9 +297,7 @@ impl SharedPools {
                 continue;
             };
             let demand = p.rate(now, self.stale).map(|r| r * spec.window_s as f64);
-            // The script's share, from its terms: min(ask, level) + extra.
-            let share =
-                whole(ask(demand, terms.capacity, terms.least).min(terms.level) + terms.extra);
+            let share = share(terms, demand);
             if !moved_far(*tokens, share) {
                 continue;
             }
@@ -317,4 +312,10 @@ impl SharedPools {
             }
         }
     }
+}
+
+/// A member's share under a pass's `terms`, in whole tokens, as the script computes it:
+/// min(ask, level) + extra.
+fn share(terms: &ShareTerms, demand: Option<f64>) -> u64 {
+    whole(ask(demand, terms.capacity, terms.least).min(terms.level) + terms.extra)
 }

@@ -91,10 +91,10 @@ pub(crate) struct RlqsService {
 /// The thread every RLQS stream's work (and the sweep of the pools) runs on, apart from the
 /// workers that answer RLS; only reading and decoding a stream's reports stays on the workers
 /// (see [`read`]). Handling a report of 10,000 buckets, a pool's rebalance or the pushes that
-/// follow are CPU work that RLS requests must never queue behind: on a thread of its own, at a lower
-/// scheduling priority (nice +10), the kernel hands the cores to an RLS worker the moment it
-/// has a request, and gives RLQS what is left. One thread: RLQS is a few Envoys reporting
-/// every few seconds, not a request path.
+/// follow are CPU work that RLS requests must never queue behind: on a thread of its own, at
+/// a lower scheduling priority (nice +10), the kernel hands the cores to an RLS worker the
+/// moment it has a request, and gives RLQS what is left. One thread: RLQS is a few Envoys
+/// reporting every few seconds, not a request path.
 struct Apart {
     handle: tokio::runtime::Handle,
     /// Dropped with the last clone of the service: the thread's runtime then stops, dropping
