@@ -199,6 +199,15 @@ async fn half_sent_attack(d: &Daemon, rss: u64) -> u64 {
     peak
 }
 
+/// What one connection's unfinished requests may hold: 4 MiB.
+const CONNECTION_BUDGET: u64 = 4 << 20;
+
+/// How far the peak may pass the budget: 200 streams' state, h2's receive window, decode
+/// buffers that grow by doubling, and the freed pages the allocator keeps before it gives them
+/// back (the same run with `MIMALLOC_PURGE_DELAY=0` peaks 8-10 MiB lower). Measured: +27-33 MiB
+/// here, +52 MiB once on CI's machine; the defect grew the server by 240 MiB.
+const TRANSIENT: u64 = 64 << 20;
+
 /// One connection opening 200 RLQS streams, each sending 1007 KiB of a 1015 KiB report and
 /// stopping there, kept open: the server grew by 240 MiB, because a stream gave its frames back
 /// to the connection's budget as soon as the next arrived while the decoder kept them all. Now
@@ -209,6 +218,7 @@ async fn half_sent_attack(d: &Daemon, rss: u64) -> u64 {
 async fn half_sent_rlqs_reports_pin_no_more_than_the_connections_budget() {
     let (d, _dir) = daemon(&["--request-timeout", "2s"]).await;
     victim_is_served(&d).await;
+    d.reset_hwm();
     let rss = d.rss();
     let path = "/envoy.service.rate_limit_quota.v3.RateLimitQuotaService/StreamRateLimitQuotas";
     let (mut streams, h2, connection) = half_sent_streams(&d, path, 1015 << 10, 1007 << 10).await;
@@ -244,7 +254,7 @@ async fn half_sent_rlqs_reports_pin_no_more_than_the_connections_budget() {
         "{timed_out} streams held, {refused} refused"
     );
     assert!(
-        peak < 48 << 20,
+        peak < CONNECTION_BUDGET + TRANSIENT,
         "200 half-sent reports grew the server by {} MiB",
         peak >> 20
     );

@@ -102,6 +102,12 @@ impl Daemon {
         self.status_bytes("VmHWM:")
     }
 
+    /// Starts VmHWM again from the present resident size, so that a peak read later is this
+    /// part's, not one left from start-up or an earlier part of the test.
+    pub(crate) fn reset_hwm(&self) {
+        std::fs::write(format!("/proc/{}/clear_refs", self.child.id()), "5").unwrap();
+    }
+
     /// Resident memory, in bytes.
     pub(crate) fn rss(&self) -> u64 {
         self.status_bytes("VmRSS:")
