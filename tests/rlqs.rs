@@ -80,26 +80,83 @@ struct Board {
     /// answer arrived: answers to different streams race, so a client's increase may land
     /// before another's decrease that the server sent first.
     worst_transient: HashMap<Key, u64>,
+    /// Σ `tokens_per_fill` of each bucket key over every client's latest token bucket, kept
+    /// as answers arrive (summed over the board at every arrival, an answer of 10,000 buckets
+    /// cost 10,000 x 10,000 steps on the thread the server under test shares).
+    sums: HashMap<Key, u64>,
+    /// Every client's token buckets in force, whatever their key.
+    in_force: InForce,
+}
+
+/// The tokens per fill of the token buckets clients hold at each moment: an assignment is in
+/// force from its arrival until its TTL has passed (Envoy counts the TTL from when it got it),
+/// or until the next one for the same bucket replaces it.
+#[derive(Default)]
+struct InForce {
+    /// (client, bucket) → the tokens in force and the arrival that told them.
+    held: HashMap<(usize, Key), (u64, u64)>,
+    /// When each assignment runs out: (when, client, bucket, its arrival's number), soonest first.
+    expiries:
+        std::collections::BinaryHeap<std::cmp::Reverse<(std::time::Instant, usize, Key, u64)>>,
+    arrivals: u64,
+    now: u64,
+    /// The most `now` has been.
+    worst: u64,
+}
+
+impl InForce {
+    /// `tokens` told to `client` for `bucket` just now, in force for `ttl` (0: not a token
+    /// bucket, so nothing held).
+    fn told(&mut self, client: usize, bucket: Key, tokens: u64, ttl: Duration) {
+        let now = std::time::Instant::now();
+        self.expire(now);
+        self.arrivals += 1;
+        if let Some((t, _)) = self.held.remove(&(client, bucket.clone())) {
+            self.now -= t;
+        }
+        if tokens > 0 {
+            self.now += tokens;
+            self.worst = self.worst.max(self.now);
+            self.held
+                .insert((client, bucket.clone()), (tokens, self.arrivals));
+            let expiry = (now + ttl, client, bucket, self.arrivals);
+            self.expiries.push(std::cmp::Reverse(expiry));
+        }
+    }
+
+    /// Takes out what has run out by `now`.
+    fn expire(&mut self, now: std::time::Instant) {
+        while let Some(std::cmp::Reverse((when, ..))) = self.expiries.peek()
+            && *when <= now
+        {
+            let std::cmp::Reverse((_, c, k, arrival)) = self.expiries.pop().unwrap();
+            if self
+                .held
+                .get(&(c, k.clone()))
+                .is_some_and(|(_, a)| *a == arrival)
+            {
+                let (t, _) = self.held.remove(&(c, k)).unwrap();
+                self.now -= t;
+            }
+        }
+    }
+
+    /// The tokens per fill clients hold now.
+    fn held_now(&mut self) -> u64 {
+        self.expire(std::time::Instant::now());
+        self.now
+    }
 }
 
 impl Board {
     /// Σ `tokens_per_fill` of `bucket` over every client's latest token bucket.
     fn sum(&self, bucket: &Key) -> u64 {
-        self.total(bucket, |(per_fill, _)| per_fill)
+        self.sums.get(bucket).copied().unwrap_or(0)
     }
 
     /// Σ `max_tokens` of `bucket` over every client's latest token bucket.
     fn max_sum(&self, bucket: &Key) -> u64 {
         self.total(bucket, |(_, max)| max)
-    }
-
-    /// Σ `tokens_per_fill` over every client's latest token bucket, whatever its key.
-    fn sum_all(&self) -> u64 {
-        self.latest
-            .values()
-            .filter_map(|t| t.tokens())
-            .map(|(per_fill, _)| u64::from(per_fill))
-            .sum()
     }
 
     fn total(&self, bucket: &Key, part: fn((u32, u32)) -> u32) -> u64 {
@@ -213,11 +270,13 @@ fn record(board: &Mutex<Board>, n: usize, m: RateLimitQuotaResponse) {
         let id = a.bucket_id.expect("every action names its bucket");
         let mut k: Key = id.bucket.into_iter().collect();
         k.sort();
+        let mut in_force = Duration::ZERO;
         let told = match a.bucket_action.expect("an action") {
             ActionKind::AbandonAction(_) => Told::Abandon,
             ActionKind::QuotaAssignmentAction(q) => {
                 let ttl = q.assignment_time_to_live.expect("a TTL");
                 assert!(ttl.seconds >= 1 && ttl.nanos == 0, "{ttl:?}");
+                in_force = Duration::from_secs(ttl.seconds as u64);
                 match q
                     .rate_limit_strategy
                     .and_then(|s| s.strategy)
@@ -240,8 +299,12 @@ fn record(board: &Mutex<Board>, n: usize, m: RateLimitQuotaResponse) {
                 }
             }
         };
-        b.latest.insert((n, k.clone()), told);
-        let sum = b.sum(&k);
+        let tokens = |t: Told| t.tokens().map_or(0, |(per_fill, _)| u64::from(per_fill));
+        b.in_force.told(n, k.clone(), tokens(told), in_force);
+        let was = b.latest.insert((n, k.clone()), told).map_or(0, tokens);
+        let sum = b.sums.entry(k.clone()).or_default();
+        *sum = *sum + tokens(told) - was;
+        let sum = *sum;
         let worst = b.worst_transient.entry(k).or_default();
         *worst = (*worst).max(sum);
     }
@@ -651,8 +714,21 @@ async fn pushes_that_lower_a_share_on_redis_make_no_call() {
         (40..60).contains(&made),
         "{made} script calls for 40 grants and 40 pushes down"
     );
-    let total = board.lock().unwrap().sum_all();
-    assert!(total <= 600, "{total} tokens a minute told in all");
+    // Until the pushes down land, each newcomer holds the one token a grant is at least while
+    // the first 40 hold the whole limit; once they have landed, the limit.
+    let (most, now) = {
+        let b = &mut board.lock().unwrap().in_force;
+        (b.worst, b.held_now())
+    };
+    println!("clients held at most {most} tokens a minute at once, {now} once pushed");
+    assert!(
+        most <= 600 + 40,
+        "clients held {most} tokens a minute at once"
+    );
+    assert!(
+        now <= 600,
+        "clients hold {now} tokens a minute after the pushes"
+    );
 }
 
 /// One report of 10,000 buckets of one pool while an RLS client keeps asking: every RLS request
@@ -663,7 +739,15 @@ async fn pushes_that_lower_a_share_on_redis_make_no_call() {
 async fn a_large_pool_beside_rls(backend: &[&str]) {
     const BUCKETS: usize = 10_000;
     let rls = "domain: r\ndescriptors:\n  - key: k\n    rate_limit: {unit: day, requests_per_unit: 1000000}\n";
-    let mut flags = FAST.to_vec();
+    // An assignment TTL shorter than the report takes to decide (seconds in this build): the
+    // first grants' leases would run out before the last were decided, and must not run out
+    // before their answers reach the client.
+    let mut flags = vec![
+        "--rlqs-report-interval",
+        "500ms",
+        "--rlqs-assignment-ttl",
+        "1s",
+    ];
     flags.extend(["--rlqs-max-bytes", "256MiB"]);
     flags.extend(backend);
     // Room for every bucket's share to be more than the one token each gets at least.
@@ -711,8 +795,22 @@ async fn a_large_pool_beside_rls(backend: &[&str]) {
     }
     println!("{ok} RLS requests answered OK beside a report of {BUCKETS} buckets of one pool");
     assert!(failed.is_empty(), "{ok} OK, failed: {failed:?}");
-    let total = board.lock().unwrap().sum_all();
-    assert!(total <= 600_000, "{total} tokens a minute told in all");
+    // Each bucket that joined while the pool's capacity was held got the one token a grant is
+    // at least (on Redis: the first member was granted the whole limit, and held it until the
+    // pass that lowered it ended); once every answer has landed, the limit holds.
+    let (most, now) = {
+        let b = &mut board.lock().unwrap().in_force;
+        (b.worst, b.held_now())
+    };
+    println!("clients held at most {most} tokens a minute at once, {now} at the end");
+    assert!(
+        most <= 600_000 + BUCKETS as u64,
+        "clients held {most} tokens a minute at once"
+    );
+    assert!(
+        now <= 600_000,
+        "clients hold {now} tokens a minute at the end"
+    );
 }
 
 #[tokio::test]
@@ -721,15 +819,13 @@ async fn a_large_pool_beside_rls_on_memory() {
 }
 
 #[tokio::test]
-#[ignore = "fails about one run in four: one RLS call of ~290 answered UNAVAILABLE beside \
-            the pool (issue 32 left open); run with --ignored"]
 async fn a_large_pool_beside_rls_on_redis() {
     let redis = redis::RedisProc::start(&[]);
     let url = redis.url();
-    // A budget of 500 ms, not the default 100: in this debug build, beside the suite's other
-    // tests on two cores, one RLS call of 270 now and then took longer by itself (seen twice in
-    // nine runs of this file). The old quota path failed 13-20 of 50 calls, most on an open
-    // circuit, which a longer budget does not hide: its pool calls held Redis for seconds.
+    // A budget of 500 ms, not the default 100: the server under test shares this test's one
+    // thread with the client and the simulated Envoy, in a debug build, beside the suite's
+    // other tests on two cores. (One call in ~290 once failed here, one run in four: it waited
+    // seconds behind the simulated Envoy summing its whole board for each of 10,000 answers.)
     a_large_pool_beside_rls(&[
         "--backend",
         "redis",

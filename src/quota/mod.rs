@@ -60,8 +60,8 @@ pub(crate) enum Assignment {
         tokens_per_fill: u64,
         /// The refill interval, whole seconds.
         fill_s: u64,
-        /// How long it holds, when less than the assignment TTL (`None`: the TTL).
-        lease: Option<Duration>,
+        /// When the server stops counting it (its grants' earliest `until`).
+        until: tokio::time::Instant,
     },
 }
 
@@ -323,6 +323,10 @@ fn combine(fill_s: u64, pools: &[PoolSpec], grants: &[Grant]) -> Assignment {
         max_tokens,
         tokens_per_fill,
         fill_s,
-        lease: grants.iter().filter_map(|g| g.lease).min(),
+        until: grants
+            .iter()
+            .map(|g| g.until)
+            .min()
+            .unwrap_or_else(tokio::time::Instant::now),
     }
 }

@@ -4,8 +4,10 @@
 //! A pool is one limit's counter (the counter RLS would use); its participants are buckets of
 //! RLQS streams. Every grant is a lease: the client holds it until its TTL runs out, whether or
 //! not its stream is still open, so a pool's capacity is what its limit allows minus the leases
-//! others hold. A grant never takes more than that (whole tokens, at least one), so the tokens
-//! granted per window add up to at most the limit, leases of disconnected clients included.
+//! others hold. A grant never takes more than that, so the tokens granted per window add up to
+//! at most the limit, leases of disconnected clients included, but for one exception: a grant
+//! is whole tokens and at least one (Envoy's token bucket has no zero), so a participant that
+//! arrives while the others hold the whole limit gets one token until their shares move down.
 //!
 //! Cost. Recomputing a pool's fair shares sorts its members; doing it for every change made a
 //! report of n entries in a pool of n members cost n sorts (3,000 new buckets: 7.1 s of CPU in
@@ -34,6 +36,12 @@ pub(crate) type ParticipantId = u64;
 pub(super) const SHARE_MOVE: f64 = 0.1;
 /// A pool with changes recomputes its shares at least this often (while it is used or swept).
 pub(super) const REBALANCE_AFTER: Duration = Duration::from_millis(100);
+/// How much longer than the assignment TTL a grant is counted against its pool. A client
+/// counts the TTL from when the answer reaches it, after the grant; the TTL sent is what is
+/// left of the lease when the answer leaves, in whole seconds (see `server::rlqs`), so with an
+/// answer on its way for less than this, the client holds it for the whole TTL and no longer
+/// than the pool counts it (plus the network's delay).
+pub(crate) const LEASE_GRACE: Duration = Duration::from_secs(1);
 /// Weight of the newest report in the smoothed demand: the requests and the time reported are
 /// smoothed apart and divided, so a slow client's reports of 0, 0, 0 and 4 requests read as
 /// the 1 per interval it asks, not as a rate jumping between none and four.
@@ -136,8 +144,9 @@ pub(crate) struct Grant {
     pub(crate) tokens: u64,
     /// Its part of the pool's burst.
     pub(crate) max_tokens: u64,
-    /// How long it holds, when less than the assignment TTL (`None`: the TTL).
-    pub(crate) lease: Option<Duration>,
+    /// When this replica stops counting it (by its own clock, at the latest): the TTL sent
+    /// with it is what is left of that when the answer leaves.
+    pub(crate) until: Instant,
 }
 
 struct Member {
@@ -280,7 +289,7 @@ impl Pool {
         let g = Grant {
             tokens,
             max_tokens: self.spec.burst_part(tokens),
-            lease: None,
+            until: now + ttl,
         };
         m.held = Some((g, now + ttl));
         self.held = others + tokens;
@@ -308,11 +317,12 @@ pub(crate) struct Pools {
 }
 
 impl Pools {
-    /// Pools whose grants last `ttl`, for clients reporting every `report_interval`.
+    /// Pools whose grants last `ttl` (counted [`LEASE_GRACE`] longer), for clients reporting
+    /// every `report_interval`.
     pub(crate) fn new(ttl: Duration, report_interval: Duration) -> Pools {
         Pools {
             pools: Mutex::default(),
-            ttl,
+            ttl: ttl + LEASE_GRACE,
             stale: report_interval * 3,
         }
     }

@@ -21,7 +21,7 @@ use futures_util::future::join_all;
 use parking_lot::Mutex;
 use tokio::time::Instant;
 
-use super::pool::{Demand, moved_far, whole};
+use super::pool::{Demand, LEASE_GRACE, moved_far, whole};
 use super::share::{FLOOR_OF_EQUAL_SPLIT, HEADROOM, ask};
 use super::{Grant, ParticipantId, PoolSpec, Signal, Usage};
 use crate::limiter::BackendError;
@@ -98,7 +98,7 @@ impl SharedPools {
             replica: format!("{random:x}."),
             participants: Mutex::default(),
             members: Mutex::default(),
-            ttl,
+            ttl: ttl + LEASE_GRACE,
             stale: report_interval * 3,
         }
     }
@@ -236,7 +236,7 @@ impl SharedPools {
         Ok(Grant {
             tokens: reply.tokens,
             max_tokens: reply.max_tokens,
-            lease: None,
+            until: asked + self.ttl,
         })
     }
 
@@ -258,9 +258,7 @@ impl SharedPools {
         let view = members.get_mut(&spec.key)?;
         let terms = view.terms?;
         let told = view.members.get_mut(&pid)?;
-        let lease =
-            Duration::from_secs(told.counted_until.saturating_duration_since(now).as_secs());
-        if lease.is_zero() {
+        if told.counted_until.saturating_duration_since(now) < Duration::from_secs(1) {
             return None;
         }
         let tokens = share(&terms, demand);
@@ -271,7 +269,7 @@ impl SharedPools {
         Some(Grant {
             tokens,
             max_tokens: spec.burst_part(tokens),
-            lease: Some(lease),
+            until: told.counted_until,
         })
     }
 

@@ -187,10 +187,10 @@ impl RateLimitQuotaService for RlqsService {
         let conn_bytes = ConnInfo::of(request.extensions())
             .map(ConnInfo::quota_bytes)
             .unwrap_or_default();
-        let stream = QuotaStream::new(self.shared.clone(), conn_bytes);
+        let stream = QuotaStream::new(self.shared.clone(), conn_bytes, tx);
         let (reports_tx, reports) = mpsc::channel(1);
         tokio::spawn(read(request.into_inner(), reports_tx));
-        self.apart.handle.spawn(stream.run(reports, tx));
+        self.apart.handle.spawn(stream.run(reports));
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 }
@@ -281,6 +281,10 @@ struct QuotaStream {
     conn_bytes: Arc<AtomicUsize>,
     /// Bytes its buckets are charged.
     held: usize,
+    /// Its answers, to the client.
+    out: mpsc::Sender<Result<RateLimitQuotaResponse, Status>>,
+    /// The client stopped reading its answers (or left): the stream ends.
+    gone: bool,
 }
 
 /// An entry's bucket id as sorted pairs, or why the entry is skipped. The id's strings are
@@ -308,7 +312,11 @@ fn fault(usage: &mut BucketQuotaUsage, limits: &RequestLimits) -> Result<Vec<Pai
 }
 
 impl QuotaStream {
-    fn new(shared: Arc<Shared>, conn_bytes: Arc<AtomicUsize>) -> QuotaStream {
+    fn new(
+        shared: Arc<Shared>,
+        conn_bytes: Arc<AtomicUsize>,
+        out: mpsc::Sender<Result<RateLimitQuotaResponse, Status>>,
+    ) -> QuotaStream {
         shared.metrics.streams.inc();
         let snapshot = shared.config.load_full();
         QuotaStream {
@@ -320,19 +328,19 @@ impl QuotaStream {
             snapshot,
             conn_bytes,
             held: 0,
+            out,
+            gone: false,
         }
     }
 
-    async fn run(
-        mut self,
-        mut inbound: mpsc::Receiver<Inbound>,
-        tx: mpsc::Sender<Result<RateLimitQuotaResponse, Status>>,
-    ) {
+    async fn run(mut self, mut inbound: mpsc::Receiver<Inbound>) {
+        let tx = self.out.clone();
         // Set while moved buckets wait for their turn to be pushed (see `PUSHES`).
         let mut push_after: Option<Instant> = None;
         let mut config_check = tokio::time::interval(CONFIG_CHECK);
         config_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
+            // Each handler sends its answers as it decides them; an error ends the stream.
             let answer = tokio::select! {
                 message = inbound.recv() => match message {
                     Some(Ok(Some(reports))) => self.on_reports(reports).await,
@@ -357,35 +365,61 @@ impl QuotaStream {
                     }
                 },
                 () = self.signal.notify.notified(), if push_after.is_none() => {
-                    Ok(self.on_moved(&mut push_after).await)
+                    self.on_moved(&mut push_after).await;
+                    Ok(())
                 }
                 () = tokio::time::sleep_until(push_after.unwrap_or_else(Instant::now)),
                     if push_after.is_some() =>
                 {
                     push_after = None;
-                    Ok(self.on_moved(&mut push_after).await)
+                    self.on_moved(&mut push_after).await;
+                    Ok(())
                 }
-                _ = config_check.tick() => Ok(self.on_config_check().await),
-            };
-            let (actions, end) = match answer {
-                Ok(actions) => (actions, None),
-                Err(status) => (Vec::new(), Some(status)),
-            };
-            if !actions.is_empty() {
-                self.count(&actions);
-                let message = RateLimitQuotaResponse {
-                    bucket_action: actions,
-                };
-                if tx.send_timeout(Ok(message), SEND_TIMEOUT).await.is_err() {
-                    break;
+                _ = config_check.tick() => {
+                    self.on_config_check().await;
+                    Ok(())
                 }
-            }
-            if let Some(status) = end {
+            };
+            if let Err(status) = answer {
                 let _ = tx.send_timeout(Err(status), SEND_TIMEOUT).await;
+                break;
+            }
+            if self.gone {
                 break;
             }
         }
         self.close().await;
+    }
+
+    /// Sends what `told` says of each bucket (`None`: abandoned) as one message. Each
+    /// assignment's TTL is what is left of its lease as the message leaves (whole seconds, at
+    /// most `--rlqs-assignment-ttl`), taken once the queue has room: the client counts it from
+    /// when the message arrives.
+    async fn deliver(&mut self, told: Vec<(BucketId, Option<Assignment>)>) {
+        if told.is_empty() || self.gone {
+            return;
+        }
+        let Ok(Ok(permit)) = tokio::time::timeout(SEND_TIMEOUT, self.out.reserve()).await else {
+            self.gone = true;
+            return;
+        };
+        let (ttl, now) = (self.shared.options.assignment_ttl, Instant::now());
+        let actions: Vec<BucketAction> = told
+            .into_iter()
+            .map(|(id, assignment)| match assignment {
+                Some(a) => action(id, a, ttl, now),
+                None => BucketAction {
+                    bucket_id: Some(id),
+                    bucket_action: Some(bucket_action::BucketAction::AbandonAction(
+                        AbandonAction {},
+                    )),
+                },
+            })
+            .collect();
+        self.count(&actions);
+        permit.send(Ok(RateLimitQuotaResponse {
+            bucket_action: actions,
+        }));
     }
 
     fn count(&self, actions: &[BucketAction]) {
@@ -413,10 +447,7 @@ impl QuotaStream {
 
     /// One report message: each entry's bucket is created, measured and answered (abandoned
     /// when idle), or skipped.
-    async fn on_reports(
-        &mut self,
-        reports: RateLimitQuotaUsageReports,
-    ) -> Result<Vec<BucketAction>, Status> {
+    async fn on_reports(&mut self, reports: RateLimitQuotaUsageReports) -> Result<(), Status> {
         match (&self.domain, reports.domain.as_str()) {
             (None, "") => {
                 return Err(Status::invalid_argument(
@@ -433,7 +464,7 @@ impl QuotaStream {
             }
         }
         let now = Instant::now();
-        let mut actions = Vec::new();
+        let mut abandoned = Vec::new();
         let mut asks = Vec::with_capacity(reports.bucket_quota_usages.len());
         for (i, mut usage) in reports.bucket_quota_usages.into_iter().enumerate() {
             if i % SLICE == SLICE - 1 {
@@ -470,17 +501,13 @@ impl QuotaStream {
                     let id = id_of(&self.buckets[&pid].key);
                     self.remove(pid, now).await;
                     self.shared.metrics.abandons.inc();
-                    actions.push(BucketAction {
-                        bucket_id: Some(id),
-                        bucket_action: Some(bucket_action::BucketAction::AbandonAction(
-                            AbandonAction {},
-                        )),
-                    });
+                    abandoned.push((id, None));
                 }
             }
         }
-        actions.extend(self.answer(asks, now).await);
-        Ok(actions)
+        self.deliver(abandoned).await;
+        self.answer(asks).await;
+        Ok(())
     }
 
     /// Counts an entry skipped for `kind`.
@@ -596,39 +623,44 @@ impl QuotaStream {
         }))
     }
 
-    /// The assignments of `asks`' buckets, asked of the pools together (with Redis, their
-    /// script calls overlap). A bucket the failure mode leaves unanswered is not in the answer.
-    async fn answer(
-        &self,
-        asks: impl IntoIterator<Item = (ParticipantId, Ask)>,
-        now: Instant,
-    ) -> Vec<BucketAction> {
-        let ttl = self.shared.options.assignment_ttl;
+    /// The assignments of `asks`' buckets, asked of the pools a slice at a time (with Redis,
+    /// a slice's script calls overlap) and sent as each slice is decided: an answer leaves
+    /// within a slice's time of its grant, not after the whole report's (a report of 10,000
+    /// buckets on Redis takes seconds, and its first grants' leases would run out on their
+    /// way; see `quota::LEASE_GRACE`). A bucket the failure mode leaves unanswered is not in
+    /// the answer.
+    async fn answer(&mut self, asks: impl IntoIterator<Item = (ParticipantId, Ask)>) {
         let mut asks = asks.into_iter();
-        let mut actions = Vec::new();
         loop {
+            let now = Instant::now();
+            let this = &*self;
             let answers: Vec<_> = asks
                 .by_ref()
                 .take(SLICE)
                 .filter_map(|(pid, ask)| {
-                    let bucket = self.buckets.get(&pid)?;
+                    let bucket = this.buckets.get(&pid)?;
                     // Boxed: a future of futures of script calls is a type too deep to prove
                     // Send.
-                    let answer: BoxFuture<'_, Option<BucketAction>> = Box::pin(async move {
-                        let assignment = self
-                            .shared
-                            .quota
-                            .assign(pid, &bucket.target, ask, &self.signal, now)
-                            .await?;
-                        Some(action(id_of(&bucket.key), assignment, ttl))
-                    });
+                    let answer: BoxFuture<'_, Option<(BucketId, Option<Assignment>)>> =
+                        Box::pin(async move {
+                            let assignment = this
+                                .shared
+                                .quota
+                                .assign(pid, &bucket.target, ask, &this.signal, now)
+                                .await?;
+                            Some((id_of(&bucket.key), Some(assignment)))
+                        });
                     Some(answer)
                 })
                 .collect();
             if answers.is_empty() {
-                return actions;
+                return;
             }
-            actions.extend(join_all(answers).await.into_iter().flatten());
+            let told = join_all(answers).await.into_iter().flatten().collect();
+            self.deliver(told).await;
+            if self.gone {
+                return;
+            }
             tokio::task::yield_now().await;
         }
     }
@@ -644,21 +676,20 @@ impl QuotaStream {
 
     /// Buckets whose share moved: pushed their assignment now, at most [`PUSHES`] of them;
     /// the rest wait for `push_after`.
-    async fn on_moved(&mut self, push_after: &mut Option<Instant>) -> Vec<BucketAction> {
+    async fn on_moved(&mut self, push_after: &mut Option<Instant>) {
         let (moved, more) = self.signal.take(PUSHES);
-        let now = Instant::now();
         if more {
-            *push_after = Some(now + PUSH_TICK);
+            *push_after = Some(Instant::now() + PUSH_TICK);
         }
-        self.answer(moved.into_iter().map(|pid| (pid, Ask::Push)), now)
-            .await
+        self.answer(moved.into_iter().map(|pid| (pid, Ask::Push)))
+            .await;
     }
 
     /// A new config: every bucket resolved again; those whose target changed are told now.
-    async fn on_config_check(&mut self) -> Vec<BucketAction> {
+    async fn on_config_check(&mut self) {
         let latest = self.shared.config.load_full();
         if Arc::ptr_eq(&latest, &self.snapshot) {
-            return Vec::new();
+            return;
         }
         self.snapshot = latest;
         let now = Instant::now();
@@ -683,7 +714,7 @@ impl QuotaStream {
                 changed.push((pid, Ask::Push));
             }
         }
-        self.answer(changed, now).await
+        self.answer(changed).await;
     }
 
     /// The stream is gone: its buckets leave their pools (their leases run out as usual).
@@ -708,11 +739,14 @@ impl QuotaStream {
 }
 
 /// The protocol form of an assignment, with its TTL (or its shorter lease).
-fn action(id: BucketId, assignment: Assignment, ttl: Duration) -> BucketAction {
+fn action(id: BucketId, assignment: Assignment, ttl: Duration, now: Instant) -> BucketAction {
     let ttl = match assignment {
-        Assignment::Bucket {
-            lease: Some(lease), ..
-        } => lease.min(ttl),
+        // What is left of the lease, in whole seconds (Envoy reads no fraction), at least
+        // one: only an answer held up for longer than the grace is sent with a TTL that
+        // outlasts its lease, by less than a second.
+        Assignment::Bucket { until, .. } => {
+            Duration::from_secs(until.saturating_duration_since(now).as_secs().max(1)).min(ttl)
+        }
         _ => ttl,
     };
     let strategy = match assignment {
