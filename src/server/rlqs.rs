@@ -66,6 +66,14 @@ const PUSH_TICK: Duration = Duration::from_millis(100);
 /// a reload) of 10,000 buckets never holds a thread that RLS requests are waiting for longer
 /// than this many buckets take (about 0.1 ms on the memory backend).
 const SLICE: usize = 32;
+/// Assignments sent in one message at most. A report of 10,000 buckets answered a slice per
+/// message (313 messages) raised the memory backend's RLS p99 beside it from 0.98x to 1.14x of
+/// quiet and its CPU by a fifth (`make pools` rounds, interleaved, medians of 10); in messages
+/// of up to 1,024, 1.09x (5 rounds).
+const MESSAGE_ACTIONS: usize = 1024;
+/// How long decided assignments may wait to fill a message: far less than the second a lease
+/// outlasts its TTL (`quota::LEASE_GRACE`).
+const HOLD_AT_MOST: Duration = Duration::from_millis(100);
 
 /// What every stream shares.
 pub(crate) struct Shared {
@@ -624,13 +632,16 @@ impl QuotaStream {
     }
 
     /// The assignments of `asks`' buckets, asked of the pools a slice at a time (with Redis,
-    /// a slice's script calls overlap) and sent as each slice is decided: an answer leaves
-    /// within a slice's time of its grant, not after the whole report's (a report of 10,000
-    /// buckets on Redis takes seconds, and its first grants' leases would run out on their
-    /// way; see `quota::LEASE_GRACE`). A bucket the failure mode leaves unanswered is not in
-    /// the answer.
+    /// a slice's script calls overlap) and sent as they are decided, in messages of at most
+    /// [`MESSAGE_ACTIONS`] held back no longer than [`HOLD_AT_MOST`]: an answer leaves soon
+    /// after its grant, not after the whole report's (a report of 10,000 buckets on Redis
+    /// takes seconds, and its first grants' leases would run out on their way; see
+    /// `quota::LEASE_GRACE`). A bucket the failure mode leaves unanswered is not in the answer.
     async fn answer(&mut self, asks: impl IntoIterator<Item = (ParticipantId, Ask)>) {
         let mut asks = asks.into_iter();
+        // Decided and not yet sent, and when the first of them was.
+        let mut pending = Vec::new();
+        let mut decided: Option<Instant> = None;
         loop {
             let now = Instant::now();
             let this = &*self;
@@ -654,12 +665,18 @@ impl QuotaStream {
                 })
                 .collect();
             if answers.is_empty() {
+                drop(answers);
+                self.deliver(pending).await;
                 return;
             }
-            let told = join_all(answers).await.into_iter().flatten().collect();
-            self.deliver(told).await;
-            if self.gone {
-                return;
+            pending.extend(join_all(answers).await.into_iter().flatten());
+            let first = *decided.get_or_insert(now);
+            if pending.len() >= MESSAGE_ACTIONS || first.elapsed() >= HOLD_AT_MOST {
+                self.deliver(std::mem::take(&mut pending)).await;
+                decided = None;
+                if self.gone {
+                    return;
+                }
             }
             tokio::task::yield_now().await;
         }
