@@ -11,6 +11,7 @@ mod metrics;
 mod quota;
 mod server;
 pub mod settings;
+mod shutdown;
 pub mod telemetry;
 mod xds;
 
@@ -19,68 +20,21 @@ pub use crate::limiter::redis::SetupError;
 /// The admin API's messages and its gRPC client (`--admin`), for tools that read or reset
 /// counters.
 pub use crate::server::admin::pb as admin;
+pub use crate::shutdown::HEALTH_SERVICES;
 
 /// What the integration tests (`tests/`) and the fuzz targets (`fuzz/`) drive directly, below
 /// [`run`]: not an API, no stability promised, hidden from the documentation.
 #[doc(hidden)]
-pub mod testing {
-    pub use crate::config::{
-        Domain, NodeLimits, Snapshot, Unit, Wildcard, compile_file, load_paths,
-    };
-    pub use crate::engine::{Engine, EngineOptions};
-    pub use crate::limiter::redis::{RedisUrl, SCRIPT, slot};
-    pub use crate::limiter::{
-        Algorithm, Clock, CounterKey, HashTag, KeyFormat, Limit, ManualClock, MemoryBackend,
-        SystemClock,
-    };
-    pub use crate::metrics::Metrics;
-    pub use crate::run_with_clock;
-    pub use crate::server::grpc::to_request;
-    pub use crate::xds::TYPE_URL as XDS_TYPE_URL;
-    /// The `RateLimitConfig` messages served over xDS.
-    pub use crate::xds::pb as rls_conf;
-
-    pub use crate::quota::share::fair_shares;
-
-    /// The quota script's fair shares (`quota.lua`), run on the standalone Redis at `url`, for
-    /// the test that holds them against [`fair_shares`].
-    pub async fn script_fair_shares(
-        url: &str,
-        capacity: f64,
-        demands: &[Option<f64>],
-    ) -> Result<Vec<f64>, String> {
-        use crate::limiter::redis::{RedisBackend, RedisOptions, Target, TlsFiles};
-        let url = RedisUrl::parse(url).map_err(|e| e.to_string())?;
-        let backend = RedisBackend::new(
-            RedisOptions {
-                target: Target::Standalone(url),
-                tls: TlsFiles::default(),
-                timeout: std::time::Duration::from_secs(5),
-                local_cache_bytes: 0,
-                pipeline: 1,
-                max_batch: 1,
-                max_debt: crate::limiter::DEFAULT_MAX_DEBT,
-            },
-            crate::metrics::BackendMetrics::default(),
-        )
-        .map_err(|e| e.to_string())?;
-        backend
-            .pool_shares(crate::quota::shared::POLICY, capacity, demands)
-            .await
-            .map_err(|e| e.to_string())
-    }
-}
+pub mod testing;
 
 use std::future::Future;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
 use tokio::net::{TcpListener, TcpSocket};
 use tonic::transport::server::TcpIncoming;
-use tonic_health::ServingStatus;
 
 use crate::config::{CompileOptions, Snapshot, load_paths_with};
 use crate::engine::Engine;
@@ -93,15 +47,8 @@ use crate::server::grpc::GrpcService;
 use crate::server::http::{HttpState, router};
 use crate::server::rlqs::RlqsService;
 use crate::settings::{BackendOptions, ConfigSource, Options};
+use crate::shutdown::{ServerFailed, Serving, Stop, Tasks, until_stopped};
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_server::RateLimitQuotaServiceServer;
-
-/// gRPC health service names reported SERVING: the default, the name envoyproxy/ratelimit
-/// registers (so existing probes keep working) and the service's full name.
-pub const HEALTH_SERVICES: [&str; 3] = [
-    "",
-    "ratelimit",
-    "envoy.service.ratelimit.v3.RateLimitService",
-];
 
 /// How often the memory backend drops expired counters in the background.
 const SWEEP_EVERY: Duration = Duration::from_secs(10);
@@ -176,6 +123,15 @@ pub enum RunError {
         /// Why.
         source: std::io::Error,
     },
+}
+
+impl From<ServerFailed> for RunError {
+    fn from(e: ServerFailed) -> RunError {
+        match e {
+            ServerFailed::Grpc(e) => RunError::Grpc(e),
+            ServerFailed::Http(e) => RunError::Http(e),
+        }
+    }
 }
 
 /// Starts `socket` listening.
@@ -316,25 +272,9 @@ pub async fn run_with_clock(
         &mut tasks,
     );
     tracing::info!(grpc = ?grpc_addr, http = ?http_addr, "serving");
-    until_stopped(grpc, http, &stop, options.shutdown_grace).await
-}
-
-/// Background tasks of a running service, aborted when it ends (returns or fails).
-#[derive(Default)]
-struct Tasks(Vec<tokio::task::JoinHandle<()>>);
-
-impl Tasks {
-    fn push(&mut self, task: tokio::task::JoinHandle<()>) {
-        self.0.push(task);
-    }
-}
-
-impl Drop for Tasks {
-    fn drop(&mut self) {
-        for task in &self.0 {
-            task.abort();
-        }
-    }
+    until_stopped(grpc, http, &stop, options.shutdown_grace)
+        .await
+        .map_err(RunError::from)
 }
 
 /// Follows the config an xDS server sends: each accepted snapshot is swapped in, a refused one
@@ -490,82 +430,6 @@ fn start_backend(
     })
 }
 
-/// The shutdown fan-out: when the caller's `shutdown` resolves, health turns NOT_SERVING
-/// first, then every server stops accepting. Health starts SERVING, or, given `ready`, turns
-/// SERVING when it does.
-struct Stop {
-    /// False once shutdown has begun (`/healthcheck` answers 500).
-    serving: Arc<AtomicBool>,
-    stopped: tokio::sync::watch::Receiver<bool>,
-}
-
-impl Stop {
-    async fn start(
-        shutdown: impl Future<Output = ()> + Send + 'static,
-        health: tonic_health::server::HealthReporter,
-        ready: Option<tokio::sync::watch::Receiver<bool>>,
-        tasks: &mut Tasks,
-    ) -> Stop {
-        let status = match ready {
-            None => ServingStatus::Serving,
-            Some(_) => ServingStatus::NotServing,
-        };
-        for name in HEALTH_SERVICES {
-            health.set_service_status(name, status).await;
-        }
-        let serving = Arc::new(AtomicBool::new(ready.is_none()));
-        let (stop_tx, stopped) = tokio::sync::watch::channel(false);
-        tasks.push({
-            let serving = serving.clone();
-            tokio::spawn(async move {
-                tokio::pin!(shutdown);
-                // One task for both, so that a late `ready` can never undo a shutdown.
-                let mut down = false;
-                if let Some(mut ready) = ready {
-                    let became_ready = tokio::select! {
-                        r = ready.wait_for(|r| *r) => r.is_ok(),
-                        () = &mut shutdown => {
-                            down = true;
-                            false
-                        }
-                    };
-                    if became_ready {
-                        serving.store(true, Ordering::SeqCst);
-                        for name in HEALTH_SERVICES {
-                            health
-                                .set_service_status(name, ServingStatus::Serving)
-                                .await;
-                        }
-                    }
-                }
-                if !down {
-                    shutdown.await;
-                }
-                tracing::info!("shutting down: finishing in-flight calls");
-                serving.store(false, Ordering::SeqCst);
-                for name in HEALTH_SERVICES {
-                    health
-                        .set_service_status(name, ServingStatus::NotServing)
-                        .await;
-                }
-                let _ = stop_tx.send(true);
-            })
-        });
-        Stop { serving, stopped }
-    }
-
-    /// Resolves once shutdown has begun (a server's signal to stop accepting).
-    fn stopped(&self) -> impl Future<Output = ()> + Send + 'static {
-        let mut rx = self.stopped.clone();
-        async move {
-            let _ = rx.wait_for(|s| *s).await;
-        }
-    }
-}
-
-/// A server running until [`Stop::stopped`].
-type Serving<E> = std::pin::Pin<Box<dyn Future<Output = Result<(), E>> + Send>>;
-
 /// The two protocols' front ends: RLS over the engine, RLQS over the quota pools.
 struct Protocols {
     engine: Arc<Engine>,
@@ -674,30 +538,4 @@ fn serve_http(
         tracker,
         stop.stopped(),
     ))
-}
-
-/// Runs both servers until they have stopped after shutdown, or until the grace period after
-/// shutdown has passed with calls still in flight.
-async fn until_stopped(
-    grpc: Serving<tonic::transport::Error>,
-    http: Serving<std::io::Error>,
-    stop: &Stop,
-    grace: Duration,
-) -> Result<(), RunError> {
-    let servers = async { tokio::join!(grpc, http) };
-    let stopped = stop.stopped();
-    tokio::select! {
-        (g, h) = servers => match (g, h) {
-            (Ok(()), Ok(())) => Ok(()),
-            (Err(e), _) => Err(RunError::Grpc(e)),
-            (_, Err(e)) => Err(RunError::Http(e)),
-        },
-        _ = async {
-            stopped.await;
-            tokio::time::sleep(grace).await;
-        } => {
-            tracing::warn!(?grace, "in-flight calls did not finish within the shutdown grace");
-            Ok(())
-        }
-    }
 }
