@@ -1,6 +1,7 @@
 //! `envoy.service.ratelimit.v3.RateLimitService` over tonic: converts Envoy's messages to the
 //! protocol-free [`crate::engine`] request types and back. With `json.rs` (the same
-//! messages as JSON), the only module that knows Envoy's types.
+//! messages as JSON) the only module that knows RLS's types; Envoy's other types are used by
+//! `rlqs.rs` (RLQS), `xds/` (the ADS client) and `lib.rs` (registering the services).
 
 use std::sync::Arc;
 use std::time::Instant;
