@@ -141,10 +141,10 @@ impl InForce {
         }
     }
 
-    /// The tokens per fill clients hold now.
-    fn held_now(&mut self) -> u64 {
+    /// The most tokens per fill clients held at once, and what they hold now.
+    fn most_and_now(&mut self) -> (u64, u64) {
         self.expire(std::time::Instant::now());
-        self.now
+        (self.worst, self.now)
     }
 }
 
@@ -716,10 +716,7 @@ async fn pushes_that_lower_a_share_on_redis_make_no_call() {
     );
     // Until the pushes down land, each newcomer holds the one token a grant is at least while
     // the first 40 hold the whole limit; once they have landed, the limit.
-    let (most, now) = {
-        let b = &mut board.lock().unwrap().in_force;
-        (b.worst, b.held_now())
-    };
+    let (most, now) = board.lock().unwrap().in_force.most_and_now();
     println!("clients held at most {most} tokens a minute at once, {now} once pushed");
     assert!(
         most <= 600 + 40,
@@ -798,10 +795,7 @@ async fn a_large_pool_beside_rls(backend: &[&str]) {
     // Each bucket that joined while the pool's capacity was held got the one token a grant is
     // at least (on Redis: the first member was granted the whole limit, and held it until the
     // pass that lowered it ended); once every answer has landed, the limit holds.
-    let (most, now) = {
-        let b = &mut board.lock().unwrap().in_force;
-        (b.worst, b.held_now())
-    };
+    let (most, now) = board.lock().unwrap().in_force.most_and_now();
     println!("clients held at most {most} tokens a minute at once, {now} at the end");
     assert!(
         most <= 600_000 + BUCKETS as u64,

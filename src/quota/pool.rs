@@ -156,8 +156,8 @@ struct Member {
     reported: Instant,
     /// Its fair share, tokens per window.
     share: f64,
-    /// What it was last granted, and until when it may use it.
-    held: Option<(Grant, Instant)>,
+    /// What it was last granted (with until when it may use it).
+    held: Option<Grant>,
     /// Its tokens in the pool's `held` sum.
     counted: u64,
     connected: bool,
@@ -166,7 +166,7 @@ struct Member {
 
 impl Member {
     fn holds(&self, now: Instant) -> Option<Grant> {
-        self.held.filter(|(_, until)| *until > now).map(|(g, _)| g)
+        self.held.filter(|g| g.until > now)
     }
 }
 
@@ -291,7 +291,7 @@ impl Pool {
             max_tokens: self.spec.burst_part(tokens),
             until: now + ttl,
         };
-        m.held = Some((g, now + ttl));
+        m.held = Some(g);
         self.held = others + tokens;
         m.counted = tokens;
         if tokens < before {

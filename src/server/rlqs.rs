@@ -342,7 +342,6 @@ impl QuotaStream {
     }
 
     async fn run(mut self, mut inbound: mpsc::Receiver<Inbound>) {
-        let tx = self.out.clone();
         // Set while moved buckets wait for their turn to be pushed (see `PUSHES`).
         let mut push_after: Option<Instant> = None;
         let mut config_check = tokio::time::interval(CONFIG_CHECK);
@@ -368,7 +367,7 @@ impl QuotaStream {
                             "the RLQS stream could not be read: {}",
                             status.message()
                         ));
-                        let _ = tx.send_timeout(Err(why), SEND_TIMEOUT).await;
+                        let _ = self.out.send_timeout(Err(why), SEND_TIMEOUT).await;
                         break;
                     }
                 },
@@ -389,7 +388,7 @@ impl QuotaStream {
                 }
             };
             if let Err(status) = answer {
-                let _ = tx.send_timeout(Err(status), SEND_TIMEOUT).await;
+                let _ = self.out.send_timeout(Err(status), SEND_TIMEOUT).await;
                 break;
             }
             if self.gone {
@@ -755,7 +754,8 @@ impl QuotaStream {
     }
 }
 
-/// The protocol form of an assignment, with its TTL (or its shorter lease).
+/// The protocol form of an assignment, sent `now`: a token bucket's TTL is what is left of its
+/// lease, at most `ttl`.
 fn action(id: BucketId, assignment: Assignment, ttl: Duration, now: Instant) -> BucketAction {
     let ttl = match assignment {
         // What is left of the lease, in whole seconds (Envoy reads no fraction), at least
