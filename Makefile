@@ -12,11 +12,13 @@ run:
 test: deps lint
 	RATELIMITD_REQUIRE_FIXTURES=$${RATELIMITD_REQUIRE_FIXTURES-} RATELIMITD_REQUIRE_HELM=1 $(CARGO) test
 
-## fmt --check, clippy and rustdoc, each with warnings as errors.
+## fmt --check, clippy and rustdoc, each with warnings as errors, and the modules' floors
+## (every import runs down: tests/layers.rs).
 lint:
 	$(CARGO) fmt --check
 	$(CARGO) clippy --all-targets -- -D warnings
 	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --no-deps --quiet
+	$(CARGO) test --quiet --test layers
 
 ## Tools the tests use (redis-server arrives with the Redis backend's tests).
 deps:

@@ -3,7 +3,7 @@
 use std::process::ExitCode;
 
 use anyhow::Context;
-use ratelimitd::settings::{Flags, Options};
+use ratelimitd::settings::{Options, Startup};
 use ratelimitd::{Listeners, bind, check_config, run};
 
 /// mimalloc: the hot path allocates small, short-lived buffers per request (decoded protos, keys,
@@ -26,23 +26,18 @@ async fn shutdown_signal() {
     let _ = ctrl_c.await;
 }
 
-async fn serve(flags: Flags, options: Options) -> anyhow::Result<()> {
+async fn serve(startup: Startup, options: Options) -> anyhow::Result<()> {
     // Bound now (a port taken fails at once); listening once the service can serve.
-    let grpc = bind(flags.grpc_addr)
-        .with_context(|| format!("--grpc-addr: cannot bind {}", flags.grpc_addr))?;
-    let http = bind(flags.http_addr)
-        .with_context(|| format!("--http-addr: cannot bind {}", flags.http_addr))?;
+    let grpc = bind(startup.grpc_addr)
+        .with_context(|| format!("--grpc-addr: cannot bind {}", startup.grpc_addr))?;
+    let http = bind(startup.http_addr)
+        .with_context(|| format!("--http-addr: cannot bind {}", startup.http_addr))?;
     let mut extra_http = Vec::new();
-    for (flag, addr) in [
-        ("--debug-addr", flags.debug_addr),
-        ("--metrics-addr", flags.metrics_addr),
-    ] {
-        if let Some(addr) = addr {
-            let l = bind(addr).with_context(|| format!("{flag}: cannot bind {addr}"))?;
-            extra_http.push(l);
-        }
+    for (flag, addr) in &startup.extra_http {
+        let l = bind(*addr).with_context(|| format!("{flag}: cannot bind {addr}"))?;
+        extra_http.push(l);
     }
-    for note in &flags.ignored_env {
+    for note in &startup.ignored_env {
         tracing::warn!("{note}");
     }
     run(
@@ -59,7 +54,7 @@ async fn serve(flags: Flags, options: Options) -> anyhow::Result<()> {
 }
 
 fn main() -> ExitCode {
-    let (flags, options) =
+    let (startup, options) =
         match ratelimitd::settings::parse(std::env::args(), |k| std::env::var(k).ok()) {
             Ok(parsed) => parsed,
             Err(e) => e.exit(),
@@ -74,7 +69,7 @@ fn main() -> ExitCode {
     // Logging first (--check shows the files' warnings too); span export runs on the runtime.
     let telemetry = {
         let _inside = runtime.enter();
-        match ratelimitd::telemetry::init(&flags, &options) {
+        match ratelimitd::telemetry::init(&startup.telemetry) {
             Ok(t) => t,
             Err(e) => {
                 eprintln!("ratelimitd: {e}");
@@ -82,7 +77,7 @@ fn main() -> ExitCode {
             }
         }
     };
-    let code = if flags.check {
+    let code = if startup.check {
         match check_config(&options) {
             Ok(rules) => {
                 print!("{rules}");
@@ -94,7 +89,7 @@ fn main() -> ExitCode {
             }
         }
     } else {
-        match runtime.block_on(serve(flags, options)) {
+        match runtime.block_on(serve(startup, options)) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("ratelimitd: {e:#}");

@@ -1,31 +1,37 @@
-//! Logs and traces. Tracing is OpenTelemetry as envoyproxy/ratelimit offers it (`TRACING_*`):
-//! spans exported over OTLP (HTTP, its default, or gRPC) with the service's name, namespace and
-//! instance id as resource attributes, sampled parent-based at a ratio. A ShouldRateLimit call
-//! is a span that continues the caller's W3C `traceparent`; its wait for a Redis answer is a
-//! child span.
-//!
-//! When tracing is off no span is made at all: the request path checks one flag
-//! (`enabled`) and goes on.
+//! Logs and traces at start-up: logging to stderr, and tracing as envoyproxy/ratelimit offers
+//! it (`TRACING_*`): spans exported over OTLP (HTTP, its default, or gRPC) with the service's
+//! name, namespace and instance id as resource attributes, sampled parent-based at a ratio. A
+//! ShouldRateLimit call is a span that continues the caller's W3C `traceparent`; its wait for a
+//! Redis answer is a child span. The request path's side is `trace.rs`; this module takes its
+//! own settings value ([`TelemetryOptions`]), built by `settings`.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-
-use opentelemetry::propagation::{Extractor, TextMapPropagator};
 use opentelemetry::trace::TracerProvider as _;
 use opentelemetry_otlp::WithExportConfig;
-use opentelemetry_sdk::propagation::TraceContextPropagator;
 use opentelemetry_sdk::trace::{Sampler, SdkTracerProvider};
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::{EnvFilter, Layer};
 
-use crate::settings::{Flags, LogFormatArg, Options};
+use crate::trace::SPAN_TARGET;
 
-/// Whether spans are exported; set once, at start.
-static ENABLED: AtomicBool = AtomicBool::new(false);
+/// Logging and tracing as configured (`--log-*`, `--tracing-*`).
+#[derive(Clone, Debug)]
+pub struct TelemetryOptions {
+    /// The log filter (`--log-level`): a level or tracing directives.
+    pub(crate) log_level: String,
+    /// How log lines are written.
+    pub(crate) log_format: LogFormat,
+    /// Span export, when on.
+    pub(crate) tracing: Option<TracingOptions>,
+}
 
-/// True when ShouldRateLimit calls are traced.
-pub(crate) fn enabled() -> bool {
-    ENABLED.load(Ordering::Relaxed)
+/// How log lines are written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object a line.
+    Json,
 }
 
 /// How spans leave the process.
@@ -78,18 +84,18 @@ impl Drop for Telemetry {
     }
 }
 
-/// Starts logging to stderr as `flags` say and, when `options` ask for tracing, span export.
-/// Must run inside a tokio runtime when tracing (the exporter runs on it).
-pub fn init(flags: &Flags, options: &Options) -> Result<Telemetry, TelemetryError> {
-    let filter = EnvFilter::try_new(&flags.log_level)
-        .map_err(|_| TelemetryError::Filter(flags.log_level.clone()))?;
+/// Starts logging to stderr and, when `options` ask for tracing, span export. Must run inside
+/// a tokio runtime when tracing (the exporter runs on it).
+pub fn init(options: &TelemetryOptions) -> Result<Telemetry, TelemetryError> {
+    let filter = EnvFilter::try_new(&options.log_level)
+        .map_err(|_| TelemetryError::Filter(options.log_level.clone()))?;
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let fmt = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
         .with_ansi(ansi);
-    let fmt = match flags.log_format {
-        LogFormatArg::Text => fmt.boxed(),
-        LogFormatArg::Json => fmt.json().boxed(),
+    let fmt = match options.log_format {
+        LogFormat::Text => fmt.boxed(),
+        LogFormat::Json => fmt.json().boxed(),
     };
     let registry = tracing_subscriber::registry().with(fmt.with_filter(filter));
     let Some(options) = &options.tracing else {
@@ -105,14 +111,11 @@ pub fn init(flags: &Flags, options: &Options) -> Result<Telemetry, TelemetryErro
             m.target() == SPAN_TARGET
         }));
     registry.with(spans).init();
-    ENABLED.store(true, Ordering::Relaxed);
+    crate::trace::enable();
     Ok(Telemetry {
         provider: Some(provider),
     })
 }
-
-/// The target of every span this service exports.
-pub(crate) const SPAN_TARGET: &str = "ratelimitd::trace";
 
 fn provider(options: &TracingOptions) -> Result<SdkTracerProvider, TelemetryError> {
     let exporter = match options.protocol {
@@ -156,33 +159,4 @@ fn provider(options: &TracingOptions) -> Result<SdkTracerProvider, TelemetryErro
         ))))
         .with_resource(resource.build())
         .build())
-}
-
-/// The span of one ShouldRateLimit call, continuing the caller's trace (`traceparent` in
-/// `metadata`) when there is one.
-pub(crate) fn request_span(metadata: &tonic::metadata::MetadataMap, domain: &str) -> tracing::Span {
-    use tracing_opentelemetry::OpenTelemetrySpanExt;
-    let span = tracing::info_span!(target: SPAN_TARGET, "ShouldRateLimit", domain);
-    let parent = TraceContextPropagator::new().extract(&Metadata(metadata));
-    let _ = span.set_parent(parent);
-    span
-}
-
-/// gRPC metadata as the propagator reads it.
-struct Metadata<'a>(&'a tonic::metadata::MetadataMap);
-
-impl Extractor for Metadata<'_> {
-    fn get(&self, key: &str) -> Option<&str> {
-        self.0.get(key).and_then(|v| v.to_str().ok())
-    }
-
-    fn keys(&self) -> Vec<&str> {
-        self.0
-            .keys()
-            .filter_map(|k| match k {
-                tonic::metadata::KeyRef::Ascii(k) => Some(k.as_str()),
-                tonic::metadata::KeyRef::Binary(_) => None,
-            })
-            .collect()
-    }
 }

@@ -7,6 +7,7 @@ pub(crate) mod fallback;
 pub(crate) mod key;
 pub(crate) mod memory;
 pub(crate) mod redis;
+pub(crate) mod start;
 
 use std::future::Future;
 use std::pin::Pin;

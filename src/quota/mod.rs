@@ -151,6 +151,19 @@ impl Quota {
         Quota::Local(Pools::new(options.assignment_ttl, options.report_interval))
     }
 
+    /// Pools where the backend keeps its counters: in Redis when it is the store (its failure
+    /// mode deciding while it cannot answer), else this replica's own.
+    pub(crate) fn beside(
+        redis: Option<(Arc<crate::limiter::redis::RedisBackend>, FailureMode)>,
+        options: &QuotaOptions,
+        metrics: QuotaMetrics,
+    ) -> Quota {
+        match redis {
+            None => Quota::local(options),
+            Some((redis, failure)) => Quota::shared(redis, failure, options, metrics),
+        }
+    }
+
     /// Pools in `redis`, `failure` deciding while it cannot answer.
     pub(crate) fn shared(
         redis: Arc<crate::limiter::redis::RedisBackend>,

@@ -1,7 +1,7 @@
 //! `envoy.service.ratelimit.v3.RateLimitService` over tonic: converts Envoy's messages to the
 //! protocol-free [`crate::engine`] request types and back. With `json.rs` (the same
 //! messages as JSON) the only module that knows RLS's types; Envoy's other types are used by
-//! `rlqs.rs` (RLQS), `xds/` (the ADS client) and `lib.rs` (registering the services).
+//! `rlqs.rs` (RLQS), `xds/` (the ADS client) and `serve.rs` (registering the services).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -317,9 +317,9 @@ impl RateLimitService for GrpcService {
             }
         };
         // Without tracing no span is made: one flag read.
-        let result = if crate::telemetry::enabled() {
+        let result = if crate::trace::enabled() {
             use tracing::Instrument;
-            let span = crate::telemetry::request_span(request.metadata(), &req.domain);
+            let span = crate::trace::request_span(request.metadata(), &req.domain);
             decide.instrument(span).await
         } else {
             decide.await

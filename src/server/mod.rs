@@ -1,4 +1,5 @@
-//! Protocol front ends: gRPC (Envoy's RateLimitService and health) and HTTP (operations).
+//! Protocol front ends: gRPC (Envoy's RateLimitService, RLQS, health and the admin API) and
+//! HTTP (operations), and the servers that carry them (`serve.rs`).
 
 pub(crate) mod admin;
 pub(crate) mod conn;
@@ -7,4 +8,5 @@ pub(crate) mod headers;
 pub(crate) mod http;
 pub(crate) mod json;
 pub(crate) mod rlqs;
+pub(crate) mod serve;
 pub(crate) mod tls;

@@ -139,14 +139,30 @@ impl Apart {
     }
 }
 
+/// How the RLQS service works: its pools' options, and what it shares with the engine.
+pub(crate) struct RlqsOptions {
+    /// Leases, reports, buckets and bytes.
+    pub(crate) quota: QuotaOptions,
+    /// How counter keys are built (a bucket's pool is named after its limit's counter).
+    pub(crate) keys: KeyFormat,
+    /// Size bounds on a bucket id, as on a request's descriptor.
+    pub(crate) limits: RequestLimits,
+    /// Every limit in shadow mode (`--shadow-mode`).
+    pub(crate) global_shadow: bool,
+}
+
 impl RlqsService {
+    /// The service, its own thread started, deciding buckets against `config` with `quota`'s
+    /// pools.
     pub(crate) fn new(
         config: Arc<ArcSwap<Snapshot>>,
         quota: Quota,
-        keys: KeyFormat,
-        options: QuotaOptions,
-        limits: RequestLimits,
-        global_shadow: bool,
+        RlqsOptions {
+            quota: options,
+            keys,
+            limits,
+            global_shadow,
+        }: RlqsOptions,
         metrics: QuotaMetrics,
     ) -> std::io::Result<RlqsService> {
         let service = RlqsService {

@@ -38,6 +38,14 @@ pub(crate) struct TlsFiles {
     pub client_ca: Option<PathBuf>,
 }
 
+/// The gRPC listener's TLS: its files (watched for renewals) and their first load.
+pub(crate) struct GrpcTls {
+    /// The files.
+    pub(crate) files: TlsFiles,
+    /// The server config they gave at start.
+    pub(crate) config: Arc<ServerConfig>,
+}
+
 /// Why the TLS files could not be used.
 #[derive(Debug, thiserror::Error)]
 #[error("{path}: {message}")]

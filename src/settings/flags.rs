@@ -14,7 +14,7 @@ use crate::limiter::redis::RedisUrl;
 
 /// `--backend`: where counters are kept.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum BackendArg {
+pub(crate) enum BackendArg {
     /// In this process (the default): exact, fast, not shared between replicas.
     Memory,
     /// In Redis (standalone, cluster or sentinel), shared by every replica.
@@ -23,7 +23,7 @@ pub enum BackendArg {
 
 /// `--redis-failure-mode`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum FailureModeArg {
+pub(crate) enum FailureModeArg {
     /// gRPC UNAVAILABLE: Envoy's failure_mode_deny decides.
     Error,
     /// Answer OK.
@@ -36,7 +36,7 @@ pub enum FailureModeArg {
 
 /// `--redis-hash-tag`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum HashTagArg {
+pub(crate) enum HashTagArg {
     /// One slot per domain: exact all-or-nothing in one call.
     Domain,
     /// One slot per descriptor: spreads a domain over a cluster.
@@ -45,7 +45,7 @@ pub enum HashTagArg {
 
 /// `--response-headers`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum HeaderModeArg {
+pub(crate) enum HeaderModeArg {
     /// None.
     Off,
     /// `X-RateLimit-Limit`, `-Remaining`, `-Reset`, as Envoy's DRAFT_VERSION_03 writes them.
@@ -59,7 +59,7 @@ pub enum HeaderModeArg {
 
 /// `--tracing-protocol`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum TracingProtocolArg {
+pub(crate) enum TracingProtocolArg {
     /// OTLP over HTTP (protobuf).
     Http,
     /// OTLP over gRPC.
@@ -68,7 +68,7 @@ pub enum TracingProtocolArg {
 
 /// `--default-algorithm`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum AlgorithmArg {
+pub(crate) enum AlgorithmArg {
     /// Counter per aligned window (envoyproxy/ratelimit's).
     FixedWindow,
     /// Two windows, the previous one weighted: no burst at the boundary.
@@ -81,7 +81,7 @@ pub enum AlgorithmArg {
 
 /// `--accounting`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum AccountingArg {
+pub(crate) enum AccountingArg {
     /// A descriptor with its own hits_addend greater than 0 is a cost report (recorded even
     /// past the limit); any other is an admission (a refused request consumes nothing).
     Auto,
@@ -124,7 +124,7 @@ impl clap::builder::TypedValueParser for RedisUrlParser {
 
 /// A flag value that is never shown (`Debug` prints `***`).
 #[derive(Clone, PartialEq, Eq)]
-pub struct Secret(pub(crate) String);
+pub(crate) struct Secret(pub(crate) String);
 
 impl std::fmt::Debug for Secret {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -138,7 +138,7 @@ fn parse_secret(s: &str) -> Result<Secret, String> {
 
 /// `--log-format`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum LogFormatArg {
+pub(crate) enum LogFormatArg {
     /// Human-readable lines.
     Text,
     /// One JSON object per line.
@@ -155,367 +155,367 @@ pub enum LogFormatArg {
     after_help = "Every flag can also be set as RATELIMITD_<FLAG>, e.g. RATELIMITD_GRPC_ADDR=0.0.0.0:8081; \
                   RATELIMITD_CONFIG takes a comma-separated list."
 )]
-pub struct Flags {
+pub(crate) struct Flags {
     /// Config file or directory (every *.yaml/*.yml inside, dot-files skipped); repeatable.
     /// Without it (and without RATELIMITD_CONFIG) the service reads envoyproxy/ratelimit's
     /// RUNTIME_ROOT/RUNTIME_SUBDIRECTORY/RUNTIME_APPDIRECTORY, as that service does.
     #[arg(long = "config", value_name = "PATH")]
-    pub config: Vec<PathBuf>,
+    pub(crate) config: Vec<PathBuf>,
 
     /// Read the config from this xDS control plane (`host:port` or `http://host:port`) instead of
     /// files: one ADS stream of envoyproxy/ratelimit's RateLimitConfig, as Envoy Gateway serves
     /// it. The service starts once the first config is accepted.
     #[arg(long, value_name = "URL", conflicts_with = "config")]
-    pub xds_server: Option<String>,
+    pub(crate) xds_server: Option<String>,
 
     /// node.id presented to the xDS server (it serves the snapshot kept for this id).
     #[arg(long, default_value = "default")]
-    pub xds_node_id: String,
+    pub(crate) xds_node_id: String,
 
     /// node.metadata presented to the xDS server: comma-separated `key=value` pairs.
     #[arg(long, default_value = "")]
-    pub xds_node_metadata: String,
+    pub(crate) xds_node_metadata: String,
 
     /// gRPC metadata sent on the xDS stream: comma-separated `key=value` pairs.
     #[arg(long, default_value = "")]
-    pub xds_headers: String,
+    pub(crate) xds_headers: String,
 
     /// Shortest wait before reopening a failed xDS stream.
     #[arg(long, default_value = "10s", value_parser = parse_xds_duration)]
-    pub xds_backoff_initial: Duration,
+    pub(crate) xds_backoff_initial: Duration,
 
     /// Longest wait before reopening a failed xDS stream.
     #[arg(long, default_value = "60s", value_parser = parse_xds_duration)]
-    pub xds_backoff_max: Duration,
+    pub(crate) xds_backoff_max: Duration,
 
     /// Growth of the wait per failed attempt (envoyproxy/ratelimit's default, 0.5, never grows).
     #[arg(long, default_value_t = 0.5)]
-    pub xds_backoff_factor: f64,
+    pub(crate) xds_backoff_factor: f64,
 
     /// Draw each wait at random between the shortest and the computed one.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
-    pub xds_backoff_jitter: bool,
+    pub(crate) xds_backoff_jitter: bool,
 
     /// Longest wait for an xDS stream to open: the TCP connection, TLS, HTTP/2 and the
     /// server's answer to the stream's request (envoyproxy/ratelimit's gRPC dial gives up after
     /// 20 s). Past it the attempt is abandoned and retried after the backoff.
     #[arg(long, default_value = "20s", value_parser = parse_xds_duration)]
-    pub xds_connect_timeout: Duration,
+    pub(crate) xds_connect_timeout: Duration,
 
     /// Longest wait for the first response on an open xDS stream; past it the stream is
     /// abandoned and reopened after the backoff. Later silence is normal (the config did not
     /// change): HTTP/2 and TCP keepalive watch the connection then.
     #[arg(long, default_value = "60s", value_parser = parse_xds_duration)]
-    pub xds_response_timeout: Duration,
+    pub(crate) xds_response_timeout: Duration,
 
     /// HTTP/2 PING interval on the xDS connection. gRPC servers refuse pings more frequent than
     /// every 5 minutes by default (Envoy Gateway's keeps that default) with a GOAWAY, so
     /// shorter needs a server that permits it; TCP keepalive (60 s idle, 3 probes 10 s apart)
     /// notices a dead peer host sooner regardless.
     #[arg(long, default_value = "5m", value_parser = parse_xds_duration)]
-    pub xds_keepalive_interval: Duration,
+    pub(crate) xds_keepalive_interval: Duration,
 
     /// How long an HTTP/2 PING on the xDS connection may go unanswered before the connection
     /// is given up (and the stream reopened after the backoff).
     #[arg(long, default_value = "20s", value_parser = parse_xds_duration)]
-    pub xds_keepalive_timeout: Duration,
+    pub(crate) xds_keepalive_timeout: Duration,
 
     /// Connect to the xDS server over TLS, trusting this CA bundle (PEM).
     #[arg(long, value_name = "PATH")]
-    pub xds_tls_ca: Option<PathBuf>,
+    pub(crate) xds_tls_ca: Option<PathBuf>,
 
     /// Client certificate chain (PEM) for TLS to the xDS server; with --xds-tls-key.
     #[arg(long, value_name = "PATH", requires = "xds_tls_key")]
-    pub xds_tls_cert: Option<PathBuf>,
+    pub(crate) xds_tls_cert: Option<PathBuf>,
 
     /// Client key (PEM) for TLS to the xDS server; with --xds-tls-cert.
     #[arg(long, value_name = "PATH", requires = "xds_tls_cert")]
-    pub xds_tls_key: Option<PathBuf>,
+    pub(crate) xds_tls_key: Option<PathBuf>,
 
     /// The name the xDS server's certificate must carry (default: the server URL's host).
     #[arg(long, value_name = "NAME")]
-    pub xds_tls_server_name: Option<String>,
+    pub(crate) xds_tls_server_name: Option<String>,
 
     /// Largest xDS response accepted, e.g. 4MiB.
     #[arg(long, default_value = "4MiB", value_parser = parse_bytes)]
-    pub xds_max_message_bytes: u64,
+    pub(crate) xds_max_message_bytes: u64,
 
     /// With --xds-server: serve at once, before the first config arrives; until then requests
     /// fail (UNKNOWN, "no rate limit configuration loaded"). Without it nothing is served until
     /// the first config.
     #[arg(long, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
-    pub start_without_config: bool,
+    pub(crate) start_without_config: bool,
 
     /// With --xds-server: health (gRPC and /healthcheck) reports not serving until the first
     /// config is accepted.
     #[arg(long, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
-    pub unhealthy_until_config: bool,
+    pub(crate) unhealthy_until_config: bool,
 
     /// The algorithm of every limit that names none, in files and over xDS alike (Envoy
     /// Gateway's API has no field for one: set RATELIMITD_DEFAULT_ALGORITHM in its deployment).
     #[arg(long, value_enum, default_value = "fixed-window")]
-    pub default_algorithm: AlgorithmArg,
+    pub(crate) default_algorithm: AlgorithmArg,
 
     /// How limits that set no `accounting` of their own count a descriptor's hits: auto (a
     /// descriptor carrying its own hits_addend > 0 is a cost report, as Envoy sends when a
     /// stream is done), admission (all-or-nothing) or report (recorded even when over).
     #[arg(long, value_enum, default_value = "auto")]
-    pub accounting: AccountingArg,
+    pub(crate) accounting: AccountingArg,
 
     /// How far past its limit one cost report may take a counter, in limits: the count at most
     /// (1 + N) × requests_per_unit (a token bucket: at most N × requests_per_unit tokens below
     /// empty). 0: a report fills the limit and no more.
     #[arg(long, value_name = "N", default_value_t = crate::limiter::DEFAULT_MAX_DEBT,
         value_parser = clap::value_parser!(u64).range(0..=crate::limiter::MAX_MAX_DEBT))]
-    pub max_debt: u64,
+    pub(crate) max_debt: u64,
 
     /// Also export envoyproxy/ratelimit's per-rule families on /metrics
     /// (`ratelimit_service_rate_limit_{total_hits,within_limit,near_limit,over_limit,shadow_mode}`
     /// with labels domain, key1, key2, as Envoy Gateway's dashboard reads them) and the process's
     /// memory. Set by USE_PROMETHEUS=true.
     #[arg(long, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
-    pub reference_metrics: bool,
+    pub(crate) reference_metrics: bool,
 
     /// Export a span per ShouldRateLimit call (and its Redis wait) over OTLP, continuing the
     /// caller's W3C traceparent.
     #[arg(long, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
-    pub tracing: bool,
+    pub(crate) tracing: bool,
 
     /// OTLP transport for --tracing: http (to ENDPOINT/v1/traces) or grpc.
     #[arg(long, value_enum, default_value = "http")]
-    pub tracing_protocol: TracingProtocolArg,
+    pub(crate) tracing_protocol: TracingProtocolArg,
 
     /// The OTLP collector's base URL (default: localhost on 4318 for http, 4317 for grpc).
     #[arg(long, value_name = "URL")]
-    pub tracing_endpoint: Option<String>,
+    pub(crate) tracing_endpoint: Option<String>,
 
     /// The traces' service.name.
     #[arg(long, default_value = "ratelimitd")]
-    pub tracing_service_name: String,
+    pub(crate) tracing_service_name: String,
 
     /// The traces' service.namespace.
     #[arg(long)]
-    pub tracing_service_namespace: Option<String>,
+    pub(crate) tracing_service_namespace: Option<String>,
 
     /// The traces' service.instance.id.
     #[arg(long)]
-    pub tracing_service_instance_id: Option<String>,
+    pub(crate) tracing_service_instance_id: Option<String>,
 
     /// Fraction of new traces sampled, 0 to 1; a caller's sampling decision is followed.
     #[arg(long, default_value_t = 1.0, value_parser = parse_ratio)]
-    pub tracing_sampling_rate: f64,
+    pub(crate) tracing_sampling_rate: f64,
 
     /// Load the config files, print their rules as /rlconfig does and exit: 0 when they are
     /// valid, 1 with the file, line and field of the first error. For CI and pre-commit hooks.
     #[arg(long)]
-    pub check: bool,
+    pub(crate) check: bool,
 
     /// envoyproxy/ratelimit variables that were set but change nothing here (logged at start).
     #[arg(skip)]
-    pub ignored_env: Vec<String>,
+    pub(crate) ignored_env: Vec<String>,
 
     /// gRPC listen address (RateLimitService and grpc.health.v1).
     #[arg(long, default_value = "0.0.0.0:8081")]
-    pub grpc_addr: SocketAddr,
+    pub(crate) grpc_addr: SocketAddr,
 
     /// Serve gRPC over TLS with this certificate chain (PEM); with --grpc-tls-key. Reloaded
     /// when the file changes.
     #[arg(long, requires = "grpc_tls_key")]
-    pub grpc_tls_cert: Option<PathBuf>,
+    pub(crate) grpc_tls_cert: Option<PathBuf>,
 
     /// The gRPC listener's private key (PEM).
     #[arg(long, requires = "grpc_tls_cert")]
-    pub grpc_tls_key: Option<PathBuf>,
+    pub(crate) grpc_tls_key: Option<PathBuf>,
 
     /// Require client certificates issued by this CA (PEM) on the gRPC listener (mutual TLS).
     #[arg(long, requires = "grpc_tls_cert")]
-    pub grpc_tls_client_ca: Option<PathBuf>,
+    pub(crate) grpc_tls_client_ca: Option<PathBuf>,
 
     /// HTTP listen address (/healthcheck, /metrics, /rlconfig).
     #[arg(long, default_value = "0.0.0.0:8080")]
-    pub http_addr: SocketAddr,
+    pub(crate) http_addr: SocketAddr,
 
     /// Also serve the HTTP endpoints here (envoyproxy/ratelimit's debug port, DEBUG_PORT).
     #[arg(long)]
-    pub debug_addr: Option<SocketAddr>,
+    pub(crate) debug_addr: Option<SocketAddr>,
 
     /// Also serve the HTTP endpoints here (envoyproxy/ratelimit's PROMETHEUS_ADDR).
     #[arg(long)]
-    pub metrics_addr: Option<SocketAddr>,
+    pub(crate) metrics_addr: Option<SocketAddr>,
 
     /// Where counters are kept.
     #[arg(long, value_enum, default_value = "memory")]
-    pub backend: BackendArg,
+    pub(crate) backend: BackendArg,
 
     /// Log format.
     #[arg(long, value_enum, default_value = "text")]
-    pub log_format: LogFormatArg,
+    pub(crate) log_format: LogFormatArg,
 
     /// Log filter: a level (error, warn, info, debug, trace) or tracing directives.
     #[arg(long, default_value = "info")]
-    pub log_level: String,
+    pub(crate) log_level: String,
 
     /// Fraction of a limit past which a decision is counted as near_limit.
     #[arg(long, default_value_t = 0.8, value_parser = parse_ratio)]
-    pub near_limit_ratio: f64,
+    pub(crate) near_limit_ratio: f64,
 
     /// Answer OK overall whatever the limits say (statuses and metrics still report them).
     #[arg(long, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
-    pub shadow_mode: bool,
+    pub(crate) shadow_mode: bool,
 
     /// Serve the admin API (inspect and reset counters) on the gRPC port. Off by default:
     /// anyone who can reach the port could reset limits.
     #[arg(long, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
-    pub admin: bool,
+    pub(crate) admin: bool,
 
     /// Rate-limit headers for Envoy to add to the client's response.
     #[arg(long, value_enum, default_value = "off")]
-    pub response_headers: HeaderModeArg,
+    pub(crate) response_headers: HeaderModeArg,
 
     /// Return the config `metadata` of the descriptors that passed (and the request's
     /// descriptors) in each response's dynamic_metadata, as envoyproxy/ratelimit does.
     #[arg(long, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
-    pub response_dynamic_metadata: bool,
+    pub(crate) response_dynamic_metadata: bool,
 
     /// Most descriptors in one request.
     #[arg(long, default_value_t = 64)]
-    pub max_descriptors: usize,
+    pub(crate) max_descriptors: usize,
 
     /// Most entries in one descriptor.
     #[arg(long, default_value_t = 32)]
-    pub max_entries: usize,
+    pub(crate) max_entries: usize,
 
     /// Longest entry key, in bytes.
     #[arg(long, default_value_t = 4096)]
-    pub max_key_bytes: usize,
+    pub(crate) max_key_bytes: usize,
 
     /// Longest entry value, in bytes.
     #[arg(long, default_value_t = 4096)]
-    pub max_value_bytes: usize,
+    pub(crate) max_value_bytes: usize,
 
     /// Most counters one request may touch (its descriptors' limits, after merging the same
     /// counter), so that one request's CPU and Redis time stay bounded.
     #[arg(long, default_value_t = 256)]
-    pub max_counters: usize,
+    pub(crate) max_counters: usize,
 
     /// Redis server (standalone): `redis://[user:pass@]host:port[/db]`, or `rediss://` for TLS.
     #[arg(long, value_parser = RedisUrlParser)]
-    pub redis_url: Option<RedisUrl>,
+    pub(crate) redis_url: Option<RedisUrl>,
 
     /// Redis Cluster seed nodes, comma-separated URLs.
     #[arg(long, value_parser = RedisUrlParser, value_delimiter = ',')]
-    pub redis_cluster_nodes: Vec<RedisUrl>,
+    pub(crate) redis_cluster_nodes: Vec<RedisUrl>,
 
     /// Redis Sentinel nodes, comma-separated URLs (with --redis-sentinel-master).
     #[arg(long, value_parser = RedisUrlParser, value_delimiter = ',')]
-    pub redis_sentinel_nodes: Vec<RedisUrl>,
+    pub(crate) redis_sentinel_nodes: Vec<RedisUrl>,
 
     /// The master name the sentinels monitor.
     #[arg(long)]
-    pub redis_sentinel_master: Option<String>,
+    pub(crate) redis_sentinel_master: Option<String>,
 
     /// ACL user for Redis data nodes (standalone, cluster, or the master Sentinel names) whose
     /// URL has no user information. Sentinels take theirs from their own URLs.
     #[arg(long)]
-    pub redis_username: Option<String>,
+    pub(crate) redis_username: Option<String>,
 
     /// Password for Redis data nodes whose URL has none (best set as RATELIMITD_REDIS_PASSWORD
     /// from a Secret). Sentinels take theirs from their own URLs.
     #[arg(long, value_parser = parse_secret)]
-    pub redis_password: Option<Secret>,
+    pub(crate) redis_password: Option<Secret>,
 
     /// Reach Redis data nodes over TLS (as if their URLs said rediss://); for Sentinel, the master.
     #[arg(long, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
-    pub redis_tls: bool,
+    pub(crate) redis_tls: bool,
 
     /// CA certificate (PEM) to verify a rediss:// server.
     #[arg(long)]
-    pub redis_tls_ca: Option<PathBuf>,
+    pub(crate) redis_tls_ca: Option<PathBuf>,
 
     /// Client certificate (PEM) for mutual TLS.
     #[arg(long)]
-    pub redis_tls_cert: Option<PathBuf>,
+    pub(crate) redis_tls_cert: Option<PathBuf>,
 
     /// Client key (PEM) for mutual TLS.
     #[arg(long)]
-    pub redis_tls_key: Option<PathBuf>,
+    pub(crate) redis_tls_key: Option<PathBuf>,
 
     /// Budget for one Redis call, redirections and retries included.
     #[arg(long, default_value = "100ms", value_parser = parse_timeout)]
-    pub redis_timeout: Duration,
+    pub(crate) redis_timeout: Duration,
 
     /// What to answer while Redis is unavailable.
     #[arg(long, value_enum, default_value = "error")]
-    pub redis_failure_mode: FailureModeArg,
+    pub(crate) redis_failure_mode: FailureModeArg,
 
     /// Prefix of every Redis key.
     #[arg(long, default_value = "ratelimit:")]
-    pub redis_key_prefix: String,
+    pub(crate) redis_key_prefix: String,
 
     /// What a key's cluster hash tag covers.
     #[arg(long, value_enum, default_value = "domain")]
-    pub redis_hash_tag: HashTagArg,
+    pub(crate) redis_hash_tag: HashTagArg,
 
     /// Most Redis script calls in flight at once: a call goes at once when none is in flight, a
     /// further one only when full; requests arriving meanwhile share the next call.
     #[arg(long, default_value_t = 2, value_parser = clap::builder::TypedValueParser::map(clap::value_parser!(u16).range(1..=64), usize::from))]
-    pub redis_pipeline: usize,
+    pub(crate) redis_pipeline: usize,
 
     /// Most requests one Redis script call decides (1 turns coalescing off).
     #[arg(long, default_value_t = 64, value_parser = clap::builder::TypedValueParser::map(clap::value_parser!(u16).range(1..=1024), usize::from))]
-    pub redis_max_batch: usize,
+    pub(crate) redis_max_batch: usize,
 
     /// Bytes of the local over-limit cache, keys included (0 = off), e.g. 1MiB.
     #[arg(long, default_value = "0", value_parser = parse_bytes)]
-    pub local_cache_bytes: u64,
+    pub(crate) local_cache_bytes: u64,
 
     /// Bytes of counter state the memory backend (or the `local` failure mode) may hold, keys
     /// included; past it the counters closest to expiry are given up, e.g. 64MiB.
     #[arg(long, default_value = "64MiB", value_parser = parse_bytes)]
-    pub memory_max_bytes: u64,
+    pub(crate) memory_max_bytes: u64,
 
     /// How long in-flight calls may take to finish after SIGTERM before the process exits anyway.
     #[arg(long, default_value = "10s", value_parser = parse_grace)]
-    pub shutdown_grace: Duration,
+    pub(crate) shutdown_grace: Duration,
 
     /// Most client connections the gRPC port holds at once; one more is closed at accept.
     #[arg(long, default_value_t = 4096)]
-    pub max_connections: usize,
+    pub(crate) max_connections: usize,
 
     /// A connection that sends nothing, or reads nothing the server writes, for this long is
     /// closed (gRPC clients are pinged every third of it, so a live one never is).
     #[arg(long, default_value = "30s", value_parser = parse_timeout)]
-    pub connection_idle_timeout: Duration,
+    pub(crate) connection_idle_timeout: Duration,
 
     /// Longest time to receive a request and answer it (gRPC and HTTP); a gRPC client's
     /// shorter `grpc-timeout` wins.
     #[arg(long, default_value = "5s", value_parser = parse_timeout)]
-    pub request_timeout: Duration,
+    pub(crate) request_timeout: Duration,
 
     /// Bytes of requests one gRPC connection may have in flight (from their first byte until
     /// answered), e.g. 4MiB; a request past it is refused on that connection only.
     #[arg(long, default_value = "4MiB", value_parser = parse_bytes)]
-    pub max_connection_request_bytes: u64,
+    pub(crate) max_connection_request_bytes: u64,
 
     /// How long an RLQS quota assignment lasts, in whole seconds (Envoy reads no fraction and
     /// expires a shorter one at once); refreshed in the answer to every report.
     #[arg(long, default_value = "20s", value_parser = parse_ttl)]
-    pub rlqs_assignment_ttl: Duration,
+    pub(crate) rlqs_assignment_ttl: Duration,
 
     /// An RLQS bucket reported with no requests for this long is abandoned (Envoy then forgets
     /// it until its next request).
     #[arg(long, default_value = "60s", value_parser = parse_grace)]
-    pub rlqs_abandon_after: Duration,
+    pub(crate) rlqs_abandon_after: Duration,
 
     /// How often RLQS clients are expected to report (Envoy: every 5 s); a client silent for
     /// twice this long is measured on the server's clock.
     #[arg(long, default_value = "5s", value_parser = parse_timeout)]
-    pub rlqs_report_interval: Duration,
+    pub(crate) rlqs_report_interval: Duration,
 
     /// Buckets one RLQS stream may hold; a report opening one more ends the stream with
     /// RESOURCE_EXHAUSTED.
     #[arg(long, default_value_t = 10_000)]
-    pub rlqs_max_buckets: usize,
+    pub(crate) rlqs_max_buckets: usize,
 
     /// Bytes the buckets of all RLQS streams may hold together (their ids, their index and
     /// their part of the pools: about 1.9 KB for a bucket with a short id), e.g. 64MiB; the
@@ -523,7 +523,7 @@ pub struct Flags {
     /// and counted (`ratelimit_rlqs_skipped_entries_total{kind="over_budget"}`); the others keep
     /// working.
     #[arg(long, default_value = "64MiB", value_parser = parse_bytes)]
-    pub rlqs_max_bytes: u64,
+    pub(crate) rlqs_max_bytes: u64,
 }
 
 /// `--rlqs-assignment-ttl`: whole seconds, at least one, at most an hour.

@@ -11,17 +11,47 @@ mod resolve;
 
 use clap::Parser;
 
-pub use self::flags::{
-    AlgorithmArg, BackendArg, FailureModeArg, Flags, HashTagArg, HeaderModeArg, LogFormatArg,
-    Secret, TracingProtocolArg,
-};
-pub(crate) use self::resolve::{BackendOptions, ConfigSource, GrpcTls};
+pub(crate) use self::flags::Flags;
 pub use self::resolve::{Options, SettingsError};
 
+use std::net::SocketAddr;
+
+use crate::telemetry::TelemetryOptions;
+
+/// What `main` needs around the service: where to bind, what to log and trace, what the
+/// environment set that changes nothing here, and whether only to check the config files.
+pub struct Startup {
+    /// The gRPC listener's address.
+    pub grpc_addr: SocketAddr,
+    /// The HTTP listener's address.
+    pub http_addr: SocketAddr,
+    /// More addresses serving the HTTP endpoints, each with the flag that named it.
+    pub extra_http: Vec<(&'static str, SocketAddr)>,
+    /// envoyproxy/ratelimit variables that were set but change nothing here (logged at start).
+    pub ignored_env: Vec<String>,
+    /// `--check`: load the config files, print their rules and exit.
+    pub check: bool,
+    /// Logging and tracing.
+    pub telemetry: TelemetryOptions,
+}
+
 /// Parses `args` (program name first), filling flags they lack from `env`, and resolves them:
-/// the flags (for logging and listeners) and the options the service runs with. Every error is
-/// a usage error (exit 2) that names the flag, as clap's own are.
+/// what `main` needs around the service, and the options the service runs with. Every error
+/// is a usage error (exit 2) that names the flag, as clap's own are.
 pub fn parse<I, S>(
+    args: I,
+    env: impl Fn(&str) -> Option<String>,
+) -> Result<(Startup, Options), clap::Error>
+where
+    I: IntoIterator<Item = S>,
+    S: Into<String>,
+{
+    let (flags, options) = parse_flags(args, env)?;
+    Ok((flags.startup(), options))
+}
+
+/// [`parse`], keeping the flags as clap parsed them.
+fn parse_flags<I, S>(
     args: I,
     env: impl Fn(&str) -> Option<String>,
 ) -> Result<(Flags, Options), clap::Error>
@@ -43,15 +73,17 @@ mod tests {
     use std::path::PathBuf;
     use std::time::Duration;
 
+    use super::flags::BackendArg;
     use crate::engine::RequestLimits;
     use crate::limiter::redis::Target;
+    use crate::source::ConfigSource;
 
     fn parse(args: &[&str], env: &[(&str, &str)]) -> Result<Flags, clap::Error> {
         let env: HashMap<String, String> = env
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
-        super::parse(
+        super::parse_flags(
             std::iter::once("ratelimitd").chain(args.iter().copied()),
             |k| env.get(k).cloned(),
         )
@@ -80,13 +112,13 @@ mod tests {
         ]
         .into();
         let (flags, options) =
-            super::parse(["ratelimitd"], |k| env.get(k).map(|v| v.to_string())).unwrap();
+            super::parse_flags(["ratelimitd"], |k| env.get(k).map(|v| v.to_string())).unwrap();
         assert!(
             flags.config.is_empty(),
             "no config directory: {:?}",
             flags.config
         );
-        match options.config {
+        match options.source.from {
             ConfigSource::Xds(x) => {
                 assert_eq!(x.server, "http://envoy-gateway:18001");
                 assert_eq!(x.node_id, "envoy-ratelimit");

@@ -3,24 +3,29 @@
 //! options when `--backend redis` is chosen, the files the flags name.
 
 use std::path::PathBuf;
-use std::time::Duration;
 
 use clap::CommandFactory;
 
+use super::Startup;
 use super::flags::{
     AccountingArg, AlgorithmArg, BackendArg, FailureModeArg, Flags, HashTagArg, HeaderModeArg,
-    TracingProtocolArg,
+    LogFormatArg, TracingProtocolArg,
 };
 use crate::config::CompileOptions;
 use crate::engine::{EngineOptions, RequestLimits};
 use crate::limiter::fallback::FailureMode;
 use crate::limiter::key::{HashTag, KeyFormat, PrefixError};
 use crate::limiter::redis::{Credentials, RedisOptions, RedisUrl, Target, TlsFiles};
+use crate::limiter::start::{BackendOptions, Store};
 use crate::limiter::{Accounting, Algorithm};
 use crate::quota::QuotaOptions;
 use crate::server::conn::ConnLimits;
 use crate::server::headers::HeaderMode;
-use crate::telemetry::{Protocol, TracingOptions};
+use crate::server::rlqs::RlqsOptions;
+use crate::server::serve::{MAX_HTTP_CONNECTIONS, ServerOptions};
+use crate::server::tls::GrpcTls;
+use crate::source::{ConfigSource, SourceOptions};
+use crate::telemetry::{LogFormat, Protocol, TelemetryOptions, TracingOptions};
 use crate::xds::{Backoff, Deadlines, XdsOptions, XdsTls};
 
 impl Flags {
@@ -30,10 +35,10 @@ impl Flags {
         if self.rlqs_assignment_ttl <= self.rlqs_report_interval {
             return Err(SettingsError::RlqsTtl);
         }
-        let (backend, keys) = match self.backend {
-            BackendArg::Memory => (BackendOptions::Memory, KeyFormat::default()),
+        let (store, keys) = match self.backend {
+            BackendArg::Memory => (Store::Memory, KeyFormat::default()),
             BackendArg::Redis => (
-                BackendOptions::Redis {
+                Store::Redis {
                     redis: Box::new(self.redis_options()?),
                     failure_mode: self.failure_mode(),
                 },
@@ -47,56 +52,98 @@ impl Flags {
                 Some(GrpcTls { files, config })
             }
         };
+        let engine = EngineOptions {
+            request_limits: RequestLimits {
+                max_descriptors: self.max_descriptors,
+                max_entries: self.max_entries,
+                max_key_bytes: self.max_key_bytes,
+                max_value_bytes: self.max_value_bytes,
+                max_counters: self.max_counters,
+                ..RequestLimits::default()
+            },
+            near_limit_ratio: self.near_limit_ratio,
+            global_shadow_mode: self.shadow_mode,
+            dynamic_metadata: self.response_dynamic_metadata,
+            accounting: match self.accounting {
+                AccountingArg::Auto => Accounting::Auto,
+                AccountingArg::Admission => Accounting::Admission,
+                AccountingArg::Report => Accounting::Report,
+            },
+        };
+        let grpc_connections = ConnLimits {
+            max_connections: self.max_connections,
+            idle_timeout: self.connection_idle_timeout,
+            request_bytes: usize::try_from(self.max_connection_request_bytes).unwrap_or(usize::MAX),
+        };
         Ok(Options {
-            config: self.config_source()?,
-            compile: CompileOptions {
-                default_algorithm: self.default_algorithm(),
+            source: SourceOptions {
+                from: self.config_source()?,
+                compile: CompileOptions {
+                    default_algorithm: self.default_algorithm(),
+                },
+                start_without_config: self.start_without_config,
+                unhealthy_until_config: self.unhealthy_until_config,
             },
-            start_without_config: self.start_without_config,
-            reference_metrics: self.reference_metrics,
-            tracing: self.tracing.then(|| self.tracing_options()),
-            unhealthy_until_config: self.unhealthy_until_config,
-            backend,
+            backend: BackendOptions {
+                store,
+                memory_max_bytes: self.memory_max_bytes,
+                max_debt: self.max_debt,
+            },
+            rlqs: RlqsOptions {
+                quota: QuotaOptions {
+                    assignment_ttl: self.rlqs_assignment_ttl,
+                    abandon_after: self.rlqs_abandon_after,
+                    report_interval: self.rlqs_report_interval,
+                    max_buckets_per_stream: self.rlqs_max_buckets.max(1),
+                    max_bytes: usize::try_from(self.rlqs_max_bytes).unwrap_or(usize::MAX),
+                },
+                keys: keys.clone(),
+                limits: engine.request_limits,
+                global_shadow: engine.global_shadow_mode,
+            },
             keys,
-            engine: EngineOptions {
-                request_limits: RequestLimits {
-                    max_descriptors: self.max_descriptors,
-                    max_entries: self.max_entries,
-                    max_key_bytes: self.max_key_bytes,
-                    max_value_bytes: self.max_value_bytes,
-                    max_counters: self.max_counters,
-                    ..RequestLimits::default()
+            engine,
+            server: ServerOptions {
+                grpc_tls,
+                response_headers: self.header_mode(),
+                admin: self.admin,
+                grpc_connections,
+                // The HTTP ports share one cap of their own, with the gRPC port's silence bound.
+                http_connections: ConnLimits {
+                    max_connections: MAX_HTTP_CONNECTIONS,
+                    ..grpc_connections
                 },
-                near_limit_ratio: self.near_limit_ratio,
-                global_shadow_mode: self.shadow_mode,
-                dynamic_metadata: self.response_dynamic_metadata,
-                accounting: match self.accounting {
-                    AccountingArg::Auto => Accounting::Auto,
-                    AccountingArg::Admission => Accounting::Admission,
-                    AccountingArg::Report => Accounting::Report,
-                },
+                request_timeout: self.request_timeout,
+                shutdown_grace: self.shutdown_grace,
             },
-            max_debt: self.max_debt,
-            grpc_tls,
-            response_headers: self.header_mode(),
-            admin: self.admin,
-            memory_max_bytes: self.memory_max_bytes,
-            shutdown_grace: self.shutdown_grace,
-            grpc_connections: ConnLimits {
-                max_connections: self.max_connections,
-                idle_timeout: self.connection_idle_timeout,
-                request_bytes: usize::try_from(self.max_connection_request_bytes)
-                    .unwrap_or(usize::MAX),
-            },
-            request_timeout: self.request_timeout,
-            quota: QuotaOptions {
-                assignment_ttl: self.rlqs_assignment_ttl,
-                abandon_after: self.rlqs_abandon_after,
-                report_interval: self.rlqs_report_interval,
-                max_buckets_per_stream: self.rlqs_max_buckets.max(1),
-                max_bytes: usize::try_from(self.rlqs_max_bytes).unwrap_or(usize::MAX),
-            },
+            reference_metrics: self.reference_metrics,
         })
+    }
+
+    /// What `main` needs around the service.
+    pub(super) fn startup(self) -> Startup {
+        let telemetry = TelemetryOptions {
+            log_level: self.log_level.clone(),
+            log_format: match self.log_format {
+                LogFormatArg::Text => LogFormat::Text,
+                LogFormatArg::Json => LogFormat::Json,
+            },
+            tracing: self.tracing.then(|| self.tracing_options()),
+        };
+        Startup {
+            grpc_addr: self.grpc_addr,
+            http_addr: self.http_addr,
+            extra_http: [
+                ("--debug-addr", self.debug_addr),
+                ("--metrics-addr", self.metrics_addr),
+            ]
+            .into_iter()
+            .filter_map(|(flag, addr)| Some((flag, addr?)))
+            .collect(),
+            ignored_env: self.ignored_env,
+            check: self.check,
+            telemetry,
+        }
     }
 
     /// The Redis backend's options, or why they are incomplete.
@@ -313,74 +360,23 @@ fn files_exist<const N: usize>(
 }
 
 /// What the service runs with: every flag resolved, validated and typed, every file the flags
-/// name found, the gRPC TLS files loaded. Made by [`parse`](super::parse), taken by
-/// [`run`](crate::run).
+/// name found, the gRPC TLS files loaded, grouped by who uses them. Made by
+/// [`parse`](super::parse), taken by [`run`](crate::run).
 pub struct Options {
     /// Where the config comes from.
-    pub(crate) config: ConfigSource,
-    /// How the config is compiled.
-    pub(crate) compile: CompileOptions,
-    /// Span export, when on.
-    pub(crate) tracing: Option<TracingOptions>,
-    /// Export envoyproxy/ratelimit's metric families too.
-    pub(crate) reference_metrics: bool,
-    /// Serve before the first config (xDS).
-    pub(crate) start_without_config: bool,
-    /// Health waits for the first config (xDS).
-    pub(crate) unhealthy_until_config: bool,
+    pub(crate) source: SourceOptions,
     /// Where counters live.
     pub(crate) backend: BackendOptions,
-    /// How counter keys are built.
+    /// How counter keys are built (the engine's, the RLQS pools' and Redis's).
     pub(crate) keys: KeyFormat,
     /// How the engine decides.
     pub(crate) engine: EngineOptions,
-    /// TLS on the gRPC listener.
-    pub(crate) grpc_tls: Option<GrpcTls>,
-    /// Rate-limit headers added to responses.
-    pub(crate) response_headers: HeaderMode,
-    /// Serve the admin API.
-    pub(crate) admin: bool,
-    /// Bound of the memory backend (and the `local` failure mode).
-    pub(crate) memory_max_bytes: u64,
-    /// How far past its limit a cost report may take a counter, in limits (every backend).
-    pub(crate) max_debt: u64,
-    /// How long in-flight calls may finish after shutdown begins.
-    pub(crate) shutdown_grace: Duration,
-    /// Bounds of each gRPC connection.
-    pub(crate) grpc_connections: ConnLimits,
-    /// Longest time to receive and answer one request.
-    pub(crate) request_timeout: Duration,
-    /// The quota server's (RLQS) behaviour.
-    pub(crate) quota: QuotaOptions,
-}
-
-/// Where the config comes from.
-pub(crate) enum ConfigSource {
-    /// Files and directories, watched.
-    Files(Vec<PathBuf>),
-    /// An xDS control plane.
-    Xds(Box<XdsOptions>),
-}
-
-/// The chosen backend.
-pub(crate) enum BackendOptions {
-    /// The embedded memory backend.
-    Memory,
-    /// Redis, and what to answer while it is unavailable.
-    Redis {
-        /// Where and how to reach it.
-        redis: Box<RedisOptions>,
-        /// What to answer while it is unavailable.
-        failure_mode: FailureMode,
-    },
-}
-
-/// The gRPC listener's TLS: its files (watched for renewals) and their first load.
-pub(crate) struct GrpcTls {
-    /// The files.
-    pub(crate) files: crate::server::tls::TlsFiles,
-    /// The server config they gave at start.
-    pub(crate) config: std::sync::Arc<rustls::ServerConfig>,
+    /// The RLQS service's behaviour.
+    pub(crate) rlqs: RlqsOptions,
+    /// How the servers serve.
+    pub(crate) server: ServerOptions,
+    /// Export envoyproxy/ratelimit's metric families too.
+    pub(crate) reference_metrics: bool,
 }
 
 /// Flags that are individually valid but do not fit together, or name missing files.

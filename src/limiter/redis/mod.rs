@@ -485,12 +485,12 @@ impl Backend for RedisBackend {
             if let Some(outcome) = self.decide_cached(hits) {
                 return Ok(outcome);
             }
-            if crate::telemetry::enabled() {
+            if crate::trace::enabled() {
                 use tracing::Instrument;
                 // A child of the request's span: this request's wait for Redis (its script
                 // call may carry other requests too).
                 let span = tracing::info_span!(
-                    target: crate::telemetry::SPAN_TARGET,
+                    target: crate::trace::SPAN_TARGET,
                     "redis",
                     counters = hits.len()
                 );

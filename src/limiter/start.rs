@@ -1,0 +1,99 @@
+//! Starting the backend the settings name: the memory backend (swept in the background), or
+//! Redis (probed) with the memory backend as its `local` failure mode.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::fallback::{FailureMode, Fallback};
+use super::key::KeyFormat;
+use super::redis::{RedisBackend, RedisOptions, SetupError};
+use super::{Backend, Clock, MemoryBackend};
+use crate::metrics::Metrics;
+use crate::shutdown::Tasks;
+
+/// How often the memory backend drops expired counters in the background.
+const SWEEP_EVERY: Duration = Duration::from_secs(10);
+/// How often the Redis backend checks that Redis answers, traffic or not.
+const PROBE_EVERY: Duration = Duration::from_secs(1);
+
+/// Where counters live, and the bounds every store shares.
+pub(crate) struct BackendOptions {
+    /// The memory backend, or Redis.
+    pub(crate) store: Store,
+    /// Bound of the memory backend (and the `local` failure mode).
+    pub(crate) memory_max_bytes: u64,
+    /// How far past its limit a cost report may take a counter, in limits (every backend).
+    pub(crate) max_debt: u64,
+}
+
+/// The chosen store.
+pub(crate) enum Store {
+    /// The embedded memory backend.
+    Memory,
+    /// Redis, and what to answer while it is unavailable.
+    Redis {
+        /// Where and how to reach it.
+        redis: Box<RedisOptions>,
+        /// What to answer while it is unavailable.
+        failure_mode: FailureMode,
+    },
+}
+
+/// A started backend.
+pub(crate) struct Started {
+    /// What the engine counts on.
+    pub(crate) backend: Arc<dyn Backend>,
+    /// Redis, when it is the store, with its failure mode: RLQS pools live there too.
+    pub(crate) redis: Option<(Arc<RedisBackend>, FailureMode)>,
+}
+
+/// Starts the backend `options` name, its background tasks in `tasks`. `keys` is logged.
+pub(crate) fn start(
+    options: &BackendOptions,
+    keys: &KeyFormat,
+    clock: Arc<dyn Clock>,
+    metrics: &Metrics,
+    tasks: &mut Tasks,
+) -> Result<Started, SetupError> {
+    let memory = Arc::new(
+        MemoryBackend::bounded(clock, options.memory_max_bytes, metrics.memory.clone())
+            .with_max_debt(options.max_debt),
+    );
+    tasks.push({
+        let memory = memory.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(SWEEP_EVERY);
+            loop {
+                tick.tick().await;
+                memory.sweep();
+            }
+        })
+    });
+    Ok(match &options.store {
+        Store::Memory => Started {
+            backend: memory,
+            redis: None,
+        },
+        Store::Redis {
+            redis,
+            failure_mode,
+        } => {
+            tracing::info!(target = ?redis.target, hash_tag = ?keys.hash_tag(), failure_mode = failure_mode.as_str(), pipeline = redis.pipeline, max_batch = redis.max_batch, "redis backend");
+            let redis = Arc::new(RedisBackend::new(
+                RedisOptions::clone(redis),
+                metrics.backend.clone(),
+            )?);
+            tasks.push(redis.spawn_probe(PROBE_EVERY));
+            let backend = Arc::new(Fallback::new(
+                redis.clone(),
+                *failure_mode,
+                memory,
+                metrics.backend.clone(),
+            ));
+            Started {
+                backend,
+                redis: Some((redis, *failure_mode)),
+            }
+        }
+    })
+}
