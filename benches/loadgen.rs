@@ -13,7 +13,9 @@
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
@@ -254,7 +256,7 @@ async fn worker(
         }
         left -= 1;
         let sent = match pace.as_mut() {
-            Some(p) => p.tick().await.into_std(),
+            Some(p) => p.tick().await,
             None => Instant::now(),
         };
         if sent >= end {

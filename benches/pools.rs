@@ -21,7 +21,9 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
@@ -103,7 +105,7 @@ async fn probe(client: RateLimitServiceClient<Channel>, rate: f64, window: Durat
     let mut calls = tokio::task::JoinSet::new();
     let mut n = 0u64;
     loop {
-        if tick.tick().await.into_std() >= end {
+        if tick.tick().await >= end {
             break;
         }
         n += 1;

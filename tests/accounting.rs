@@ -6,7 +6,9 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use common::*;
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;

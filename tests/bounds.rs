@@ -6,7 +6,9 @@
 mod common;
 
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use common::daemon::{BIN, Daemon};
 use common::redis::free_port;

@@ -3,7 +3,9 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use common::redis::*;
 use common::*;
@@ -117,7 +119,7 @@ async fn a_killed_master_fails_over_under_load_without_a_restart() {
         let c = c.clone();
         tokio::spawn(async move { load(&c, "failover", 4, killed_at, stop_rx).await })
     };
-    tokio::time::sleep_until(killed_at.into()).await;
+    tokio::time::sleep_until(killed_at).await;
     let master_port = cluster.node_for_key(domain).port;
     let master = cluster
         .nodes

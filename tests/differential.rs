@@ -179,11 +179,10 @@ async fn servers(seed: u64) -> Vec<(String, TestServer)> {
 async fn memory_and_redis_decide_every_random_sequence_alike() {
     // DIFF_SEED=<seed> replays one failing sequence.
     let fixed: Option<u64> = std::env::var("DIFF_SEED").ok().map(|s| s.parse().unwrap());
-    let base = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos() as u64
-        | 1;
+    let base = {
+        use ratelimitd::testing::{Clock, SystemClock};
+        SystemClock.now_us() | 1
+    };
     let rounds: u64 = match (fixed, std::env::var("DIFF_ROUNDS")) {
         (Some(_), _) => 1,
         (None, Ok(n)) => n.parse().unwrap(),

@@ -624,7 +624,7 @@ async fn algorithms_recover_on_the_wall_clock_when_they_said(kind: Kind) {
             said > Duration::ZERO && said <= Duration::from_secs(2),
             "{algorithm}: {said:?}"
         );
-        let started = std::time::Instant::now();
+        let started = tokio::time::Instant::now();
         poll(said + Duration::from_secs(3), || {
             let mut c = c.clone();
             let req = request("w", &[&[(key, value.as_str())]]);

@@ -336,7 +336,7 @@ async fn an_admin_reset_through_one_replica_unblocks_a_client_on_every_replica()
         })
         .await
         .unwrap();
-    let reset_at = std::time::Instant::now();
+    let reset_at = tokio::time::Instant::now();
     poll(Duration::from_secs(5), || {
         let mut cb = cb.clone();
         async move {
@@ -499,7 +499,7 @@ async fn requests_beyond_the_queue_bound_are_refused_at_once() {
     let large = request("v", &descriptors);
     let mut stall = redis.stall(6.0);
     until_stalled(&redis).await;
-    let started = std::time::Instant::now();
+    let started = tokio::time::Instant::now();
     let tasks: Vec<_> = (0..200)
         .map(|_| {
             let (mut c, large) = (c.clone(), large.clone());

@@ -6,7 +6,9 @@ mod common;
 
 use std::path::Path;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use common::*;
 use envoy_types::pb::google::protobuf::UInt64Value;

@@ -97,7 +97,7 @@ struct InForce {
     held: HashMap<(usize, Key), (u64, u64)>,
     /// When each assignment runs out: (when, client, bucket, its arrival's number), soonest first.
     expiries:
-        std::collections::BinaryHeap<std::cmp::Reverse<(std::time::Instant, usize, Key, u64)>>,
+        std::collections::BinaryHeap<std::cmp::Reverse<(tokio::time::Instant, usize, Key, u64)>>,
     arrivals: u64,
     now: u64,
     /// The most `now` has been.
@@ -108,7 +108,7 @@ impl InForce {
     /// `tokens` told to `client` for `bucket` just now, in force for `ttl` (0: not a token
     /// bucket, so nothing held).
     fn told(&mut self, client: usize, bucket: Key, tokens: u64, ttl: Duration) {
-        let now = std::time::Instant::now();
+        let now = tokio::time::Instant::now();
         self.expire(now);
         self.arrivals += 1;
         if let Some((t, _)) = self.held.remove(&(client, bucket.clone())) {
@@ -125,7 +125,7 @@ impl InForce {
     }
 
     /// Takes out what has run out by `now`.
-    fn expire(&mut self, now: std::time::Instant) {
+    fn expire(&mut self, now: tokio::time::Instant) {
         while let Some(std::cmp::Reverse((when, ..))) = self.expiries.peek()
             && *when <= now
         {
@@ -143,7 +143,7 @@ impl InForce {
 
     /// The most tokens per fill clients held at once, and what they hold now.
     fn most_and_now(&mut self) -> (u64, u64) {
-        self.expire(std::time::Instant::now());
+        self.expire(tokio::time::Instant::now());
         (self.worst, self.now)
     }
 }

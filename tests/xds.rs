@@ -224,13 +224,13 @@ impl AdsServer {
         what: &str,
         pred: impl Fn(&DiscoveryRequest) -> bool,
     ) -> DiscoveryRequest {
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
         loop {
             if let Some(r) = self.requests().into_iter().find(|r| pred(r)) {
                 return r;
             }
             assert!(
-                std::time::Instant::now() < deadline,
+                tokio::time::Instant::now() < deadline,
                 "no {what} within 10 s: {:#?}",
                 self.requests()
             );

@@ -534,7 +534,7 @@ mod tests {
                 pools.join(&sp, pid, &s, now);
                 pools.report(&sp.key, pid, usage, now);
             }
-            let (started, wall) = (cpu(), std::time::Instant::now());
+            let (started, wall) = (cpu(), tokio::time::Instant::now());
             for pid in (members - report) as u64..members as u64 {
                 pools.join(&sp, pid, &s, now);
                 pools.report(&sp.key, pid, usage, now);

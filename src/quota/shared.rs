@@ -91,8 +91,10 @@ impl SharedPools {
         ttl: Duration,
         report_interval: Duration,
     ) -> SharedPools {
-        let random =
-            RandomState::new().hash_one((std::process::id(), std::time::SystemTime::now()));
+        let random = RandomState::new().hash_one((
+            std::process::id(),
+            crate::limiter::Clock::now_us(&crate::limiter::SystemClock),
+        ));
         SharedPools {
             redis,
             replica: format!("{random:x}."),

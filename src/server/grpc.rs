@@ -4,7 +4,7 @@
 //! `rlqs.rs` (RLQS), `xds/` (the ADS client) and `serve.rs` (registering the services).
 
 use std::sync::Arc;
-use std::time::Instant;
+use tokio::time::Instant;
 
 use envoy_types::pb::envoy::config::core::v3::HeaderValue;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;

@@ -67,9 +67,8 @@ fn sf_string(s: &str) -> String {
 /// service's headers, the only ones that read it; else 0, sparing a clock read per request.
 pub(crate) fn now_s(mode: HeaderMode) -> u64 {
     if mode == HeaderMode::Reference {
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs())
+        use crate::limiter::Clock;
+        crate::limiter::SystemClock.now_us() / 1_000_000
     } else {
         0
     }
