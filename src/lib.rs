@@ -8,7 +8,7 @@ mod config;
 mod engine;
 mod limiter;
 mod metrics;
-mod quota;
+mod rlqs;
 mod server;
 pub mod settings;
 mod shutdown;
@@ -40,7 +40,7 @@ use crate::config::load_paths_with;
 use crate::engine::Engine;
 use crate::limiter::{Clock, SystemClock};
 use crate::metrics::Metrics;
-use crate::quota::Quota;
+use crate::rlqs::Pools;
 use crate::server::rlqs::RlqsService;
 use crate::server::serve::Services;
 use crate::settings::Options;
@@ -157,12 +157,12 @@ pub async fn run_with_clock(
     }
     let started =
         limiter::start::start(&options.backend, &options.keys, clock, &metrics, &mut tasks)?;
-    let quota = Quota::beside(started.redis, &options.rlqs.quota, metrics.quota.clone());
+    let pools = Pools::beside(started.redis, &options.rlqs.buckets, metrics.rlqs.clone());
     let rlqs = RlqsService::new(
         source.config.clone(),
-        quota,
+        pools,
         options.rlqs,
-        metrics.quota.clone(),
+        metrics.rlqs.clone(),
     )
     .map_err(RunError::Thread)?;
     let engine = Arc::new(Engine::new(

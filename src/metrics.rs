@@ -386,7 +386,7 @@ pub struct NameLabels {
 
 /// The quota server's (RLQS) metrics; never labelled by bucket id, which clients choose.
 #[derive(Clone, Default)]
-pub struct QuotaMetrics {
+pub struct RlqsMetrics {
     /// `ratelimit_rlqs_streams`: open streams.
     pub streams: Gauge,
     /// `ratelimit_rlqs_buckets`: buckets the open streams hold.
@@ -407,7 +407,7 @@ pub struct QuotaMetrics {
     pub fallbacks: Family<NameLabels, Counter>,
 }
 
-impl QuotaMetrics {
+impl RlqsMetrics {
     fn register(&self, registry: &mut Registry) {
         registry.register(
             "ratelimit_rlqs_streams",
@@ -477,7 +477,7 @@ pub struct Metrics {
     /// `ratelimit_tls_reloads_total{result}`: reloads of the gRPC listener's TLS files.
     pub tls_reloads: Family<LoadLabels, Counter>,
     /// The quota server's.
-    pub quota: QuotaMetrics,
+    pub rlqs: RlqsMetrics,
 }
 
 impl Default for Metrics {
@@ -627,10 +627,10 @@ impl Metrics {
             "Reloads of the gRPC listener's TLS files by result; a failed one keeps the previous",
             tls_reloads.clone(),
         );
-        let quota = QuotaMetrics::default();
-        quota.register(&mut registry);
+        let rlqs = RlqsMetrics::default();
+        rlqs.register(&mut registry);
         Metrics {
-            quota,
+            rlqs,
             tls_reloads,
             memory,
             in_flight,

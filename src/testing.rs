@@ -15,21 +15,21 @@ pub use crate::xds::TYPE_URL as XDS_TYPE_URL;
 /// The `RateLimitConfig` messages served over xDS.
 pub use crate::xds::pb as rls_conf;
 
-pub use crate::quota::share::fair_shares;
+pub use crate::rlqs::fair_share::fair_shares;
 
-/// The quota script's fair shares (`quota.lua`), run on the standalone Redis at `url`, for
+/// The quota script's fair shares (`rlqs.lua`), run on the standalone Redis at `url`, for
 /// the test that holds them against [`fair_shares`].
 pub async fn script_fair_shares(
     url: &str,
     capacity: f64,
     demands: &[Option<f64>],
 ) -> Result<Vec<f64>, String> {
-    use crate::limiter::redis::{RedisBackend, RedisOptions, Target, TlsFiles};
+    use crate::limiter::redis::{RedisBackend, RedisOptions, RedisTlsFiles, Topology};
     let url = RedisUrl::parse(url).map_err(|e| e.to_string())?;
     let backend = RedisBackend::new(
         RedisOptions {
-            target: Target::Standalone(url),
-            tls: TlsFiles::default(),
+            target: Topology::Standalone(url),
+            tls: RedisTlsFiles::default(),
             timeout: std::time::Duration::from_secs(5),
             local_cache_bytes: 0,
             pipeline: 1,
@@ -40,7 +40,7 @@ pub async fn script_fair_shares(
     )
     .map_err(|e| e.to_string())?;
     backend
-        .pool_shares(crate::quota::shared::POLICY, capacity, demands)
+        .pool_shares(crate::rlqs::redis_pools::POLICY, capacity, demands)
         .await
         .map_err(|e| e.to_string())
 }

@@ -366,7 +366,7 @@ fn shadow_quota_and_replaces_are_read() {
     let m = d
         .resolve(&[("service", "service_1")], &KeyFormat::default())
         .unwrap();
-    assert!(m.node.quota_mode);
+    assert!(m.node.soft);
     assert!(m.node.metadata.is_some());
     let m = d
         .resolve(&[("category", "account")], &KeyFormat::default())

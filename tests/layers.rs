@@ -13,7 +13,7 @@ const FLOORS: &[&[&str]] = &[
     &["metrics", "shutdown", "trace"],
     &["limiter", "telemetry"],
     &["config"],
-    &["engine", "quota", "xds"],
+    &["engine", "rlqs", "xds"],
     &["server", "source"],
     &["settings"],
     &["root"],

@@ -532,7 +532,7 @@ async fn converge(servers: &[&TestServer]) {
     );
 }
 
-/// `quota.lua` computes the shares as `quota::share::fair_shares` does, bit for bit, on
+/// `rlqs.lua` computes the shares as `rlqs::fair_share::fair_shares` does, bit for bit, on
 /// random demands (none, zero, tiny, huge, absurd) and capacities (zero included).
 #[tokio::test]
 async fn the_script_shares_as_the_rust_function_does() {
@@ -578,7 +578,7 @@ async fn grants_during_a_walk_follow_the_last_pass_terms() {
     let node = redis::shared_standalone();
     let client = ::redis::Client::open(node.url()).unwrap();
     let mut con = client.get_multiplexed_async_connection().await.unwrap();
-    let script = ::redis::Script::new(include_str!("../src/limiter/redis/quota.lua"));
+    let script = ::redis::Script::new(include_str!("../src/limiter/redis/rlqs.lua"));
     let tag = redis::unique_prefix();
     let (pool, order) = (format!("{{{tag}}}pool"), format!("{{{tag}}}order"));
     let text = |v: &Value| match v {
@@ -1424,11 +1424,8 @@ impl QuotaDaemon {
         let dir = tempfile::tempdir().unwrap();
         let rule = "domain: u\ndescriptors:\n  - key: user\n    rate_limit: {unit: minute, requests_per_unit: 100}\n";
         std::fs::write(dir.path().join("u.yaml"), rule).unwrap();
-        let mut cmd = std::process::Command::new(daemon::BIN);
-        cmd.arg("--config")
-            .arg(dir.path())
-            .args(flags)
-            .args(["--log-level", "warn"]);
+        let mut cmd = daemon::ratelimitd(dir.path(), flags);
+        cmd.args(["--log-level", "warn"]);
         let daemon = daemon::Daemon::start_with(cmd, std::process::Stdio::null()).await;
         let channel =
             tonic::transport::Channel::from_shared(format!("http://127.0.0.1:{}", daemon.grpc))

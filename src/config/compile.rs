@@ -606,7 +606,7 @@ impl Compiler<'_> {
             detailed_metric: raw.detailed_metric.unwrap_or(false),
             share_threshold,
             value_to_metric: raw.value_to_metric.unwrap_or(false),
-            quota_mode: raw.quota_mode.unwrap_or(false),
+            soft: raw.quota_mode.unwrap_or(false),
             metadata: raw.metadata.map(Box::new),
             children,
             path: Arc::new(path),

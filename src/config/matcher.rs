@@ -10,7 +10,7 @@ use std::sync::Arc;
 use super::{Counted, Domain, KeyNodes, Node};
 use smallvec::SmallVec;
 
-use crate::limiter::key::{CounterKey, KeyFormat, Part};
+use crate::limiter::key::{CounterKey, KeyFormat, KeyPart};
 
 /// A descriptor that landed on a node with limits (or `unlimited`).
 #[derive(Debug)]
@@ -97,17 +97,19 @@ impl Domain {
         // are counted as sent are escaped here. (A value landing on an exact node is that
         // node's value; a shared wildcard counts its pattern.)
         let key = keys.key_of(
-            Part::Escaped(&self.escaped_name),
+            KeyPart::Escaped(&self.escaped_name),
             path.iter().zip(entries).map(|(node, &(k, v))| {
                 // A node's key is the request's key; a fixed value is the node's own.
                 let key = match &node.escaped_key {
-                    Some(escaped) => Part::Escaped(escaped),
-                    None => Part::Escaped(k.as_bytes()),
+                    Some(escaped) => KeyPart::Escaped(escaped),
+                    None => KeyPart::Escaped(k.as_bytes()),
                 };
                 let counted = match &node.counted {
-                    Counted::AsSent => Part::Raw(v),
-                    Counted::Fixed => Part::Escaped(node.value.as_deref().unwrap_or(v).as_bytes()),
-                    Counted::FixedEscaped(escaped) => Part::Escaped(escaped),
+                    Counted::AsSent => KeyPart::Raw(v),
+                    Counted::Fixed => {
+                        KeyPart::Escaped(node.value.as_deref().unwrap_or(v).as_bytes())
+                    }
+                    Counted::FixedEscaped(escaped) => KeyPart::Escaped(escaped),
                 };
                 (key, counted)
             }),

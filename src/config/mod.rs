@@ -180,8 +180,9 @@ pub struct Node {
     pub share_threshold: bool,
     /// The metric label carries this entry's request value.
     pub value_to_metric: bool,
-    /// Soft limit: fails the request only when all of its quota descriptors are over.
-    pub quota_mode: bool,
+    /// Soft limit (the file's `quota_mode`): fails the request only when all of its soft
+    /// descriptors are over.
+    pub soft: bool,
     /// Arbitrary user data (accepted; later returned as dynamic metadata).
     pub metadata: Option<Box<serde_json::Value>>,
     /// Nested descriptors.
@@ -442,7 +443,7 @@ impl Snapshot {
                                 let _ = write!(line, ", name={name}");
                             }
                             let _ = write!(line, ", shadow_mode: {}", node.shadow_mode);
-                            if node.quota_mode {
+                            if node.soft {
                                 line.push_str(", quota_mode: true");
                             }
                             lines.push(line);

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use super::applied::{Applied, ReportedLimit};
-use crate::limiter::{Algorithm, Enforcement, Hit, HitKind, Outcome, Verdict, quota_rejects};
+use crate::limiter::{Algorithm, Enforcement, Hit, HitKind, Outcome, Verdict, soft_rejects};
 use crate::metrics::Decision;
 
 /// Whether a descriptor (or the request) is within its limits.
@@ -102,7 +102,7 @@ pub(crate) fn statuses(
     near_limit_ratio: f64,
     mut decided: impl FnMut(&Applied<'_>, HitKind, Decision, Tally),
 ) -> Vec<Status> {
-    let quota_rejects = quota_rejects(hits, |i| outcome.verdicts[i].over);
+    let soft_rejects = soft_rejects(hits, |i| outcome.verdicts[i].over);
     let mut best: Vec<Option<(bool, u64, usize)>> = vec![None; descriptors];
     for (k, a) in applied.iter().enumerate() {
         let (hit, v) = (&hits[a.hit], &outcome.verdicts[a.hit]);
@@ -110,7 +110,7 @@ pub(crate) fn statuses(
             && hit.kind != HitKind::Refund
             && match a.limit.enforcement {
                 Enforcement::Enforce => true,
-                Enforcement::Quota => quota_rejects,
+                Enforcement::Soft => soft_rejects,
                 Enforcement::Shadow => false,
             };
         let remaining = if v.over || outcome.admitted || hit.kind != HitKind::Admission {

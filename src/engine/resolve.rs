@@ -134,8 +134,8 @@ pub(crate) fn resolve<'s>(
         };
         let enforcement = if matched.node.shadow_mode {
             Enforcement::Shadow
-        } else if matched.node.quota_mode {
-            Enforcement::Quota
+        } else if matched.node.soft {
+            Enforcement::Soft
         } else {
             Enforcement::Enforce
         };
@@ -258,7 +258,7 @@ fn merge(applied: &mut [Applied<'_>], hits: &mut Vec<Hit>) {
 fn stricter(a: Enforcement, b: Enforcement) -> Enforcement {
     let rank = |e| match e {
         Enforcement::Enforce => 2,
-        Enforcement::Quota => 1,
+        Enforcement::Soft => 1,
         Enforcement::Shadow => 0,
     };
     if rank(a) >= rank(b) { a } else { b }

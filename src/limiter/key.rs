@@ -56,10 +56,10 @@ impl KeyFormat {
         entries: impl IntoIterator<Item = (&'a str, &'a str)>,
     ) -> CounterKey {
         self.key_of(
-            Part::Raw(domain),
+            KeyPart::Raw(domain),
             entries
                 .into_iter()
-                .map(|(k, v)| (Part::Raw(k), Part::Raw(v))),
+                .map(|(k, v)| (KeyPart::Raw(k), KeyPart::Raw(v))),
         )
     }
 
@@ -67,8 +67,8 @@ impl KeyFormat {
     /// config's own names, escaped once when it compiles): the same bytes.
     pub(crate) fn key_of<'a>(
         &self,
-        domain: Part<'a>,
-        entries: impl IntoIterator<Item = (Part<'a>, Part<'a>)>,
+        domain: KeyPart<'a>,
+        entries: impl IntoIterator<Item = (KeyPart<'a>, KeyPart<'a>)>,
     ) -> CounterKey {
         let mut bytes = Vec::with_capacity(self.prefix.len() + domain.len() + 64);
         bytes.extend_from_slice(&self.prefix);
@@ -98,30 +98,30 @@ impl KeyFormat {
 
 /// One component of a key: as the request or config spells it, or already [`escaped`].
 #[derive(Clone, Copy, Debug)]
-pub(crate) enum Part<'a> {
+pub(crate) enum KeyPart<'a> {
     /// To be escaped.
     Raw(&'a str),
     /// Escaped by [`escaped`].
     Escaped(&'a [u8]),
 }
 
-impl Part<'_> {
+impl KeyPart<'_> {
     fn len(&self) -> usize {
         match self {
-            Part::Raw(s) => s.len(),
-            Part::Escaped(b) => b.len(),
+            KeyPart::Raw(s) => s.len(),
+            KeyPart::Escaped(b) => b.len(),
         }
     }
 
     fn push_to(self, buf: &mut Vec<u8>) {
         match self {
-            Part::Raw(s) => push_escaped(buf, s.as_bytes()),
-            Part::Escaped(b) => buf.extend_from_slice(b),
+            KeyPart::Raw(s) => push_escaped(buf, s.as_bytes()),
+            KeyPart::Escaped(b) => buf.extend_from_slice(b),
         }
     }
 }
 
-/// `s` escaped as a key component, for [`Part::Escaped`].
+/// `s` escaped as a key component, for [`KeyPart::Escaped`].
 pub(crate) fn escaped(s: &str) -> Box<[u8]> {
     let mut buf = Vec::with_capacity(s.len());
     push_escaped(&mut buf, s.as_bytes());
@@ -158,11 +158,10 @@ const SAFE: [bool; 256] = {
     table
 };
 
-/// Appends `bytes` escaped (this runs for every descriptor entry of every request). A value
-/// without a byte to escape, the common case, is copied whole. Otherwise the escaped length is
-/// counted first and every byte written in place: a value of 4 KiB all to escape once made a
-/// call per byte, 26 ms a request in a debug build, which starved every other client of the
-/// test machine's cores.
+/// Appends `bytes` escaped (this runs for every descriptor entry of every request). A value without
+/// a byte to escape, the common case, is copied whole. Otherwise the escaped length is counted
+/// first and every byte written in place: a call per byte once made a value of 4 KiB all to escape
+/// cost enough to starve every other client (docs/performance.md, "Measurements behind the code").
 fn push_escaped(buf: &mut Vec<u8>, bytes: &[u8]) {
     const HEX: &[u8; 16] = b"0123456789ABCDEF";
     let Some(first) = bytes.iter().position(|&b| !SAFE[b as usize]) else {

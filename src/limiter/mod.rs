@@ -38,8 +38,9 @@ pub enum Enforcement {
     Enforce,
     /// Counted and reported, never rejects (`shadow_mode`).
     Shadow,
-    /// Soft limit (`quota_mode`): rejects only when every quota hit of the request is over.
-    Quota,
+    /// Soft limit (the config's `quota_mode`): rejects only when every soft hit of the request
+    /// is over.
+    Soft,
 }
 
 /// What a hit's units are: a request asking to pass, usage that already happened, or units
@@ -215,23 +216,23 @@ pub trait Backend: Send + Sync + 'static {
 }
 
 /// The request-level rule shared by every backend: is a request admitted given each hit's
-/// `over` flag? Enforcing hits that are over reject; quota hits reject only when every quota
+/// `over` flag? Enforcing hits that are over reject; soft hits reject only when every soft
 /// hit of the request is over; shadow hits and refunds never reject.
 pub(crate) fn admits(hits: &[Hit], over: impl Fn(usize) -> bool) -> bool {
     let enforced_over = hits.iter().enumerate().any(|(i, h)| {
         h.enforcement == Enforcement::Enforce && h.kind != HitKind::Refund && over(i)
     });
-    !enforced_over && !quota_rejects(hits, over)
+    !enforced_over && !soft_rejects(hits, over)
 }
 
-/// Whether the request's quota hits reject it: there is at least one, and all are over.
-pub(crate) fn quota_rejects(hits: &[Hit], over: impl Fn(usize) -> bool) -> bool {
-    let mut quota = hits
+/// Whether the request's soft hits (`quota_mode`) reject it: there is at least one, and all are over.
+pub(crate) fn soft_rejects(hits: &[Hit], over: impl Fn(usize) -> bool) -> bool {
+    let mut soft = hits
         .iter()
         .enumerate()
-        .filter(|(_, h)| h.enforcement == Enforcement::Quota && h.kind != HitKind::Refund)
+        .filter(|(_, h)| h.enforcement == Enforcement::Soft && h.kind != HitKind::Refund)
         .peekable();
-    quota.peek().is_some() && quota.all(|(i, _)| over(i))
+    soft.peek().is_some() && soft.all(|(i, _)| over(i))
 }
 
 #[cfg(test)]
@@ -264,8 +265,8 @@ mod tests {
     #[test]
     fn quota_rejects_only_when_all_quota_hits_are_over() {
         let hits = [
-            hit(Enforcement::Quota),
-            hit(Enforcement::Quota),
+            hit(Enforcement::Soft),
+            hit(Enforcement::Soft),
             hit(Enforcement::Enforce),
         ];
         assert!(admits(&hits, |i| i == 0));
@@ -277,11 +278,11 @@ mod tests {
     fn refunds_never_reject() {
         let mut refund = hit(Enforcement::Enforce);
         refund.kind = HitKind::Refund;
-        let mut quota_refund = hit(Enforcement::Quota);
-        quota_refund.kind = HitKind::Refund;
-        assert!(admits(&[refund.clone(), quota_refund.clone()], |_| true));
-        // A quota refund is not one of the quota hits that must all be over.
-        let hits = [quota_refund, hit(Enforcement::Quota)];
+        let mut soft_refund = hit(Enforcement::Soft);
+        soft_refund.kind = HitKind::Refund;
+        assert!(admits(&[refund.clone(), soft_refund.clone()], |_| true));
+        // A soft refund is not one of the soft hits that must all be over.
+        let hits = [soft_refund, hit(Enforcement::Soft)];
         assert!(!admits(&hits, |i| i == 1));
     }
 

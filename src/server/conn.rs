@@ -102,7 +102,7 @@ impl Tracker {
                     max: self.limits.request_bytes,
                     used: AtomicUsize::new(0),
                 }),
-                quota_bytes: Arc::default(),
+                rlqs_bytes: Arc::default(),
             },
             _slot: slot,
         })
@@ -126,7 +126,8 @@ pub(crate) struct Tracked<IO> {
     read_deadline: Pin<Box<Sleep>>,
     /// The waker `read_deadline` was last polled with. While the task's waker is this one the
     /// timer will wake it when it fires, so a pending read need not poll the timer again (a
-    /// poll of tokio's timer registers the waker anew: about a hundred instructions per read).
+    /// poll of tokio's timer registers the waker anew, on every read: docs/performance.md,
+    /// "Measurements behind the code").
     read_armed: Option<Waker>,
     /// Since when the server's writes have been blocked.
     write_blocked: Option<Instant>,
@@ -143,7 +144,7 @@ pub(crate) struct Tracked<IO> {
 pub(crate) struct ConnInfo {
     budget: Arc<RequestBudget>,
     /// Bytes of RLQS state this connection's streams hold (see `server::rlqs`).
-    quota_bytes: Arc<AtomicUsize>,
+    rlqs_bytes: Arc<AtomicUsize>,
 }
 
 impl ConnInfo {
@@ -156,8 +157,8 @@ impl ConnInfo {
     }
 
     /// Bytes of RLQS state this connection's streams hold, shared by them.
-    pub(crate) fn quota_bytes(&self) -> Arc<AtomicUsize> {
-        self.quota_bytes.clone()
+    pub(crate) fn rlqs_bytes(&self) -> Arc<AtomicUsize> {
+        self.rlqs_bytes.clone()
     }
 }
 
@@ -302,12 +303,12 @@ struct RequestBudget {
 
 /// One request's share of its connection's budget, given back when both its body and its
 /// handler are done.
-struct Held {
+struct BudgetShare {
     budget: Arc<RequestBudget>,
     bytes: AtomicUsize,
 }
 
-impl Held {
+impl BudgetShare {
     fn take(&self, n: usize) -> bool {
         let used = self.budget.used.fetch_add(n, Ordering::AcqRel) + n;
         if used > self.budget.max {
@@ -319,7 +320,7 @@ impl Held {
     }
 }
 
-impl Drop for Held {
+impl Drop for BudgetShare {
     fn drop(&mut self) {
         self.budget
             .used
@@ -328,9 +329,9 @@ impl Drop for Held {
 }
 
 /// A request body counted against its connection's budget.
-struct Counted {
+struct CountedBody {
     inner: tonic::body::Body,
-    held: Arc<Held>,
+    held: Arc<BudgetShare>,
     /// On a long-lived stream of messages (RLQS), where its messages begin and end.
     streaming: Option<Framing>,
     /// How long a stream's message may take to arrive whole.
@@ -388,7 +389,7 @@ impl Framing {
     }
 }
 
-impl HttpBody for Counted {
+impl HttpBody for CountedBody {
     type Data = Bytes;
     type Error = tonic::Status;
 
@@ -499,7 +500,7 @@ where
                 held: None,
             };
         };
-        let held = Arc::new(Held {
+        let held = Arc::new(BudgetShare {
             budget,
             bytes: AtomicUsize::new(0),
         });
@@ -511,7 +512,7 @@ where
             .ends_with(STREAMING_METHOD)
             .then(Framing::default);
         let req = req.map(|inner| {
-            tonic::body::Body::new(Counted {
+            tonic::body::Body::new(CountedBody {
                 inner,
                 held: body_held,
                 streaming,
@@ -532,7 +533,7 @@ pin_project_lite::pin_project! {
     pub(crate) struct Answer<F> {
         #[pin]
         inner: F,
-        held: Option<Arc<Held>>,
+        held: Option<Arc<BudgetShare>>,
     }
 }
 

@@ -1,6 +1,6 @@
 //! RLQS (`envoy.service.rate_limit_quota.v3.RateLimitQuotaService`): Envoy's quota protocol
 //! over the same config as RLS. One task per stream holds the stream's buckets; the quota
-//! pools (`quota::Pools`) decide what each gets. The protocol stops here: `quota` sees entries,
+//! pools (`rlqs::Pools`) decide what each gets. The protocol stops here: `rlqs` sees entries,
 //! demands and grants.
 //!
 //! Bounds per stream: its buckets (`--rlqs-max-buckets`, then RESOURCE_EXHAUSTED), each at most
@@ -41,9 +41,9 @@ use crate::config::Snapshot;
 use crate::engine::RequestLimits;
 use crate::limiter::BoxFuture;
 use crate::limiter::key::KeyFormat;
-use crate::metrics::{NameLabels, QuotaMetrics};
-use crate::quota::{
-    self, Ask, Assignment, ParticipantId, Quota, QuotaOptions, Signal, Target, Usage,
+use crate::metrics::{NameLabels, RlqsMetrics};
+use crate::rlqs::{
+    self, Ask, Assignment, BucketOptions, BucketRule, ParticipantId, Pools, Signal, Usage,
 };
 use crate::server::conn::ConnInfo;
 
@@ -64,26 +64,25 @@ const PUSHES: usize = 256;
 const PUSH_TICK: Duration = Duration::from_millis(100);
 /// Buckets a stream handles before it hands its worker thread back: a report (or a close, or
 /// a reload) of 10,000 buckets never holds a thread that RLS requests are waiting for longer
-/// than this many buckets take (about 0.1 ms on the memory backend).
+/// than this many buckets take (figures: docs/performance.md, "Measurements behind the code").
 const SLICE: usize = 32;
-/// Assignments sent in one message at most. A report of 10,000 buckets answered a slice per
-/// message (313 messages) raised the memory backend's RLS p99 beside it from 0.98x to 1.14x of
-/// quiet and its CPU by a fifth (`make pools` rounds, interleaved, medians of 10); in messages
-/// of up to 1,024, 1.09x (5 rounds).
+/// Assignments sent in one message at most: a message per slice raised the RLS tail beside a large
+/// report and the CPU it cost; messages this large did not (docs/performance.md, "Measurements
+/// behind the code").
 const MESSAGE_ACTIONS: usize = 1024;
 /// How long decided assignments may wait to fill a message: far less than the second a lease
-/// outlasts its TTL (`quota::LEASE_GRACE`).
+/// outlasts its TTL (`rlqs::LEASE_GRACE`).
 const HOLD_AT_MOST: Duration = Duration::from_millis(100);
 
 /// What every stream shares.
-pub(crate) struct Shared {
+pub(crate) struct ServiceState {
     pub(crate) config: Arc<ArcSwap<Snapshot>>,
-    pub(crate) quota: Quota,
+    pub(crate) pools: Pools,
     pub(crate) keys: KeyFormat,
-    pub(crate) options: QuotaOptions,
+    pub(crate) options: BucketOptions,
     pub(crate) limits: RequestLimits,
     pub(crate) global_shadow: bool,
-    pub(crate) metrics: QuotaMetrics,
+    pub(crate) metrics: RlqsMetrics,
     next_id: AtomicU64,
     /// Bytes every stream's buckets are charged, together.
     bytes: AtomicUsize,
@@ -92,7 +91,7 @@ pub(crate) struct Shared {
 /// The RLQS gRPC service.
 #[derive(Clone)]
 pub(crate) struct RlqsService {
-    shared: Arc<Shared>,
+    shared: Arc<ServiceState>,
     apart: Arc<Apart>,
 }
 
@@ -142,7 +141,7 @@ impl Apart {
 /// How the RLQS service works: its pools' options, and what it shares with the engine.
 pub(crate) struct RlqsOptions {
     /// Leases, reports, buckets and bytes.
-    pub(crate) quota: QuotaOptions,
+    pub(crate) buckets: BucketOptions,
     /// How counter keys are built (a bucket's pool is named after its limit's counter).
     pub(crate) keys: KeyFormat,
     /// Size bounds on a bucket id, as on a request's descriptor.
@@ -156,20 +155,20 @@ impl RlqsService {
     /// pools.
     pub(crate) fn new(
         config: Arc<ArcSwap<Snapshot>>,
-        quota: Quota,
+        pools: Pools,
         RlqsOptions {
-            quota: options,
+            buckets: options,
             keys,
             limits,
             global_shadow,
         }: RlqsOptions,
-        metrics: QuotaMetrics,
+        metrics: RlqsMetrics,
     ) -> std::io::Result<RlqsService> {
         let service = RlqsService {
             apart: Arc::new(Apart::start()?),
-            shared: Arc::new(Shared {
+            shared: Arc::new(ServiceState {
                 config,
-                quota,
+                pools,
                 keys,
                 options,
                 limits,
@@ -188,12 +187,12 @@ impl RlqsService {
 }
 
 /// Drops expired leases now and then, so pools nobody reports on go away.
-async fn sweep_forever(shared: Arc<Shared>) {
+async fn sweep_forever(shared: Arc<ServiceState>) {
     let mut every = tokio::time::interval(CONFIG_CHECK);
     loop {
         every.tick().await;
-        shared.quota.sweep(Instant::now());
-        shared.metrics.pools.set(shared.quota.len() as i64);
+        shared.pools.sweep(Instant::now());
+        shared.metrics.pools.set(shared.pools.len() as i64);
     }
 }
 
@@ -209,9 +208,9 @@ impl RateLimitQuotaService for RlqsService {
         // Shared by the connection's streams; a request without one (never, over a listener)
         // gets its own.
         let conn_bytes = ConnInfo::of(request.extensions())
-            .map(ConnInfo::quota_bytes)
+            .map(ConnInfo::rlqs_bytes)
             .unwrap_or_default();
-        let stream = QuotaStream::new(self.shared.clone(), conn_bytes, tx);
+        let stream = RlqsStream::new(self.shared.clone(), conn_bytes, tx);
         let (reports_tx, reports) = mpsc::channel(1);
         tokio::spawn(read(request.into_inner(), reports_tx));
         self.apart.handle.spawn(stream.run(reports));
@@ -259,14 +258,16 @@ const PAIR_BYTES: usize = 32;
 const POOL_BYTES: usize = 1152;
 
 /// What a bucket of `key` resolved to `target` is charged.
-fn charge(key: &[Pair], target: &Target) -> usize {
+fn charge(key: &[Pair], target: &BucketRule) -> usize {
     let pairs: usize = key
         .iter()
         .map(|(k, v)| k.len() + v.len() + PAIR_BYTES)
         .sum();
     let pools = match target {
-        Target::Pools { pools, .. } => pools.iter().map(|p| p.key.len() + POOL_BYTES).sum(),
-        Target::Allow | Target::Deny => 0,
+        BucketRule::LocalPools { pools, .. } => {
+            pools.iter().map(|p| p.key.len() + POOL_BYTES).sum()
+        }
+        BucketRule::Allow | BucketRule::Deny => 0,
     };
     BUCKET_BYTES + pairs + pools
 }
@@ -283,7 +284,7 @@ fn id_of(key: &[Pair]) -> BucketId {
 
 struct Bucket {
     key: BucketKey,
-    target: Target,
+    target: BucketRule,
     /// What it is charged (see [`charge`]).
     charge: usize,
     /// When its requests were last reported non-zero (or it was created).
@@ -293,8 +294,8 @@ struct Bucket {
 }
 
 /// One stream's state, owned by its task.
-struct QuotaStream {
-    shared: Arc<Shared>,
+struct RlqsStream {
+    shared: Arc<ServiceState>,
     domain: Option<String>,
     buckets: HashMap<ParticipantId, Bucket>,
     by_key: HashMap<BucketKey, ParticipantId>,
@@ -335,15 +336,15 @@ fn fault(usage: &mut BucketQuotaUsage, limits: &RequestLimits) -> Result<Vec<Pai
     Ok(pairs)
 }
 
-impl QuotaStream {
+impl RlqsStream {
     fn new(
-        shared: Arc<Shared>,
+        shared: Arc<ServiceState>,
         conn_bytes: Arc<AtomicUsize>,
         out: mpsc::Sender<Result<RateLimitQuotaResponse, Status>>,
-    ) -> QuotaStream {
+    ) -> RlqsStream {
         shared.metrics.streams.inc();
         let snapshot = shared.config.load_full();
-        QuotaStream {
+        RlqsStream {
             shared,
             domain: None,
             buckets: HashMap::new(),
@@ -567,7 +568,7 @@ impl QuotaStream {
         self.shared.metrics.bytes.inc_by(n as i64);
     }
 
-    /// Gives back `n` bytes [`QuotaStream::take`] charged.
+    /// Gives back `n` bytes [`RlqsStream::take`] charged.
     fn give_back(&mut self, n: usize) {
         self.held -= n;
         self.conn_bytes.fetch_sub(n, Ordering::AcqRel);
@@ -579,12 +580,12 @@ impl QuotaStream {
     fn open(
         &mut self,
         key: BucketKey,
-        target: Target,
+        target: BucketRule,
         charge: usize,
         now: Instant,
     ) -> ParticipantId {
         let pid = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
-        self.shared.quota.join(pid, &target, &self.signal, now);
+        self.shared.pools.join(pid, &target, &self.signal, now);
         self.by_key.insert(key.clone(), pid);
         self.buckets.insert(
             pid,
@@ -600,9 +601,9 @@ impl QuotaStream {
         pid
     }
 
-    fn resolve(&self, key: &[Pair]) -> Target {
+    fn resolve(&self, key: &[Pair]) -> BucketRule {
         let entries: Vec<(&str, &str)> = key.iter().map(|(k, v)| (&**k, &**v)).collect();
-        quota::resolve(
+        rlqs::resolve(
             &self.snapshot,
             self.domain.as_deref().unwrap_or_default(),
             &entries,
@@ -651,7 +652,7 @@ impl QuotaStream {
     /// [`MESSAGE_ACTIONS`] held back no longer than [`HOLD_AT_MOST`]: an answer leaves soon
     /// after its grant, not after the whole report's (a report of 10,000 buckets on Redis
     /// takes seconds, and its first grants' leases would run out on their way; see
-    /// `quota::LEASE_GRACE`). A bucket the failure mode leaves unanswered is not in the answer.
+    /// `rlqs::LEASE_GRACE`). A bucket the failure mode leaves unanswered is not in the answer.
     async fn answer(&mut self, asks: impl IntoIterator<Item = (ParticipantId, Ask)>) {
         let mut asks = asks.into_iter();
         // Decided and not yet sent, and when the first of them was.
@@ -671,7 +672,7 @@ impl QuotaStream {
                         Box::pin(async move {
                             let assignment = this
                                 .shared
-                                .quota
+                                .pools
                                 .assign(pid, &bucket.target, ask, &this.signal, now)
                                 .await?;
                             Some((id_of(&bucket.key), Some(assignment)))
@@ -699,7 +700,7 @@ impl QuotaStream {
 
     async fn remove(&mut self, pid: ParticipantId, now: Instant) {
         if let Some(b) = self.buckets.remove(&pid) {
-            self.shared.quota.leave(pid, &b.target, now).await;
+            self.shared.pools.leave(pid, &b.target, now).await;
             self.by_key.remove(&b.key);
             self.give_back(b.charge);
             self.shared.metrics.buckets.dec();
@@ -741,8 +742,8 @@ impl QuotaStream {
                 // Charged again for its new pools, room or not: a bucket held keeps working.
                 self.give_back(was);
                 self.add(now_charged);
-                self.shared.quota.leave(pid, &old, now).await;
-                self.shared.quota.join(pid, &target, &self.signal, now);
+                self.shared.pools.leave(pid, &old, now).await;
+                self.shared.pools.join(pid, &target, &self.signal, now);
                 changed.push((pid, Ask::Push));
             }
         }
@@ -753,13 +754,13 @@ impl QuotaStream {
     async fn close(mut self) {
         let now = Instant::now();
         self.give_back(self.held);
-        let quota = &self.shared.quota;
+        let pools = &self.shared.pools;
         let buckets: Vec<_> = self.buckets.iter().collect();
         for slice in buckets.chunks(SLICE) {
             join_all(
                 slice
                     .iter()
-                    .map(|(pid, b)| quota.leave(**pid, &b.target, now)),
+                    .map(|(pid, b)| pools.leave(**pid, &b.target, now)),
             )
             .await;
             tokio::task::yield_now().await;

@@ -29,7 +29,7 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The files of the listener's TLS.
 #[derive(Clone, Debug)]
-pub(crate) struct TlsFiles {
+pub(crate) struct ListenerTlsFiles {
     /// Certificate chain (PEM).
     pub cert: PathBuf,
     /// Private key (PEM).
@@ -41,7 +41,7 @@ pub(crate) struct TlsFiles {
 /// The gRPC listener's TLS: its files (watched for renewals) and their first load.
 pub(crate) struct GrpcTls {
     /// The files.
-    pub(crate) files: TlsFiles,
+    pub(crate) files: ListenerTlsFiles,
     /// The server config they gave at start.
     pub(crate) config: Arc<ServerConfig>,
 }
@@ -61,7 +61,7 @@ fn err(path: &Path, message: impl ToString) -> TlsError {
     }
 }
 
-impl TlsFiles {
+impl ListenerTlsFiles {
     /// Reads and checks the files: a rustls server config speaking HTTP/2 (gRPC).
     pub(crate) fn load(&self) -> Result<Arc<ServerConfig>, TlsError> {
         let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(&self.cert)
@@ -120,7 +120,7 @@ pub(crate) type Accepted = TlsStream<Tracked<TcpStream>>;
 /// tasks that accept them and reload the files (abort them to stop).
 pub(crate) fn incoming(
     listener: TcpListener,
-    files: TlsFiles,
+    files: ListenerTlsFiles,
     config: Arc<ServerConfig>,
     tracker: Tracker,
     metrics: Arc<Metrics>,

@@ -75,7 +75,7 @@ mod tests {
 
     use super::flags::BackendArg;
     use crate::engine::RequestLimits;
-    use crate::limiter::redis::Target;
+    use crate::limiter::redis::Topology;
     use crate::source::ConfigSource;
 
     fn parse(args: &[&str], env: &[(&str, &str)]) -> Result<Flags, clap::Error> {
@@ -162,7 +162,7 @@ mod tests {
         )
         .unwrap();
         let opts = s.redis_options().unwrap();
-        assert!(matches!(opts.target, Target::Cluster(ref n) if n.len() == 2));
+        assert!(matches!(opts.target, Topology::Cluster(ref n) if n.len() == 2));
         assert_eq!(opts.timeout, Duration::from_millis(50));
         let s = parse(
             &["--config", "x", "--redis-url", "redis://:hunter2@h:1"],
@@ -280,7 +280,7 @@ mod tests {
         .unwrap();
         assert!(!format!("{s:?}").contains("pw"), "{s:?}");
         match s.redis_options().unwrap().target {
-            Target::Sentinel {
+            Topology::Sentinel {
                 master_credentials,
                 master_tls,
                 nodes,

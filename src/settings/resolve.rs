@@ -15,10 +15,10 @@ use crate::config::CompileOptions;
 use crate::engine::{EngineOptions, RequestLimits};
 use crate::limiter::fallback::FailureMode;
 use crate::limiter::key::{HashTag, KeyFormat, PrefixError};
-use crate::limiter::redis::{Credentials, RedisOptions, RedisUrl, Target, TlsFiles};
+use crate::limiter::redis::{Credentials, RedisOptions, RedisTlsFiles, RedisUrl, Topology};
 use crate::limiter::start::{BackendOptions, Store};
 use crate::limiter::{Accounting, Algorithm};
-use crate::quota::QuotaOptions;
+use crate::rlqs::BucketOptions;
 use crate::server::conn::ConnLimits;
 use crate::server::headers::HeaderMode;
 use crate::server::rlqs::RlqsOptions;
@@ -90,7 +90,7 @@ impl Flags {
                 max_debt: self.max_debt,
             },
             rlqs: RlqsOptions {
-                quota: QuotaOptions {
+                buckets: BucketOptions {
                     assignment_ttl: self.rlqs_assignment_ttl,
                     abandon_after: self.rlqs_abandon_after,
                     report_interval: self.rlqs_report_interval,
@@ -164,11 +164,11 @@ impl Flags {
             self.redis_cluster_nodes.is_empty(),
             self.redis_sentinel_nodes.is_empty(),
         ) {
-            (Some(url), true, true) => Target::Standalone(data_node(url)),
+            (Some(url), true, true) => Topology::Standalone(data_node(url)),
             (None, false, true) => {
-                Target::Cluster(self.redis_cluster_nodes.iter().map(data_node).collect())
+                Topology::Cluster(self.redis_cluster_nodes.iter().map(data_node).collect())
             }
-            (None, true, false) => Target::Sentinel {
+            (None, true, false) => Topology::Sentinel {
                 nodes: self.redis_sentinel_nodes.clone(),
                 master: self
                     .redis_sentinel_master
@@ -190,7 +190,7 @@ impl Flags {
         ])?;
         Ok(RedisOptions {
             target,
-            tls: TlsFiles {
+            tls: RedisTlsFiles {
                 ca: self.redis_tls_ca.clone(),
                 cert: self.redis_tls_cert.clone(),
                 key: self.redis_tls_key.clone(),
@@ -204,8 +204,8 @@ impl Flags {
     }
 
     /// The gRPC listener's TLS files, when TLS is asked for.
-    fn grpc_tls(&self) -> Option<crate::server::tls::TlsFiles> {
-        Some(crate::server::tls::TlsFiles {
+    fn grpc_tls(&self) -> Option<crate::server::tls::ListenerTlsFiles> {
+        Some(crate::server::tls::ListenerTlsFiles {
             cert: self.grpc_tls_cert.clone()?,
             key: self.grpc_tls_key.clone()?,
             client_ca: self.grpc_tls_client_ca.clone(),

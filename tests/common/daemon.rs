@@ -2,6 +2,7 @@
 //! or its resident memory.
 
 use std::net::SocketAddr;
+use std::path::Path;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::Duration;
 
@@ -11,6 +12,18 @@ use super::redis::free_port;
 use super::{Client, poll};
 
 pub(crate) const BIN: &str = env!("CARGO_BIN_EXE_ratelimitd");
+
+/// The binary's command line: `--config <config>` (a file or a directory; an empty path gives
+/// none, for tests whose environment names the config), then `args`.
+pub(crate) fn ratelimitd(config: impl AsRef<Path>, args: &[&str]) -> Command {
+    let mut cmd = Command::new(BIN);
+    let config = config.as_ref();
+    if !config.as_os_str().is_empty() {
+        cmd.arg("--config").arg(config);
+    }
+    cmd.args(args);
+    cmd
+}
 
 /// A running `ratelimitd` process on free loopback ports (given through the environment, as a
 /// container would), with its stderr captured.

@@ -120,7 +120,7 @@ pub(crate) struct BatchOptions {
 
 /// What the worker and its calls share.
 #[derive(Clone)]
-struct Shared {
+struct WorkerState {
     conn: Conn,
     by_slot: bool,
     options: BatchOptions,
@@ -136,7 +136,7 @@ struct Shared {
 pub(super) struct Batcher {
     small: std::sync::OnceLock<mpsc::Sender<Part>>,
     large: std::sync::OnceLock<mpsc::Sender<Part>>,
-    shared: Shared,
+    shared: WorkerState,
 }
 
 impl Batcher {
@@ -152,7 +152,7 @@ impl Batcher {
         Batcher {
             small: std::sync::OnceLock::new(),
             large: std::sync::OnceLock::new(),
-            shared: Shared {
+            shared: WorkerState {
                 conn,
                 by_slot,
                 options,
@@ -207,7 +207,12 @@ impl Batcher {
 /// call, not 2.2), and a busy lane keeps `pipeline` full calls going. A call answered
 /// `Timeout` but not by Redis yet still holds its place among the `pipeline`, but nobody waits
 /// for it: the parts behind it go at once.
-async fn run(mut rx: mpsc::Receiver<Part>, shared: Shared, pipeline: usize, max_requests: usize) {
+async fn run(
+    mut rx: mpsc::Receiver<Part>,
+    shared: WorkerState,
+    pipeline: usize,
+    max_requests: usize,
+) {
     // Calls, and the tails of calls answered `Timeout` that Redis has not answered yet.
     let mut in_flight: FuturesUnordered<BoxFuture<'static, Done>> = FuturesUnordered::new();
     let mut tails = 0;
@@ -255,7 +260,7 @@ async fn run(mut rx: mpsc::Receiver<Part>, shared: Shared, pipeline: usize, max_
                 if in_flight.len() == tails {
                     // This part goes at once: first let the tasks already woken (requests read
                     // in the same pass) queue theirs, to share its call. One pass of the
-                    // scheduler, no timer: 8 in flight, 2.9 -> 3.4 requests a call.
+                    // scheduler, no timer (docs/performance.md, "Measurements behind the code").
                     tokio::task::yield_now().await;
                 }
                 while queued.len() < held {
@@ -315,8 +320,8 @@ enum Done {
 }
 
 /// Makes the call carrying `parts` and answers each part.
-async fn send(shared: Shared, parts: Vec<Part>) -> Done {
-    let Shared {
+async fn send(shared: WorkerState, parts: Vec<Part>) -> Done {
+    let WorkerState {
         conn,
         options,
         metrics,

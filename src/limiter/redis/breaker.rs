@@ -28,8 +28,8 @@ pub(super) const COOL_DOWN: Duration = Duration::from_millis(500);
 /// answers within it is alive, only slow (one client's huge calls on a loaded machine): opening
 /// the circuit then would turn that client's slowness into errors for every other client. A
 /// stalled Redis still opens it this long after its first timeout, every request meanwhile
-/// answered within its own budget. (On its own connection, with three busy loops starving the
-/// test machine's two cores of CPU, a PING took at most 240 ms.)
+/// answered within its own budget. (A PING on its own connection, on a starved machine, stays
+/// well within it: docs/performance.md, "Measurements behind the code".)
 const CONFIRM_AT_LEAST: Duration = Duration::from_millis(500);
 
 /// What a PING that judges Redis's health gets, for calls of `call_budget`.

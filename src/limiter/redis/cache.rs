@@ -29,7 +29,7 @@ pub(super) const MAX_AGE: Duration = Duration::from_secs(1);
 pub(super) const ENTRY_OVERHEAD: u64 = 96;
 
 /// What is known of one counter.
-struct Entry {
+struct Known {
     /// When a request of `refused` hits fits again, as Redis said.
     until: Instant,
     /// When this entry stops answering: `until`, or [`MAX_AGE`] after it was learned.
@@ -41,14 +41,14 @@ struct Entry {
 }
 
 #[derive(Default)]
-struct Shard {
-    entries: HashMap<Arc<[u8]>, Entry>,
+struct CacheShard {
+    entries: HashMap<Arc<[u8]>, Known>,
     /// By `fresh_until`.
     by_expiry: BTreeSet<(Instant, Arc<[u8]>)>,
     bytes: u64,
 }
 
-impl Shard {
+impl CacheShard {
     fn remove(&mut self, key: &[u8]) {
         if let Some((key, e)) = self.entries.remove_entry(key) {
             self.bytes -= key.len() as u64 + ENTRY_OVERHEAD;
@@ -71,7 +71,7 @@ impl Shard {
 /// A byte-bounded map from counter key to what is known of it: over until when, for requests of
 /// how many hits, under which limit.
 pub(super) struct OverLimitCache {
-    shards: Box<[Mutex<Shard>]>,
+    shards: Box<[Mutex<CacheShard>]>,
     hasher: RandomState,
     shard_budget: u64,
 }
@@ -80,13 +80,15 @@ impl OverLimitCache {
     /// A cache of at most `bytes` (keys and per-entry overhead included).
     pub(super) fn new(bytes: u64) -> OverLimitCache {
         OverLimitCache {
-            shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
+            shards: (0..SHARDS)
+                .map(|_| Mutex::new(CacheShard::default()))
+                .collect(),
             hasher: RandomState::new(),
             shard_budget: bytes / SHARDS as u64,
         }
     }
 
-    fn shard(&self, key: &[u8]) -> &Mutex<Shard> {
+    fn shard(&self, key: &[u8]) -> &Mutex<CacheShard> {
         &self.shards[self.hasher.hash_one(key) as usize % SHARDS]
     }
 
@@ -112,7 +114,7 @@ impl OverLimitCache {
         shard.by_expiry.insert((fresh_until, key.clone()));
         shard.entries.insert(
             key,
-            Entry {
+            Known {
                 until,
                 fresh_until,
                 refused: hits,

@@ -23,7 +23,7 @@ use crate::limiter::BoxFuture;
 
 /// Where Redis is.
 #[derive(Clone, Debug)]
-pub(crate) enum Target {
+pub(crate) enum Topology {
     /// One server (`redis://` or `rediss://`).
     Standalone(RedisUrl),
     /// Seed nodes of a Redis Cluster.
@@ -43,7 +43,7 @@ pub(crate) enum Target {
 
 /// PEM files for TLS (`rediss://`).
 #[derive(Clone, Debug, Default)]
-pub(crate) struct TlsFiles {
+pub(crate) struct RedisTlsFiles {
     /// CA bundle to verify the server with (else the system's roots).
     pub ca: Option<PathBuf>,
     /// Client certificate, for mutual TLS.
@@ -52,7 +52,7 @@ pub(crate) struct TlsFiles {
     pub key: Option<PathBuf>,
 }
 
-impl TlsFiles {
+impl RedisTlsFiles {
     fn certificates(&self) -> std::io::Result<Option<TlsCertificates>> {
         if self.ca.is_none() && self.cert.is_none() {
             return Ok(None);
@@ -144,8 +144,8 @@ impl Conn {
     /// Builds the connection for `target` without connecting. `timeout` (the call budget)
     /// bounds each connection attempt; responses get [`response_timeout`].
     pub(crate) fn new(
-        target: &Target,
-        tls: &TlsFiles,
+        target: &Topology,
+        tls: &RedisTlsFiles,
         timeout: Duration,
     ) -> Result<Conn, SetupError> {
         let certs = tls.certificates()?;
@@ -158,7 +158,7 @@ impl Conn {
             .map_err(failed(url.to_string()))
         };
         match target {
-            Target::Standalone(url) => {
+            Topology::Standalone(url) => {
                 let config = ConnectionManagerConfig::new()
                     .set_connection_timeout(Some(timeout))
                     .set_response_timeout(Some(response_timeout(timeout)))
@@ -169,7 +169,7 @@ impl Conn {
                     .map_err(failed(url.to_string()))?;
                 Ok(Conn::Standalone(manager))
             }
-            Target::Cluster(nodes) => {
+            Topology::Cluster(nodes) => {
                 let mut builder = ClusterClientBuilder::new(nodes.iter().map(|u| u.for_client()))
                     .connection_timeout(timeout)
                     .response_timeout(response_timeout(timeout))
@@ -191,7 +191,7 @@ impl Conn {
                     }),
                 })))
             }
-            Target::Sentinel {
+            Topology::Sentinel {
                 nodes,
                 master,
                 master_credentials,

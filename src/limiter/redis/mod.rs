@@ -15,7 +15,7 @@ mod breaker;
 mod cache;
 pub(crate) mod connection;
 mod error;
-pub(crate) mod quota;
+pub(crate) mod rlqs;
 mod url;
 mod wire;
 
@@ -35,7 +35,7 @@ pub(crate) use self::batch::BatchOptions;
 use self::batch::{Batcher, CallError, Part, Reply};
 use self::breaker::Health;
 use self::cache::OverLimitCache;
-pub(crate) use self::connection::{Conn, Credentials, Target, TlsFiles};
+pub(crate) use self::connection::{Conn, Credentials, RedisTlsFiles, Topology};
 pub use self::connection::{RedisUrl, SetupError};
 use self::error::ErrorKind;
 pub use self::wire::SCRIPT;
@@ -49,9 +49,9 @@ use crate::metrics::BackendMetrics;
 #[derive(Clone, Debug)]
 pub(crate) struct RedisOptions {
     /// Where Redis is.
-    pub target: Target,
+    pub target: Topology,
     /// TLS files for `rediss://`.
-    pub tls: TlsFiles,
+    pub tls: RedisTlsFiles,
     /// Budget for one request's calls, queueing, redirections and retries included.
     pub timeout: Duration,
     /// Bytes of the over-limit cache, keys included; 0 turns it off.
@@ -71,8 +71,8 @@ pub(crate) struct RedisBackend {
     opts: RedisOptions,
     cache: Option<OverLimitCache>,
     health: Arc<Health>,
-    /// The quota pools' (RLQS) calls: a lane of their own (see [`quota::Lane`]).
-    quota: quota::Lane,
+    /// The RLQS pools' calls: a lane of their own (see [`rlqs::Lane`]).
+    rlqs: rlqs::Lane,
     metrics: BackendMetrics,
     nonce_base: u64,
     nonce: AtomicU64,
@@ -109,10 +109,10 @@ impl RedisBackend {
         let conn = Conn::new(&opts.target, &opts.tls, opts.timeout)?;
         let ping = Conn::new(&opts.target, &opts.tls, opts.timeout)?;
         let health = Arc::new(Health::new(ping, Some(metrics.clone())));
-        let quota = quota::Lane::new(&opts)?;
+        let rlqs = rlqs::Lane::new(&opts)?;
         let batcher = Batcher::new(
             conn.clone(),
-            matches!(opts.target, Target::Cluster(_)),
+            matches!(opts.target, Topology::Cluster(_)),
             BatchOptions {
                 pipeline: opts.pipeline,
                 max_requests: opts.max_batch,
@@ -128,7 +128,7 @@ impl RedisBackend {
             cache: (opts.local_cache_bytes > 0)
                 .then(|| OverLimitCache::new(opts.local_cache_bytes)),
             health,
-            quota,
+            rlqs,
             metrics,
             nonce_base: RandomState::new().hash_one(std::process::id()),
             nonce: AtomicU64::new(0),
@@ -201,7 +201,7 @@ impl RedisBackend {
         mode: Mode,
         nonce: ([u8; 33], u8),
         at: i64,
-        soft_quota: bool,
+        soft_split: bool,
         consumed: Option<&[bool]>,
     ) -> oneshot::Receiver<Result<Reply, CallError>> {
         let (reply, answer) = oneshot::channel();
@@ -230,7 +230,7 @@ impl RedisBackend {
             };
             // Across several calls no one call can judge "every quota limit is over".
             let enforcement = match hit.enforcement {
-                Enforcement::Quota if soft_quota => Enforcement::Shadow,
+                Enforcement::Soft if soft_split => Enforcement::Shadow,
                 e => e,
             };
             args.push(hit.key.as_bytes(), &hit.limit, given, enforcement, kind);
@@ -326,10 +326,10 @@ impl RedisBackend {
         let deadline = tokio::time::Instant::now() + self.opts.timeout;
         let nonce = self.next_nonce();
         let groups = Self::groups(hits);
-        let soft_quota = groups.len() > 1;
+        let soft_split = groups.len() > 1;
         let answers: SmallVec<[_; 2]> = groups
             .iter()
-            .map(|g| self.submit(hits, g, Mode::Decide, nonce, 0, soft_quota, None))
+            .map(|g| self.submit(hits, g, Mode::Decide, nonce, 0, soft_split, None))
             .collect();
         let results: SmallVec<[_; 2]> = if answers.len() == 1 {
             let only = answers.into_iter().next().expect("one group");
@@ -405,7 +405,7 @@ impl RedisBackend {
                         Mode::Undo,
                         nonce,
                         at,
-                        soft_quota,
+                        soft_split,
                         Some(&consumed),
                     );
                     self.answer(answer, deadline)

@@ -176,8 +176,8 @@ end
 -- here while the call's requests are decided in order, and written once at the end. Each
 -- request still sees every earlier request's commits, so decisions are those of separate calls.
 -- (sliding_log writes a member per request and is read and written directly.) Callers look in
--- `cache` first and call `cached` only on a miss: a Lua call per limit and request was 6% of
--- what a call of 60 requests cost Redis.
+-- `cache` first and call `cached` only on a miss: a Lua call per limit and request cost a
+-- measurable share of a large call (docs/performance.md, "Measurements behind the code").
 local cache, order
 
 -- A miss: `key`'s state, read by `load`, kept for the rest of the call.

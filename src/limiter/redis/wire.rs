@@ -367,7 +367,7 @@ fn algorithm_code(algorithm: Algorithm) -> f64 {
 fn how_code(enforcement: Enforcement, kind: HitKind) -> f64 {
     let enforcement = match enforcement {
         Enforcement::Enforce => 1.0,
-        Enforcement::Quota => 2.0,
+        Enforcement::Soft => 2.0,
         Enforcement::Shadow => 3.0,
     };
     let kind = match kind {
@@ -551,7 +551,7 @@ mod tests {
     #[test]
     fn only_requests_alike_in_counters_hits_enforcement_and_kind_share_an_entry() {
         let mut quota = part(&[b"{d}:a"], 5);
-        quota.limits[0].enforcement = Enforcement::Quota;
+        quota.limits[0].enforcement = Enforcement::Soft;
         let mut report = part(&[b"{d}:b"], 5);
         report.limits[0].kind = HitKind::Report;
         let mut refund = part(&[b"{d}:b"], 5);
@@ -605,7 +605,7 @@ mod tests {
             window_us: 2_000_000,
             burst: 3,
         };
-        p.push(b"{d}:a", &limit, 1, Enforcement::Quota, HitKind::Admission);
+        p.push(b"{d}:a", &limit, 1, Enforcement::Soft, HitKind::Admission);
         assert_eq!(p.reply_len(), 1);
         let got = args(&command(&[&p], Call::Hash, 1));
         #[rustfmt::skip]

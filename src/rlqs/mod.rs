@@ -2,9 +2,9 @@
 //! fair shares decide each bucket's assignment. `server::rlqs` speaks the protocol over this;
 //! nothing here knows gRPC.
 
+pub(crate) mod fair_share;
 pub(crate) mod pool;
-pub(crate) mod share;
-pub(crate) mod shared;
+pub(crate) mod redis_pools;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,14 +12,14 @@ use std::time::Duration;
 use crate::config::{NodeLimits, Snapshot};
 use crate::limiter::fallback::FailureMode;
 use crate::limiter::key::KeyFormat;
-use crate::metrics::{NameLabels, QuotaMetrics};
+use crate::metrics::{NameLabels, RlqsMetrics};
 
-pub(crate) use pool::{Grant, ParticipantId, PoolSpec, Pools, Signal, Usage};
-pub(crate) use shared::SharedPools;
+pub(crate) use pool::{Grant, LocalPools, ParticipantId, PoolSpec, Signal, Usage};
+pub(crate) use redis_pools::RedisPools;
 
 /// How the quota server behaves (the defaults are the `--rlqs-*` flags').
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct QuotaOptions {
+pub(crate) struct BucketOptions {
     /// How long an assignment lasts (whole seconds: Envoy reads no fraction).
     pub(crate) assignment_ttl: Duration,
     /// A bucket reported idle this long is abandoned.
@@ -35,14 +35,14 @@ pub(crate) struct QuotaOptions {
 
 /// What the config makes of a bucket.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) enum Target {
+pub(crate) enum BucketRule {
     /// Not limited: unknown domain, no match, `unlimited`, shadow mode.
     Allow,
     /// A limit of zero.
     Deny,
     /// Limited by these pools (one per limit of the node), assigned as one token bucket that
     /// refills every `fill_s` seconds (the longest of their windows, fixed for the bucket).
-    Pools { fill_s: u64, pools: Vec<PoolSpec> },
+    LocalPools { fill_s: u64, pools: Vec<PoolSpec> },
 }
 
 /// What a bucket is told.
@@ -74,25 +74,25 @@ pub(crate) fn resolve(
     entries: &[(&str, &str)],
     keys: &KeyFormat,
     global_shadow: bool,
-) -> Target {
+) -> BucketRule {
     if global_shadow {
-        return Target::Allow;
+        return BucketRule::Allow;
     }
     let Some(d) = snapshot.domain(domain) else {
-        return Target::Allow;
+        return BucketRule::Allow;
     };
     let Some(ordered) = d.order_entries(entries) else {
-        return Target::Allow;
+        return BucketRule::Allow;
     };
     let Some(matched) = d.resolve(&ordered, keys) else {
-        return Target::Allow;
+        return BucketRule::Allow;
     };
     let rules = match matched.node.limits.as_ref() {
         Some(NodeLimits::Limits(rules)) if !matched.node.shadow_mode => rules,
-        _ => return Target::Allow,
+        _ => return BucketRule::Allow,
     };
     if rules.iter().any(|r| r.requests_per_unit == 0) {
-        return Target::Deny;
+        return BucketRule::Deny;
     }
     let pools: Vec<PoolSpec> = rules
         .iter()
@@ -109,14 +109,14 @@ pub(crate) fn resolve(
         })
         .collect();
     let fill_s = pools.iter().map(|p| p.window_s).max().unwrap_or(1);
-    Target::Pools { fill_s, pools }
+    BucketRule::LocalPools { fill_s, pools }
 }
 
-impl Target {
+impl BucketRule {
     /// The pools a bucket of this target takes part in.
     fn pools(&self) -> &[PoolSpec] {
         match self {
-            Target::Pools { pools, .. } => pools,
+            BucketRule::LocalPools { pools, .. } => pools,
             _ => &[],
         }
     }
@@ -132,35 +132,38 @@ pub(crate) enum Ask {
 }
 
 /// Where the pools are: this replica's memory, or Redis shared with every replica.
-pub(crate) enum Quota {
+pub(crate) enum Pools {
     /// Each replica shares each limit among its own streams.
-    Local(Pools),
+    Local(LocalPools),
     /// Replicas on one Redis share one pool per limit; while Redis cannot answer, the failure
     /// mode decides (`local`: this replica's own pools, as `Local`).
-    Shared {
-        pools: Box<SharedPools>,
+    InRedis {
+        pools: Box<RedisPools>,
         failure: FailureMode,
-        local: Pools,
-        metrics: QuotaMetrics,
+        local: LocalPools,
+        metrics: RlqsMetrics,
     },
 }
 
-impl Quota {
+impl Pools {
     /// Pools in this process.
-    pub(crate) fn local(options: &QuotaOptions) -> Quota {
-        Quota::Local(Pools::new(options.assignment_ttl, options.report_interval))
+    pub(crate) fn local(options: &BucketOptions) -> Pools {
+        Pools::Local(LocalPools::new(
+            options.assignment_ttl,
+            options.report_interval,
+        ))
     }
 
     /// Pools where the backend keeps its counters: in Redis when it is the store (its failure
     /// mode deciding while it cannot answer), else this replica's own.
     pub(crate) fn beside(
         redis: Option<(Arc<crate::limiter::redis::RedisBackend>, FailureMode)>,
-        options: &QuotaOptions,
-        metrics: QuotaMetrics,
-    ) -> Quota {
+        options: &BucketOptions,
+        metrics: RlqsMetrics,
+    ) -> Pools {
         match redis {
-            None => Quota::local(options),
-            Some((redis, failure)) => Quota::shared(redis, failure, options, metrics),
+            None => Pools::local(options),
+            Some((redis, failure)) => Pools::shared(redis, failure, options, metrics),
         }
     }
 
@@ -168,17 +171,17 @@ impl Quota {
     pub(crate) fn shared(
         redis: Arc<crate::limiter::redis::RedisBackend>,
         failure: FailureMode,
-        options: &QuotaOptions,
-        metrics: QuotaMetrics,
-    ) -> Quota {
-        Quota::Shared {
-            pools: Box::new(SharedPools::new(
+        options: &BucketOptions,
+        metrics: RlqsMetrics,
+    ) -> Pools {
+        Pools::InRedis {
+            pools: Box::new(RedisPools::new(
                 redis,
                 options.assignment_ttl,
                 options.report_interval,
             )),
             failure,
-            local: Pools::new(options.assignment_ttl, options.report_interval),
+            local: LocalPools::new(options.assignment_ttl, options.report_interval),
             metrics,
         }
     }
@@ -187,7 +190,7 @@ impl Quota {
     pub(crate) fn join(
         &self,
         pid: ParticipantId,
-        target: &Target,
+        target: &BucketRule,
         signal: &Arc<Signal>,
         now: tokio::time::Instant,
     ) {
@@ -195,12 +198,12 @@ impl Quota {
             return;
         }
         match self {
-            Quota::Local(pools) => {
+            Pools::Local(pools) => {
                 for p in target.pools() {
                     pools.join(p, pid, signal, now);
                 }
             }
-            Quota::Shared { pools, .. } => pools.join(pid, signal, now),
+            Pools::InRedis { pools, .. } => pools.join(pid, signal, now),
         }
     }
 
@@ -208,12 +211,12 @@ impl Quota {
     pub(crate) async fn leave(
         &self,
         pid: ParticipantId,
-        target: &Target,
+        target: &BucketRule,
         now: tokio::time::Instant,
     ) {
         let (local, shared) = match self {
-            Quota::Local(pools) => (pools, None),
-            Quota::Shared { pools, local, .. } => (local, Some(pools)),
+            Pools::Local(pools) => (pools, None),
+            Pools::InRedis { pools, local, .. } => (local, Some(pools)),
         };
         for p in target.pools() {
             local.leave(&p.key, pid, now);
@@ -231,20 +234,20 @@ impl Quota {
     pub(crate) async fn assign(
         &self,
         pid: ParticipantId,
-        target: &Target,
+        target: &BucketRule,
         ask: Ask,
         signal: &Arc<Signal>,
         now: tokio::time::Instant,
     ) -> Option<Assignment> {
-        let Target::Pools { fill_s, pools } = target else {
+        let BucketRule::LocalPools { fill_s, pools } = target else {
             return Some(match target {
-                Target::Deny => Assignment::Deny,
+                BucketRule::Deny => Assignment::Deny,
                 _ => Assignment::Allow,
             });
         };
         let grants = match self {
-            Quota::Local(local) => Self::local_grants(local, pid, pools, ask, now),
-            Quota::Shared {
+            Pools::Local(local) => Self::local_grants(local, pid, pools, ask, now),
+            Pools::InRedis {
                 pools: shared,
                 failure,
                 local,
@@ -289,7 +292,7 @@ impl Quota {
     }
 
     fn local_grants(
-        local: &Pools,
+        local: &LocalPools,
         pid: ParticipantId,
         pools: &[PoolSpec],
         ask: Ask,
@@ -307,14 +310,14 @@ impl Quota {
     /// Drops this replica's expired leases and empty pools.
     pub(crate) fn sweep(&self, now: tokio::time::Instant) {
         match self {
-            Quota::Local(pools) | Quota::Shared { local: pools, .. } => pools.sweep(now),
+            Pools::Local(pools) | Pools::InRedis { local: pools, .. } => pools.sweep(now),
         }
     }
 
     /// Pools held in this process (shared pools: those used while Redis could not answer).
     pub(crate) fn len(&self) -> usize {
         match self {
-            Quota::Local(pools) | Quota::Shared { local: pools, .. } => pools.len(),
+            Pools::Local(pools) | Pools::InRedis { local: pools, .. } => pools.len(),
         }
     }
 }

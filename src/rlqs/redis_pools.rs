@@ -1,12 +1,12 @@
 //! Pools shared by every replica on one Redis (`--backend redis`). Each grant is one atomic
-//! call of `quota.lua` on its pool: the members' demands, liveness and leases live in Redis
+//! call of `rlqs.lua` on its pool: the members' demands, liveness and leases live in Redis
 //! with expiries, the pool's running sums and shares too, so two replicas never hand out the
 //! same capacity, and a call's work in Redis does not grow with the pool (the script says
 //! how). What stays here is what only this replica sees: each participant's smoothed demand
 //! (its reports arrive here), what each of its members holds, and the streams to push when a
 //! call ends a recomputation of a pool's shares and a member's share moved. A push that lowers
 //! a grant is answered here from the shares that call returned, without a call of its own
-//! ([`SharedPools::lowered`] says why that keeps the limit).
+//! ([`RedisPools::lowered`] says why that keeps the limit).
 //!
 //! A member is connected while it was granted within the last three report intervals (its
 //! replica keeps calling); a replica that dies leaves leases that count until their TTL, then
@@ -21,12 +21,12 @@ use futures_util::future::join_all;
 use parking_lot::Mutex;
 use tokio::time::Instant;
 
+use super::fair_share::{FLOOR_OF_EQUAL_SPLIT, HEADROOM, ask};
 use super::pool::{Demand, LEASE_GRACE, moved_far, whole};
-use super::share::{FLOOR_OF_EQUAL_SPLIT, HEADROOM, ask};
 use super::{Grant, ParticipantId, PoolSpec, Signal, Usage};
 use crate::limiter::BackendError;
 use crate::limiter::redis::RedisBackend;
-use crate::limiter::redis::quota::{PoolCall, PoolOp, SharePolicy, ShareTerms};
+use crate::limiter::redis::rlqs::{PoolCall, PoolOp, SharePolicy, ShareTerms};
 
 /// The policy the script applies, from the constants the memory pools use.
 pub(crate) const POLICY: SharePolicy = SharePolicy {
@@ -68,34 +68,34 @@ struct View {
 }
 
 /// Per pool, this replica's view of it.
-type Held = HashMap<Box<[u8]>, View>;
+type Views = HashMap<Box<[u8]>, View>;
 
 /// This replica's view of the shared pools.
-pub(crate) struct SharedPools {
+pub(crate) struct RedisPools {
     redis: Arc<RedisBackend>,
     /// This process's part of every member id, with its separator: `<replica>.`.
     replica: String,
     participants: Mutex<HashMap<ParticipantId, Participant>>,
     /// Per pool, this replica's members and the tokens each was last granted: whom to look
     /// at when the pool's shares move.
-    members: Mutex<Held>,
+    members: Mutex<Views>,
     ttl: Duration,
     /// A member not granted for this long is disconnected; its demand is stale.
     stale: Duration,
 }
 
-impl SharedPools {
+impl RedisPools {
     /// Pools in `redis` whose grants last `ttl`, for clients reporting every `report_interval`.
     pub(crate) fn new(
         redis: Arc<RedisBackend>,
         ttl: Duration,
         report_interval: Duration,
-    ) -> SharedPools {
+    ) -> RedisPools {
         let random = RandomState::new().hash_one((
             std::process::id(),
             crate::limiter::Clock::now_us(&crate::limiter::SystemClock),
         ));
-        SharedPools {
+        RedisPools {
             redis,
             replica: format!("{random:x}."),
             participants: Mutex::default(),
@@ -279,7 +279,7 @@ impl SharedPools {
     /// what they hold, so their streams send them a new grant now. Linear in this replica's
     /// members of the pool, once per recomputation of its shares (every ~2n/8 calls on it).
     ///
-    /// A share that fell is pushed without a call ([`SharedPools::lowered`]). A share that
+    /// A share that fell is pushed without a call ([`RedisPools::lowered`]). A share that
     /// rose is pushed only as far as the tokens no grant holds (`terms.free`) pay for it: the
     /// rest would call Redis only to be told the capacity is still held (one large report
     /// made every pass end push all 20,000 other members up and down again, 90,000 calls

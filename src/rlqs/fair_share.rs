@@ -25,7 +25,7 @@ pub fn fair_shares(capacity: f64, demands: &[Option<f64>]) -> Vec<f64> {
     // Water-filling in ascending order: each client takes its ask while that is no more than
     // an equal split of what is left; the first one asking more sets the level, which every
     // client from there on gets (an equal split of what is left no longer changes). The same
-    // steps, in the same order, as quota.lua's walk, so the two agree bit for bit.
+    // steps, in the same order, as rlqs.lua's walk, so the two agree bit for bit.
     let mut left = capacity;
     let mut level = f64::INFINITY;
     for (k, &i) in order.iter().enumerate() {

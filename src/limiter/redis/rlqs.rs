@@ -1,4 +1,4 @@
-//! The protocol between Rust and `quota.lua`: one participant's grant from an RLQS quota pool
+//! The protocol between Rust and `rlqs.lua`: one participant's grant from an RLQS quota pool
 //! that every replica on this Redis shares ([`PoolCall`] → [`PoolReply`]), and the script's
 //! pure fair-share arithmetic ([`RedisBackend::pool_shares`]), which a test holds against the
 //! Rust function. The script's header documents the layout; this is the one place on the Rust
@@ -32,9 +32,8 @@ pub(super) struct Lane {
 }
 
 impl Lane {
-    /// Pool calls at Redis at once: one, so that an RLS call waits behind at most one (about
-    /// 0.1 ms of Redis; `make pools`: RLS p99 beside a 10,000-bucket report 4.2x quiet with 4,
-    /// 1.8x with one, the report answered in 11 s and 17 s, then 12.8 s with cheaper calls).
+    /// Pool calls at Redis at once: one, so that an RLS call waits behind at most one
+    /// (docs/performance.md, "Measurements behind the code").
     pub(super) const IN_FLIGHT: usize = 1;
 
     /// A lane to `opts`' Redis (nothing connects until the first call).
@@ -49,7 +48,7 @@ impl Lane {
 }
 
 /// The script, loaded once per process and per Redis (EVALSHA; EVAL after NOSCRIPT).
-const QUOTA_SCRIPT: &str = include_str!("quota.lua");
+const QUOTA_SCRIPT: &str = include_str!("rlqs.lua");
 
 /// The fair-share rule's constants, sent with every call so that they are written once, on
 /// the Rust side.
@@ -202,7 +201,7 @@ impl RedisBackend {
     /// Runs the quota script on `keys` with `args`, within the call budget, through the
     /// circuit breaker; NOSCRIPT is answered by sending the source once.
     async fn eval_quota(&self, keys: &[&[u8]], args: &[Vec<u8>]) -> Result<Value, BackendError> {
-        let lane = &self.quota;
+        let lane = &self.rlqs;
         if !lane.health.allow() {
             return Err(self.error(
                 ErrorKind::CircuitOpen,

@@ -1,22 +1,22 @@
-//! Quota pools on this replica: who shares each limit, what each was last granted, and the
-//! fair shares that decide the next grants.
+//! Pools on this replica: who shares each limit, what each was last granted, and the fair shares
+//! that decide the next grants.
 //!
-//! A pool is one limit's counter (the counter RLS would use); its participants are buckets of
-//! RLQS streams. Every grant is a lease: the client holds it until its TTL runs out, whether or
-//! not its stream is still open, so a pool's capacity is what its limit allows minus the leases
-//! others hold. A grant never takes more than that, so the tokens granted per window add up to
-//! at most the limit, leases of disconnected clients included, but for one exception: a grant
-//! is whole tokens and at least one (Envoy's token bucket has no zero), so a participant that
-//! arrives while the others hold the whole limit gets one token until their shares move down.
+//! A pool is one limit's counter (the counter RLS would use); its participants are buckets of RLQS
+//! streams. Every grant is a lease: the client holds it until its TTL runs out, whether or not its
+//! stream is still open, so a pool's capacity is what its limit allows minus the leases others
+//! hold. A grant never takes more than that, so the tokens granted per window add up to at most the
+//! limit, leases of disconnected clients included, but for one exception: a grant is whole tokens
+//! and at least one (Envoy's token bucket has no zero), so a participant that arrives while the
+//! others hold the whole limit gets one token until their shares move down.
 //!
 //! Cost. Recomputing a pool's fair shares sorts its members; doing it for every change made a
-//! report of n entries in a pool of n members cost n sorts (3,000 new buckets: 7.1 s of CPU in
-//! a debug build, everyone else waiting on the lock; now 40 ms, `large_pool_report_cost`). A change now only marks the pool; the shares are
-//! recomputed once an eighth of its members have changed (or [`REBALANCE_AFTER`] has passed,
-//! or at the next sweep): O(log n) per change, amortized. The leases held are summed once per
-//! recomputation and kept up to date grant by grant, so a grant is O(1). Between
-//! recomputations a grant follows shares a few changes old; it never takes more than the
-//! leases leave, so the limit holds all the same.
+//! report of n entries in a pool of n members cost n sorts, everyone else waiting on the lock
+//! (`large_pool_report_cost`; docs/performance.md, "Measurements behind the code"). A change now
+//! only marks the pool; the shares are recomputed once an eighth of its members have changed (or
+//! [`REBALANCE_AFTER`] has passed, or at the next sweep): O(log n) per change, amortized. The
+//! leases held are summed once per recomputation and kept up to date grant by grant, so a grant is
+//! O(1). Between recomputations a grant follows shares a few changes old; it never takes more than
+//! the leases leave, so the limit holds all the same.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Weak};
@@ -26,7 +26,7 @@ use parking_lot::Mutex;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use super::share::fair_shares;
+use super::fair_share::fair_shares;
 
 /// A participant: one bucket of one stream, unique in the process.
 pub(crate) type ParticipantId = u64;
@@ -309,18 +309,18 @@ type Locked = Arc<Mutex<Pool>>;
 /// Every pool of this replica. Each pool has a lock of its own: the map's lock is held only
 /// to find or add a pool, never across a rebalance, so a large pool's recomputation stalls
 /// only the reports on that pool.
-pub(crate) struct Pools {
+pub(crate) struct LocalPools {
     pools: Mutex<HashMap<Box<[u8]>, Locked>>,
     ttl: Duration,
     /// A demand older than this no longer counts (a few report intervals).
     stale: Duration,
 }
 
-impl Pools {
+impl LocalPools {
     /// Pools whose grants last `ttl` (counted [`LEASE_GRACE`] longer), for clients reporting
     /// every `report_interval`.
-    pub(crate) fn new(ttl: Duration, report_interval: Duration) -> Pools {
-        Pools {
+    pub(crate) fn new(ttl: Duration, report_interval: Duration) -> LocalPools {
+        LocalPools {
             pools: Mutex::default(),
             ttl: ttl + LEASE_GRACE,
             stale: report_interval * 3,
@@ -477,7 +477,7 @@ mod tests {
     /// current again.
     #[tokio::test(start_paused = true)]
     async fn grants_stay_within_the_limit_while_shares_lag() {
-        let pools = Pools::new(Duration::from_secs(20), Duration::from_secs(5));
+        let pools = LocalPools::new(Duration::from_secs(20), Duration::from_secs(5));
         let s = Arc::new(Signal::default());
         let now = Instant::now();
         let sp = spec(1_000);
@@ -485,7 +485,7 @@ mod tests {
         for pid in 0..N {
             pools.join(&sp, pid, &s, now);
         }
-        let held = |pools: &Pools| -> u64 {
+        let held = |pools: &LocalPools| -> u64 {
             let pool = pools.get(&sp.key).unwrap();
             let pool = pool.lock();
             pool.members
@@ -522,7 +522,7 @@ mod tests {
     #[ignore = "a measurement, run by hand in release"]
     fn large_pool_report_cost() {
         for (members, report) in [(3_000, 3_000), (30_000, 10_000)] {
-            let pools = Pools::new(Duration::from_secs(20), Duration::from_secs(5));
+            let pools = LocalPools::new(Duration::from_secs(20), Duration::from_secs(5));
             let s = Arc::new(Signal::default());
             let now = Instant::now();
             let sp = spec(600_000);
@@ -559,7 +559,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn grants_never_add_up_past_the_limit_and_leases_outlive_streams() {
-        let pools = Pools::new(Duration::from_secs(20), Duration::from_secs(5));
+        let pools = LocalPools::new(Duration::from_secs(20), Duration::from_secs(5));
         let s = Arc::new(Signal::default());
         let now = Instant::now();
         let sp = spec(600);

@@ -3,8 +3,8 @@
 -- Why a script: replicas on one Redis share a pool. Recording a grant against what the others
 -- hold must be one step, or two replicas both see the same free capacity and both hand it
 -- out. Time is Redis TIME (ms), so leases expire on one clock. The arithmetic mirrors
--- src/quota/share.rs (a test runs the 'shares' operation against the Rust function on the same
--- inputs) and the pool mirrors src/quota/pool.rs: a grant is O(1) against running sums, and
+-- src/rlqs/fair_share.rs (a test runs the 'shares' operation against the Rust function on the same
+-- inputs) and the pool mirrors src/rlqs/pool.rs: a grant is O(1) against running sums, and
 -- the fair shares are recomputed apart from it.
 --
 -- Cost per call, whatever the pool's size: a grant or leave reads and writes its own member
@@ -50,9 +50,8 @@
 -- returns the fair shares, as strings (`%.17g`: Redis would truncate a number to an integer).
 
 local floor, max, min = math.floor, math.max, math.min
--- 8: against 16, interleaved in `make pools` (7 rounds each), 15-20% less Redis CPU and a
--- tenth less time for a report of 10,000 joining 30,000 (fewer passes end, so fewer pushes);
--- a pass over 30,000 members spans ~7,500 calls, about a second of that pool's reports.
+-- Members a call walks: fewer than 16 cost less Redis CPU per report, since fewer passes end
+-- and so fewer pushes follow (docs/performance.md, "Measurements behind the code").
 local STEPS = 8
 local op = ARGV[1]
 
@@ -63,7 +62,7 @@ local function ask(d, cap, least, headroom)
 end
 
 -- One step of the water-filling walk over demands in ascending order (see fair_shares in
--- share.rs): `w` = {k = members walked, n, left, cap, least, headroom}. Returns the level when
+-- fair_share.rs): `w` = {k = members walked, n, left, cap, least, headroom}. Returns the level when
 -- this member's ask is above an equal split of what is left (every later member gets the
 -- level), else nil and takes the ask.
 local function walk(w, d)
