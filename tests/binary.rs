@@ -3,10 +3,9 @@
 mod common;
 
 use std::net::SocketAddr;
-use std::process::Command;
 use std::time::Duration;
 
-use common::daemon::{BIN, Daemon};
+use common::daemon::{Daemon, ratelimitd};
 use common::redis::free_port;
 use common::*;
 
@@ -19,17 +18,12 @@ fn an_invalid_first_config_exits_non_zero_naming_file_line_and_field() {
         "domain: d\ndescriptors:\n  - key: k\n    rate_limit:\n      unit: fortnight\n",
     )
     .unwrap();
-    let out = Command::new(BIN)
-        .args([
-            "--config",
-            file.to_str().unwrap(),
-            "--grpc-addr",
-            "127.0.0.1:0",
-            "--http-addr",
-            "127.0.0.1:0",
-        ])
-        .output()
-        .unwrap();
+    let out = ratelimitd(
+        &file,
+        &["--grpc-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0"],
+    )
+    .output()
+    .unwrap();
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
     let expected = format!(
@@ -56,10 +50,7 @@ fn check_prints_the_rules_or_the_first_error_and_serves_nothing() {
         "name: eg\ndomain: d\ndescriptors:\n  - key: k\n    rate_limit:\n      unit: minute\n      requests_per_unit: 7\n      replaces:\n        - name: other\n          unit: hour\n",
     )
     .unwrap();
-    let out = Command::new(BIN)
-        .args(["--check", "--config", good.to_str().unwrap()])
-        .output()
-        .unwrap();
+    let out = ratelimitd(&good, &["--check"]).output().unwrap();
     let (stdout, stderr) = (
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr),
@@ -85,10 +76,7 @@ fn check_prints_the_rules_or_the_first_error_and_serves_nothing() {
         "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: fortnight, requests_per_unit: 7}\n",
     )
     .unwrap();
-    let out = Command::new(BIN)
-        .args(["--check", "--config", dir.path().to_str().unwrap()])
-        .output()
-        .unwrap();
+    let out = ratelimitd(dir.path(), &["--check"]).output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(
@@ -100,29 +88,22 @@ fn check_prints_the_rules_or_the_first_error_and_serves_nothing() {
 
 #[test]
 fn invalid_flags_and_missing_paths_exit_non_zero_with_a_message() {
-    let out = Command::new(BIN)
-        .args(["--config", "x.yaml", "--log-format", "xml"])
+    let out = ratelimitd("x.yaml", &["--log-format", "xml"])
         .output()
         .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--log-format"));
 
-    let out = Command::new(BIN)
-        .args([
-            "--config",
-            "/nonexistent/limits.yaml",
-            "--grpc-addr",
-            "127.0.0.1:0",
-            "--http-addr",
-            "127.0.0.1:0",
-        ])
-        .output()
-        .unwrap();
+    let out = ratelimitd(
+        "/nonexistent/limits.yaml",
+        &["--grpc-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0"],
+    )
+    .output()
+    .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent/limits.yaml"));
 
-    let out = Command::new(BIN)
-        .args(["--config", "x.yaml"])
+    let out = ratelimitd("x.yaml", &[])
         .env("RATELIMITD_MAX_ENTRIES", "many")
         .output()
         .unwrap();
@@ -138,7 +119,7 @@ async fn sigterm_finishes_and_exits_zero() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("l.yaml"), LIMITS).unwrap();
     // Flags through the environment, as a container would set them.
-    let mut cmd = Command::new(BIN);
+    let mut cmd = ratelimitd("", &[]);
     cmd.env("RATELIMITD_CONFIG", dir.path())
         .env("RATELIMITD_LOG_FORMAT", "json");
     let d = Daemon::start(cmd).await;
@@ -160,10 +141,17 @@ async fn password_stays_secret(password: &str, fragments: &[&str]) {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("l.yaml"), LIMITS).unwrap();
     let url = format!("redis://:{password}@127.0.0.1:{}", redis.port);
-    let mut cmd = Command::new(BIN);
-    cmd.args(["--config", dir.path().to_str().unwrap()])
-        .args(["--backend", "redis", "--redis-url", &url])
-        .args(["--log-level", "trace"]);
+    let cmd = ratelimitd(
+        dir.path(),
+        &[
+            "--backend",
+            "redis",
+            "--redis-url",
+            &url,
+            "--log-level",
+            "trace",
+        ],
+    );
     let d = Daemon::start(cmd).await;
     let mut client = d.client().await;
     assert!(
@@ -195,9 +183,7 @@ async fn a_bad_reload_is_logged_with_file_line_and_field() {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("l.yaml");
     std::fs::write(&file, LIMITS).unwrap();
-    let mut cmd = Command::new(BIN);
-    cmd.args(["--config", dir.path().to_str().unwrap()]);
-    let d = Daemon::start(cmd).await;
+    let d = Daemon::start(ratelimitd(dir.path(), &[])).await;
     // Written aside and renamed over, so no half-written version is ever seen: the one bad
     // version is the one the log must name.
     let aside = dir.path().join(".l.yaml.tmp");
@@ -246,13 +232,10 @@ async fn a_flood_of_distinct_values_stays_within_the_memory_bound() {
         "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: hour, requests_per_unit: 5}\n",
     )
     .unwrap();
-    let mut cmd = Command::new(BIN);
-    cmd.args(["--config", dir.path().to_str().unwrap()]).args([
-        "--memory-max-bytes",
-        "8MiB",
-        "--log-level",
-        "warn",
-    ]);
+    let cmd = ratelimitd(
+        dir.path(),
+        &["--memory-max-bytes", "8MiB", "--log-level", "warn"],
+    );
     let d = Daemon::start(cmd).await;
     let mut client = d.client().await;
     let before = rss_kib(d.child.id());
@@ -283,8 +266,7 @@ async fn a_flood_of_distinct_values_stays_within_the_memory_bound() {
 async fn a_password_with_a_slash_authenticates_and_is_never_logged() {
     password_stays_secret("s3cr/et@pass", &["s3cr", "et@pass"]).await;
     // Refused URLs do not echo the password either.
-    let out = Command::new(BIN)
-        .args(["--config", "x", "--redis-url", "http://:s3cr/et@h:1"])
+    let out = ratelimitd("x", &["--redis-url", "http://:s3cr/et@h:1"])
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
@@ -309,11 +291,7 @@ fn bad_flags_exit_2_with_a_message_never_a_panic() {
             "{x}",
         ],
     ] {
-        let out = Command::new(BIN)
-            .args(["--config", "x.yaml"])
-            .args(args)
-            .output()
-            .unwrap();
+        let out = ratelimitd("x.yaml", args).output().unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
         let flag = args[args.len() - 2].trim_end_matches(|c: char| c.is_alphabetic());
@@ -327,9 +305,7 @@ fn bad_flags_exit_2_with_a_message_never_a_panic() {
 async fn a_daemon_dies_with_its_test() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("l.yaml"), LIMITS).unwrap();
-    let mut cmd = Command::new(BIN);
-    cmd.args(["--config", dir.path().to_str().unwrap()]);
-    let d = Daemon::start(cmd).await;
+    let d = Daemon::start(ratelimitd(dir.path(), &[])).await;
     let pid = d.child.id();
     let failed = std::panic::AssertUnwindSafe(async move {
         let _d = d;
@@ -372,7 +348,7 @@ async fn istio_sample_environment_runs_unchanged() {
     std::os::unix::fs::symlink("..data/config.yaml", config.join("config.yaml")).unwrap();
 
     let debug = free_port();
-    let mut cmd = Command::new(BIN);
+    let mut cmd = ratelimitd("", &[]);
     cmd.env("REDIS_SOCKET_TYPE", "tcp")
         .env("REDIS_URL", format!("127.0.0.1:{}", redis.port))
         .env("USE_STATSD", "false")
@@ -425,9 +401,8 @@ async fn istio_sample_environment_runs_unchanged() {
 async fn reference_variables_without_an_equivalent_are_reported() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("l.yaml"), LIMITS).unwrap();
-    let mut cmd = Command::new(BIN);
-    cmd.args(["--config", dir.path().to_str().unwrap()])
-        .env("USE_STATSD", "true")
+    let mut cmd = ratelimitd(dir.path(), &[]);
+    cmd.env("USE_STATSD", "true")
         .env("EXPIRATION_JITTER_MAX_SECONDS", "300");
     let d = Daemon::start(cmd).await;
     let (_, stderr) = d.terminate().await;
@@ -441,8 +416,7 @@ async fn reference_variables_without_an_equivalent_are_reported() {
         "{stderr}"
     );
 
-    let out = Command::new(BIN)
-        .args(["--config", "x"])
+    let out = ratelimitd("x", &[])
         .env("BACKEND_TYPE", "memcache")
         .output()
         .unwrap();

@@ -5,12 +5,12 @@
 
 mod common;
 
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::Duration;
 
 use tokio::time::Instant;
 
-use common::daemon::{BIN, Daemon};
+use common::daemon::{Daemon, ratelimitd};
 use common::redis::free_port;
 use common::*;
 use prost::Message;
@@ -22,8 +22,7 @@ const LIMITS: &str = "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit
 async fn daemon(flags: &[&str]) -> (Daemon, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("l.yaml"), LIMITS).unwrap();
-    let mut cmd = Command::new(BIN);
-    cmd.arg("--config").arg(dir.path()).args(flags);
+    let mut cmd = ratelimitd(dir.path(), flags);
     cmd.env("RATELIMITD_LOG_LEVEL", "warn");
     (Daemon::start_with(cmd, Stdio::null()).await, dir)
 }

@@ -5,11 +5,10 @@
 
 mod common;
 
-use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::daemon::{BIN, Daemon};
+use common::daemon::{Daemon, ratelimitd};
 use common::redis::RedisProc;
 use common::*;
 use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
@@ -157,9 +156,8 @@ async fn traced_calls(protocol: &str, collector: std::net::SocketAddr, received:
     let redis = RedisProc::start(&[]);
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("t.yaml"), LIMITS).unwrap();
-    let mut cmd = Command::new(BIN);
-    cmd.args(["--config", dir.path().to_str().unwrap()])
-        .env("REDIS_SOCKET_TYPE", "tcp")
+    let mut cmd = ratelimitd(dir.path(), &[]);
+    cmd.env("REDIS_SOCKET_TYPE", "tcp")
         .env("REDIS_URL", format!("127.0.0.1:{}", redis.port))
         .env("TRACING_ENABLED", "true")
         .env("TRACING_EXPORTER_PROTOCOL", protocol)
@@ -233,9 +231,8 @@ async fn sampling_follows_the_caller_and_the_rate() {
     let (addr, received) = http_collector().await;
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("t.yaml"), LIMITS).unwrap();
-    let mut cmd = Command::new(BIN);
-    cmd.args(["--config", dir.path().to_str().unwrap()])
-        .env("TRACING_ENABLED", "true")
+    let mut cmd = ratelimitd(dir.path(), &[]);
+    cmd.env("TRACING_ENABLED", "true")
         .env("OTEL_EXPORTER_OTLP_ENDPOINT", format!("http://{addr}"))
         .env("TRACING_SAMPLING_RATE", "0");
     let d = Daemon::start(cmd).await;

@@ -1022,7 +1022,7 @@ async fn the_default_algorithm_and_metadata_extensions_reach_xds_limits() {
 /// config arrives over xDS and is enforced, counted in that Redis.
 #[tokio::test]
 async fn the_envoy_gateway_environment_runs_unchanged() {
-    use common::daemon::{BIN, Daemon};
+    use common::daemon::{Daemon, ratelimitd};
     use common::redis::{RedisProc, free_port, make_certs};
     let redis = RedisProc::start(&[]);
     let dir = tempfile::tempdir().unwrap();
@@ -1045,7 +1045,7 @@ async fn the_envoy_gateway_environment_runs_unchanged() {
     )
     .await;
     let (debug, metrics) = (free_port(), free_port());
-    let mut cmd = std::process::Command::new(BIN);
+    let mut cmd = ratelimitd("", &[]);
     cmd.env("RUNTIME_ROOT", "/data")
         .env("RUNTIME_SUBDIRECTORY", "ratelimit")
         .env("RUNTIME_IGNOREDOTFILES", "true")
@@ -1242,16 +1242,15 @@ async fn a_control_plane_silent_mid_stream_is_left_by_keepalive() {
 /// stays.
 #[tokio::test]
 async fn an_oversized_response_is_counted_each_time_and_logged_once() {
-    use common::daemon::{BIN, Daemon};
+    use common::daemon::{Daemon, ratelimitd};
     let ads = AdsServer::start().await;
     ads.set(
         "v1",
         &[config("d", vec![limit("k", 2, pb::RateLimitUnit::Hour)])],
     )
     .await;
-    let mut cmd = std::process::Command::new(BIN);
-    cmd.args(ads.flags())
-        .args(["--xds-max-message-bytes", "64KiB"]);
+    let mut cmd = ratelimitd("", &["--xds-max-message-bytes", "64KiB"]);
+    cmd.args(ads.flags());
     let d = Daemon::start(cmd).await;
     let mut c = d.client().await;
     assert_eq!(rpu(&mut c, "d", "k").await, Some(2));

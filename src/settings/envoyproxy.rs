@@ -178,6 +178,59 @@ impl Translated {
     }
 }
 
+/// How a variable's value becomes its flag's.
+#[derive(Clone, Copy, Debug)]
+enum As {
+    /// As set (trimmed), even empty.
+    Set,
+    /// As set, when not empty.
+    NonEmpty,
+    /// Lower-cased, as set.
+    Lower,
+    /// Lower-cased, when not empty.
+    LowerNonEmpty,
+    /// A boolean (that service's spellings), as `true` or `false`.
+    Bool,
+    /// This value when the boolean is true; nothing otherwise.
+    IfTrue(&'static str),
+    /// A Go duration (`1m30s`), in milliseconds.
+    GoDuration,
+    /// As set when not empty, else that service's default.
+    OrDefault(&'static str),
+}
+
+/// One variable, the flag it sets and how: each group of variables is a table of these,
+/// applied in order by [`apply`].
+type Row = (&'static str, &'static str, As);
+
+/// Sets the flag of every row whose variable asks for one.
+fn apply(env: &Env<'_>, rows: &[Row], t: &mut Translated) -> Result<(), String> {
+    for &(name, flag, how) in rows {
+        let value = match how {
+            As::Set => env.var(name),
+            As::NonEmpty => env.non_empty(name),
+            As::Lower => env.var(name).map(|v| v.to_ascii_lowercase()),
+            As::LowerNonEmpty => env.non_empty(name).map(|v| v.to_ascii_lowercase()),
+            As::Bool => env.bool_var(name)?.map(|b| b.to_string()),
+            As::IfTrue(value) => (env.bool_var(name)? == Some(true)).then(|| value.to_owned()),
+            As::GoDuration => match env.non_empty(name) {
+                Some(v) => {
+                    let d = go_duration(&v).map_err(|e| format!("{name}: {e}"))?;
+                    Some(format!("{}ms", d.as_secs_f64() * 1000.0))
+                }
+                None => None,
+            },
+            As::OrDefault(default) => {
+                Some(env.non_empty(name).unwrap_or_else(|| default.to_owned()))
+            }
+        };
+        if let Some(value) = value {
+            t.flag(flag, value);
+        }
+    }
+    Ok(())
+}
+
 /// Reads envoyproxy/ratelimit's variables from `env`. `dropin` is true when no config path
 /// was given, so that service's defaults apply too.
 pub(super) fn translate(
@@ -265,9 +318,11 @@ fn xds_source(env: &Env<'_>, t: &mut Translated) -> Result<(), String> {
         .non_empty("CONFIG_GRPC_XDS_SERVER_URL")
         .unwrap_or_else(|| "localhost:18000".into());
     t.flag("xds-server", server);
-    if let Some(id) = env.non_empty("CONFIG_GRPC_XDS_NODE_ID") {
-        t.flag("xds-node-id", id);
-    }
+    apply(
+        env,
+        &[("CONFIG_GRPC_XDS_NODE_ID", "xds-node-id", As::NonEmpty)],
+        t,
+    )?;
     if let Some(metadata) = env.non_empty("CONFIG_GRPC_XDS_NODE_METADATA") {
         // `key=value` pairs; a pair without `=` is skipped, as that service skips it.
         let pairs: Vec<&str> = metadata.split(',').filter(|p| p.contains('=')).collect();
@@ -284,32 +339,20 @@ fn xds_source(env: &Env<'_>, t: &mut Translated) -> Result<(), String> {
         }
         t.flag("xds-headers", pairs.join(","));
     }
-    for (name, flag) in [
-        ("XDS_CLIENT_BACKOFF_INITIAL_INTERVAL", "xds-backoff-initial"),
-        ("XDS_CLIENT_BACKOFF_MAX_INTERVAL", "xds-backoff-max"),
-    ] {
-        if let Some(v) = env.non_empty(name) {
-            let d = go_duration(&v).map_err(|e| format!("{name}: {e}"))?;
-            t.flag(flag, format!("{}ms", d.as_secs_f64() * 1000.0));
-        }
-    }
-    if let Some(f) = env.non_empty("XDS_CLIENT_BACKOFF_RANDOM_FACTOR") {
-        t.flag("xds-backoff-factor", f);
-    }
-    if let Some(j) = env.bool_var("XDS_CLIENT_BACKOFF_JITTER")? {
-        t.flag("xds-backoff-jitter", j.to_string());
-    }
-    if let Some(n) = env.non_empty("XDS_CLIENT_MAX_MSG_SIZE_IN_BYTES") {
-        t.flag("xds-max-message-bytes", n);
-    }
-    if let Some(force) = env.bool_var("FORCE_START_WITHOUT_INITIAL_CONFIG")? {
-        t.flag("start-without-config", force.to_string());
-    }
-    if let Some(healthy) = env.bool_var("HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED")? {
-        t.flag("unhealthy-until-config", healthy.to_string());
-    }
-    Ok(())
+    apply(env, XDS_CLIENT, t)
 }
+
+/// The xDS client's retries, message bound and start-up.
+#[rustfmt::skip]
+const XDS_CLIENT: &[Row] = &[
+    ("XDS_CLIENT_BACKOFF_INITIAL_INTERVAL",     "xds-backoff-initial",    As::GoDuration),
+    ("XDS_CLIENT_BACKOFF_MAX_INTERVAL",         "xds-backoff-max",        As::GoDuration),
+    ("XDS_CLIENT_BACKOFF_RANDOM_FACTOR",        "xds-backoff-factor",     As::NonEmpty),
+    ("XDS_CLIENT_BACKOFF_JITTER",               "xds-backoff-jitter",     As::Bool),
+    ("XDS_CLIENT_MAX_MSG_SIZE_IN_BYTES",        "xds-max-message-bytes",  As::NonEmpty),
+    ("FORCE_START_WITHOUT_INITIAL_CONFIG",      "start-without-config",   As::Bool),
+    ("HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED", "unhealthy-until-config", As::Bool),
+];
 
 /// Parses Go's duration syntax (`300ms`, `1m30s`, `2h`, `1.5s`; units ns, us, µs, ms, s, m, h).
 fn go_duration(text: &str) -> Result<std::time::Duration, String> {
@@ -391,38 +434,25 @@ fn behaviour(env: &Env<'_>, dropin: bool, t: &mut Translated) -> Result<(), Stri
         None if dropin => t.flag("log-level", "warn".into()),
         None => {}
     }
-    if let Some(format) = env.var("LOG_FORMAT") {
-        t.flag("log-format", format.to_ascii_lowercase());
-    }
-    if let Some(r) = env.var("NEAR_LIMIT_RATIO") {
-        t.flag("near-limit-ratio", r);
-    }
-    if let Some(s) = env.bool_var("SHADOW_MODE")? {
-        t.flag("shadow-mode", s.to_string());
-    }
-    if env.bool_var("LIMIT_RESPONSE_HEADERS_ENABLED")? == Some(true) {
-        t.flag("response-headers", "reference".into());
-    }
-    if let Some(m) = env.bool_var("RESPONSE_DYNAMIC_METADATA")? {
-        t.flag("response-dynamic-metadata", m.to_string());
-    }
-    if let Some(b) = env.var("LOCAL_CACHE_SIZE_IN_BYTES") {
-        t.flag("local-cache-bytes", b);
-    }
-    if let Some(p) = env.var("CACHE_KEY_PREFIX") {
-        t.flag("redis-key-prefix", p);
-    }
-    if let Some(timeout) = env.var("REDIS_TIMEOUT") {
-        t.flag("redis-timeout", timeout);
-    }
+    apply(env, BEHAVIOUR, t)
+}
+
+/// Decisions, responses and the Redis client's bounds.
+#[rustfmt::skip]
+const BEHAVIOUR: &[Row] = &[
+    ("LOG_FORMAT",                              "log-format",                As::Lower),
+    ("NEAR_LIMIT_RATIO",                        "near-limit-ratio",          As::Set),
+    ("SHADOW_MODE",                             "shadow-mode",               As::Bool),
+    ("LIMIT_RESPONSE_HEADERS_ENABLED",          "response-headers",          As::IfTrue("reference")),
+    ("RESPONSE_DYNAMIC_METADATA",               "response-dynamic-metadata", As::Bool),
+    ("LOCAL_CACHE_SIZE_IN_BYTES",               "local-cache-bytes",         As::Set),
+    ("CACHE_KEY_PREFIX",                        "redis-key-prefix",          As::Set),
+    ("REDIS_TIMEOUT",                           "redis-timeout",             As::Set),
     // true: nothing past a limit is recorded, reports included. Unset or false (that service's
     // default, which counts every hit): the default accounting, where reports are recorded as
     // that service records them and a refused admission still consumes nothing.
-    if env.bool_var("STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT")? == Some(true) {
-        t.flag("accounting", "admission".into());
-    }
-    Ok(())
-}
+    ("STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT", "accounting",                As::IfTrue("admission")),
+];
 
 /// OpenTelemetry tracing (`TRACING_*`, `OTEL_EXPORTER_OTLP_ENDPOINT`).
 fn tracing(env: &Env<'_>, t: &mut Translated) -> Result<(), String> {
@@ -430,28 +460,19 @@ fn tracing(env: &Env<'_>, t: &mut Translated) -> Result<(), String> {
         return Ok(());
     }
     t.flag("tracing", "true".into());
-    if let Some(p) = env.non_empty("TRACING_EXPORTER_PROTOCOL") {
-        t.flag("tracing-protocol", p.to_ascii_lowercase());
-    }
-    if let Some(e) = env.non_empty("OTEL_EXPORTER_OTLP_ENDPOINT") {
-        t.flag("tracing-endpoint", e);
-    }
-    // That service's default name.
-    let name = env
-        .non_empty("TRACING_SERVICE_NAME")
-        .unwrap_or_else(|| "RateLimit".into());
-    t.flag("tracing-service-name", name);
-    if let Some(ns) = env.non_empty("TRACING_SERVICE_NAMESPACE") {
-        t.flag("tracing-service-namespace", ns);
-    }
-    if let Some(id) = env.non_empty("TRACING_SERVICE_INSTANCE_ID") {
-        t.flag("tracing-service-instance-id", id);
-    }
-    if let Some(r) = env.non_empty("TRACING_SAMPLING_RATE") {
-        t.flag("tracing-sampling-rate", r);
-    }
-    Ok(())
+    apply(env, TRACING, t)
 }
+
+/// Span export, with `TRACING_ENABLED=true`.
+#[rustfmt::skip]
+const TRACING: &[Row] = &[
+    ("TRACING_EXPORTER_PROTOCOL",   "tracing-protocol",            As::LowerNonEmpty),
+    ("OTEL_EXPORTER_OTLP_ENDPOINT", "tracing-endpoint",            As::NonEmpty),
+    ("TRACING_SERVICE_NAME",        "tracing-service-name",        As::OrDefault("RateLimit")),
+    ("TRACING_SERVICE_NAMESPACE",   "tracing-service-namespace",   As::NonEmpty),
+    ("TRACING_SERVICE_INSTANCE_ID", "tracing-service-instance-id", As::NonEmpty),
+    ("TRACING_SAMPLING_RATE",       "tracing-sampling-rate",       As::NonEmpty),
+];
 
 /// TLS on the gRPC listener.
 fn grpc_tls(env: &Env<'_>, t: &mut Translated) -> Result<(), String> {
@@ -466,10 +487,11 @@ fn grpc_tls(env: &Env<'_>, t: &mut Translated) -> Result<(), String> {
         .ok_or("GRPC_SERVER_USE_TLS needs GRPC_SERVER_TLS_KEY")?;
     t.flag("grpc-tls-cert", cert);
     t.flag("grpc-tls-key", key);
-    if let Some(ca) = env.non_empty("GRPC_CLIENT_TLS_CACERT") {
-        t.flag("grpc-tls-client-ca", ca);
-    }
-    Ok(())
+    apply(
+        env,
+        &[("GRPC_CLIENT_TLS_CACERT", "grpc-tls-client-ca", As::NonEmpty)],
+        t,
+    )
 }
 
 /// The Redis backend at `url`: its shape (`REDIS_TYPE`), credentials and TLS.
@@ -536,17 +558,16 @@ fn redis(env: &Env<'_>, url: &str, t: &mut Translated) -> Result<(), String> {
             None => t.flag("redis-password", auth),
         }
     }
-    for (name, to) in [
-        ("REDIS_TLS_CACERT", "redis-tls-ca"),
-        ("REDIS_TLS_CLIENT_CERT", "redis-tls-cert"),
-        ("REDIS_TLS_CLIENT_KEY", "redis-tls-key"),
-    ] {
-        if let Some(v) = env.non_empty(name) {
-            t.flag(to, v);
-        }
-    }
-    Ok(())
+    apply(env, REDIS_TLS, t)
 }
+
+/// The Redis client's certificates.
+#[rustfmt::skip]
+const REDIS_TLS: &[Row] = &[
+    ("REDIS_TLS_CACERT",      "redis-tls-ca",   As::NonEmpty),
+    ("REDIS_TLS_CLIENT_CERT", "redis-tls-cert", As::NonEmpty),
+    ("REDIS_TLS_CLIENT_KEY",  "redis-tls-key",  As::NonEmpty),
+];
 
 /// One note per variable of that service that is set and changes nothing here.
 fn ignored(env: &Env<'_>, t: &mut Translated) {
