@@ -27,6 +27,7 @@ pub use crate::server::serve::{
     bind,
 };
 pub use crate::shutdown::HEALTH_SERVICES;
+pub use crate::source::CheckError;
 
 /// What the integration tests (`tests/`) and the fuzz targets (`fuzz/`) drive directly, below
 /// [`run`]: not an API, no stability promised, hidden from the documentation.
@@ -36,7 +37,6 @@ pub mod testing;
 use std::future::Future;
 use std::sync::Arc;
 
-use crate::config::load_paths_with;
 use crate::engine::Engine;
 use crate::limiter::{Clock, SystemClock};
 use crate::metrics::Metrics;
@@ -45,7 +45,7 @@ use crate::server::rlqs::RlqsService;
 use crate::server::serve::Services;
 use crate::settings::Options;
 use crate::shutdown::{ServerFailed, Stop, Tasks, until_stopped};
-use crate::source::{ConfigSource, SourceError};
+use crate::source::SourceError;
 
 /// Why the service could not start or stopped abnormally.
 #[derive(Debug, thiserror::Error)]
@@ -94,23 +94,7 @@ impl From<SourceError> for RunError {
 /// Loads the config files `options` name, as the service would at start, without running it:
 /// the rules as `/rlconfig` prints them, or the first error with its file, line and field.
 pub fn check_config(options: &Options) -> Result<String, CheckError> {
-    match &options.source.from {
-        ConfigSource::Files(paths) => Ok(load_paths_with(paths, options.source.compile)?
-            .snapshot
-            .dump()),
-        ConfigSource::Xds(_) => Err(CheckError::NotFiles),
-    }
-}
-
-/// Why [`check_config`] found no config to print.
-#[derive(Debug, thiserror::Error)]
-pub enum CheckError {
-    /// A file is invalid (or missing).
-    #[error(transparent)]
-    Config(#[from] ConfigError),
-    /// The config comes over xDS: there are no files to check.
-    #[error("--check reads config files; this config comes from an xDS server")]
-    NotFiles,
+    source::check(&options.source)
 }
 
 /// Runs the service until `shutdown` resolves, then stops accepting, lets in-flight calls
@@ -141,7 +125,10 @@ pub async fn run_with_clock(
     let (health, health_service) = tonic_health::server::health_reporter();
     let source = source::start(&options.source, &metrics, &mut tasks)?;
     // Health waits for the first config only when asked to.
-    let ready = (source.loaded.clone()).filter(|_| options.source.unhealthy_until_config);
+    let ready = source
+        .loaded
+        .clone()
+        .filter(|_| options.source.unhealthy_until_config);
     let stop = Stop::start(shutdown, health, ready, &mut tasks).await;
     if let Some(mut loaded) = source.loaded
         && !options.source.start_without_config

@@ -45,6 +45,26 @@ pub(crate) enum SourceError {
     Watch(#[from] notify::Error),
 }
 
+/// Loads the config files `options` name without following them: the rules as `/rlconfig`
+/// prints them, or the first error with its file, line and field.
+pub(crate) fn check(options: &SourceOptions) -> Result<String, CheckError> {
+    match &options.from {
+        ConfigSource::Files(paths) => Ok(load_paths_with(paths, options.compile)?.snapshot.dump()),
+        ConfigSource::Xds(_) => Err(CheckError::NotFiles),
+    }
+}
+
+/// Why `--check` found no config to print.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckError {
+    /// A file is invalid (or missing).
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The config comes over xDS: there are no files to check.
+    #[error("--check reads config files; this config comes from an xDS server")]
+    NotFiles,
+}
+
 /// The config in force, and for xDS a receiver that turns true with the first accepted
 /// snapshot (until then the config is empty).
 pub(crate) struct Source {
