@@ -281,6 +281,7 @@ fn bad_flags_exit_2_with_a_message_never_a_panic() {
         &["--redis-timeout", "99999999999999999999999"],
         &["--redis-timeout", "0"],
         &["--memory-max-bytes", "lots"],
+        &["--reference-limit-header", "Rate Limit"],
         &["--backend", "redis"],
         &[
             "--backend",

@@ -352,6 +352,76 @@ async fn quota_mode_rejects_only_when_every_quota_descriptor_is_over(kind: Kind)
     assert!(r.statuses.iter().all(|s| s.code == Code::OverLimit as i32));
 }
 
+/// `--quota-mode` (envoyproxy/ratelimit's `QUOTA_MODE`): every limit is soft. A request is
+/// refused only when all its descriptors are over; `unlimited` ones do not count, and one that
+/// matches no limit or is in shadow mode passes, as that service counts them. Without the flag,
+/// a `quota_mode` descriptor in shadow mode passes the same way.
+async fn global_quota_mode_refuses_only_when_every_descriptor_is_over(kind: Kind) {
+    let yaml = "domain: q
+descriptors:
+  - key: a
+    rate_limit: {unit: hour, requests_per_unit: 1}
+  - key: b
+    rate_limit: {unit: hour, requests_per_unit: 1}
+  - key: free
+    rate_limit: {unlimited: true}
+  - key: watched
+    shadow_mode: true
+    rate_limit: {unit: hour, requests_per_unit: 1}
+  - key: soft
+    quota_mode: true
+    rate_limit: {unit: hour, requests_per_unit: 1}
+  - key: soft_watched
+    quota_mode: true
+    shadow_mode: true
+    rate_limit: {unit: hour, requests_per_unit: 1}
+";
+    let s = start(kind, &[("q.yaml", yaml)], &["--quota-mode"]).await;
+    let mut c = s.client().await;
+    let ask = |d: &[&[(&str, &str)]]| request("q", d);
+    assert!(is_ok(&call(&mut c, ask(&[&[("a", "1")]])).await));
+    assert!(
+        is_over(&call(&mut c, ask(&[&[("a", "1")]])).await),
+        "its one descriptor is over"
+    );
+    let r = call(&mut c, ask(&[&[("a", "1")], &[("b", "1")]])).await;
+    assert!(is_ok(&r), "b is within");
+    // As with quota_mode on a descriptor: an over soft limit of an admitted request reports
+    // OK, with nothing left.
+    assert_eq!(
+        (r.statuses[0].code, r.statuses[0].limit_remaining),
+        (Code::Ok as i32, 0)
+    );
+    let r = call(&mut c, ask(&[&[("a", "1")], &[("b", "1")]])).await;
+    assert!(is_over(&r), "both over");
+    let r = call(&mut c, ask(&[&[("a", "1")], &[("free", "1")]])).await;
+    assert!(is_over(&r), "an unlimited descriptor does not count");
+    let r = call(
+        &mut c,
+        ask(&[&[("a", "1")], &[("b", "1")], &[("none", "1")]]),
+    )
+    .await;
+    assert!(is_ok(&r), "a descriptor no limit matches passes");
+    assert_eq!(r.statuses[0].limit_remaining, 0);
+    let r = call(&mut c, ask(&[&[("a", "1")], &[("watched", "1")]])).await;
+    assert!(is_ok(&r), "a shadow-mode descriptor passes");
+    // Without the flag the same config enforces: a is refused on its own.
+    let s = start(kind, &[("q.yaml", yaml)], &[]).await;
+    let mut c = s.client().await;
+    assert!(is_ok(
+        &call(&mut c, ask(&[&[("a", "2")], &[("none", "1")]])).await
+    ));
+    assert!(is_over(
+        &call(&mut c, ask(&[&[("a", "2")], &[("none", "1")]])).await
+    ));
+    // Without the flag, a quota_mode descriptor in shadow mode is, as the reference counts
+    // it, a soft descriptor that passes: the other soft one alone being over refuses nothing.
+    let both: &[&[(&str, &str)]] = &[&[("soft", "1")], &[("soft_watched", "1")]];
+    assert!(is_ok(&call(&mut c, ask(both)).await));
+    assert!(is_ok(&call(&mut c, ask(both)).await), "soft_watched passes");
+    assert!(is_over(&call(&mut c, ask(&[&[("soft", "1")]])).await));
+}
+
 async fn share_threshold_wildcards_share_one_counter(kind: Kind) {
     let s = server(kind).await;
     let mut c = s.client().await;
@@ -684,6 +754,7 @@ every_backend!(
     global_shadow_mode_answers_ok_overall,
     several_limits_report_the_most_restrictive,
     quota_mode_rejects_only_when_every_quota_descriptor_is_over,
+    global_quota_mode_refuses_only_when_every_descriptor_is_over,
     share_threshold_wildcards_share_one_counter,
     metrics_keep_request_values_out_unless_asked,
     health_over_grpc_and_http,

@@ -91,6 +91,35 @@ async fn ietf_and_reference_headers() {
     assert!(r.response_headers_to_add.is_empty(), "off by default");
 }
 
+/// The reference headers under the names LIMIT_*_HEADER give (here their flags), and only
+/// under those.
+#[tokio::test]
+async fn reference_headers_under_configured_names() {
+    let s = server(&[
+        "--response-headers",
+        "reference",
+        "--reference-limit-header",
+        "X-Quota-Limit",
+        "--reference-remaining-header",
+        "X-Quota-Left",
+        "--reference-reset-header",
+        "X-Quota-Reset",
+    ])
+    .await;
+    let mut c = s.client().await;
+    let r = call(&mut c, request("web", &[&[("path", "/a")]])).await;
+    assert_eq!(header(&r, "X-Quota-Limit").as_deref(), Some("2"));
+    assert_eq!(header(&r, "X-Quota-Left").as_deref(), Some("1"));
+    let reset: u64 = header(&r, "X-Quota-Reset").unwrap().parse().unwrap();
+    assert!((1..=3600).contains(&reset));
+    assert_eq!(
+        r.response_headers_to_add.len(),
+        3,
+        "{:?}",
+        r.response_headers_to_add
+    );
+}
+
 fn field<'a>(s: &'a envoy_types::pb::google::protobuf::Struct, name: &str) -> Option<&'a Kind> {
     s.fields.get(name).and_then(|v| v.kind.as_ref())
 }

@@ -56,6 +56,11 @@ async fn first_answer(addr: std::net::SocketAddr, ca: &Path, identity: Option<&P
 }
 
 async fn tls_server(certs: &Path, dir: &Path, mutual: bool) -> TestServer {
+    tls_server_with(certs, dir, mutual, &[]).await
+}
+
+/// [`tls_server`] with more flags.
+async fn tls_server_with(certs: &Path, dir: &Path, mutual: bool, more: &[&str]) -> TestServer {
     for f in ["server.crt", "server.key"] {
         std::fs::copy(certs.join(f), dir.join(f)).unwrap();
     }
@@ -70,6 +75,7 @@ async fn tls_server(certs: &Path, dir: &Path, mutual: bool) -> TestServer {
     if mutual {
         flags.extend(["--grpc-tls-client-ca", ca.to_str().unwrap()]);
     }
+    flags.extend(more);
     let flags: Vec<String> = flags.into_iter().map(String::from).collect();
     let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
     TestServer::start_with(&[("l.yaml", LIMITS)], &flags, Arc::new(SystemClock)).await
@@ -114,6 +120,55 @@ async fn mutual_tls_requires_a_client_certificate_from_the_ca() {
         tls_call(s.grpc, &ca, Some(&stranger)).await,
         None,
         "a certificate from another CA"
+    );
+}
+
+/// `--grpc-tls-client-san` (envoyproxy/ratelimit's `GRPC_CLIENT_TLS_SAN`): of two client
+/// certificates from the same CA, only the one valid for the name is admitted.
+#[tokio::test]
+async fn a_client_san_admits_only_certificates_valid_for_it() {
+    let (_tmp, certs) = new_certs();
+    // Another client of the same CA, for another name, presented as `client.*` from its own
+    // directory.
+    common::redis::sign(
+        &certs,
+        "stranger",
+        "/CN=stranger",
+        "extendedKeyUsage=clientAuth\nsubjectAltName=DNS:stranger.ratelimitd.test\n",
+    );
+    let stranger = tempfile::tempdir().unwrap();
+    for (from, to) in [
+        ("stranger.crt", "client.crt"),
+        ("stranger.key", "client.key"),
+    ] {
+        std::fs::copy(certs.join(from), stranger.path().join(to)).unwrap();
+    }
+    let ca = certs.join("ca.crt");
+    let files = tempfile::tempdir().unwrap();
+    let named = tls_server_with(
+        &certs,
+        files.path(),
+        true,
+        &["--grpc-tls-client-san", "envoy.ratelimitd.test"],
+    )
+    .await;
+    assert!(first_answer(named.grpc, &ca, Some(&certs)).await);
+    assert_eq!(
+        tls_call(named.grpc, &ca, Some(stranger.path())).await,
+        None,
+        "a certificate from the CA for another name"
+    );
+    assert_eq!(
+        tls_call(named.grpc, &ca, None).await,
+        None,
+        "no certificate"
+    );
+    // Without the flag the CA alone decides: the same certificate is admitted.
+    let files = tempfile::tempdir().unwrap();
+    let any = tls_server(&certs, files.path(), true).await;
+    assert!(
+        first_answer(any.grpc, &ca, Some(stranger.path())).await,
+        "without the flag, the CA decides"
     );
 }
 

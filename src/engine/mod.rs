@@ -38,6 +38,8 @@ pub struct EngineOptions {
     pub near_limit_ratio: f64,
     /// Answer OK overall whatever the limits say (statuses still report them).
     pub global_shadow_mode: bool,
+    /// Every limit soft, as envoyproxy/ratelimit's `QUOTA_MODE` (see `resolve`).
+    pub global_quota_mode: bool,
     /// Return the passed descriptors' config `metadata` with each response.
     pub dynamic_metadata: bool,
     /// How limits that set no `accounting` of their own count a descriptor's hits.
@@ -50,6 +52,7 @@ impl Default for EngineOptions {
             request_limits: RequestLimits::default(),
             near_limit_ratio: 0.8,
             global_shadow_mode: false,
+            global_quota_mode: false,
             dynamic_metadata: false,
             accounting: Accounting::Auto,
         }
@@ -137,6 +140,7 @@ impl Engine {
             &self.keys,
             &self.override_rule,
             self.options.accounting,
+            self.options.global_quota_mode,
         );
         request::validate_counters(&hits, &self.options.request_limits)?;
         let Some(domain) = domain.filter(|_| !hits.is_empty()) else {
@@ -254,6 +258,7 @@ impl Engine {
             &self.keys,
             &self.override_rule,
             Accounting::Admission,
+            false,
         );
         let mut limits: Vec<Option<ReportedLimit>> = vec![None; hits.len()];
         for a in applied {

@@ -69,12 +69,19 @@ type Named<'s> = (usize, Option<&'s Arc<str>>, &'s [Arc<str>]);
 /// format. Each hit's kind: a refund for `is_negative_hits`, else as the limit's `accounting`
 /// says, else as `accounting` (the server's) says. An unknown domain, or descriptors no limit
 /// applies to, resolve to nothing.
+///
+/// `quota_mode` is envoyproxy/ratelimit's global `QUOTA_MODE`: every limit is soft. As that
+/// service counts soft descriptors, one that passes whatever its counters say (in shadow mode,
+/// or, with `quota_mode`, matching no limit) means not all of them can be over, so the request
+/// is never refused: its soft limits then report as shadow ones do. `unlimited` descriptors do
+/// not count.
 pub(crate) fn resolve<'s>(
     snapshot: &'s Snapshot,
     req: &Request<'_>,
     keys: &KeyFormat,
     override_rule: &'s Arc<String>,
     accounting: Accounting,
+    quota_mode: bool,
 ) -> Resolved<'s> {
     let Some(domain) = snapshot.domain(req.domain) else {
         return Resolved::default();
@@ -86,6 +93,13 @@ pub(crate) fn resolve<'s>(
     let mut hits: Vec<Hit> = Vec::with_capacity(req.descriptors.len());
     // Limits that take part in `replaces`: rare, so the common request allocates nothing.
     let mut named: Vec<Named<'s>> = Vec::new();
+    // A soft descriptor passes whatever the counters say.
+    let mut soft_passes = false;
+    let enforce = if quota_mode {
+        Enforcement::Soft
+    } else {
+        Enforcement::Enforce
+    };
     for (i, d) in req.descriptors.iter().enumerate() {
         let hits_addend = d.hits_addend.unwrap_or(default_hits);
         let kind = |limit: Option<Accounting>| {
@@ -110,34 +124,32 @@ pub(crate) fn resolve<'s>(
                     unit: o.unit,
                     window: Duration::from_secs(o.unit.seconds()),
                 },
-                enforcement: Enforcement::Enforce,
+                enforcement: enforce,
                 rule,
                 rule_has_values,
                 counters,
                 metadata: None,
             }));
-            hits.push(override_hit(
-                keys,
-                req.domain,
-                &d.entries,
-                o,
-                hits_addend,
-                kind(None),
-            ));
+            hits.push(Hit {
+                enforcement: enforce,
+                ..override_hit(keys, req.domain, &d.entries, o, hits_addend, kind(None))
+            });
             continue;
         }
         let Some(matched) = domain.resolve(&d.entries, keys) else {
+            soft_passes |= quota_mode;
             continue;
         };
         let Some(NodeLimits::Limits(rules)) = &matched.node.limits else {
             continue; // unlimited
         };
         let enforcement = if matched.node.shadow_mode {
+            soft_passes |= quota_mode || matched.node.soft;
             Enforcement::Shadow
         } else if matched.node.soft {
             Enforcement::Soft
         } else {
-            Enforcement::Enforce
+            enforce
         };
         let mut base = Some(matched.key);
         for (r, rule) in rules.iter().enumerate() {
@@ -171,6 +183,18 @@ pub(crate) fn resolve<'s>(
                 enforcement,
                 kind: kind(rule.accounting),
             });
+        }
+    }
+    if soft_passes {
+        for h in &mut hits {
+            if h.enforcement == Enforcement::Soft {
+                h.enforcement = Enforcement::Shadow;
+            }
+        }
+        for a in &mut found {
+            if a.limit.enforcement == Enforcement::Soft {
+                a.limit.enforcement = Enforcement::Shadow;
+            }
         }
     }
     // `replaces`: a limit named by another applicable limit's `replaces` does not apply.
@@ -315,7 +339,7 @@ descriptors:
         let keys = KeyFormat::new("p:", crate::limiter::key::HashTag::Domain).unwrap();
         let rule = Arc::new(OVERRIDE_RULE.to_owned());
         let req = request(&[&[("a", "1")], &[("b", "x")], &[("a", "1")], &[("c", "y")]]);
-        let r = resolve(&s, &req, &keys, &rule, Accounting::Auto);
+        let r = resolve(&s, &req, &keys, &rule, Accounting::Auto, false);
         // Two limits for each `a` descriptor, both descriptors sharing the two counters.
         assert_eq!(r.applied.len(), 4);
         assert_eq!(r.hits.len(), 2);
@@ -330,13 +354,13 @@ descriptors:
         assert_eq!(r.hits[0].key.as_bytes(), b"p:{d}:a:1:f1000000:0");
         assert_eq!(r.hits[1].key.as_bytes(), b"p:{d}:a:1:s60000000:0");
         // The same inputs give the same hits: nothing but the arguments decides them.
-        let again = resolve(&s, &req, &keys, &rule, Accounting::Auto);
+        let again = resolve(&s, &req, &keys, &rule, Accounting::Auto, false);
         assert_eq!(again.hits.len(), 2);
         assert_eq!(again.hits[1].key, r.hits[1].key);
         // An unknown domain resolves to nothing.
         let other = Request { domain: "x", ..req };
         assert!(
-            resolve(&s, &other, &keys, &rule, Accounting::Auto)
+            resolve(&s, &other, &keys, &rule, Accounting::Auto, false)
                 .hits
                 .is_empty()
         );
@@ -391,7 +415,7 @@ descriptors:
                     }],
                     hits_addend: 0,
                 };
-                let r = resolve(&s, &req, &keys, &rule, Accounting::Auto);
+                let r = resolve(&s, &req, &keys, &rule, Accounting::Auto, false);
                 let want = keys
                     .descriptor_key("d o%", [(entry.0, counted)])
                     .with_limit(&limit, 0);
@@ -433,7 +457,7 @@ descriptors:
             ],
             hits_addend: 0,
         };
-        let r = resolve(&s, &req, &keys, &rule, Accounting::Auto);
+        let r = resolve(&s, &req, &keys, &rule, Accounting::Auto, false);
         let got: Vec<(HitKind, u64)> = r.hits.iter().map(|h| (h.kind, h.hits)).collect();
         assert_eq!(
             got,
@@ -444,9 +468,9 @@ descriptors:
             ]
         );
         // The server's accounting applies where the limit sets none.
-        let r = resolve(&s, &req, &keys, &rule, Accounting::Admission);
+        let r = resolve(&s, &req, &keys, &rule, Accounting::Admission, false);
         assert_eq!(r.hits[0].kind, HitKind::Admission);
-        let r = resolve(&s, &req, &keys, &rule, Accounting::Report);
+        let r = resolve(&s, &req, &keys, &rule, Accounting::Report, false);
         assert_eq!(r.hits[2].kind, HitKind::Admission, "the limit's own wins");
     }
 

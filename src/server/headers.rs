@@ -17,8 +17,31 @@ pub(crate) enum HeaderMode {
     /// `RateLimit-Policy` and `RateLimit` (draft-ietf-httpapi-ratelimit-headers).
     Ietf,
     /// envoyproxy/ratelimit's own `RateLimit-Limit`, `-Remaining`, `-Reset`
-    /// (`LIMIT_RESPONSE_HEADERS_ENABLED=true`).
-    Reference,
+    /// (`LIMIT_RESPONSE_HEADERS_ENABLED=true`), under these names.
+    Reference(ReferenceNames),
+}
+
+/// The names of the reference mode's three headers (`LIMIT_LIMIT_HEADER`,
+/// `LIMIT_REMAINING_HEADER`, `LIMIT_RESET_HEADER`). Names live as long as the process: they are
+/// read once at start.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct ReferenceNames {
+    /// The limit's requests per unit.
+    pub(crate) limit: &'static str,
+    /// What is left.
+    pub(crate) remaining: &'static str,
+    /// Seconds to the end of the limit's unit.
+    pub(crate) reset: &'static str,
+}
+
+impl Default for ReferenceNames {
+    fn default() -> Self {
+        ReferenceNames {
+            limit: "RateLimit-Limit",
+            remaining: "RateLimit-Remaining",
+            reset: "RateLimit-Reset",
+        }
+    }
 }
 
 /// The most restrictive limited status: the last one over (as envoyproxy/ratelimit picks it),
@@ -66,7 +89,7 @@ fn sf_string(s: &str) -> String {
 /// The `now_s` [`headers`] needs in `mode`: seconds since the Unix epoch for the reference
 /// service's headers, the only ones that read it; else 0, sparing a clock read per request.
 pub(crate) fn now_s(mode: HeaderMode) -> u64 {
-    if mode == HeaderMode::Reference {
+    if matches!(mode, HeaderMode::Reference(_)) {
         use crate::limiter::Clock;
         crate::limiter::SystemClock.now_us() / 1_000_000
     } else {
@@ -94,11 +117,11 @@ pub(crate) fn headers(
     let mut out = Vec::with_capacity(4);
     match mode {
         HeaderMode::Off => {}
-        HeaderMode::Reference => {
+        HeaderMode::Reference(names) => {
             let unit = limit.unit.seconds();
-            out.push(("RateLimit-Limit", limit.requests_per_unit.to_string()));
-            out.push(("RateLimit-Remaining", min.remaining.to_string()));
-            out.push(("RateLimit-Reset", (unit - now_s % unit).to_string()));
+            out.push((names.limit, limit.requests_per_unit.to_string()));
+            out.push((names.remaining, min.remaining.to_string()));
+            out.push((names.reset, (unit - now_s % unit).to_string()));
         }
         HeaderMode::Draft03 => {
             let mut value = limit.requests_per_unit.to_string();
@@ -244,7 +267,11 @@ mod tests {
     #[test]
     fn reference_resets_at_the_end_of_the_unit() {
         let r = response(vec![status(5, Unit::Minute, 4, 1_000, false, None)]);
-        let h = headers(HeaderMode::Reference, &r, 1_800_000_015);
+        let h = headers(
+            HeaderMode::Reference(ReferenceNames::default()),
+            &r,
+            1_800_000_015,
+        );
         assert_eq!(
             h,
             vec![
@@ -256,11 +283,23 @@ mod tests {
         assert!(headers(HeaderMode::Off, &r, 0).is_empty());
         assert!(
             headers(
-                HeaderMode::Reference,
+                HeaderMode::Reference(ReferenceNames::default()),
                 &response(vec![Status::unlimited()]),
                 0
             )
             .is_empty()
+        );
+        // Names as configured (LIMIT_*_HEADER).
+        let names = ReferenceNames {
+            limit: "X-Quota-Limit",
+            remaining: "X-Quota-Left",
+            reset: "X-Quota-Reset",
+        };
+        let names_of =
+            |h: Vec<(&'static str, String)>| h.into_iter().map(|(n, _)| n).collect::<Vec<_>>();
+        assert_eq!(
+            names_of(headers(HeaderMode::Reference(names), &r, 0)),
+            ["X-Quota-Limit", "X-Quota-Left", "X-Quota-Reset"]
         );
     }
 }

@@ -13,10 +13,15 @@ use futures_util::Stream;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
 use tokio_rustls::TlsAcceptor;
+use tokio_rustls::rustls::client::danger::HandshakeSignatureValid;
+use tokio_rustls::rustls::client::verify_server_name;
 use tokio_rustls::rustls::pki_types::pem::PemObject;
-use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
-use tokio_rustls::rustls::server::WebPkiClientVerifier;
-use tokio_rustls::rustls::{RootCertStore, ServerConfig};
+use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
+use tokio_rustls::rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
+use tokio_rustls::rustls::server::{ParsedCertificate, WebPkiClientVerifier};
+use tokio_rustls::rustls::{
+    self, DigitallySignedStruct, DistinguishedName, RootCertStore, ServerConfig, SignatureScheme,
+};
 use tokio_rustls::server::TlsStream;
 
 use super::conn::{Tracked, Tracker, accept};
@@ -36,6 +41,9 @@ pub(crate) struct ListenerTlsFiles {
     pub key: PathBuf,
     /// CA bundle (PEM) client certificates must chain to; `None`: no client certificates.
     pub client_ca: Option<PathBuf>,
+    /// The name (DNS name or IP address) a client certificate must be valid for, as
+    /// envoyproxy/ratelimit's `GRPC_CLIENT_TLS_SAN` checks it; `None`: any name.
+    pub client_san: Option<String>,
 }
 
 /// The gRPC listener's TLS: its files (watched for renewals) and their first load.
@@ -89,7 +97,17 @@ impl ListenerTlsFiles {
                     WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
                         .build()
                         .map_err(|e| err(ca, e))?;
-                builder.with_client_cert_verifier(verifier)
+                match &self.client_san {
+                    None => builder.with_client_cert_verifier(verifier),
+                    Some(san) => {
+                        let name = ServerName::try_from(san.clone())
+                            .map_err(|e| err(ca, format!("--grpc-tls-client-san '{san}': {e}")))?;
+                        builder.with_client_cert_verifier(Arc::new(NamedClient {
+                            inner: verifier,
+                            name,
+                        }))
+                    }
+                }
             }
         };
         let mut config = builder
@@ -113,10 +131,70 @@ impl ListenerTlsFiles {
     }
 }
 
-/// TLS connections accepted on `listener`, for tonic's `serve_with_incoming`, with the
+/// A client verifier that also requires the certificate to be valid for one name (its DNS or
+/// IP subject alternative names, wildcards as WebPKI reads them), after the CA's checks.
+#[derive(Debug)]
+struct NamedClient {
+    inner: Arc<dyn ClientCertVerifier>,
+    name: ServerName<'static>,
+}
+
+impl ClientCertVerifier for NamedClient {
+    fn offer_client_auth(&self) -> bool {
+        self.inner.offer_client_auth()
+    }
+
+    fn client_auth_mandatory(&self) -> bool {
+        self.inner.client_auth_mandatory()
+    }
+
+    fn root_hint_subjects(&self) -> &[DistinguishedName] {
+        self.inner.root_hint_subjects()
+    }
+
+    fn verify_client_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        now: UnixTime,
+    ) -> Result<ClientCertVerified, rustls::Error> {
+        let verified = self
+            .inner
+            .verify_client_cert(end_entity, intermediates, now)?;
+        let cert = ParsedCertificate::try_from(end_entity)?;
+        verify_server_name(&cert, &self.name).inspect_err(|e| {
+            tracing::warn!(error = %e, name = ?self.name, "client certificate refused: not valid for --grpc-tls-client-san");
+        })?;
+        Ok(verified)
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.inner.supported_verify_schemes()
+    }
+}
+
 /// A client connection after its TLS handshake, under its listener's bounds.
 pub(crate) type Accepted = TlsStream<Tracked<TcpStream>>;
 
+/// TLS connections accepted on `listener`, for tonic's `serve_with_incoming`, with the
 /// tasks that accept them and reload the files (abort them to stop).
 pub(crate) fn incoming(
     listener: TcpListener,

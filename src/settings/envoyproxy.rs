@@ -84,17 +84,9 @@ const IGNORED: &[(&str, &str)] = &[
     ("GRPC_MAX_CONNECTION_AGE", "not supported"),
     ("GRPC_MAX_CONNECTION_AGE_GRACE", "not supported"),
     (
-        "GRPC_CLIENT_TLS_SAN",
-        "not supported: any certificate from the client CA is accepted",
-    ),
-    (
         "RUNTIME_WATCH_ROOT",
         "the config directory is always watched, the root's swaps too",
     ),
-    ("LIMIT_LIMIT_HEADER", "header names are fixed"),
-    ("LIMIT_REMAINING_HEADER", "header names are fixed"),
-    ("LIMIT_RESET_HEADER", "header names are fixed"),
-    ("QUOTA_MODE", "not supported: use quota_mode on descriptors"),
     ("MERGE_DOMAIN_CONFIG", "not supported: one domain per file"),
     ("REDIS_PERSECOND", "one Redis for every window"),
     ("REDIS_PERSECOND_URL", "one Redis for every window"),
@@ -440,18 +432,22 @@ fn behaviour(env: &Env<'_>, dropin: bool, t: &mut Translated) -> Result<(), Stri
 /// Decisions, responses and the Redis client's bounds.
 #[rustfmt::skip]
 const BEHAVIOUR: &[Row] = &[
-    ("LOG_FORMAT",                              "log-format",                As::Lower),
-    ("NEAR_LIMIT_RATIO",                        "near-limit-ratio",          As::Set),
-    ("SHADOW_MODE",                             "shadow-mode",               As::Bool),
-    ("LIMIT_RESPONSE_HEADERS_ENABLED",          "response-headers",          As::IfTrue("reference")),
-    ("RESPONSE_DYNAMIC_METADATA",               "response-dynamic-metadata", As::Bool),
-    ("LOCAL_CACHE_SIZE_IN_BYTES",               "local-cache-bytes",         As::Set),
-    ("CACHE_KEY_PREFIX",                        "redis-key-prefix",          As::Set),
-    ("REDIS_TIMEOUT",                           "redis-timeout",             As::Set),
+    ("LOG_FORMAT",                              "log-format",                 As::Lower),
+    ("NEAR_LIMIT_RATIO",                        "near-limit-ratio",           As::Set),
+    ("SHADOW_MODE",                             "shadow-mode",                As::Bool),
+    ("QUOTA_MODE",                              "quota-mode",                 As::Bool),
+    ("LIMIT_RESPONSE_HEADERS_ENABLED",          "response-headers",           As::IfTrue("reference")),
+    ("LIMIT_LIMIT_HEADER",                      "reference-limit-header",     As::NonEmpty),
+    ("LIMIT_REMAINING_HEADER",                  "reference-remaining-header", As::NonEmpty),
+    ("LIMIT_RESET_HEADER",                      "reference-reset-header",     As::NonEmpty),
+    ("RESPONSE_DYNAMIC_METADATA",               "response-dynamic-metadata",  As::Bool),
+    ("LOCAL_CACHE_SIZE_IN_BYTES",               "local-cache-bytes",          As::Set),
+    ("CACHE_KEY_PREFIX",                        "redis-key-prefix",           As::Set),
+    ("REDIS_TIMEOUT",                           "redis-timeout",              As::Set),
     // true: nothing past a limit is recorded, reports included. Unset or false (that service's
     // default, which counts every hit): the default accounting, where reports are recorded as
     // that service records them and a refused admission still consumes nothing.
-    ("STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT", "accounting",                As::IfTrue("admission")),
+    ("STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT", "accounting",                 As::IfTrue("admission")),
 ];
 
 /// OpenTelemetry tracing (`TRACING_*`, `OTEL_EXPORTER_OTLP_ENDPOINT`).
@@ -487,12 +483,23 @@ fn grpc_tls(env: &Env<'_>, t: &mut Translated) -> Result<(), String> {
         .ok_or("GRPC_SERVER_USE_TLS needs GRPC_SERVER_TLS_KEY")?;
     t.flag("grpc-tls-cert", cert);
     t.flag("grpc-tls-key", key);
-    apply(
-        env,
-        &[("GRPC_CLIENT_TLS_CACERT", "grpc-tls-client-ca", As::NonEmpty)],
-        t,
-    )
+    if env.non_empty("GRPC_CLIENT_TLS_CACERT").is_some() {
+        apply(env, GRPC_CLIENT_TLS, t)?;
+    } else if let Some(san) = env.non_empty("GRPC_CLIENT_TLS_SAN") {
+        // That service then asks for no client certificate, so the name checks nothing.
+        t.ignored.push(format!(
+            "GRPC_CLIENT_TLS_SAN={san} without GRPC_CLIENT_TLS_CACERT checks nothing: no client certificate is asked for"
+        ));
+    }
+    Ok(())
 }
+
+/// Client certificates on the gRPC listener, with `GRPC_CLIENT_TLS_CACERT`.
+#[rustfmt::skip]
+const GRPC_CLIENT_TLS: &[Row] = &[
+    ("GRPC_CLIENT_TLS_CACERT", "grpc-tls-client-ca",  As::NonEmpty),
+    ("GRPC_CLIENT_TLS_SAN",    "grpc-tls-client-san", As::NonEmpty),
+];
 
 /// The Redis backend at `url`: its shape (`REDIS_TYPE`), credentials and TLS.
 fn redis(env: &Env<'_>, url: &str, t: &mut Translated) -> Result<(), String> {
@@ -581,7 +588,6 @@ fn ignored(env: &Env<'_>, t: &mut Translated) {
                     | "USE_DOG_STATSD"
                     | "DISABLE_STATS"
                     | "REDIS_PERSECOND"
-                    | "QUOTA_MODE"
                     | "MERGE_DOMAIN_CONFIG",
                 Ok(false)
             )
@@ -688,6 +694,72 @@ mod tests {
                 ("response-headers", "reference"),
                 ("response-dynamic-metadata", "true")
             ]
+        );
+    }
+
+    #[test]
+    fn quota_mode_is_the_global_soft_mode() {
+        let t = run(&[("QUOTA_MODE", "true")], false).unwrap();
+        assert_eq!(flags(&t), vec![("quota-mode", "true")]);
+        assert!(t.ignored.is_empty(), "{:?}", t.ignored);
+        assert!(run(&[("QUOTA_MODE", "sometimes")], false).is_err());
+    }
+
+    #[test]
+    fn reference_header_names() {
+        let t = run(
+            &[
+                ("LIMIT_RESPONSE_HEADERS_ENABLED", "true"),
+                ("LIMIT_LIMIT_HEADER", "X-Quota-Limit"),
+                ("LIMIT_REMAINING_HEADER", "X-Quota-Left"),
+                ("LIMIT_RESET_HEADER", "X-Quota-Reset"),
+            ],
+            false,
+        )
+        .unwrap();
+        assert_eq!(
+            flags(&t),
+            vec![
+                ("response-headers", "reference"),
+                ("reference-limit-header", "X-Quota-Limit"),
+                ("reference-remaining-header", "X-Quota-Left"),
+                ("reference-reset-header", "X-Quota-Reset"),
+            ]
+        );
+        assert!(t.ignored.is_empty(), "{:?}", t.ignored);
+    }
+
+    #[test]
+    fn the_client_san_is_checked_only_when_client_certificates_are_asked_for() {
+        let tls = [
+            ("GRPC_SERVER_USE_TLS", "true"),
+            ("GRPC_SERVER_TLS_CERT", "/c.pem"),
+            ("GRPC_SERVER_TLS_KEY", "/k.pem"),
+            ("GRPC_CLIENT_TLS_SAN", "envoy.example"),
+        ];
+        let t = run(
+            &[&tls[..], &[("GRPC_CLIENT_TLS_CACERT", "/ca.pem")]].concat(),
+            false,
+        )
+        .unwrap();
+        assert_eq!(
+            flags(&t),
+            vec![
+                ("grpc-tls-cert", "/c.pem"),
+                ("grpc-tls-key", "/k.pem"),
+                ("grpc-tls-client-ca", "/ca.pem"),
+                ("grpc-tls-client-san", "envoy.example"),
+            ]
+        );
+        assert!(t.ignored.is_empty(), "{:?}", t.ignored);
+        // Without a client CA that service asks for no certificate: the name is said to
+        // check nothing, and no flag that would need a CA is set.
+        let t = run(&tls, false).unwrap();
+        assert!(!flags(&t).iter().any(|(k, _)| *k == "grpc-tls-client-san"));
+        assert!(
+            t.ignored[0].contains("GRPC_CLIENT_TLS_SAN=envoy.example"),
+            "{:?}",
+            t.ignored
         );
     }
 

@@ -331,6 +331,12 @@ pub(crate) struct Flags {
     #[arg(long, requires = "grpc_tls_cert")]
     pub(crate) grpc_tls_client_ca: Option<PathBuf>,
 
+    /// Admit only client certificates valid for this name (a DNS name, wildcards as WebPKI
+    /// reads them, or an IP address) among their subject alternative names, after the CA's
+    /// checks (envoyproxy/ratelimit's GRPC_CLIENT_TLS_SAN).
+    #[arg(long, requires = "grpc_tls_client_ca")]
+    pub(crate) grpc_tls_client_san: Option<String>,
+
     /// HTTP listen address (/healthcheck, /metrics, /rlconfig).
     #[arg(long, default_value = "0.0.0.0:8080")]
     pub(crate) http_addr: SocketAddr,
@@ -363,6 +369,12 @@ pub(crate) struct Flags {
     #[arg(long, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
     pub(crate) shadow_mode: bool,
 
+    /// Every limit soft, as if each descriptor had quota_mode (envoyproxy/ratelimit's
+    /// QUOTA_MODE): a request is refused only when all its descriptors are over; one that
+    /// matches no limit, or is in shadow mode, passes, so such a request is never refused.
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub(crate) quota_mode: bool,
+
     /// Serve the admin API (inspect and reset counters) on the gRPC port. Off by default:
     /// anyone who can reach the port could reset limits.
     #[arg(long, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
@@ -371,6 +383,21 @@ pub(crate) struct Flags {
     /// Rate-limit headers for Envoy to add to the client's response.
     #[arg(long, value_enum, default_value = "off")]
     pub(crate) response_headers: HeaderModeArg,
+
+    /// With `--response-headers reference`: the header carrying the limit
+    /// (envoyproxy/ratelimit's LIMIT_LIMIT_HEADER).
+    #[arg(long, default_value = "RateLimit-Limit", value_parser = parse_header_name)]
+    pub(crate) reference_limit_header: String,
+
+    /// With `--response-headers reference`: the header carrying what is left
+    /// (LIMIT_REMAINING_HEADER).
+    #[arg(long, default_value = "RateLimit-Remaining", value_parser = parse_header_name)]
+    pub(crate) reference_remaining_header: String,
+
+    /// With `--response-headers reference`: the header carrying the seconds to the end of the
+    /// limit's unit (LIMIT_RESET_HEADER).
+    #[arg(long, default_value = "RateLimit-Reset", value_parser = parse_header_name)]
+    pub(crate) reference_reset_header: String,
 
     /// Return the config `metadata` of the descriptors that passed (and the request's
     /// descriptors) in each response's dynamic_metadata, as envoyproxy/ratelimit does.
@@ -527,6 +554,15 @@ pub(crate) struct Flags {
 }
 
 /// `--rlqs-assignment-ttl`: whole seconds, at least one, at most an hour.
+/// An HTTP header name (RFC 9110 token characters), at most 256 bytes.
+fn parse_header_name(s: &str) -> Result<String, String> {
+    let token = |c: char| c.is_ascii_alphanumeric() || "!#$%&'*+-.^_`|~".contains(c);
+    if s.is_empty() || s.len() > 256 || !s.chars().all(token) {
+        return Err(format!("'{s}' is not an HTTP header name"));
+    }
+    Ok(s.to_owned())
+}
+
 fn parse_ttl(s: &str) -> Result<Duration, String> {
     let d = parse_duration_within(s, Duration::from_secs(3_600))?;
     if d.subsec_nanos() != 0 || d.is_zero() {

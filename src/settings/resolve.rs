@@ -20,7 +20,7 @@ use crate::limiter::start::{BackendOptions, Store};
 use crate::limiter::{Accounting, Algorithm};
 use crate::rlqs::BucketOptions;
 use crate::server::conn::ConnLimits;
-use crate::server::headers::HeaderMode;
+use crate::server::headers::{HeaderMode, ReferenceNames};
 use crate::server::rlqs::RlqsOptions;
 use crate::server::serve::{MAX_HTTP_CONNECTIONS, ServerOptions};
 use crate::server::tls::GrpcTls;
@@ -63,6 +63,7 @@ impl Flags {
             },
             near_limit_ratio: self.near_limit_ratio,
             global_shadow_mode: self.shadow_mode,
+            global_quota_mode: self.quota_mode,
             dynamic_metadata: self.response_dynamic_metadata,
             accounting: match self.accounting {
                 AccountingArg::Auto => Accounting::Auto,
@@ -209,6 +210,7 @@ impl Flags {
             cert: self.grpc_tls_cert.clone()?,
             key: self.grpc_tls_key.clone()?,
             client_ca: self.grpc_tls_client_ca.clone(),
+            client_san: self.grpc_tls_client_san.clone(),
         })
     }
 
@@ -326,7 +328,25 @@ impl Flags {
             HeaderModeArg::Off => HeaderMode::Off,
             HeaderModeArg::Draft03 => HeaderMode::Draft03,
             HeaderModeArg::Ietf => HeaderMode::Ietf,
-            HeaderModeArg::Reference => HeaderMode::Reference,
+            HeaderModeArg::Reference => HeaderMode::Reference(self.reference_names()),
+        }
+    }
+
+    /// The reference headers' names. A name other than the default is kept for the life of the
+    /// process (three short strings, once at start), so every response borrows it.
+    fn reference_names(&self) -> ReferenceNames {
+        let defaults = ReferenceNames::default();
+        let keep = |name: &str, default: &'static str| -> &'static str {
+            if name == default {
+                default
+            } else {
+                Box::leak(name.to_owned().into_boxed_str())
+            }
+        };
+        ReferenceNames {
+            limit: keep(&self.reference_limit_header, defaults.limit),
+            remaining: keep(&self.reference_remaining_header, defaults.remaining),
+            reset: keep(&self.reference_reset_header, defaults.reset),
         }
     }
 

@@ -355,51 +355,78 @@ pub(crate) fn keys_with_ttl(node: &RedisProc, prefix: &str) -> Vec<(String, i64)
         .collect()
 }
 
-/// A CA, a server certificate for 127.0.0.1 and localhost, and a client certificate, made
-/// with openssl in `dir/certs`.
+/// A CA, a server certificate for 127.0.0.1 and localhost, and a client certificate (for
+/// `envoy.ratelimitd.test`), made with openssl in `dir/certs`.
 pub(crate) fn make_certs(dir: &std::path::Path) -> PathBuf {
     let certs = dir.join("certs");
     std::fs::create_dir_all(&certs).unwrap();
-    let run = |args: &[&str]| {
-        let out = Command::new("openssl")
-            .args(args)
-            .current_dir(&certs)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "openssl {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    };
-    run(&[
-        "req",
-        "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-keyout",
-        "ca.key",
-        "-out",
-        "ca.crt",
-        "-days",
-        "2",
-        "-subj",
-        "/CN=ratelimitd-test-ca",
-    ]);
-    // A key and a certificate signed by the CA, v3 (webpki refuses v1) with `ext`.
-    let signed = |name: &str, subject: &str, ext: &str| {
-        std::fs::write(certs.join(format!("{name}.cnf")), ext).unwrap();
-        let (key, csr, crt, cnf) = (
-            format!("{name}.key"),
-            format!("{name}.csr"),
-            format!("{name}.crt"),
-            format!("{name}.cnf"),
-        );
-        run(&[
+    openssl(
+        &certs,
+        &[
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            "ca.key",
+            "-out",
+            "ca.crt",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=ratelimitd-test-ca",
+        ],
+    );
+    sign(
+        &certs,
+        "server",
+        "/CN=127.0.0.1",
+        "subjectAltName=IP:127.0.0.1,DNS:localhost\n",
+    );
+    // For mutual TLS.
+    sign(
+        &certs,
+        "client",
+        "/CN=ratelimitd-test-client",
+        "extendedKeyUsage=clientAuth\nsubjectAltName=DNS:envoy.ratelimitd.test\n",
+    );
+    certs
+}
+
+/// Runs openssl with `args` in `dir`.
+fn openssl(dir: &std::path::Path, args: &[&str]) {
+    let out = Command::new("openssl")
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "openssl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// `name.key` and `name.crt` in `certs`, signed by its CA, v3 (webpki refuses v1) with the
+/// extensions `ext`.
+pub(crate) fn sign(certs: &std::path::Path, name: &str, subject: &str, ext: &str) {
+    std::fs::write(certs.join(format!("{name}.cnf")), ext).unwrap();
+    let (key, csr, crt, cnf) = (
+        format!("{name}.key"),
+        format!("{name}.csr"),
+        format!("{name}.crt"),
+        format!("{name}.cnf"),
+    );
+    openssl(
+        certs,
+        &[
             "req", "-newkey", "rsa:2048", "-nodes", "-keyout", &key, "-out", &csr, "-subj", subject,
-        ]);
-        run(&[
+        ],
+    );
+    openssl(
+        certs,
+        &[
             "x509",
             "-req",
             "-in",
@@ -415,18 +442,6 @@ pub(crate) fn make_certs(dir: &std::path::Path) -> PathBuf {
             "2",
             "-extfile",
             &cnf,
-        ]);
-    };
-    signed(
-        "server",
-        "/CN=127.0.0.1",
-        "subjectAltName=IP:127.0.0.1,DNS:localhost\n",
+        ],
     );
-    // For mutual TLS.
-    signed(
-        "client",
-        "/CN=ratelimitd-test-client",
-        "extendedKeyUsage=clientAuth\n",
-    );
-    certs
 }
