@@ -5,6 +5,7 @@
 
 mod common;
 
+use std::path::Path;
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -841,6 +842,58 @@ async fn tls_with_a_private_ca() {
     let mut c = s.client().await;
     assert!(is_ok(&call(&mut c, request("f", &[&[("k", "v")]])).await));
     assert_eq!(keys_with_ttl(&redis, &prefix).len(), 1);
+}
+
+/// `--redis-tls-skip-hostname-verification` (REDIS_TLS_SKIP_HOSTNAME_VERIFICATION): a server
+/// certificate for another name is refused without it and accepted with it, while one from
+/// another CA is refused either way (the chain is still verified).
+#[tokio::test]
+async fn tls_hostname_verification_can_be_skipped_and_only_it() {
+    let certs_dir = tempfile::tempdir().unwrap();
+    let certs = make_certs(certs_dir.path());
+    common::redis::sign(
+        &certs,
+        "elsewhere",
+        "/CN=elsewhere",
+        "subjectAltName=DNS:elsewhere.ratelimitd.test\n",
+    );
+    let redis = RedisProc::start_tls_as(&certs, "elsewhere");
+    let url = redis.url();
+    let ca = certs.join("ca.crt");
+    let answers = |flags: Vec<String>| async move {
+        let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+        let s = redis_server(&[("f.yaml", ONE)], &flags, &unique_prefix(), "2s").await;
+        let mut c = s.client().await;
+        c.should_rate_limit(request("f", &[&[("k", "v")]]))
+            .await
+            .map(|r| is_ok(r.get_ref()))
+            .map_err(|e| e.code())
+    };
+    let target = |ca: &Path, skip: bool| {
+        let mut f = vec![
+            "--redis-url".to_string(),
+            url.clone(),
+            "--redis-tls-ca".into(),
+            ca.display().to_string(),
+        ];
+        if skip {
+            f.push("--redis-tls-skip-hostname-verification".into());
+        }
+        f
+    };
+    assert_eq!(
+        answers(target(&ca, false)).await,
+        Err(tonic::Code::Unavailable),
+        "the certificate names another host"
+    );
+    assert_eq!(answers(target(&ca, true)).await, Ok(true));
+    let other_dir = tempfile::tempdir().unwrap();
+    let other = make_certs(other_dir.path());
+    assert_eq!(
+        answers(target(&other.join("ca.crt"), true)).await,
+        Err(tonic::Code::Unavailable),
+        "a certificate from another CA"
+    );
 }
 
 /// SIGTERM's in-process twin: shutdown begins while a call waits on a stalled Redis; health

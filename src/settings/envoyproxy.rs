@@ -49,10 +49,6 @@ const IGNORED: &[(&str, &str)] = &[
         "the service starts without Redis",
     ),
     (
-        "REDIS_TLS_SKIP_HOSTNAME_VERIFICATION",
-        "certificates are always verified",
-    ),
-    (
         "REDIS_CLUSTER_PIPELINE_PARALLELISM",
         "script calls are pipelined on one connection per node",
     ),
@@ -571,9 +567,10 @@ fn redis(env: &Env<'_>, url: &str, t: &mut Translated) -> Result<(), String> {
 /// The Redis client's certificates.
 #[rustfmt::skip]
 const REDIS_TLS: &[Row] = &[
-    ("REDIS_TLS_CACERT",      "redis-tls-ca",   As::NonEmpty),
-    ("REDIS_TLS_CLIENT_CERT", "redis-tls-cert", As::NonEmpty),
-    ("REDIS_TLS_CLIENT_KEY",  "redis-tls-key",  As::NonEmpty),
+    ("REDIS_TLS_CACERT",                     "redis-tls-ca",                         As::NonEmpty),
+    ("REDIS_TLS_CLIENT_CERT",                "redis-tls-cert",                       As::NonEmpty),
+    ("REDIS_TLS_CLIENT_KEY",                 "redis-tls-key",                        As::NonEmpty),
+    ("REDIS_TLS_SKIP_HOSTNAME_VERIFICATION", "redis-tls-skip-hostname-verification", As::Bool),
 ];
 
 /// One note per variable of that service that is set and changes nothing here.
@@ -615,6 +612,31 @@ mod tests {
 
     fn flags(t: &Translated) -> Vec<(&str, &str)> {
         t.flags.iter().map(|(k, v)| (*k, v.as_str())).collect()
+    }
+
+    #[test]
+    fn redis_tls_hostname_verification_can_be_skipped() {
+        let t = run(
+            &[
+                ("REDIS_SOCKET_TYPE", "tcp"),
+                ("REDIS_URL", "10.0.0.3:6378"),
+                ("REDIS_TLS", "true"),
+                ("REDIS_TLS_CACERT", "/ca.pem"),
+                ("REDIS_TLS_SKIP_HOSTNAME_VERIFICATION", "true"),
+            ],
+            false,
+        )
+        .unwrap();
+        let f = flags(&t);
+        assert!(
+            f.contains(&("redis-tls-skip-hostname-verification", "true")),
+            "{f:?}"
+        );
+        assert!(
+            f.contains(&("redis-url", "rediss://10.0.0.3:6378")),
+            "{f:?}"
+        );
+        assert!(t.ignored.is_empty(), "{:?}", t.ignored);
     }
 
     #[test]

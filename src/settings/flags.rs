@@ -455,6 +455,13 @@ pub(crate) struct Flags {
     #[arg(long, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
     pub(crate) redis_tls: bool,
 
+    /// Accept the Redis server's certificate whatever names it carries (managed Redis whose
+    /// certificate names an address you do not connect to). Its chain is still verified against
+    /// --redis-tls-ca or the system's roots, and its dates; only the name check is skipped.
+    /// Standalone and Cluster (envoyproxy/ratelimit's REDIS_TLS_SKIP_HOSTNAME_VERIFICATION).
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub(crate) redis_tls_skip_hostname_verification: bool,
+
     /// CA certificate (PEM) to verify a rediss:// server.
     #[arg(long)]
     pub(crate) redis_tls_ca: Option<PathBuf>,

@@ -204,6 +204,23 @@ mod tests {
         )
         .unwrap_err();
         assert!(err.to_string().contains("--redis-sentinel-master"), "{err}");
+        // Sentinel hands out connections whose name check cannot be skipped: said at start.
+        let err = parse(
+            &[
+                "--config",
+                "x",
+                "--backend",
+                "redis",
+                "--redis-sentinel-nodes",
+                "redis://a:1",
+                "--redis-sentinel-master",
+                "m",
+                "--redis-tls-skip-hostname-verification",
+            ],
+            &[],
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("not with Sentinel"), "{err}");
         let err = parse(
             &[
                 "--config",

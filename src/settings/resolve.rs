@@ -181,6 +181,10 @@ impl Flags {
             (None, true, true) => return Err(SettingsError::NoRedis),
             _ => return Err(SettingsError::SeveralRedis),
         };
+        if self.redis_tls_skip_hostname_verification && matches!(target, Topology::Sentinel { .. })
+        {
+            return Err(SettingsError::SkipHostnameWithSentinel);
+        }
         if self.redis_tls_cert.is_some() != self.redis_tls_key.is_some() {
             return Err(SettingsError::RedisTlsPair);
         }
@@ -195,6 +199,7 @@ impl Flags {
                 ca: self.redis_tls_ca.clone(),
                 cert: self.redis_tls_cert.clone(),
                 key: self.redis_tls_key.clone(),
+                skip_hostname_verification: self.redis_tls_skip_hostname_verification,
             },
             timeout: self.redis_timeout,
             local_cache_bytes: self.local_cache_bytes,
@@ -414,6 +419,11 @@ pub enum SettingsError {
     /// Sentinels without the master's name.
     #[error("--redis-sentinel-nodes needs --redis-sentinel-master")]
     SentinelWithoutMaster,
+    /// No way to skip the name check on connections Sentinel hands out.
+    #[error(
+        "--redis-tls-skip-hostname-verification works with --redis-url and --redis-cluster-nodes, not with Sentinel"
+    )]
+    SkipHostnameWithSentinel,
     /// Half a client certificate.
     #[error("--redis-tls-cert and --redis-tls-key go together")]
     RedisTlsPair,

@@ -96,15 +96,20 @@ impl RedisProc {
 
     /// A TLS-only server (plain port off) using the certificates of [`make_certs`].
     pub(crate) fn start_tls(certs: &std::path::Path) -> RedisProc {
+        Self::start_tls_as(certs, "server")
+    }
+
+    /// [`RedisProc::start_tls`] presenting `name.crt` (and `name.key`) from `certs`.
+    pub(crate) fn start_tls_as(certs: &std::path::Path, name: &str) -> RedisProc {
         let port = free_port();
         let path = |f: &str| certs.join(f).display().to_string();
         let extra = [
             "--tls-port".to_string(),
             port.to_string(),
             "--tls-cert-file".into(),
-            path("server.crt"),
+            path(&format!("{name}.crt")),
             "--tls-key-file".into(),
-            path("server.key"),
+            path(&format!("{name}.key")),
             "--tls-ca-cert-file".into(),
             path("ca.crt"),
             "--tls-auth-clients".into(),

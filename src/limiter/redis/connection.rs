@@ -50,6 +50,11 @@ pub(crate) struct RedisTlsFiles {
     pub cert: Option<PathBuf>,
     /// Client key, for mutual TLS.
     pub key: Option<PathBuf>,
+    /// Accept a server certificate whatever names it carries (envoyproxy/ratelimit's
+    /// `REDIS_TLS_SKIP_HOSTNAME_VERIFICATION`): its chain is still verified against `ca` (or the
+    /// system's roots), its dates and its key usage too; only the name check is skipped.
+    /// Standalone and Cluster only.
+    pub skip_hostname_verification: bool,
 }
 
 impl RedisTlsFiles {
@@ -151,11 +156,18 @@ impl Conn {
         let certs = tls.certificates()?;
         let failed = |node: String| move |source| SetupError::Client { node, source };
         let client_for = |url: &RedisUrl| -> Result<Client, SetupError> {
-            match &certs {
+            let client = match &certs {
                 Some(c) => Client::build_with_tls(url.for_client(), c.clone()),
                 None => Client::open(url.for_client()),
             }
-            .map_err(failed(url.to_string()))
+            .map_err(failed(url.to_string()))?;
+            if !tls.skip_hostname_verification {
+                return Ok(client);
+            }
+            let info = client.get_connection_info().clone();
+            let mut addr = info.addr().clone();
+            addr.set_danger_accept_invalid_hostnames(true);
+            Client::open(info.set_addr(addr)).map_err(failed(url.to_string()))
         };
         match target {
             Topology::Standalone(url) => {
@@ -181,6 +193,9 @@ impl Conn {
                     .max_retry_wait(20);
                 if let Some(c) = &certs {
                     builder = builder.certs(c.clone());
+                }
+                if tls.skip_hostname_verification {
+                    builder = builder.danger_accept_invalid_hostnames(true);
                 }
                 let client = builder.build().map_err(failed("cluster nodes".into()))?;
                 Ok(Conn::Cluster(Arc::new(Lazy {
