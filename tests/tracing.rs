@@ -261,3 +261,58 @@ async fn sampling_follows_the_caller_and_the_rate() {
     assert_eq!(calls.len(), 1, "{all:?}");
     assert_eq!(calls[0].trace, hex(trace_id));
 }
+
+/// B3 beside W3C, as envoyproxy/ratelimit accepts both: the single `b3` header (a 64-bit trace
+/// id widened with zeros) and the `x-b3-*` headers continue the caller's trace, and their
+/// sampled flag decides (the rate is 0, so only the caller's sampled traces are exported).
+#[tokio::test]
+async fn b3_headers_continue_the_callers_trace() {
+    let (addr, received) = http_collector().await;
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("t.yaml"), LIMITS).unwrap();
+    let mut cmd = ratelimitd(dir.path(), &[]);
+    cmd.env("TRACING_ENABLED", "true")
+        .env("OTEL_EXPORTER_OTLP_ENDPOINT", format!("http://{addr}"))
+        .env("TRACING_SAMPLING_RATE", "0");
+    let d = Daemon::start(cmd).await;
+    let mut c = d.client().await;
+    let calls: [&[(&str, &str)]; 4] = [
+        &[("b3", "80f198ee56343ba864fe8b2a57d3eff7-e457b5a2e4d86bd1-1")],
+        &[
+            ("x-b3-traceid", "463ac35c9f6413ad48485a3953bb6124"),
+            ("x-b3-spanid", "0020000000000001"),
+            ("x-b3-sampled", "1"),
+        ],
+        &[("b3", "a3ce929d0e0e4736-00f067aa0ba902b7-1")],
+        &[("b3", "6b221d5bc9e6496c6b221d5bc9e6496c-b7ad6b7169203331-0")],
+    ];
+    for headers in calls {
+        let mut req = tonic::Request::new(request("t", &[&[("k", "v")]]));
+        for (k, v) in headers {
+            req.metadata_mut().insert(*k, v.parse().unwrap());
+        }
+        c.should_rate_limit(req).await.unwrap();
+    }
+    let (exit, stderr) = d.terminate().await;
+    assert!(exit.success(), "{stderr}");
+    let want = [
+        ("80f198ee56343ba864fe8b2a57d3eff7", "e457b5a2e4d86bd1"),
+        ("463ac35c9f6413ad48485a3953bb6124", "0020000000000001"),
+        ("0000000000000000a3ce929d0e0e4736", "00f067aa0ba902b7"),
+    ];
+    let all = poll(Duration::from_secs(10), || {
+        let all = spans(&received);
+        let done = all.iter().filter(|s| s.name == "ShouldRateLimit").count() >= want.len();
+        async move { done.then_some(all) }
+    })
+    .await;
+    let mut got: Vec<(Vec<u8>, Vec<u8>)> = all
+        .iter()
+        .filter(|s| s.name == "ShouldRateLimit")
+        .map(|s| (s.trace.clone(), s.parent.clone()))
+        .collect();
+    got.sort();
+    let mut want: Vec<(Vec<u8>, Vec<u8>)> = want.iter().map(|(t, p)| (hex(t), hex(p))).collect();
+    want.sort();
+    assert_eq!(got, want, "the unsampled fourth is not exported");
+}
