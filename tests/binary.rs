@@ -41,6 +41,60 @@ fn an_invalid_first_config_exits_non_zero_naming_file_line_and_field() {
 /// `--check`: the rules as /rlconfig prints them and exit 0, or exit 1 naming file, line and
 /// field; nothing is served either way (no address is even given), and a misplaced key is
 /// warned about with its place.
+/// `--merge-domain-config` (MERGE_DOMAIN_CONFIG): two files of one domain load as one, their
+/// descriptors merged; without it the duplicate domain is an error naming both files, and with
+/// it one descriptor defined in both is an error naming it and both files.
+#[test]
+fn files_of_one_domain_merge_only_when_asked() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = (dir.path().join("a.yaml"), dir.path().join("b.yaml"));
+    std::fs::write(
+        &a,
+        "domain: d\ndescriptors:\n  - key: k\n    value: one\n    rate_limit: {unit: hour, requests_per_unit: 7}\n",
+    )
+    .unwrap();
+    std::fs::write(
+        &b,
+        "domain: d\ndescriptors:\n  - key: k\n    value: two\n    rate_limit: {unit: hour, requests_per_unit: 9}\n  - key: other\n    rate_limit: {unit: minute, requests_per_unit: 3}\n",
+    )
+    .unwrap();
+    let out = ratelimitd(dir.path(), &["--check", "--merge-domain-config"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for rule in ["d.k_one", "d.k_two", "d.other"] {
+        assert!(stdout.contains(rule), "{rule} in {stdout}");
+    }
+    let out = ratelimitd(dir.path(), &["--check"]).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("duplicate domain 'd'") && stderr.contains(&a.display().to_string()),
+        "{stderr}"
+    );
+    std::fs::write(
+        &b,
+        "domain: d\ndescriptors:\n  - key: k\n    value: one\n    rate_limit: {unit: hour, requests_per_unit: 9}\n",
+    )
+    .unwrap();
+    let out = ratelimitd(dir.path(), &["--check", "--merge-domain-config"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("duplicate descriptor 'k_one'")
+            && stderr.contains(&a.display().to_string())
+            && stderr.contains(&b.display().to_string()),
+        "{stderr}"
+    );
+}
+
 #[test]
 fn check_prints_the_rules_or_the_first_error_and_serves_nothing() {
     let dir = tempfile::tempdir().unwrap();

@@ -406,6 +406,39 @@ async fn an_update_takes_effect_and_keeps_the_counts_of_unchanged_limits() {
     assert!(ack.error_detail.is_none());
 }
 
+/// `--merge-domain-config` over xDS, as the reference merges configs of one domain: both
+/// configs' descriptors apply; one descriptor in both is NACKed and the merged config stays.
+#[tokio::test]
+async fn configs_of_one_domain_merge_when_asked() {
+    let ads = AdsServer::start().await;
+    let first = config("d", vec![limit("a", 1, pb::RateLimitUnit::Hour)]);
+    let second = pb::RateLimitConfig {
+        name: "d-more".into(),
+        ..config("d", vec![limit("b", 2, pb::RateLimitUnit::Hour)])
+    };
+    ads.set("v1", &[first.clone(), second.clone()]).await;
+    let s = server(&ads, &["--merge-domain-config"]).await;
+    let mut c = s.client().await;
+    until_rpu(&c, "d", "b", Some(2)).await;
+    assert_eq!(rpu(&mut c, "d", "a").await, Some(1));
+    let again = pb::RateLimitConfig {
+        name: "d-again".into(),
+        ..first.clone()
+    };
+    ads.set("v2", &[first, again]).await;
+    let nonce = ads.ads.0.lock().unwrap().nonce.to_string();
+    let nack = ads
+        .until_request("the NACK", |r| r.response_nonce == nonce)
+        .await;
+    let detail = nack.error_detail.expect("a NACK carries why").message;
+    assert!(detail.contains("duplicate descriptor 'a'"), "{detail}");
+    assert_eq!(
+        rpu(&mut c, "d", "b").await,
+        Some(2),
+        "the merged config stays"
+    );
+}
+
 /// Every refusal envoyproxy/ratelimit makes: NACKed, naming the config, with the last accepted
 /// version and the refused nonce; the previous config stays in force.
 #[tokio::test]

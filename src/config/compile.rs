@@ -60,6 +60,9 @@ fn budget(text: &str) -> serde_saphyr::Budget {
 pub(crate) struct CompileOptions {
     /// The algorithm of every limit that names none (`--default-algorithm`).
     pub(crate) default_algorithm: Algorithm,
+    /// Several files (or xDS configs) may carry one domain: their descriptors are merged, as
+    /// envoyproxy/ratelimit's `MERGE_DOMAIN_CONFIG` merges them (`--merge-domain-config`).
+    pub(crate) merge_domains: bool,
 }
 
 /// Parses and validates one config file, with the default compile options.

@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::path::{Path, PathBuf};
 
-use super::{CompileOptions, ConfigError, Snapshot, compile_file_with};
+use super::{CompileOptions, ConfigError, Domain, Snapshot, compile_file_with};
 
 /// Directory nesting followed below a config path.
 const MAX_DEPTH: usize = 8;
@@ -88,16 +88,35 @@ pub(crate) fn load_paths_with(
         (file, &text).hash(&mut hasher);
         let domain = compile_file_with(file, &text, options)?;
         if let Some(first) = seen.get(domain.name.as_str()) {
-            return Err(ConfigError::at(
-                file,
-                Some((domain.line, 1)),
-                "domain",
-                format!(
-                    "duplicate domain '{}' (also defined in {})",
-                    domain.name,
-                    first.display()
-                ),
-            ));
+            if !options.merge_domains {
+                return Err(ConfigError::at(
+                    file,
+                    Some((domain.line, 1)),
+                    "domain",
+                    format!(
+                        "duplicate domain '{}' (also defined in {}; --merge-domain-config merges them)",
+                        domain.name,
+                        first.display()
+                    ),
+                ));
+            }
+            let (name, line) = (domain.name.clone(), domain.line);
+            let into = domains
+                .iter_mut()
+                .find(|d: &&mut Domain| d.name == name)
+                .expect("a domain seen is kept");
+            into.merge(domain).map_err(|path| {
+                ConfigError::at(
+                    file,
+                    Some((line, 1)),
+                    "descriptors",
+                    format!(
+                        "duplicate descriptor '{path}' in domain '{name}' (also in {}): merged files may not define one descriptor twice",
+                        first.display()
+                    ),
+                )
+            })?;
+            continue;
         }
         seen.insert(domain.name.as_str().to_owned(), file.clone());
         domains.push(domain);

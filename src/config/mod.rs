@@ -285,6 +285,46 @@ impl<V> Index<V> {
             Index::Many(map) => map.len(),
         }
     }
+
+    fn iter(&self) -> impl Iterator<Item = (&str, &V)> {
+        let (few, many) = match self {
+            Index::Few(entries) => (Some(entries.iter().map(|(k, v)| (&**k, v))), None),
+            Index::Many(map) => (None, Some(map.iter().map(|(k, v)| (&**k, v)))),
+        };
+        few.into_iter().flatten().chain(many.into_iter().flatten())
+    }
+
+    fn get_mut(&mut self, name: &str) -> Option<&mut V> {
+        match self {
+            Index::Few(entries) => entries
+                .iter_mut()
+                .find(|(k, _)| **k == *name)
+                .map(|(_, v)| v),
+            Index::Many(map) => map.get_mut(name),
+        }
+    }
+
+    fn into_entries(self) -> Vec<(Box<str>, V)> {
+        match self {
+            Index::Few(entries) => entries,
+            Index::Many(map) => map.into_iter().collect(),
+        }
+    }
+
+    /// Adds an entry whose name is not there yet.
+    fn insert(&mut self, name: Box<str>, value: V) {
+        match self {
+            Index::Few(entries) if entries.len() < FEW => entries.push((name, value)),
+            Index::Few(entries) => {
+                let mut map: HashMap<Box<str>, V> = std::mem::take(entries).into_iter().collect();
+                map.insert(name, value);
+                *self = Index::Many(Box::new(map));
+            }
+            Index::Many(map) => {
+                map.insert(name, value);
+            }
+        }
+    }
 }
 
 /// A value pattern where `*` matches any run of characters (including none).
@@ -332,6 +372,12 @@ pub struct Domain {
 }
 
 impl Domain {
+    /// Adds `other`'s descriptors (the same domain, from another file or config), as
+    /// `MERGE_DOMAIN_CONFIG` does; a descriptor both define is an error naming its path.
+    pub(crate) fn merge(&mut self, other: Domain) -> Result<(), String> {
+        self.root.merge(other.root)
+    }
+
     /// The domain `name` with `root`'s descriptors, its `domain` field on `line`.
     pub(crate) fn new(name: String, root: Level, line: u64) -> Domain {
         Domain {
@@ -461,6 +507,61 @@ impl Snapshot {
 }
 
 impl Level {
+    /// Moves `other`'s descriptors into this level, as envoyproxy/ratelimit merges a domain's
+    /// files: a key new here keeps its nodes, a known key gains the other's values. A
+    /// descriptor present in both (same key and value, or both value-less) is an error naming
+    /// it, and nothing is moved then.
+    fn merge(&mut self, other: Level) -> Result<(), String> {
+        let other = other.keys.into_entries();
+        for (key, theirs) in &other {
+            let Some(ours) = self.keys.get(key) else {
+                continue;
+            };
+            let twice = theirs
+                .exact
+                .iter()
+                .find_map(|(value, n)| ours.exact.get(value).map(|_| n))
+                .or_else(|| {
+                    theirs
+                        .wildcards
+                        .iter()
+                        .find(|(w, _)| ours.wildcards.iter().any(|(o, _)| o == w))
+                        .map(|(_, n)| n)
+                })
+                .or_else(|| theirs.any.as_deref().filter(|_| ours.any.is_some()));
+            if let Some(node) = twice {
+                return Err(node.path.to_string());
+            }
+        }
+        let after = self
+            .keys
+            .values()
+            .map(|k| k.first)
+            .max()
+            .map_or(0, |f| f + 1);
+        for (key, theirs) in other {
+            match self.keys.get_mut(&key) {
+                None => self.keys.insert(
+                    key,
+                    KeyNodes {
+                        first: after + theirs.first,
+                        ..theirs
+                    },
+                ),
+                Some(ours) => {
+                    for (value, node) in theirs.exact.into_entries() {
+                        ours.exact.insert(value, node);
+                    }
+                    ours.wildcards.extend(theirs.wildcards);
+                    if theirs.any.is_some() {
+                        ours.any = theirs.any;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
     fn visit<'a>(&'a self, f: &mut impl FnMut(&'a Node)) {
         for nodes in self.keys.values() {
             let all = nodes

@@ -83,7 +83,6 @@ const IGNORED: &[(&str, &str)] = &[
         "RUNTIME_WATCH_ROOT",
         "the config directory is always watched, the root's swaps too",
     ),
-    ("MERGE_DOMAIN_CONFIG", "not supported: one domain per file"),
     ("REDIS_PERSECOND", "one Redis for every window"),
     ("REDIS_PERSECOND_URL", "one Redis for every window"),
 ];
@@ -432,6 +431,7 @@ const BEHAVIOUR: &[Row] = &[
     ("NEAR_LIMIT_RATIO",                        "near-limit-ratio",           As::Set),
     ("SHADOW_MODE",                             "shadow-mode",                As::Bool),
     ("QUOTA_MODE",                              "quota-mode",                 As::Bool),
+    ("MERGE_DOMAIN_CONFIG",                     "merge-domain-config",        As::Bool),
     ("LIMIT_RESPONSE_HEADERS_ENABLED",          "response-headers",           As::IfTrue("reference")),
     ("LIMIT_LIMIT_HEADER",                      "reference-limit-header",     As::NonEmpty),
     ("LIMIT_REMAINING_HEADER",                  "reference-remaining-header", As::NonEmpty),
@@ -581,11 +581,7 @@ fn ignored(env: &Env<'_>, t: &mut Translated) {
         let harmless = matches!(
             (*name, truthy(&v)),
             (
-                "USE_STATSD"
-                    | "USE_DOG_STATSD"
-                    | "DISABLE_STATS"
-                    | "REDIS_PERSECOND"
-                    | "MERGE_DOMAIN_CONFIG",
+                "USE_STATSD" | "USE_DOG_STATSD" | "DISABLE_STATS" | "REDIS_PERSECOND",
                 Ok(false)
             )
         ) || matches!(*name, "RUNTIME_WATCH_ROOT" | "REDIS_POOL_SIZE");
@@ -725,6 +721,9 @@ mod tests {
         assert_eq!(flags(&t), vec![("quota-mode", "true")]);
         assert!(t.ignored.is_empty(), "{:?}", t.ignored);
         assert!(run(&[("QUOTA_MODE", "sometimes")], false).is_err());
+        let t = run(&[("MERGE_DOMAIN_CONFIG", "true")], false).unwrap();
+        assert_eq!(flags(&t), vec![("merge-domain-config", "true")]);
+        assert!(t.ignored.is_empty(), "{:?}", t.ignored);
     }
 
     #[test]

@@ -375,6 +375,12 @@ pub(crate) struct Flags {
     #[arg(long, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
     pub(crate) quota_mode: bool,
 
+    /// Let several config files (or xDS configs) carry the same domain: their descriptors are
+    /// merged, and one descriptor defined twice is an error naming both files
+    /// (envoyproxy/ratelimit's MERGE_DOMAIN_CONFIG). Without it a duplicate domain is an error.
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub(crate) merge_domain_config: bool,
+
     /// Serve the admin API (inspect and reset counters) on the gRPC port. Off by default:
     /// anyone who can reach the port could reset limits.
     #[arg(long, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]

@@ -81,6 +81,7 @@ impl Flags {
                 from: self.config_source()?,
                 compile: CompileOptions {
                     default_algorithm: self.default_algorithm(),
+                    merge_domains: self.merge_domain_config,
                 },
                 start_without_config: self.start_without_config,
                 unhealthy_until_config: self.unhealthy_until_config,

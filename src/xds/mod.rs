@@ -33,7 +33,7 @@ use envoy_types::pb::google::rpc::Status;
 use prost::Message;
 use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
 
-use crate::config::{CompileOptions, Snapshot};
+use crate::config::{CompileOptions, Domain, Snapshot};
 
 /// The generated `ratelimit.config.ratelimit.v3` messages (proto/ratelimit/).
 pub mod pb {
@@ -376,12 +376,26 @@ fn snapshot_of(response: &DiscoveryResponse, compile: CompileOptions) -> Result<
             .map_err(|e| format!("resources[{i}]: not a RateLimitConfig: {e}"))?;
         let name = config.name.clone();
         let domain = convert::domain(config, compile).map_err(|e| e.to_string())?;
-        if let Some(other) = seen.insert(domain.name.to_string(), name.clone()) {
-            return Err(format!(
-                "config '{name}': duplicate domain '{}' (also in config '{other}')",
-                domain.name
-            ));
+        if let Some(other) = seen.get(domain.name.as_str()) {
+            if !compile.merge_domains {
+                return Err(format!(
+                    "config '{name}': duplicate domain '{}' (also in config '{other}')",
+                    domain.name
+                ));
+            }
+            let into = domains
+                .iter_mut()
+                .find(|d: &&mut Domain| d.name == domain.name)
+                .expect("a domain seen is kept");
+            let domain_name = domain.name.clone();
+            into.merge(domain).map_err(|path| {
+                format!(
+                    "config '{name}': duplicate descriptor '{path}' in domain '{domain_name}' (also in config '{other}')"
+                )
+            })?;
+            continue;
         }
+        seen.insert(domain.name.to_string(), name.clone());
         domains.push(domain);
     }
     Ok(Snapshot::new(domains))
