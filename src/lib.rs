@@ -23,8 +23,8 @@ pub use crate::limiter::redis::SetupError;
 /// counters.
 pub use crate::server::admin::pb as admin;
 pub use crate::server::serve::{
-    ListenError, Listeners, MAX_HTTP_CONNECTIONS, MAX_MESSAGE_BYTES, MAX_STREAMS_PER_CONNECTION,
-    bind,
+    GrpcSocket, ListenError, Listeners, MAX_HTTP_CONNECTIONS, MAX_MESSAGE_BYTES,
+    MAX_STREAMS_PER_CONNECTION, bind,
 };
 pub use crate::shutdown::HEALTH_SERVICES;
 pub use crate::source::CheckError;

@@ -4,7 +4,7 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use ratelimitd::settings::{Options, Startup};
-use ratelimitd::{Listeners, bind, check_config, run};
+use ratelimitd::{GrpcSocket, Listeners, bind, check_config, run};
 
 /// mimalloc: the hot path allocates small, short-lived buffers per request (decoded protos, keys,
 /// responses); a thread-caching allocator measurably beats the system one there (`make bench`).
@@ -28,8 +28,12 @@ async fn shutdown_signal() {
 
 async fn serve(startup: Startup, options: Options) -> anyhow::Result<()> {
     // Bound now (a port taken fails at once); listening once the service can serve.
-    let grpc = bind(startup.grpc_addr)
-        .with_context(|| format!("--grpc-addr: cannot bind {}", startup.grpc_addr))?;
+    let grpc = match startup.grpc_uds {
+        Some((path, mode)) => GrpcSocket::Unix { path, mode },
+        None => bind(startup.grpc_addr)
+            .with_context(|| format!("--grpc-addr: cannot bind {}", startup.grpc_addr))?
+            .into(),
+    };
     let http = bind(startup.http_addr)
         .with_context(|| format!("--http-addr: cannot bind {}", startup.http_addr))?;
     let mut extra_http = Vec::new();

@@ -336,6 +336,7 @@ fn bad_flags_exit_2_with_a_message_never_a_panic() {
         &["--redis-timeout", "0"],
         &["--memory-max-bytes", "lots"],
         &["--reference-limit-header", "Rate Limit"],
+        &["--grpc-uds-mode", "999"],
         &["--backend", "redis"],
         &[
             "--backend",
@@ -477,4 +478,56 @@ async fn reference_variables_without_an_equivalent_are_reported() {
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("BACKEND_TYPE=memcache"));
+}
+
+/// `--grpc-uds` (GRPC_UDS, here through the variable): gRPC on a Unix socket with the stated
+/// permissions and not on TCP; a socket an earlier run left there is replaced, a file that is
+/// not a socket is an error naming the path.
+#[tokio::test]
+async fn grpc_on_a_unix_socket() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("l.yaml"), LIMITS).unwrap();
+    let sockets = tempfile::tempdir().unwrap();
+    let sock = sockets.path().join("rl.sock");
+    drop(std::os::unix::net::UnixListener::bind(&sock).unwrap());
+    let mut cmd = ratelimitd(dir.path(), &[]);
+    cmd.env("GRPC_UDS", &sock);
+    let d = Daemon::start(cmd).await;
+    let mode = std::fs::metadata(&sock).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o660, "{mode:o}");
+    let path = sock.clone();
+    let channel = tonic::transport::Endpoint::try_from("http://localhost")
+        .unwrap()
+        .connect_with_connector(tower::service_fn(move |_: http::Uri| {
+            let path = path.clone();
+            async move {
+                let stream = tokio::net::UnixStream::connect(path).await?;
+                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(stream))
+            }
+        }))
+        .await
+        .unwrap();
+    let mut c = Client::new(channel);
+    assert!(is_ok(&call(&mut c, request("d", &[&[("k", "v")]])).await));
+    assert!(
+        tokio::net::TcpStream::connect(("127.0.0.1", d.grpc))
+            .await
+            .is_err(),
+        "no gRPC on TCP"
+    );
+    drop(d);
+
+    let file = sockets.path().join("not-a-socket");
+    std::fs::write(&file, "").unwrap();
+    let out = ratelimitd(dir.path(), &["--grpc-uds", file.to_str().unwrap()])
+        .env("RATELIMITD_HTTP_ADDR", "127.0.0.1:0")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains(&file.display().to_string()) && stderr.contains("not a socket"),
+        "{stderr}"
+    );
 }

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_server::RateLimitQuotaServiceServer;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
-use tokio::net::{TcpListener, TcpSocket};
+use tokio::net::{TcpListener, TcpSocket, UnixListener};
 use tonic::transport::server::TcpIncoming;
 
 use super::admin::{Admin, AdminServer};
@@ -57,11 +57,31 @@ pub(crate) struct ServerOptions {
 /// never answers. [`bind`] makes one.
 pub struct Listeners {
     /// For gRPC.
-    pub grpc: TcpSocket,
+    pub grpc: GrpcSocket,
     /// For HTTP.
     pub http: TcpSocket,
     /// More sockets serving the same HTTP endpoints (`--debug-addr`, `--metrics-addr`).
     pub extra_http: Vec<TcpSocket>,
+}
+
+/// Where gRPC is served: a TCP socket, or a Unix socket (`--grpc-uds`).
+pub enum GrpcSocket {
+    /// Bound by [`bind`], not yet listening.
+    Tcp(TcpSocket),
+    /// Made at `path` with permissions `mode` when the service can serve. A socket file left
+    /// there by an earlier run is replaced; any other file is an error.
+    Unix {
+        /// The socket's path.
+        path: std::path::PathBuf,
+        /// Its permission bits (e.g. `0o660`: the service's user and group may connect).
+        mode: u32,
+    },
+}
+
+impl From<TcpSocket> for GrpcSocket {
+    fn from(socket: TcpSocket) -> Self {
+        GrpcSocket::Tcp(socket)
+    }
 }
 
 /// A socket bound to `addr` (address reuse on, as a listener binds) and not yet listening.
@@ -97,9 +117,38 @@ fn listen(socket: TcpSocket) -> Result<TcpListener, ListenError> {
         .map_err(|source| ListenError { addr, source })
 }
 
+/// A Unix socket at `path` with permissions `mode`, listening, replacing a socket file an
+/// earlier run left there.
+fn listen_unix(path: &std::path::Path, mode: u32) -> Result<UnixListener, ListenError> {
+    use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+    let failed = |source| ListenError {
+        addr: path.display().to_string(),
+        source,
+    };
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if m.file_type().is_socket() => std::fs::remove_file(path).map_err(failed)?,
+        Ok(_) => {
+            return Err(failed(std::io::Error::new(
+                std::io::ErrorKind::AlreadyExists,
+                "a file that is not a socket is there",
+            )));
+        }
+        Err(_) => {}
+    }
+    let listener = UnixListener::bind(path).map_err(failed)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).map_err(failed)?;
+    Ok(listener)
+}
+
+/// The gRPC listener, listening.
+enum GrpcListener {
+    Tcp(TcpListener),
+    Unix(UnixListener),
+}
+
 /// The listeners, listening.
 pub(crate) struct Listening {
-    grpc: TcpListener,
+    grpc: GrpcListener,
     http: TcpListener,
     extra_http: Vec<TcpListener>,
 }
@@ -108,7 +157,10 @@ impl Listeners {
     /// Starts every socket listening.
     pub(crate) fn listen(self) -> Result<Listening, ListenError> {
         Ok(Listening {
-            grpc: listen(self.grpc)?,
+            grpc: match self.grpc {
+                GrpcSocket::Tcp(socket) => GrpcListener::Tcp(listen(socket)?),
+                GrpcSocket::Unix { path, mode } => GrpcListener::Unix(listen_unix(&path, mode)?),
+            },
             http: listen(self.http)?,
             extra_http: self
                 .extra_http
@@ -140,7 +192,13 @@ pub(crate) fn serve<H: tonic_health::pb::health_server::Health>(
     stop: &Stop,
     tasks: &mut Tasks,
 ) -> (Serving<tonic::transport::Error>, Serving<std::io::Error>) {
-    let grpc_addr = listening.grpc.local_addr().ok();
+    let grpc_addr = match &listening.grpc {
+        GrpcListener::Tcp(l) => l.local_addr().ok().map(|a| a.to_string()),
+        GrpcListener::Unix(l) => l
+            .local_addr()
+            .ok()
+            .and_then(|a| a.as_pathname().map(|p| format!("unix:{}", p.display()))),
+    };
     let http_addr = listening.http.local_addr().ok();
     let state = Arc::new(HttpState {
         engine: services.engine.clone(),
@@ -166,7 +224,7 @@ pub(crate) fn serve<H: tonic_health::pb::health_server::Health>(
 /// admin, plain or TLS, behind the per-connection bounds.
 fn serve_grpc<H: tonic_health::pb::health_server::Health>(
     options: &ServerOptions,
-    listener: TcpListener,
+    listener: GrpcListener,
     Services {
         engine,
         rlqs,
@@ -205,6 +263,24 @@ fn serve_grpc<H: tonic_health::pb::health_server::Health>(
         )
         .add_optional_service(admin.map(|a| a.max_decoding_message_size(MAX_MESSAGE_BYTES)));
     let tracker = Tracker::new(conns);
+    let listener = match listener {
+        GrpcListener::Tcp(listener) => listener,
+        GrpcListener::Unix(listener) => {
+            // Plain text only (settings refuse TLS with a Unix socket).
+            use futures_util::StreamExt;
+            let accepted = futures_util::stream::unfold(listener, |l| async move {
+                let accepted = l.accept().await.map(|(stream, _)| stream);
+                Some((accepted, l))
+            });
+            let incoming = accepted.filter_map(move |accepted| {
+                std::future::ready(match accepted {
+                    Ok(stream) => tracker.admit(stream).map(Ok),
+                    Err(e) => Some(Err(e)),
+                })
+            });
+            return Box::pin(router.serve_with_incoming_shutdown(incoming, stop.stopped()));
+        }
+    };
     match &options.grpc_tls {
         None => {
             use futures_util::StreamExt;

@@ -88,10 +88,9 @@ const IGNORED: &[(&str, &str)] = &[
 ];
 
 /// The variables [`refuse`] judges.
-const REFUSED: [&str; 5] = [
+const REFUSED: [&str; 4] = [
     "BACKEND_TYPE",
     "CONFIG_TYPE",
-    "GRPC_UDS",
     "MEMCACHE_HOST_PORT",
     "MEMCACHE_SRV",
 ];
@@ -108,9 +107,6 @@ fn refuse(name: &str, value: &str) -> Option<String> {
         )),
         "CONFIG_TYPE" if !v.eq_ignore_ascii_case("FILE") && !v.eq_ignore_ascii_case(XDS) => {
             Some(format!("CONFIG_TYPE={v} is not supported (FILE or {XDS})"))
-        }
-        "GRPC_UDS" if !v.is_empty() => {
-            Some("GRPC_UDS is not supported: use GRPC_HOST and GRPC_PORT".into())
         }
         "MEMCACHE_HOST_PORT" | "MEMCACHE_SRV" if !v.is_empty() => {
             Some(format!("{name} is not supported (no memcache backend)"))
@@ -389,6 +385,8 @@ fn listeners(env: &Env<'_>, dropin: bool, t: &mut Translated) -> Result<(), Stri
     if let Some(addr) = address("GRPC_HOST", "GRPC_PORT", 8081) {
         t.flag("grpc-addr", addr);
     }
+    // A Unix socket instead of the TCP address, as that service listens on one or the other.
+    apply(env, &[("GRPC_UDS", "grpc-uds", As::NonEmpty)], t)?;
     match address("DEBUG_HOST", "DEBUG_PORT", 6070) {
         Some(addr) => t.flag("debug-addr", addr),
         None if dropin => t.flag("debug-addr", address_of(None, None, 6070)),
@@ -713,6 +711,13 @@ mod tests {
                 ("response-dynamic-metadata", "true")
             ]
         );
+    }
+
+    #[test]
+    fn grpc_on_a_unix_socket() {
+        let t = run(&[("GRPC_UDS", "/run/ratelimit/rl.sock")], false).unwrap();
+        assert_eq!(flags(&t), vec![("grpc-uds", "/run/ratelimit/rl.sock")]);
+        assert!(t.ignored.is_empty(), "{:?}", t.ignored);
     }
 
     #[test]

@@ -337,6 +337,17 @@ pub(crate) struct Flags {
     #[arg(long, requires = "grpc_tls_client_ca")]
     pub(crate) grpc_tls_client_san: Option<String>,
 
+    /// Serve gRPC on this Unix socket instead of --grpc-addr (sidecar deployments;
+    /// envoyproxy/ratelimit's GRPC_UDS). Plain text only. A socket file an earlier run left
+    /// there is replaced.
+    #[arg(long, conflicts_with = "grpc_tls_cert")]
+    pub(crate) grpc_uds: Option<PathBuf>,
+
+    /// Permission bits of the --grpc-uds socket, in octal: 660 lets the service's user and
+    /// group connect; 666 lets anyone who can reach the directory.
+    #[arg(long, default_value = "660", value_parser = parse_mode)]
+    pub(crate) grpc_uds_mode: u32,
+
     /// HTTP listen address (/healthcheck, /metrics, /rlconfig).
     #[arg(long, default_value = "0.0.0.0:8080")]
     pub(crate) http_addr: SocketAddr,
@@ -567,6 +578,14 @@ pub(crate) struct Flags {
 }
 
 /// `--rlqs-assignment-ttl`: whole seconds, at least one, at most an hour.
+/// Permission bits in octal (`660`), at most `777`.
+fn parse_mode(s: &str) -> Result<u32, String> {
+    u32::from_str_radix(s.trim_start_matches("0o"), 8)
+        .ok()
+        .filter(|m| *m <= 0o777)
+        .ok_or_else(|| format!("'{s}' is not an octal file mode such as 660"))
+}
+
 /// An HTTP header name (RFC 9110 token characters), at most 256 bytes.
 fn parse_header_name(s: &str) -> Result<String, String> {
     let token = |c: char| c.is_ascii_alphanumeric() || "!#$%&'*+-.^_`|~".contains(c);

@@ -23,6 +23,8 @@ use crate::telemetry::TelemetryOptions;
 pub struct Startup {
     /// The gRPC listener's address.
     pub grpc_addr: SocketAddr,
+    /// A Unix socket (its path and permission bits) to serve gRPC on instead of `grpc_addr`.
+    pub grpc_uds: Option<(std::path::PathBuf, u32)>,
     /// The HTTP listener's address.
     pub http_addr: SocketAddr,
     /// More addresses serving the HTTP endpoints, each with the flag that named it.

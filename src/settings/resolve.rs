@@ -134,6 +134,7 @@ impl Flags {
         };
         Startup {
             grpc_addr: self.grpc_addr,
+            grpc_uds: self.grpc_uds.clone().map(|p| (p, self.grpc_uds_mode)),
             http_addr: self.http_addr,
             extra_http: [
                 ("--debug-addr", self.debug_addr),

@@ -200,7 +200,7 @@ impl TestServer {
         let task = tokio::spawn(run_with_clock(
             options,
             Listeners {
-                grpc: grpc_listener,
+                grpc: grpc_listener.into(),
                 http: http_listener,
                 extra_http: Vec::new(),
             },
