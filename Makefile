@@ -8,9 +8,17 @@ EXAMPLE_LIMITS ?= examples/envoy/limits
 run:
 	$(CARGO) run --release -- --config $(EXAMPLE_LIMITS) --log-level info
 
-## The whole suite: installs what the tests need, then lint and every test.
+## The whole suite: installs what the tests need, then lint and every test; then the suites
+## that start Redis again on Valkey, where valkey-server is installed (.ci/run installs it).
+REDIS_SUITES = accounting admin binary cluster differential grpc isolation redis reload rlqs tracing xds
 test: deps lint
 	RATELIMITD_REQUIRE_FIXTURES=$${RATELIMITD_REQUIRE_FIXTURES-} RATELIMITD_REQUIRE_HELM=1 $(CARGO) test
+	@if command -v valkey-server >/dev/null 2>&1; then \
+	  echo "test: the Redis suites again, on $$(valkey-server --version | cut -d' ' -f1-3)"; \
+	  RATELIMITD_TEST_REDIS_SERVER=valkey-server $(CARGO) test $(foreach t,$(REDIS_SUITES),--test $(t)); \
+	else \
+	  echo "test: valkey-server is not installed, so the Redis suites ran on Redis only (.ci/run installs Valkey)"; \
+	fi
 
 ## fmt --check, clippy and rustdoc, each with warnings as errors, and the modules' floors
 ## (every import runs down: tests/layers.rs).

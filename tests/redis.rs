@@ -828,6 +828,27 @@ async fn sentinel_finds_the_master_and_follows_a_failover() {
     );
 }
 
+/// The suites run on the server they were asked to (`make test` runs them again on Valkey):
+/// `INFO server` names it.
+#[test]
+fn the_server_is_the_one_asked_for() {
+    let redis = RedisProc::start(&[]);
+    let info = redis.cli(&["INFO", "server"]);
+    let valkey = info.contains("server_name:valkey");
+    assert_eq!(
+        valkey,
+        common::redis::server_binary().contains("valkey"),
+        "{info}"
+    );
+    let version = |name: &str| info.lines().find(|l| l.starts_with(name));
+    eprintln!(
+        "running on {}",
+        version("valkey_version:")
+            .or(version("redis_version:"))
+            .unwrap_or("?")
+    );
+}
+
 #[tokio::test]
 async fn tls_with_a_private_ca() {
     let certs_dir = tempfile::tempdir().unwrap();

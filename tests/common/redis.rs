@@ -10,6 +10,12 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+/// The server the tests start: `redis-server`, or what `RATELIMITD_TEST_REDIS_SERVER` names
+/// (`valkey-server`: `make test` runs the Redis suites again on Valkey where it is installed).
+pub(crate) fn server_binary() -> String {
+    std::env::var("RATELIMITD_TEST_REDIS_SERVER").unwrap_or_else(|_| "redis-server".into())
+}
+
 /// A port that is free, with port + 10000 free too (the cluster bus).
 pub(crate) fn free_port() -> u16 {
     static NEXT: AtomicU16 = AtomicU16::new(0);
@@ -150,12 +156,13 @@ impl RedisProc {
     }
 
     fn spawn(&mut self) {
-        let child = Command::new("redis-server")
+        let server = server_binary();
+        let child = Command::new(&server)
             .args(&self.args)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
-            .expect("redis-server is installed");
+            .unwrap_or_else(|e| panic!("{server} is installed: {e}"));
         watchdog(child.id());
         self.child = Some(child);
         let until = Instant::now() + Duration::from_secs(10);
