@@ -3,11 +3,10 @@
 //! skipped, so Kubernetes ConfigMap mounts (`..data`, `..2026_…`) are read once, through the
 //! visible symlinks.
 
-use std::collections::HashMap;
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::path::{Path, PathBuf};
 
-use super::{CompileOptions, ConfigError, Domain, Snapshot, compile_file_with};
+use super::{CompileOptions, ConfigError, Domains, Refused, Snapshot, compile_file_with};
 
 /// Directory nesting followed below a config path.
 const MAX_DEPTH: usize = 8;
@@ -81,48 +80,35 @@ pub(crate) fn load_paths_with(
         collect(path, 0, &mut seen, &mut files)?;
     }
     let mut hasher = DefaultHasher::new();
-    let mut domains = Vec::with_capacity(files.len());
-    let mut seen: HashMap<String, PathBuf> = HashMap::new();
+    let mut domains = Domains::new(options.merge_domains);
     for file in &files {
         let text = read_bounded(file)?;
         (file, &text).hash(&mut hasher);
         let domain = compile_file_with(file, &text, options)?;
-        if let Some(first) = seen.get(domain.name.as_str()) {
-            if !options.merge_domains {
-                return Err(ConfigError::at(
-                    file,
-                    Some((domain.line, 1)),
-                    "domain",
-                    format!(
-                        "duplicate domain '{}' (also defined in {}; --merge-domain-config merges them)",
-                        domain.name,
-                        first.display()
-                    ),
-                ));
-            }
-            let (name, line) = (domain.name.clone(), domain.line);
-            let into = domains
-                .iter_mut()
-                .find(|d: &&mut Domain| d.name == name)
-                .expect("a domain seen is kept");
-            into.merge(domain).map_err(|path| {
-                ConfigError::at(
-                    file,
-                    Some((line, 1)),
-                    "descriptors",
-                    format!(
-                        "duplicate descriptor '{path}' in domain '{name}' (also in {}): merged files may not define one descriptor twice",
-                        first.display()
-                    ),
-                )
-            })?;
-            continue;
-        }
-        seen.insert(domain.name.as_str().to_owned(), file.clone());
-        domains.push(domain);
+        let (name, line) = (domain.name.clone(), domain.line);
+        domains.add(domain, file).map_err(|refused| match refused {
+            Refused::Domain(first) => ConfigError::at(
+                file,
+                Some((line, 1)),
+                "domain",
+                format!(
+                    "duplicate domain '{name}' (also defined in {}; --merge-domain-config merges them)",
+                    first.display()
+                ),
+            ),
+            Refused::Descriptor(first, path) => ConfigError::at(
+                file,
+                Some((line, 1)),
+                "descriptors",
+                format!(
+                    "duplicate descriptor '{path}' in domain '{name}' (also in {}): merged files may not define one descriptor twice",
+                    first.display()
+                ),
+            ),
+        })?;
     }
     Ok(LoadedConfig {
-        snapshot: Snapshot::new(domains),
+        snapshot: domains.into_snapshot(),
         files,
         fingerprint: hasher.finish(),
     })

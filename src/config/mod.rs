@@ -389,6 +389,57 @@ impl Domain {
     }
 }
 
+/// Domains as their sources give them (files, or xDS configs), one per name: a name given again
+/// is refused, or, with `merge` (`MERGE_DOMAIN_CONFIG`), its descriptors join the first's. `O`
+/// is where each came from, for errors that name both places.
+pub(crate) struct Domains<O> {
+    merge: bool,
+    domains: Vec<Domain>,
+    /// Name → its place in `domains`, and where it was first given.
+    first: HashMap<Arc<String>, (usize, O)>,
+}
+
+/// Why [`Domains::add`] refused a domain; each names where the domain was first given.
+pub(crate) enum Refused<'a, O> {
+    /// The name again, without `merge`.
+    Domain(&'a O),
+    /// A descriptor both define (its path), with `merge`.
+    Descriptor(&'a O, String),
+}
+
+impl<O> Domains<O> {
+    /// No domain yet; `merge` as `CompileOptions::merge_domains`.
+    pub(crate) fn new(merge: bool) -> Domains<O> {
+        Domains {
+            merge,
+            domains: Vec::new(),
+            first: HashMap::new(),
+        }
+    }
+
+    /// Adds `domain`, given by `origin`.
+    pub(crate) fn add(&mut self, domain: Domain, origin: O) -> Result<(), Refused<'_, O>> {
+        if !self.first.contains_key(&domain.name) {
+            self.first
+                .insert(domain.name.clone(), (self.domains.len(), origin));
+            self.domains.push(domain);
+            return Ok(());
+        }
+        let (at, first) = &self.first[&domain.name];
+        if !self.merge {
+            return Err(Refused::Domain(first));
+        }
+        self.domains[*at]
+            .merge(domain)
+            .map_err(|path| Refused::Descriptor(first, path))
+    }
+
+    /// The snapshot of every domain added.
+    pub(crate) fn into_snapshot(self) -> Snapshot {
+        Snapshot::new(self.domains)
+    }
+}
+
 /// An immutable, validated set of domains. Requests in flight keep the snapshot they started
 /// with while a reload swaps in the next one.
 #[derive(Debug)]

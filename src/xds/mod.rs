@@ -33,7 +33,7 @@ use envoy_types::pb::google::rpc::Status;
 use prost::Message;
 use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
 
-use crate::config::{CompileOptions, Domain, Snapshot};
+use crate::config::{CompileOptions, Domains, Refused, Snapshot};
 
 /// The generated `ratelimit.config.ratelimit.v3` messages (proto/ratelimit/).
 pub mod pb {
@@ -362,9 +362,8 @@ fn snapshot_of(response: &DiscoveryResponse, compile: CompileOptions) -> Result<
             response.type_url
         ));
     }
-    let mut domains = Vec::with_capacity(response.resources.len());
-    // Domain → the name of the config that gave it.
-    let mut seen: HashMap<String, String> = HashMap::new();
+    // Each domain with the name of the config that gave it.
+    let mut domains = Domains::new(compile.merge_domains);
     for (i, resource) in response.resources.iter().enumerate() {
         if resource.type_url != TYPE_URL {
             return Err(format!(
@@ -376,29 +375,19 @@ fn snapshot_of(response: &DiscoveryResponse, compile: CompileOptions) -> Result<
             .map_err(|e| format!("resources[{i}]: not a RateLimitConfig: {e}"))?;
         let name = config.name.clone();
         let domain = convert::domain(config, compile).map_err(|e| e.to_string())?;
-        if let Some(other) = seen.get(domain.name.as_str()) {
-            if !compile.merge_domains {
-                return Err(format!(
-                    "config '{name}': duplicate domain '{}' (also in config '{other}')",
-                    domain.name
-                ));
-            }
-            let into = domains
-                .iter_mut()
-                .find(|d: &&mut Domain| d.name == domain.name)
-                .expect("a domain seen is kept");
-            let domain_name = domain.name.clone();
-            into.merge(domain).map_err(|path| {
-                format!(
+        let domain_name = domain.name.clone();
+        domains
+            .add(domain, name.clone())
+            .map_err(|refused| match refused {
+                Refused::Domain(other) => format!(
+                    "config '{name}': duplicate domain '{domain_name}' (also in config '{other}')"
+                ),
+                Refused::Descriptor(other, path) => format!(
                     "config '{name}': duplicate descriptor '{path}' in domain '{domain_name}' (also in config '{other}')"
-                )
+                ),
             })?;
-            continue;
-        }
-        seen.insert(domain.name.to_string(), name.clone());
-        domains.push(domain);
     }
-    Ok(Snapshot::new(domains))
+    Ok(domains.into_snapshot())
 }
 
 #[cfg(test)]
