@@ -11,6 +11,7 @@ use std::time::Duration;
 use common::daemon::{Daemon, ratelimitd};
 use common::redis::RedisProc;
 use common::*;
+use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
     TraceService, TraceServiceServer,
 };
@@ -170,12 +171,12 @@ async fn traced_calls(protocol: &str, collector: std::net::SocketAddr, received:
     let mut c = d.client().await;
     let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
     let parent_id = "00f067aa0ba902b7";
-    let mut req = tonic::Request::new(request("t", &[&[("k", "v")]]));
-    req.metadata_mut().insert(
-        "traceparent",
-        format!("00-{trace_id}-{parent_id}-01").parse().unwrap(),
-    );
-    let r = c.should_rate_limit(req).await.unwrap().into_inner();
+    let traceparent = format!("00-{trace_id}-{parent_id}-01");
+    let r = c
+        .should_rate_limit(with_metadata(&[("traceparent", &traceparent)]))
+        .await
+        .unwrap()
+        .into_inner();
     assert!(is_ok(&r));
     // SIGTERM flushes what was not yet exported.
     let (exit, stderr) = d.terminate().await;
@@ -224,10 +225,9 @@ async fn spans_continue_the_callers_trace_over_otlp_grpc() {
     traced_calls("grpc", addr, &received).await;
 }
 
-/// Parent-based sampling: at a rate of 0 no new trace is sampled, but a caller's sampled trace
-/// is followed.
-#[tokio::test]
-async fn sampling_follows_the_caller_and_the_rate() {
+/// A daemon exporting spans over OTLP/HTTP at sampling rate 0 (so only its callers' sampled
+/// traces), with what its collector receives and its config directory.
+async fn daemon_at_rate_zero() -> (Daemon, Received, tempfile::TempDir) {
     let (addr, received) = http_collector().await;
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("t.yaml"), LIMITS).unwrap();
@@ -235,20 +235,33 @@ async fn sampling_follows_the_caller_and_the_rate() {
     cmd.env("TRACING_ENABLED", "true")
         .env("OTEL_EXPORTER_OTLP_ENDPOINT", format!("http://{addr}"))
         .env("TRACING_SAMPLING_RATE", "0");
-    let d = Daemon::start(cmd).await;
+    (Daemon::start(cmd).await, received, dir)
+}
+
+/// A call on `t` carrying `metadata` (trace headers).
+fn with_metadata(metadata: &[(&str, &str)]) -> tonic::Request<RateLimitRequest> {
+    let mut req = tonic::Request::new(request("t", &[&[("k", "v")]]));
+    for (k, v) in metadata {
+        let key = tonic::metadata::MetadataKey::from_bytes(k.as_bytes()).unwrap();
+        req.metadata_mut().insert(key, v.parse().unwrap());
+    }
+    req
+}
+
+/// Parent-based sampling: at a rate of 0 no new trace is sampled, but a caller's sampled trace
+/// is followed.
+#[tokio::test]
+async fn sampling_follows_the_caller_and_the_rate() {
+    let (d, received, _dir) = daemon_at_rate_zero().await;
     let mut c = d.client().await;
     for _ in 0..5 {
         call(&mut c, request("t", &[&[("k", "v")]])).await;
     }
     let trace_id = "0af7651916cd43dd8448eb211c80319c";
-    let mut req = tonic::Request::new(request("t", &[&[("k", "v")]]));
-    req.metadata_mut().insert(
-        "traceparent",
-        format!("00-{trace_id}-b7ad6b7169203331-01")
-            .parse()
-            .unwrap(),
-    );
-    c.should_rate_limit(req).await.unwrap();
+    let traceparent = format!("00-{trace_id}-b7ad6b7169203331-01");
+    c.should_rate_limit(with_metadata(&[("traceparent", &traceparent)]))
+        .await
+        .unwrap();
     let (exit, stderr) = d.terminate().await;
     assert!(exit.success(), "{stderr}");
     let all = poll(Duration::from_secs(10), || {
@@ -267,14 +280,7 @@ async fn sampling_follows_the_caller_and_the_rate() {
 /// sampled flag decides (the rate is 0, so only the caller's sampled traces are exported).
 #[tokio::test]
 async fn b3_headers_continue_the_callers_trace() {
-    let (addr, received) = http_collector().await;
-    let dir = tempfile::tempdir().unwrap();
-    std::fs::write(dir.path().join("t.yaml"), LIMITS).unwrap();
-    let mut cmd = ratelimitd(dir.path(), &[]);
-    cmd.env("TRACING_ENABLED", "true")
-        .env("OTEL_EXPORTER_OTLP_ENDPOINT", format!("http://{addr}"))
-        .env("TRACING_SAMPLING_RATE", "0");
-    let d = Daemon::start(cmd).await;
+    let (d, received, _dir) = daemon_at_rate_zero().await;
     let mut c = d.client().await;
     let calls: [&[(&str, &str)]; 4] = [
         &[("b3", "80f198ee56343ba864fe8b2a57d3eff7-e457b5a2e4d86bd1-1")],
@@ -287,11 +293,7 @@ async fn b3_headers_continue_the_callers_trace() {
         &[("b3", "6b221d5bc9e6496c6b221d5bc9e6496c-b7ad6b7169203331-0")],
     ];
     for headers in calls {
-        let mut req = tonic::Request::new(request("t", &[&[("k", "v")]]));
-        for (k, v) in headers {
-            req.metadata_mut().insert(*k, v.parse().unwrap());
-        }
-        c.should_rate_limit(req).await.unwrap();
+        c.should_rate_limit(with_metadata(headers)).await.unwrap();
     }
     let (exit, stderr) = d.terminate().await;
     assert!(exit.success(), "{stderr}");
