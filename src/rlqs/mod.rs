@@ -146,43 +146,24 @@ pub(crate) enum Pools {
 }
 
 impl Pools {
-    /// Pools in this process.
-    pub(crate) fn local(options: &BucketOptions) -> Pools {
-        Pools::Local(LocalPools::new(
-            options.assignment_ttl,
-            options.report_interval,
-        ))
-    }
-
     /// Pools where the backend keeps its counters: in Redis when it is the store (its failure
-    /// mode deciding while it cannot answer), else this replica's own.
+    /// mode deciding while it cannot answer, with this replica's own pools for `local`), else
+    /// this replica's own.
     pub(crate) fn beside(
         redis: Option<(Arc<crate::limiter::redis::RedisBackend>, FailureMode)>,
         options: &BucketOptions,
         metrics: RlqsMetrics,
     ) -> Pools {
+        let (ttl, interval) = (options.assignment_ttl, options.report_interval);
+        let local = LocalPools::new(ttl, interval);
         match redis {
-            None => Pools::local(options),
-            Some((redis, failure)) => Pools::shared(redis, failure, options, metrics),
-        }
-    }
-
-    /// Pools in `redis`, `failure` deciding while it cannot answer.
-    pub(crate) fn shared(
-        redis: Arc<crate::limiter::redis::RedisBackend>,
-        failure: FailureMode,
-        options: &BucketOptions,
-        metrics: RlqsMetrics,
-    ) -> Pools {
-        Pools::InRedis {
-            pools: Box::new(RedisPools::new(
-                redis,
-                options.assignment_ttl,
-                options.report_interval,
-            )),
-            failure,
-            local: LocalPools::new(options.assignment_ttl, options.report_interval),
-            metrics,
+            None => Pools::Local(local),
+            Some((redis, failure)) => Pools::InRedis {
+                pools: Box::new(RedisPools::new(redis, ttl, interval)),
+                failure,
+                local,
+                metrics,
+            },
         }
     }
 
