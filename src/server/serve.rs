@@ -10,7 +10,7 @@ use tokio::net::{TcpListener, TcpSocket, UnixListener};
 use tonic::transport::server::TcpIncoming;
 
 use super::admin::{Admin, AdminServer};
-use super::conn::{BudgetLayer, ConnLimits, Tracker};
+use super::conn::{BudgetLayer, ConnLimits, Tracked, Tracker};
 use super::grpc::GrpcService;
 use super::headers::HeaderMode;
 use super::http::HttpState;
@@ -263,38 +263,22 @@ fn serve_grpc<H: tonic_health::pb::health_server::Health>(
         )
         .add_optional_service(admin.map(|a| a.max_decoding_message_size(MAX_MESSAGE_BYTES)));
     let tracker = Tracker::new(conns);
-    let listener = match listener {
-        GrpcListener::Tcp(listener) => listener,
-        GrpcListener::Unix(listener) => {
-            // Plain text only (settings refuse TLS with a Unix socket).
-            use futures_util::StreamExt;
+    match (listener, &options.grpc_tls) {
+        // Plain text only (settings refuse TLS with a Unix socket).
+        (GrpcListener::Unix(listener), _) => {
             let accepted = futures_util::stream::unfold(listener, |l| async move {
                 let accepted = l.accept().await.map(|(stream, _)| stream);
                 Some((accepted, l))
             });
-            let incoming = accepted.filter_map(move |accepted| {
-                std::future::ready(match accepted {
-                    Ok(stream) => tracker.admit(stream).map(Ok),
-                    Err(e) => Some(Err(e)),
-                })
-            });
-            return Box::pin(router.serve_with_incoming_shutdown(incoming, stop.stopped()));
-        }
-    };
-    match &options.grpc_tls {
-        None => {
-            use futures_util::StreamExt;
-            let incoming = TcpIncoming::from(listener)
-                .with_nodelay(Some(true))
-                .filter_map(move |accepted| {
-                    std::future::ready(match accepted {
-                        Ok(tcp) => tracker.admit(tcp).map(Ok),
-                        Err(e) => Some(Err(e)),
-                    })
-                });
+            let incoming = admitted(accepted, tracker);
             Box::pin(router.serve_with_incoming_shutdown(incoming, stop.stopped()))
         }
-        Some(GrpcTls { files, config }) => {
+        (GrpcListener::Tcp(listener), None) => {
+            let accepted = TcpIncoming::from(listener).with_nodelay(Some(true));
+            let incoming = admitted(accepted, tracker);
+            Box::pin(router.serve_with_incoming_shutdown(incoming, stop.stopped()))
+        }
+        (GrpcListener::Tcp(listener), Some(GrpcTls { files, config })) => {
             tracing::info!(mutual = files.client_ca.is_some(), "gRPC over TLS");
             let (incoming, tls_tasks) = super::tls::incoming(
                 listener,
@@ -309,6 +293,21 @@ fn serve_grpc<H: tonic_health::pb::health_server::Health>(
             Box::pin(router.serve_with_incoming_shutdown(incoming, stop.stopped()))
         }
     }
+}
+
+/// The connections `accepted` yields, each under `tracker`'s bounds (one past them is closed
+/// at once).
+fn admitted<IO>(
+    accepted: impl futures_util::Stream<Item = std::io::Result<IO>>,
+    tracker: Tracker,
+) -> impl futures_util::Stream<Item = std::io::Result<Tracked<IO>>> {
+    use futures_util::StreamExt;
+    accepted.filter_map(move |accepted| {
+        std::future::ready(match accepted {
+            Ok(io) => tracker.admit(io).map(Ok),
+            Err(e) => Some(Err(e)),
+        })
+    })
 }
 
 /// The HTTP endpoints on `listener` and on every `extra` listener. The HTTP ports share one
