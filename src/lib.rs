@@ -13,6 +13,7 @@ mod server;
 pub mod settings;
 mod shutdown;
 mod source;
+mod statsd;
 pub mod telemetry;
 mod trace;
 mod xds;
@@ -120,7 +121,10 @@ pub async fn run_with_clock(
     // rediss:// uses rustls, which needs one crypto provider chosen per process; ring builds
     // with the C compiler alone (aws-lc also wants cmake). A second install is a harmless no-op.
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let metrics = Arc::new(Metrics::with_reference(options.reference_metrics));
+    let metrics = Arc::new(Metrics::with_families(
+        options.reference_metrics,
+        options.statsd.is_some(),
+    ));
     let mut tasks = Tasks::default();
     let (health, health_service) = tonic_health::server::health_reporter();
     let source = source::start(&options.source, &metrics, &mut tasks)?;
@@ -130,6 +134,10 @@ pub async fn run_with_clock(
         .clone()
         .filter(|_| options.source.unhealthy_until_config);
     let stop = Stop::start(shutdown, health, ready, &mut tasks).await;
+    if let Some(statsd) = options.statsd.clone() {
+        let sink = statsd::Sink::new(statsd, metrics.clone());
+        tasks.push(tokio::spawn(statsd::run(sink, stop.stopped())));
+    }
     if let Some(mut loaded) = source.loaded
         && !options.source.start_without_config
     {

@@ -130,6 +130,57 @@ impl ReferenceMetrics {
     }
 }
 
+/// envoyproxy/ratelimit's per-rule stats for the statsd sink (`--statsd-addr`): the five
+/// counts of [`ReferenceMetrics`], kept per rule's full path (the Prometheus families keep two
+/// levels), read by the sink at each flush and never exported on `/metrics`. Bounded as the
+/// rules are: by the config, plus the capped labels that carry request values.
+#[derive(Clone, Default)]
+pub(crate) struct StatsdRules(Arc<std::sync::Mutex<StatsdRuleMap>>);
+
+type StatsdRuleMap = std::collections::HashMap<(Arc<String>, Arc<String>), Arc<RuleStats>>;
+
+/// One rule's five counts, in the order of `engine::report::reference_counts`.
+#[derive(Default)]
+pub(crate) struct RuleStats([std::sync::atomic::AtomicU64; 5]);
+
+impl RuleStats {
+    /// Adds `counts`.
+    fn add(&self, counts: [u64; 5]) {
+        for (counter, n) in self.0.iter().zip(counts) {
+            if n > 0 {
+                counter.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// The counts so far.
+    pub(crate) fn get(&self) -> [u64; 5] {
+        self.0
+            .each_ref()
+            .map(|c| c.load(std::sync::atomic::Ordering::Relaxed))
+    }
+}
+
+impl StatsdRules {
+    /// `rule`'s counts in `domain`, made the first time.
+    fn of(&self, domain: &Arc<String>, rule: &Arc<String>) -> Arc<RuleStats> {
+        let mut rules = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        rules
+            .entry((domain.clone(), rule.clone()))
+            .or_default()
+            .clone()
+    }
+
+    /// Every rule's counts so far: (domain, rule, counts).
+    pub(crate) fn snapshot(&self) -> Vec<(Arc<String>, Arc<String>, [u64; 5])> {
+        let rules = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        rules
+            .iter()
+            .map(|((domain, rule), stats)| (domain.clone(), rule.clone(), stats.get()))
+            .collect()
+    }
+}
+
 /// What the engine records for each decided limit.
 #[derive(Clone, Default)]
 pub struct DecisionMetrics {
@@ -140,6 +191,8 @@ pub struct DecisionMetrics {
     pub accounted: Family<AccountedLabels, Counter>,
     /// envoyproxy/ratelimit's families, when enabled (`--reference-metrics`).
     pub reference: Option<ReferenceMetrics>,
+    /// The same counts per rule for the statsd sink, when it is on.
+    pub(crate) statsd: Option<StatsdRules>,
     /// Who these families are, for [`RuleCounters`]: clones share it.
     owner: Arc<()>,
 }
@@ -154,8 +207,14 @@ impl DecisionMetrics {
             decisions,
             accounted: Family::default(),
             reference,
+            statsd: None,
             owner: Arc::default(),
         }
+    }
+
+    /// Whether a decision's reference counts are wanted (`engine::report::reference_counts`).
+    pub fn wants_reference_counts(&self) -> bool {
+        self.reference.is_some() || self.statsd.is_some()
     }
 
     /// Counts `hits` of `rule` in `domain` as `kind`: reports and refunds are rare next to
@@ -193,6 +252,9 @@ impl DecisionMetrics {
                     family.get_or_create(&labels).inc_by(n);
                 }
             }
+        }
+        if let (Some(rules), Some(counts)) = (&self.statsd, reference) {
+            rules.of(domain, &rule).add(counts);
         }
         self.decisions
             .get_or_create(&DecisionLabels {
@@ -235,6 +297,7 @@ impl DecisionMetrics {
                         .families()
                         .map(|family| family.get_or_create(&labels).clone())
                 }),
+                statsd: self.statsd.as_ref().map(|rules| rules.of(domain, rule)),
             })
         });
         Arc::ptr_eq(&handles.owner, &self.owner).then_some(handles)
@@ -263,6 +326,8 @@ pub struct RuleHandles {
     decisions: [Counter; 4],
     /// As [`ReferenceMetrics::families`], when those are on.
     reference: Option<[BareCounter; 5]>,
+    /// The rule's statsd counts, when the sink is on.
+    statsd: Option<Arc<RuleStats>>,
 }
 
 impl RuleHandles {
@@ -274,6 +339,9 @@ impl RuleHandles {
                     counter.inc_by(n);
                 }
             }
+        }
+        if let (Some(stats), Some(counts)) = (&self.statsd, reference) {
+            stats.add(counts);
         }
         self.decisions[decision as usize].inc();
     }
@@ -458,12 +526,17 @@ pub struct Metrics {
     /// What the engine records per decided limit.
     pub decisions: DecisionMetrics,
     /// `process_resident_memory_bytes` and `process_virtual_memory_bytes`, read at each scrape
-    /// (with `--reference-metrics`, for Envoy Gateway's dashboard).
-    process: Option<(Gauge, Gauge)>,
+    /// (the chart's dashboard and Envoy Gateway's show them).
+    process: (Gauge, Gauge),
     /// `ratelimit_config_loads_total{result}`.
     pub config_loads: Family<LoadLabels, Counter>,
     /// `ratelimit_config_rules`: rules in the snapshot in force.
     pub config_rules: Gauge,
+    /// `ratelimit_config_last_load_success`: 1 when the last load succeeded, 0 after a failed
+    /// one (the config before it still in force) or before the first.
+    config_last_load: Gauge,
+    /// `ratelimit_statsd_flushes_total{result}`: the statsd sink's flushes.
+    statsd_flushes: Family<LoadLabels, Counter>,
     /// `ratelimit_request_duration_seconds`: ShouldRateLimit handling time.
     pub request_duration: Histogram,
     /// `ratelimit_grpc_errors_total{code}`: requests answered with a gRPC error.
@@ -495,6 +568,12 @@ impl Metrics {
     /// Fresh metrics, with envoyproxy/ratelimit's per-rule families and the process's memory
     /// when `reference` (for Envoy Gateway's dashboard).
     pub fn with_reference(reference: bool) -> Metrics {
+        Self::with_families(reference, false)
+    }
+
+    /// Fresh metrics, with envoyproxy/ratelimit's per-rule families when `reference`, and its
+    /// per-rule stats for the statsd sink when `statsd`.
+    pub fn with_families(reference: bool, statsd: bool) -> Metrics {
         let mut registry = Registry::default();
         let decisions = Family::<DecisionLabels, Counter>::default();
         registry.register(
@@ -502,7 +581,7 @@ impl Metrics {
             "Limit decisions per domain, rule and outcome",
             decisions.clone(),
         );
-        let (reference, process) = if reference {
+        let reference = if reference {
             let r = ReferenceMetrics::default();
             for (name, help, family) in [
                 ("total_hits", "Hits on the rule", &r.total_hits),
@@ -525,22 +604,25 @@ impl Metrics {
                     family.clone(),
                 );
             }
-            let (rss, vsz) = (Gauge::default(), Gauge::default());
-            registry.register(
-                "process_resident_memory_bytes",
-                "Resident memory",
-                rss.clone(),
-            );
-            registry.register(
-                "process_virtual_memory_bytes",
-                "Virtual memory",
-                vsz.clone(),
-            );
-            (Some(r), Some((rss, vsz)))
+            Some(r)
         } else {
-            (None, None)
+            None
         };
-        let decisions = DecisionMetrics::new(decisions, reference);
+        let (rss, vsz) = (Gauge::default(), Gauge::default());
+        registry.register(
+            "process_resident_memory_bytes",
+            "Resident memory",
+            rss.clone(),
+        );
+        registry.register(
+            "process_virtual_memory_bytes",
+            "Virtual memory",
+            vsz.clone(),
+        );
+        let process = (rss, vsz);
+
+        let mut decisions = DecisionMetrics::new(decisions, reference);
+        decisions.statsd = statsd.then(StatsdRules::default);
         registry.register(
             "ratelimit_accounted_hits",
             "Hits of cost reports recorded past a limit (report_over_limit) and of refunds (refund), per domain and rule",
@@ -551,6 +633,18 @@ impl Metrics {
             "ratelimit_config_loads",
             "Config loads by result; a failed reload keeps the previous config",
             config_loads.clone(),
+        );
+        let statsd_flushes = Family::<LoadLabels, Counter>::default();
+        registry.register(
+            "ratelimit_statsd_flushes",
+            "Flushes to the statsd collector (--statsd-addr) by result; a failed one's stats wait for the next (TCP) or are dropped (UDP)",
+            statsd_flushes.clone(),
+        );
+        let config_last_load = Gauge::default();
+        registry.register(
+            "ratelimit_config_last_load_success",
+            "1 when the last config load succeeded, 0 after a failed one (the previous config stays in force) or before the first",
+            config_last_load.clone(),
         );
         let config_rules = Gauge::default();
         registry.register(
@@ -640,6 +734,8 @@ impl Metrics {
             process,
             config_loads,
             config_rules,
+            config_last_load,
+            statsd_flushes,
             request_duration,
             grpc_errors,
         }
@@ -647,7 +743,16 @@ impl Metrics {
 
     /// Counts a config load.
     pub fn config_load(&self, result: LoadResult) {
+        self.config_last_load
+            .set(i64::from(matches!(result, LoadResult::success)));
         self.config_loads
+            .get_or_create(&LoadLabels { result })
+            .inc();
+    }
+
+    /// Counts a flush to the statsd collector.
+    pub(crate) fn statsd_flush(&self, result: LoadResult) {
+        self.statsd_flushes
             .get_or_create(&LoadLabels { result })
             .inc();
     }
@@ -659,9 +764,8 @@ impl Metrics {
 
     /// The Prometheus text exposition of every metric.
     pub fn encode(&self) -> String {
-        if let Some((rss, vsz)) = &self.process
-            && let Ok(status) = std::fs::read_to_string("/proc/self/status")
-        {
+        let (rss, vsz) = &self.process;
+        if let Ok(status) = std::fs::read_to_string("/proc/self/status") {
             let kib = |field: &str| {
                 status
                     .lines()

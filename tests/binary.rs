@@ -458,13 +458,21 @@ async fn reference_variables_without_an_equivalent_are_reported() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("l.yaml"), LIMITS).unwrap();
     let mut cmd = ratelimitd(dir.path(), &[]);
-    cmd.env("USE_STATSD", "true")
-        .env("EXPIRATION_JITTER_MAX_SECONDS", "300");
+    cmd.env("PROMETHEUS_PATH", "/m")
+        .env("EXPIRATION_JITTER_MAX_SECONDS", "300")
+        .env("USE_STATSD", "true");
     let d = Daemon::start(cmd).await;
     let (_, stderr) = d.terminate().await;
     assert_eq!(
-        stderr.matches("USE_STATSD=true has no equivalent").count(),
+        stderr
+            .matches("PROMETHEUS_PATH=/m has no equivalent")
+            .count(),
         1,
+        "{stderr}"
+    );
+    // And one that now has: the reference's statsd defaults.
+    assert!(
+        stderr.contains("sending stats to statsd addr=localhost:8125 protocol=Tcp"),
         "{stderr}"
     );
     assert!(

@@ -424,3 +424,131 @@ async fn silent_connections_on_the_grpc_port_are_cut_off() {
     until_fds_at_most(&d, fds + 1, Duration::from_secs(5)).await;
     victim_is_served(&d).await;
 }
+
+/// One frame from `socket`, answering the server's SETTINGS and PINGs on the way as any HTTP/2
+/// client does: (type, flags, stream, payload), or `None` once the server has closed.
+async fn next_frame(socket: &mut TcpStream) -> Option<(u8, u8, u32, Vec<u8>)> {
+    loop {
+        let mut head = [0u8; 9];
+        socket.read_exact(&mut head).await.ok()?;
+        let len = usize::from(head[0]) << 16 | usize::from(head[1]) << 8 | usize::from(head[2]);
+        let mut payload = vec![0; len];
+        socket.read_exact(&mut payload).await.ok()?;
+        let (kind, flags) = (head[3], head[4]);
+        let stream = u32::from_be_bytes([head[5] & 0x7f, head[6], head[7], head[8]]);
+        match (kind, flags & 1) {
+            (4, 0) => {
+                let _ = send(socket, &frame(4, 1, 0, &[])).await;
+            }
+            (6, 0) => {
+                let _ = send(socket, &frame(6, 1, 0, &payload)).await;
+            }
+            (4 | 6, _) => {}
+            _ => return Some((kind, flags, stream, payload)),
+        }
+    }
+}
+
+/// An HTTP/2 connection to the gRPC port, greeted.
+async fn h2_connection(port: u16) -> TcpStream {
+    let mut socket = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+    let mut hello = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    hello.extend(frame(4, 0, 0, &[]));
+    assert!(send(&mut socket, &hello).await);
+    socket
+}
+
+/// Reads until a GOAWAY: how long after `since` it came.
+async fn until_goaway(socket: &mut TcpStream, since: Instant) -> Duration {
+    loop {
+        match next_frame(socket).await {
+            Some((7, ..)) => return since.elapsed(),
+            Some(_) => {}
+            None => panic!("closed without GOAWAY after {:?}", since.elapsed()),
+        }
+    }
+}
+
+/// Connections that an Envoy fleet opened together are each sent GOAWAY at their age, within
+/// ±10% of `--grpc-max-connection-age`, not all at once.
+#[tokio::test]
+async fn connections_are_sent_goaway_at_their_age_each_with_its_own_jitter() {
+    let age = Duration::from_secs(4);
+    let (d, _dir) = daemon(&["--grpc-max-connection-age", "4s"]).await;
+    let clients = (0..24).map(|_| async {
+        let mut socket = h2_connection(d.grpc).await;
+        let since = Instant::now();
+        tokio::time::timeout(Duration::from_secs(30), until_goaway(&mut socket, since))
+            .await
+            .expect("GOAWAY within 30 s")
+    });
+    let ages = futures_util::future::join_all(clients).await;
+    let (first, last) = (ages.iter().min().unwrap(), ages.iter().max().unwrap());
+    // No connection is sent GOAWAY before 90% of the age (the lowest lane is 90.6%); a busy
+    // machine may only make one late.
+    assert!(*first >= age.mul_f64(0.9), "{ages:?}");
+    assert!(
+        *last <= age.mul_f64(1.1) + Duration::from_secs(10),
+        "{ages:?}"
+    );
+    // 24 connections over 16 lanes spread over 0.75 s; together they would be within ms.
+    assert!(*last - *first >= Duration::from_millis(300), "{ages:?}");
+    victim_is_served(&d).await;
+}
+
+/// A stream in flight when its connection's age comes finishes on that connection; a stream
+/// that never finishes is cut off with the connection when the grace is over.
+#[tokio::test]
+async fn streams_in_flight_at_the_age_finish_within_the_grace_then_the_connection_closes() {
+    let (age, grace) = (Duration::from_secs(2), Duration::from_secs(3));
+    let (d, _dir) = daemon(&[
+        "--grpc-max-connection-age",
+        "2s",
+        "--grpc-max-connection-age-grace",
+        "3s",
+        "--request-timeout",
+        "60s",
+    ])
+    .await;
+    let message = grpc_message(&request("d", &[&[("k", "in-flight")]]).encode_to_vec());
+    let (head, tail) = message.split_at(message.len() / 2);
+    let mut socket = h2_connection(d.grpc).await;
+    let since = Instant::now();
+    let mut opening = Vec::new();
+    for stream in [1, 3] {
+        opening.extend(frame(1, 4, stream, &headers(&CALL))); // HEADERS, END_HEADERS
+        opening.extend(frame(0, 0, stream, head)); // half the message
+    }
+    assert!(send(&mut socket, &opening).await);
+    let goaway = until_goaway(&mut socket, since).await;
+    assert!(goaway >= age.mul_f64(0.9), "GOAWAY after {goaway:?}");
+
+    // Stream 1 finishes after the GOAWAY and is answered.
+    assert!(send(&mut socket, &frame(0, 1, 1, tail)).await); // DATA, END_STREAM
+    let mut body = Vec::new();
+    loop {
+        match next_frame(&mut socket).await {
+            Some((0, _, 1, data)) => body.extend(data),
+            Some((1, flags, 1, _)) if flags & 1 == 1 => break, // trailers
+            Some(_) => {}
+            None => panic!("closed before stream 1 was answered"),
+        }
+    }
+    assert!(body.len() > 5, "an answer message, not only trailers");
+    let answer =
+        envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse::decode(&body[5..])
+            .unwrap();
+    assert!(is_ok(&answer), "{answer:?}");
+
+    // Stream 3 never finishes: the connection is closed once the grace is over.
+    while next_frame(&mut socket).await.is_some() {}
+    let closed = since.elapsed();
+    assert!(
+        closed >= goaway + grace.mul_f64(0.95),
+        "closed after {closed:?}, GOAWAY after {goaway:?}"
+    );
+    assert!(
+        closed <= age.mul_f64(1.1) + grace + Duration::from_secs(10),
+        "closed after {closed:?}"
+    );
+}

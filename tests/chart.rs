@@ -2,9 +2,14 @@
 //! every optional feature switched on (`charts/ratelimitd/ci/all-on-values.yaml`), and the
 //! rendered objects checked. helm comes from PATH, $HELM or target/tools/helm (`make deps`).
 
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use common::*;
+use promql_parser::parser::{Expr, LabelModifier};
 use serde_json::Value;
 
 fn root() -> &'static Path {
@@ -165,6 +170,8 @@ fn every_feature_switched_on() {
         "--response-headers=draft03",
         "--redis-key-prefix=ratelimit:",
         "--max-descriptors=32",
+        "--grpc-max-connection-age=2h",
+        "--grpc-max-connection-age-grace=5m",
     ] {
         assert!(a.contains(&expected.to_owned()), "{expected} in {a:?}");
     }
@@ -181,7 +188,9 @@ fn every_feature_switched_on() {
     );
     assert!(env.iter().any(|e| e["name"] == "RATELIMITD_SHADOW_MODE"));
     assert!(
-        of(&objects, "ConfigMap").is_none(),
+        !objects
+            .iter()
+            .any(|o| o["kind"] == "ConfigMap" && o["metadata"]["name"] == "rl-ratelimitd"),
         "an existing ConfigMap is used"
     );
     let volumes = d["spec"]["template"]["spec"]["volumes"].as_array().unwrap();
@@ -309,3 +318,306 @@ fn mutual_tls_to_redis_passes_the_client_certificate() {
         assert!(a.contains(&flag.to_owned()), "{flag} in {a:?}");
     }
 }
+
+/// The metric families a scrape of `/metrics` shows, each with the label names its samples carry
+/// (`le` on a histogram's buckets), under every name a query may use: a counter's `_total`, a
+/// histogram's `_bucket`, `_sum` and `_count`, a gauge's own.
+fn exported(scrapes: &[String]) -> BTreeMap<String, BTreeSet<String>> {
+    let mut names = BTreeMap::<String, BTreeSet<String>>::new();
+    for text in scrapes {
+        for line in text.lines() {
+            if let Some(rest) = line.strip_prefix("# TYPE ") {
+                let mut parts = rest.split_whitespace();
+                let (family, kind) = (parts.next().unwrap(), parts.next().unwrap());
+                let suffixes: &[&str] = match kind {
+                    "counter" => &["_total"],
+                    "histogram" => &["_bucket", "_sum", "_count"],
+                    _ => &[""],
+                };
+                for suffix in suffixes {
+                    names.entry(format!("{family}{suffix}")).or_default();
+                }
+            } else if !line.starts_with('#') && !line.is_empty() {
+                let name_end = line.find(['{', ' ']).unwrap();
+                let labels = names.entry(line[..name_end].to_owned()).or_default();
+                if let Some(set) = line[name_end..].strip_prefix('{') {
+                    let set = &set[..set.rfind('}').unwrap()];
+                    for pair in set.split("\",") {
+                        if let Some((name, _)) = pair.split_once('=') {
+                            labels.insert(name.trim_start_matches(',').to_owned());
+                        }
+                    }
+                }
+            }
+        }
+    }
+    names
+}
+
+/// Labels Prometheus gives every series of a target (a ServiceMonitor's).
+const TARGET_LABELS: [&str; 6] = [
+    "job",
+    "namespace",
+    "pod",
+    "instance",
+    "service",
+    "container",
+];
+
+/// What one query names: metrics, and for each the label names of its matchers; and the labels
+/// it groups or matches by.
+#[derive(Default)]
+struct Named {
+    metrics: BTreeMap<String, BTreeSet<String>>,
+    grouping: BTreeSet<String>,
+}
+
+impl promql_parser::util::ExprVisitor for Named {
+    type Error = String;
+
+    fn pre_visit(&mut self, expr: &Expr) -> Result<bool, String> {
+        let modifier = |m: &Option<LabelModifier>| {
+            m.as_ref()
+                .map(|m| m.labels().labels.clone())
+                .unwrap_or_default()
+        };
+        // The walk does not enter a range's selector (`x[5m]`): taken here.
+        let selector = match expr {
+            Expr::VectorSelector(vs) => Some(vs),
+            Expr::MatrixSelector(ms) => Some(&ms.vs),
+            _ => None,
+        };
+        if let Some(vs) = selector {
+            let name = vs.name.clone().ok_or("a selector without a metric name")?;
+            let labels = self.metrics.entry(name).or_default();
+            labels.extend(vs.matchers.matchers.iter().map(|m| m.name.clone()));
+        }
+        match expr {
+            Expr::Aggregate(a) => self.grouping.extend(modifier(&a.modifier)),
+            Expr::Binary(b) => {
+                if let Some(m) = &b.modifier {
+                    self.grouping.extend(modifier(&m.matching));
+                }
+            }
+            _ => {}
+        }
+        Ok(true)
+    }
+}
+
+/// Parses `query` as Prometheus would once Grafana has put in its interval.
+fn named(query: &str) -> Named {
+    let query = query.replace("$__rate_interval", "5m");
+    let expr = promql_parser::parser::parse(&query).unwrap_or_else(|e| panic!("{query}: {e}"));
+    let mut named = Named::default();
+    promql_parser::util::walk_expr(&mut named, &expr).unwrap();
+    named
+}
+
+/// Every query of the chart's dashboard and alerts parses as PromQL, and names only metrics the
+/// service exports, with labels their samples carry (or a target's); the alert rules pass
+/// `promtool check rules` and fire in `promtool test rules` where promtool is installed.
+#[tokio::test]
+async fn the_dashboard_and_the_alerts_ask_only_for_what_the_service_exports() {
+    let Some(helm) = helm() else { return };
+    let objects = template(&helm, &["-f", "charts/ratelimitd/ci/all-on-values.yaml"]);
+    let dashboard = objects
+        .iter()
+        .find(|o| o["kind"] == "ConfigMap" && o["metadata"]["name"] == "rl-ratelimitd-dashboard")
+        .expect("the dashboard's ConfigMap");
+    assert_eq!(dashboard["metadata"]["labels"]["grafana_dashboard"], "1");
+    let dashboard: Value =
+        serde_json::from_str(dashboard["data"]["ratelimitd.json"].as_str().unwrap()).unwrap();
+    let mut queries = Vec::new();
+    for panel in dashboard["panels"].as_array().unwrap() {
+        for target in panel["targets"].as_array().into_iter().flatten() {
+            queries.push(target["expr"].as_str().unwrap().to_owned());
+        }
+    }
+    // Variables: label_values(<selector>, <label>), Grafana's own function around a selector.
+    for var in dashboard["templating"]["list"].as_array().unwrap() {
+        if let Some(q) = var["query"]["query"].as_str() {
+            let inner = q
+                .strip_prefix("label_values(")
+                .unwrap()
+                .strip_suffix(')')
+                .unwrap();
+            let (selector, label) = inner.rsplit_once(',').unwrap();
+            queries.push(format!("count by ({}) ({selector})", label.trim()));
+        }
+    }
+    let rules = of(&objects, "PrometheusRule").expect("the PrometheusRule");
+    let alerts: Vec<&Value> = rules["spec"]["groups"][0]["rules"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .collect();
+    assert_eq!(alerts.len(), 5, "every alert is on in all-on-values");
+    queries.extend(
+        alerts
+            .iter()
+            .map(|r| r["expr"].as_str().unwrap().to_owned()),
+    );
+    assert!(queries.len() >= 30, "{}", queries.len());
+
+    // Scrapes of a memory and a Redis server that have decided a request, so that the families
+    // of both backends carry samples, and so labels.
+    let mut scrapes = Vec::new();
+    for kind in [Kind::Memory, Kind::Redis] {
+        let s = start(kind, &[("d.yaml", "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: second, requests_per_unit: 1}\n")], &[]).await;
+        let mut c = s.client().await;
+        call(&mut c, request("d", &[&[("k", "v")]])).await;
+        call(&mut c, request("d", &[&[("k", "v")]])).await;
+        scrapes.push(s.http_get("/metrics").await.1);
+    }
+    let exported = exported(&scrapes);
+    let mut missing = Vec::new();
+    for query in &queries {
+        let named = named(query);
+        for (metric, labels) in &named.metrics {
+            let Some(has) = exported.get(metric) else {
+                missing.push(format!("{metric} (in {query})"));
+                continue;
+            };
+            // A family without samples shows no labels to check against.
+            if has.is_empty() {
+                continue;
+            }
+            for label in labels.iter().chain(&named.grouping) {
+                if !has.contains(label)
+                    && !TARGET_LABELS.contains(&label.as_str())
+                    && label != "__name__"
+                {
+                    missing.push(format!("label {label} of {metric} (in {query})"));
+                }
+            }
+        }
+    }
+    assert!(missing.is_empty(), "not exported: {missing:#?}");
+
+    promtool_checks(&rules["spec"]);
+}
+
+fn promtool() -> Option<PathBuf> {
+    let found = Command::new("promtool")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !found {
+        assert!(
+            std::env::var_os("RATELIMITD_REQUIRE_PROMTOOL").is_none(),
+            "RATELIMITD_REQUIRE_PROMTOOL is set but promtool is not installed (scripts/promtool.sh)"
+        );
+        eprintln!(
+            "promtool not installed: the alert rules are not checked by it (scripts/promtool.sh installs it)"
+        );
+    }
+    found.then(|| PathBuf::from("promtool"))
+}
+
+/// `promtool check rules` over the rendered groups, and `promtool test rules`: each alert fires
+/// on the series it is about, after its `for`, and stays quiet on a healthy replica.
+fn promtool_checks(spec: &Value) {
+    let Some(promtool) = promtool() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let rules = dir.path().join("rules.yaml");
+    std::fs::write(&rules, serde_json::to_string(spec).unwrap()).unwrap();
+    let out = Command::new(&promtool)
+        .arg("check")
+        .arg("rules")
+        .arg(&rules)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "promtool check rules: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let test = dir.path().join("test.yaml");
+    std::fs::write(&test, ALERT_TESTS).unwrap();
+    let out = Command::new(&promtool)
+        .arg("test")
+        .arg("rules")
+        .arg(&test)
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "promtool test rules: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Series of two replicas over 30 minutes, one healthy (`a`) and one in trouble (`b`), and which
+/// alerts must be firing for `b` (and none for `a`) when. all-on-values' latency bound is 20 ms.
+const ALERT_TESTS: &str = r#"
+rule_files: [rules.yaml]
+evaluation_interval: 1m
+tests:
+  - interval: 1m
+    input_series:
+      - series: 'ratelimit_failure_mode_decisions_total{job="rl-ratelimitd", namespace="default", pod="b", mode="allow"}'
+        values: '0 0 0 0 0 60+60x25'
+      - series: 'ratelimit_backend_up{job="rl-ratelimitd", namespace="default", pod="a"}'
+        values: '1x30'
+      - series: 'ratelimit_backend_up{job="rl-ratelimitd", namespace="default", pod="b"}'
+        values: '1 1 1 1 1 0x25'
+      - series: 'ratelimit_config_last_load_success{job="rl-ratelimitd", namespace="default", pod="a"}'
+        values: '1x30'
+      - series: 'ratelimit_config_last_load_success{job="rl-ratelimitd", namespace="default", pod="b"}'
+        values: '1 1 1 1 1 0x25'
+      - series: 'ratelimit_memory_evictions_total{job="rl-ratelimitd", namespace="default", pod="a"}'
+        values: '0x30'
+      - series: 'ratelimit_memory_evictions_total{job="rl-ratelimitd", namespace="default", pod="b"}'
+        values: '0 0 0 0 0 100+100x25'
+      - series: 'ratelimit_request_duration_seconds_bucket{job="rl-ratelimitd", namespace="default", pod="b", le="0.01"}'
+        values: '0+1000x30'
+      - series: 'ratelimit_request_duration_seconds_bucket{job="rl-ratelimitd", namespace="default", pod="b", le="0.05"}'
+        values: '0+1100x30'
+      - series: 'ratelimit_request_duration_seconds_bucket{job="rl-ratelimitd", namespace="default", pod="b", le="+Inf"}'
+        values: '0+1100x30'
+    alert_rule_test:
+      - {eval_time: 4m, alertname: RatelimitdCircuitOpen, exp_alerts: []}
+      - eval_time: 10m
+        alertname: RatelimitdCircuitOpen
+        exp_alerts:
+          - exp_labels: {severity: critical, namespace: default, job: rl-ratelimitd, pod: b}
+            exp_annotations:
+              summary: A ratelimitd replica's circuit to its backend is open.
+              description: b in default cannot reach its backend; its requests are decided by the failure mode.
+      - {eval_time: 8m, alertname: RatelimitdFailureModeAnswering, exp_alerts: []}
+      - eval_time: 15m
+        alertname: RatelimitdFailureModeAnswering
+        exp_alerts:
+          - exp_labels: {severity: warning, namespace: default, job: rl-ratelimitd, mode: allow}
+            exp_annotations:
+              summary: The rate-limit backend cannot decide; the failure mode answers.
+              description: 'rl-ratelimitd in default answers 1 requests/s by its failure mode (allow): Redis is unreachable, slow or overloaded.'
+      - {eval_time: 8m, alertname: RatelimitdConfigReloadFailing, exp_alerts: []}
+      - eval_time: 15m
+        alertname: RatelimitdConfigReloadFailing
+        exp_alerts:
+          - exp_labels: {severity: warning, namespace: default, job: rl-ratelimitd, pod: b}
+            exp_annotations:
+              summary: The last rate-limit config load failed; the previous config is in force.
+              description: b in default refused its last config (see its log for the file, line and field); limits changed since are not in force.
+      - {eval_time: 15m, alertname: RatelimitdMemoryBoundReached, exp_alerts: []}
+      - eval_time: 25m
+        alertname: RatelimitdMemoryBoundReached
+        exp_alerts:
+          - exp_labels: {severity: warning, namespace: default, job: rl-ratelimitd, pod: b}
+            exp_annotations:
+              summary: Counters are given up at the memory bound.
+              description: b in default gives up 1.667 live counters/s at backend.memoryMaxBytes; each may admit up to its limit again. Raise the bound (and the memory limit) or use Redis.
+      - {eval_time: 5m, alertname: RatelimitdSlowDecisions, exp_alerts: []}
+      - eval_time: 15m
+        alertname: RatelimitdSlowDecisions
+        exp_alerts:
+          - exp_labels: {severity: critical, namespace: default, job: rl-ratelimitd}
+            exp_annotations:
+              summary: ShouldRateLimit's p99 latency is above 0.02 s.
+              description: rl-ratelimitd in default answers 1% of its calls in more than 45.6ms; Envoy gives up after its own timeout (20 ms by default).
+"#;

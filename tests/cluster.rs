@@ -240,7 +240,7 @@ async fn migrating_live_counters_under_load_never_over_admits() {
     let (_, m) = s.http_get("/metrics").await;
     let errors: Vec<&str> = m
         .lines()
-        .filter(|l| l.starts_with("ratelimit_backend_errors_total"))
+        .filter(|l| l.starts_with("ratelimit_backend_errors_total") && !l.ends_with(" 0"))
         .collect();
     eprintln!("migration under load: {seen:?}, {errors:?}");
     assert!(seen.slowest <= ANSWER_BOUND, "{:?}", seen.slowest);

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 /// "root" is `lib.rs` and what it defines; `main.rs` uses the crate as any user does.
 const FLOORS: &[&[&str]] = &[
     &["metrics", "shutdown", "trace"],
-    &["limiter", "telemetry"],
+    &["limiter", "statsd", "telemetry"],
     &["config"],
     &["engine", "rlqs", "xds"],
     &["server", "source"],

@@ -59,6 +59,7 @@ async fn in_place_edits_and_atomic_renames_take_effect() {
 
     let (_, m) = s.http_get("/metrics").await;
     assert!(metric(&m, r#"ratelimit_config_loads_total{result="success"}"#) >= 3.0);
+    assert_eq!(metric(&m, "ratelimit_config_last_load_success"), 1.0);
     assert_eq!(
         metric(&m, r#"ratelimit_config_loads_total{result="error"}"#),
         0.0
@@ -87,6 +88,8 @@ async fn a_bad_reload_keeps_the_whole_previous_config() {
     })
     .await;
     assert_eq!(rpu(&mut c).await, Some(5), "previous config still in force");
+    let (_, m) = s.http_get("/metrics").await;
+    assert_eq!(metric(&m, "ratelimit_config_last_load_success"), 0.0);
     assert_eq!(s.http_get("/rlconfig").await.1, before);
     assert_eq!(s.http_get("/healthcheck").await.0, 200);
 
@@ -102,6 +105,8 @@ async fn a_bad_reload_keeps_the_whole_previous_config() {
     // Fixing it applies everything.
     s.write("other.yaml", "domain: other\n");
     until_rpu(&c, 6).await;
+    let (_, m) = s.http_get("/metrics").await;
+    assert_eq!(metric(&m, "ratelimit_config_last_load_success"), 1.0);
 }
 
 /// What kubelet does on a ConfigMap update: a new `..<timestamp>` directory, a `..data_tmp`

@@ -200,7 +200,7 @@ impl Engine {
         if kind == HitKind::Refund {
             return;
         }
-        let reference = self.decisions.reference.is_some().then(|| {
+        let reference = self.decisions.wants_reference_counts().then(|| {
             report::reference_counts(
                 tally,
                 self.options.near_limit_ratio,

@@ -8,7 +8,7 @@ use super::fallback::{FailureMode, Fallback};
 use super::key::KeyFormat;
 use super::redis::{RedisBackend, RedisOptions, SetupError};
 use super::{Backend, Clock, MemoryBackend};
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, ModeLabels};
 use crate::shutdown::Tasks;
 
 /// How often the memory backend drops expired counters in the background.
@@ -84,6 +84,13 @@ pub(crate) fn start(
                 metrics.backend.clone(),
             )?);
             tasks.push(redis.spawn_probe(PROBE_EVERY));
+            // Exported at 0 from the start, as the errors are.
+            let _ = metrics
+                .backend
+                .failure_mode_decisions
+                .get_or_create(&ModeLabels {
+                    mode: failure_mode.as_str(),
+                });
             let backend = Arc::new(Fallback::new(
                 redis.clone(),
                 *failure_mode,

@@ -7,6 +7,9 @@
 //! - **Not reading.** While a peer leaves the server's writes blocked, nothing more is read
 //!   from it, so it cannot make the server take in more requests than it reads answers for; if
 //!   that lasts `idle_timeout` it is closed.
+//! - **Age (gRPC).** With `age` set, each connection is given an age within ±[`AGE_JITTER`]
+//!   of it; at that age the gRPC server sends it GOAWAY (see `serve.rs`), and once `grace` more
+//!   has passed it is closed here, whatever its streams are doing.
 //! - **Request bytes (gRPC).** The requests a connection has in flight, from their first body
 //!   byte until their answer is ready, hold at most `request_bytes` between them; a request
 //!   that would pass that is refused (`RESOURCE_EXHAUSTED`) on its own connection only. Half-
@@ -22,7 +25,7 @@ use std::future::Future;
 use std::io;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
@@ -61,6 +64,73 @@ pub(crate) struct ConnLimits {
     pub idle_timeout: Duration,
     /// Bytes of gRPC requests one connection may have in flight.
     pub request_bytes: usize,
+    /// How long a connection lives (`None`: as long as its client keeps it).
+    pub(crate) age: Option<ConnectionAge>,
+}
+
+/// `--grpc-max-connection-age`: a gRPC connection is sent GOAWAY at about `age` (each
+/// connection's own age is drawn within ±[`AGE_JITTER`] of it, so a fleet of Envoys that
+/// connected together does not reconnect together), its streams in flight may go on for
+/// `grace`, then it is closed. Envoy opens a new connection for its next request, which the
+/// Service in front of the replicas may send to one that started since: without an age, the
+/// long-lived HTTP/2 connections of Envoy stay on the replicas that were there first.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ConnectionAge {
+    /// The mean age at which a connection is sent GOAWAY.
+    pub(crate) age: Duration,
+    /// How long its streams may go on after the GOAWAY before the connection is closed.
+    pub(crate) grace: Duration,
+}
+
+/// How far a connection's age strays from `--grpc-max-connection-age`, either way (gRPC's own
+/// servers use the same ±10%).
+pub(crate) const AGE_JITTER: f64 = 0.1;
+
+/// Connection ages are drawn from this many values evenly spread over the jitter's range: the
+/// gRPC server runs one loop per value, each keeping its connections' age (tonic has one age
+/// per server). 16 puts ±10% of 30 minutes in steps of about 22 seconds.
+pub(crate) const AGE_LANES: usize = 16;
+
+impl ConnectionAge {
+    /// The age of the connections in lane `lane` of [`AGE_LANES`].
+    pub(crate) fn of_lane(self, lane: usize) -> Duration {
+        let spread = (lane as f64 + 0.5) / AGE_LANES as f64;
+        self.age
+            .mul_f64(1.0 - AGE_JITTER + 2.0 * AGE_JITTER * spread)
+    }
+}
+
+/// The lane of each next connection: a golden-ratio sequence, which spreads connections that
+/// arrive together over every lane, from a start drawn at random per process so that replicas
+/// do not share it.
+struct Lanes(AtomicU64);
+
+impl Lanes {
+    fn new() -> Self {
+        use std::hash::BuildHasher;
+        Lanes(AtomicU64::new(
+            std::collections::hash_map::RandomState::new().hash_one(0u8),
+        ))
+    }
+
+    fn next(&self) -> usize {
+        const STEP: u64 = 0x9E37_79B9_7F4A_7C15;
+        let at = self.0.fetch_add(STEP, Ordering::Relaxed).wrapping_add(STEP);
+        // The top 32 bits scaled to the lane count: always below it.
+        (((at >> 32) * AGE_LANES as u64) >> 32) as usize
+    }
+}
+
+/// The age lane a connection was given when admitted (0 without an age).
+pub(crate) trait InLane {
+    /// Its lane, below [`AGE_LANES`].
+    fn lane(&self) -> usize;
+}
+
+impl<IO> InLane for Tracked<IO> {
+    fn lane(&self) -> usize {
+        self.lane
+    }
 }
 
 /// Admits connections to one listener within its [`ConnLimits`].
@@ -68,6 +138,7 @@ pub(crate) struct ConnLimits {
 pub(crate) struct Tracker {
     limits: ConnLimits,
     open: Arc<AtomicUsize>,
+    lanes: Arc<Lanes>,
 }
 
 impl Tracker {
@@ -76,6 +147,7 @@ impl Tracker {
         Tracker {
             limits,
             open: Arc::new(AtomicUsize::new(0)),
+            lanes: Arc::new(Lanes::new()),
         }
     }
 
@@ -88,11 +160,23 @@ impl Tracker {
             return None;
         }
         let idle = self.limits.idle_timeout;
+        let now = Instant::now();
+        let (lane, closes_at) = match self.limits.age {
+            Some(age) => {
+                let lane = self.lanes.next();
+                (lane, Some(now + age.of_lane(lane) + age.grace))
+            }
+            None => (0, None),
+        };
         Some(Tracked {
             io,
             idle,
-            last_read: Instant::now(),
-            read_deadline: Box::pin(tokio::time::sleep(idle)),
+            lane,
+            closes_at,
+            last_read: now,
+            read_deadline: Box::pin(tokio::time::sleep_until(
+                closes_at.map_or(now + idle, |at| at.min(now + idle)),
+            )),
             read_armed: None,
             write_blocked: None,
             read_parked: false,
@@ -122,6 +206,10 @@ impl Drop for Slot {
 pub(crate) struct Tracked<IO> {
     io: IO,
     idle: Duration,
+    /// Its age lane.
+    lane: usize,
+    /// When its age and grace are over.
+    closes_at: Option<Instant>,
     last_read: Instant,
     read_deadline: Pin<Box<Sleep>>,
     /// The waker `read_deadline` was last polled with. While the task's waker is this one the
@@ -186,6 +274,11 @@ impl<IO: AsyncRead + Unpin> AsyncRead for Tracked<IO> {
         let before = buf.filled().len();
         match Pin::new(&mut this.io).poll_read(cx, buf) {
             Poll::Ready(r) => {
+                // The timer also keeps the age (below): one that has fired since it was last
+                // moved is the only time a busy connection's clock need be read for it.
+                if this.read_deadline.is_elapsed() && this.aged() {
+                    return Poll::Ready(Err(timed_out("the connection's age and grace are over")));
+                }
                 if buf.filled().len() > before {
                     this.last_read = Instant::now();
                 }
@@ -201,11 +294,18 @@ impl<IO: AsyncRead + Unpin> AsyncRead for Tracked<IO> {
                 }
                 // The timer is moved only when it fires: no timer work per read.
                 while this.read_deadline.as_mut().poll(cx).is_ready() {
+                    if this.aged() {
+                        return Poll::Ready(Err(timed_out(
+                            "the connection's age and grace are over",
+                        )));
+                    }
                     let until = this.last_read + this.idle;
                     if Instant::now() >= until {
                         return Poll::Ready(Err(timed_out("the peer sent nothing")));
                     }
-                    this.read_deadline.as_mut().reset(until);
+                    this.read_deadline
+                        .as_mut()
+                        .reset(this.closes_at.map_or(until, |at| at.min(until)));
                 }
                 this.read_armed = Some(cx.waker().clone());
                 Poll::Pending
@@ -215,6 +315,11 @@ impl<IO: AsyncRead + Unpin> AsyncRead for Tracked<IO> {
 }
 
 impl<IO> Tracked<IO> {
+    /// Whether the connection's age and grace are over.
+    fn aged(&self) -> bool {
+        self.closes_at.is_some_and(|at| Instant::now() >= at)
+    }
+
     /// Whether the server's writes have been blocked for the idle timeout (and, until then, a
     /// wake-up when they will have been).
     fn write_stalled(&mut self, cx: &mut Context<'_>) -> bool {
@@ -554,6 +659,30 @@ mod tests {
     use std::task::{Wake, Waker};
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+    /// Connections arriving together are spread over every lane, each lane's age within the
+    /// jitter, the lowest and highest at its two ends.
+    #[test]
+    fn connections_are_spread_evenly_over_ages_within_the_jitter() {
+        let lanes = Lanes::new();
+        let mut count = [0usize; AGE_LANES];
+        // Any 16 in a row visit at least 12 lanes; 1600 fill each within 10% of its share.
+        let first: std::collections::HashSet<usize> = (0..16).map(|_| lanes.next()).collect();
+        assert!(first.len() >= 12, "{first:?}");
+        for _ in 0..1600 {
+            count[lanes.next()] += 1;
+        }
+        assert!(count.iter().all(|c| (90..=110).contains(c)), "{count:?}");
+        let age = ConnectionAge {
+            age: Duration::from_secs(1000),
+            grace: Duration::ZERO,
+        };
+        let ages: Vec<Duration> = (0..AGE_LANES).map(|l| age.of_lane(l)).collect();
+        assert!(ages.windows(2).all(|w| w[0] < w[1]), "{ages:?}");
+        assert!(ages[0] >= Duration::from_secs(900) && ages[0] < Duration::from_secs(910));
+        let last = ages[AGE_LANES - 1];
+        assert!(last <= Duration::from_secs(1100) && last > Duration::from_secs(1090));
+    }
+
     /// What a stream's decoder holds as frames arrive, cut anywhere: the unfinished message
     /// so far plus the frame; nothing of a message once it is complete.
     #[test]
@@ -624,6 +753,7 @@ mod tests {
             max_connections: 1,
             idle_timeout: Duration::from_secs(60),
             request_bytes: 1 << 20,
+            age: None,
         };
         let (ours, mut peer) = tokio::io::duplex(64);
         let mut io = Tracker::new(limits).admit(ours).expect("admitted");

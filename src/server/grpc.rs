@@ -35,6 +35,13 @@ pub(crate) struct GrpcService {
 impl GrpcService {
     /// Serves `engine`, recording timings in `metrics`, adding `headers` to responses.
     pub(crate) fn new(engine: Arc<Engine>, metrics: Arc<Metrics>, headers: HeaderMode) -> Self {
+        // Every code exported at 0 from the start: a dashboard shows none rather than no data,
+        // and `rate()` sees the first error.
+        for code in ERROR_CODES {
+            let _ = metrics.grpc_errors.get_or_create(&ErrorLabels {
+                code: code.to_owned(),
+            });
+        }
         Self {
             engine,
             metrics,
@@ -265,6 +272,15 @@ pub(crate) fn to_response(
     }
 }
 
+/// The `code` labels of `ratelimit_grpc_errors_total`.
+const ERROR_CODES: [&str; 5] = [
+    "invalid_argument",
+    "unavailable",
+    "deadline_exceeded",
+    "resource_exhausted",
+    "internal",
+];
+
 /// Decrements the in-flight gauge however the call ends (even if the client goes away).
 struct InFlight<'a>(&'a Metrics);
 
@@ -277,11 +293,11 @@ impl Drop for InFlight<'_> {
 impl GrpcService {
     fn error(&self, status: Status) -> Status {
         let code = match status.code() {
-            tonic::Code::InvalidArgument => "invalid_argument",
-            tonic::Code::Unavailable => "unavailable",
-            tonic::Code::DeadlineExceeded => "deadline_exceeded",
-            tonic::Code::ResourceExhausted => "resource_exhausted",
-            _ => "internal",
+            tonic::Code::InvalidArgument => ERROR_CODES[0],
+            tonic::Code::Unavailable => ERROR_CODES[1],
+            tonic::Code::DeadlineExceeded => ERROR_CODES[2],
+            tonic::Code::ResourceExhausted => ERROR_CODES[3],
+            _ => ERROR_CODES[4],
         }
         .to_owned();
         self.metrics

@@ -164,6 +164,31 @@ impl RlqsService {
         }: RlqsOptions,
         metrics: RlqsMetrics,
     ) -> std::io::Result<RlqsService> {
+        // Every kind exported at 0 from the start: a dashboard shows none rather than no data,
+        // and `rate()` sees the first one. The failure mode's only with Redis pools.
+        let zero = |family: &prometheus_client::metrics::family::Family<NameLabels, _>,
+                    kinds: &[&'static str]| {
+            for &kind in kinds {
+                let _ = family.get_or_create(&NameLabels { kind });
+            }
+        };
+        zero(
+            &metrics.assignments,
+            &["allow_all", "deny_all", "token_bucket"],
+        );
+        zero(
+            &metrics.skipped,
+            &[
+                "empty_key_or_value",
+                "no_bucket_id",
+                "too_long",
+                "too_many_pairs",
+                "over_budget",
+            ],
+        );
+        if let Pools::InRedis { failure, .. } = &pools {
+            zero(&metrics.fallbacks, &[failure.as_str(), "error"]);
+        }
         let service = RlqsService {
             apart: Arc::new(Apart::start()?),
             shared: Arc::new(ServiceState {

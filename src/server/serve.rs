@@ -10,7 +10,7 @@ use tokio::net::{TcpListener, TcpSocket, UnixListener};
 use tonic::transport::server::TcpIncoming;
 
 use super::admin::{Admin, AdminServer};
-use super::conn::{BudgetLayer, ConnLimits, Tracked, Tracker};
+use super::conn::{AGE_JITTER, AGE_LANES, BudgetLayer, ConnLimits, InLane, Tracked, Tracker};
 use super::grpc::GrpcService;
 use super::headers::HeaderMode;
 use super::http::HttpState;
@@ -240,15 +240,8 @@ fn serve_grpc<H: tonic_health::pb::health_server::Health>(
         AdminServer::new(Admin::new(engine.clone()))
     });
     let conns = options.grpc_connections;
-    let router = tonic::transport::Server::builder()
-        .max_concurrent_streams(MAX_STREAMS_PER_CONNECTION)
-        .http2_max_header_list_size(MAX_HEADER_BYTES)
-        .timeout(options.request_timeout)
-        .http2_keepalive_interval(Some(conns.idle_timeout / 3))
-        .http2_keepalive_timeout(Some(conns.idle_timeout / 3))
-        .layer(BudgetLayer {
-            message_timeout: options.request_timeout,
-        })
+    let mut routes = tonic::service::RoutesBuilder::default();
+    routes
         .add_service(health)
         .add_service(
             RateLimitServiceServer::new(GrpcService::new(
@@ -260,8 +253,38 @@ fn serve_grpc<H: tonic_health::pb::health_server::Health>(
         )
         .add_service(
             RateLimitQuotaServiceServer::new(rlqs).max_decoding_message_size(MAX_MESSAGE_BYTES),
-        )
-        .add_optional_service(admin.map(|a| a.max_decoding_message_size(MAX_MESSAGE_BYTES)));
+        );
+    if let Some(admin) = admin {
+        routes.add_service(admin.max_decoding_message_size(MAX_MESSAGE_BYTES));
+    }
+    let routes = routes.routes();
+    let router = |age: Option<Duration>| {
+        let mut server = tonic::transport::Server::builder()
+            .max_concurrent_streams(MAX_STREAMS_PER_CONNECTION)
+            .http2_max_header_list_size(MAX_HEADER_BYTES)
+            .timeout(options.request_timeout)
+            .http2_keepalive_interval(Some(conns.idle_timeout / 3))
+            .http2_keepalive_timeout(Some(conns.idle_timeout / 3));
+        if let Some(age) = age {
+            server = server.max_connection_age(age);
+        }
+        server
+            .layer(BudgetLayer {
+                message_timeout: options.request_timeout,
+            })
+            .add_routes(routes.clone())
+    };
+    let lanes: Vec<GrpcRouter> = match conns.age {
+        None => vec![router(None)],
+        Some(age) => {
+            tracing::info!(age = ?age.age, jitter = AGE_JITTER, grace = ?age.grace, "gRPC connections age");
+            // The grace is kept by the connection itself (`Tracked`): tonic, given one, closes
+            // the connection at age plus grace without ever sending GOAWAY.
+            (0..AGE_LANES)
+                .map(|lane| router(Some(age.of_lane(lane))))
+                .collect()
+        }
+    };
     let tracker = Tracker::new(conns);
     match (listener, &options.grpc_tls) {
         // Plain text only (settings refuse TLS with a Unix socket).
@@ -270,13 +293,11 @@ fn serve_grpc<H: tonic_health::pb::health_server::Health>(
                 let accepted = l.accept().await.map(|(stream, _)| stream);
                 Some((accepted, l))
             });
-            let incoming = admitted(accepted, tracker);
-            Box::pin(router.serve_with_incoming_shutdown(incoming, stop.stopped()))
+            serve_lanes(lanes, admitted(accepted, tracker), stop)
         }
         (GrpcListener::Tcp(listener), None) => {
             let accepted = TcpIncoming::from(listener).with_nodelay(Some(true));
-            let incoming = admitted(accepted, tracker);
-            Box::pin(router.serve_with_incoming_shutdown(incoming, stop.stopped()))
+            serve_lanes(lanes, admitted(accepted, tracker), stop)
         }
         (GrpcListener::Tcp(listener), Some(GrpcTls { files, config })) => {
             tracing::info!(mutual = files.client_ca.is_some(), "gRPC over TLS");
@@ -290,9 +311,71 @@ fn serve_grpc<H: tonic_health::pb::health_server::Health>(
             for task in tls_tasks {
                 tasks.push(task);
             }
-            Box::pin(router.serve_with_incoming_shutdown(incoming, stop.stopped()))
+            serve_lanes(lanes, incoming, stop)
         }
     }
+}
+
+/// The gRPC server, as one lane of connection ages sees it.
+type GrpcRouter = tonic::transport::server::Router<
+    tower::layer::util::Stack<BudgetLayer, tower::layer::util::Identity>,
+>;
+
+/// Serves the connections `incoming` yields on `lanes` until `stop`, each on the lane it was
+/// given when admitted. Connections handed to a lane and not yet served are already counted
+/// against the connection cap, so nothing queued here is unbounded.
+fn serve_lanes<IO>(
+    lanes: Vec<GrpcRouter>,
+    incoming: impl futures_util::Stream<Item = std::io::Result<IO>> + Send + 'static,
+    stop: &Stop,
+) -> Serving<tonic::transport::Error>
+where
+    IO: tokio::io::AsyncRead
+        + tokio::io::AsyncWrite
+        + tonic::transport::server::Connected
+        + InLane
+        + Unpin
+        + Send
+        + 'static,
+{
+    use futures_util::StreamExt;
+    let mut lanes = lanes;
+    if lanes.len() == 1
+        && let Some(router) = lanes.pop()
+    {
+        return Box::pin(router.serve_with_incoming_shutdown(incoming, stop.stopped()));
+    }
+    let mut senders = Vec::with_capacity(lanes.len());
+    let mut servers = Vec::with_capacity(lanes.len());
+    for router in lanes {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        senders.push(tx);
+        let incoming = tokio_stream::wrappers::UnboundedReceiverStream::new(rx);
+        servers.push(router.serve_with_incoming_shutdown(incoming, stop.stopped()));
+    }
+    let stopped = stop.stopped();
+    let dispatch = async move {
+        let mut incoming = std::pin::pin!(incoming);
+        let mut stopped = std::pin::pin!(stopped);
+        loop {
+            let io = tokio::select! {
+                () = &mut stopped => break,
+                io = incoming.next() => match io {
+                    Some(io) => io,
+                    None => break,
+                },
+            };
+            // An error goes to any lane, whose server logs it. A lane's server ends only at
+            // `stop`, so a send fails only then.
+            let lane = io.as_ref().map_or(0, InLane::lane);
+            let _ = senders[lane.min(senders.len() - 1)].send(io);
+        }
+        // Dropping the senders ends every lane's incoming: each then finishes its connections.
+    };
+    Box::pin(async move {
+        let ((), served) = tokio::join!(dispatch, futures_util::future::try_join_all(servers));
+        served.map(|_| ())
+    })
 }
 
 /// The connections `accepted` yields, each under `tracker`'s bounds (one past them is closed

@@ -24,7 +24,7 @@ use tokio_rustls::rustls::{
 };
 use tokio_rustls::server::TlsStream;
 
-use super::conn::{Tracked, Tracker, accept};
+use super::conn::{InLane, Tracked, Tracker, accept};
 use crate::metrics::{LoadResult, Metrics};
 
 /// How often the files are checked for changes.
@@ -193,6 +193,12 @@ impl ClientCertVerifier for NamedClient {
 
 /// A client connection after its TLS handshake, under its listener's bounds.
 pub(crate) type Accepted = TlsStream<Tracked<TcpStream>>;
+
+impl InLane for Accepted {
+    fn lane(&self) -> usize {
+        self.get_ref().0.lane()
+    }
+}
 
 /// TLS connections accepted on `listener`, for tonic's `serve_with_incoming`, with the
 /// tasks that accept them and reload the files (abort them to stop).

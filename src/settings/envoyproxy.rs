@@ -56,14 +56,10 @@ const IGNORED: &[(&str, &str)] = &[
         "EXPIRATION_JITTER_MAX_SECONDS",
         "keys expire at their window's end",
     ),
-    ("USE_STATSD", "no statsd: metrics are on /metrics"),
-    ("USE_DOG_STATSD", "no statsd: metrics are on /metrics"),
-    ("USE_DOG_STATSD_MOGRIFIERS", "no statsd"),
-    ("STATSD_HOST", "no statsd"),
-    ("STATSD_PORT", "no statsd"),
-    ("EXTRA_TAGS", "no statsd"),
-    ("STATS_FLUSH_INTERVAL", "no statsd"),
-    ("DISABLE_STATS", "metrics are always on /metrics"),
+    (
+        "DISABLE_STATS",
+        "metrics are always on /metrics; no stats are sent to statsd",
+    ),
     ("PROMETHEUS_PATH", "metrics are served at /metrics"),
     (
         "PROMETHEUS_MAPPER_YAML",
@@ -77,8 +73,6 @@ const IGNORED: &[(&str, &str)] = &[
         "GRPC_SERVER_TLS_CA_CERT",
         "Envoy Gateway's name, which envoyproxy/ratelimit ignores too; GRPC_CLIENT_TLS_CACERT asks for client certificates",
     ),
-    ("GRPC_MAX_CONNECTION_AGE", "not supported"),
-    ("GRPC_MAX_CONNECTION_AGE_GRACE", "not supported"),
     (
         "RUNTIME_WATCH_ROOT",
         "the config directory is always watched, the root's swaps too",
@@ -253,6 +247,7 @@ pub(super) fn translate(
     behaviour(&env, dropin, &mut t)?;
     grpc_tls(&env, &mut t)?;
     tracing(&env, &mut t)?;
+    stats(&env, dropin, &mut t)?;
     if let Some(url) = env.non_empty("REDIS_URL") {
         redis(&env, &url, &mut t)?;
     }
@@ -438,10 +433,63 @@ const BEHAVIOUR: &[Row] = &[
     ("LOCAL_CACHE_SIZE_IN_BYTES",               "local-cache-bytes",          As::Set),
     ("CACHE_KEY_PREFIX",                        "redis-key-prefix",           As::Set),
     ("REDIS_TIMEOUT",                           "redis-timeout",              As::Set),
+    // Unset: ratelimitd's own 30m and 1m, not that service's 24h and 1h (docs/migrating.md).
+    ("GRPC_MAX_CONNECTION_AGE",                 "grpc-max-connection-age",    As::GoDuration),
+    ("GRPC_MAX_CONNECTION_AGE_GRACE",           "grpc-max-connection-age-grace", As::GoDuration),
     // true: nothing past a limit is recorded, reports included. Unset or false (that service's
     // default, which counts every hit): the default accounting, where reports are recorded as
     // that service records them and a refused admission still consumes nothing.
     ("STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT", "accounting",                 As::IfTrue("admission")),
+];
+
+/// The stats sinks: statsd (`USE_STATSD`, on by default in that service) or DogStatsD
+/// (`USE_DOG_STATSD`, which that service accepts only with `USE_STATSD=false`). Prometheus is
+/// always on here, so `USE_PROMETHEUS=true` with `USE_STATSD` unset (which that service refuses)
+/// sends no statsd.
+fn stats(env: &Env<'_>, dropin: bool, t: &mut Translated) -> Result<(), String> {
+    if let Some(m) = env.non_empty("USE_DOG_STATSD_MOGRIFIERS") {
+        return Err(format!(
+            "USE_DOG_STATSD_MOGRIFIERS={m} is not supported: stats are sent under that service's names, EXTRA_TAGS as DogStatsD tags"
+        ));
+    }
+    let statsd = env.bool_var("USE_STATSD")?;
+    let dog = env.bool_var("USE_DOG_STATSD")? == Some(true);
+    if dog && statsd != Some(false) {
+        return Err(
+            "USE_DOG_STATSD=true needs USE_STATSD=false: one stats sink, as envoyproxy/ratelimit requires".into(),
+        );
+    }
+    let on = dog
+        || statsd == Some(true)
+        || (statsd.is_none() && dropin && env.bool_var("USE_PROMETHEUS")? != Some(true));
+    if !on || env.bool_var("DISABLE_STATS")? == Some(true) {
+        return Ok(());
+    }
+    let host = env
+        .non_empty("STATSD_HOST")
+        .unwrap_or_else(|| "localhost".into());
+    t.flag(
+        "statsd-addr",
+        address_of(Some(host), env.non_empty("STATSD_PORT"), 8125),
+    );
+    // That service's statsd library reads STATSD_PROTOCOL: TCP unless it says udp. DogStatsD's
+    // client sends datagrams.
+    let udp = dog
+        || env
+            .var("STATSD_PROTOCOL")
+            .is_some_and(|p| p.eq_ignore_ascii_case("udp"));
+    t.flag("statsd-protocol", if udp { "udp" } else { "tcp" }.into());
+    if dog {
+        t.flag("statsd-format", "dogstatsd".into());
+    }
+    apply(env, STATS, t)
+}
+
+/// The stats sink's tags and interval.
+#[rustfmt::skip]
+const STATS: &[Row] = &[
+    ("EXTRA_TAGS",           "statsd-tags",           As::NonEmpty),
+    ("STATS_FLUSH_INTERVAL", "statsd-flush-interval", As::GoDuration),
 ];
 
 /// OpenTelemetry tracing (`TRACING_*`, `OTEL_EXPORTER_OTLP_ENDPOINT`).
@@ -631,6 +679,93 @@ mod tests {
             "{f:?}"
         );
         assert!(t.ignored.is_empty(), "{:?}", t.ignored);
+    }
+
+    #[test]
+    fn connection_age_takes_go_durations() {
+        let t = run(
+            &[
+                ("GRPC_MAX_CONNECTION_AGE", "24h"),
+                ("GRPC_MAX_CONNECTION_AGE_GRACE", "1h30m"),
+            ],
+            false,
+        )
+        .unwrap();
+        let f = flags(&t);
+        assert!(
+            f.contains(&("grpc-max-connection-age", "86400000ms")),
+            "{f:?}"
+        );
+        assert!(
+            f.contains(&("grpc-max-connection-age-grace", "5400000ms")),
+            "{f:?}"
+        );
+        assert!(t.ignored.is_empty(), "{:?}", t.ignored);
+        let bad = run(&[("GRPC_MAX_CONNECTION_AGE", "a day")], false).unwrap_err();
+        assert!(bad.contains("GRPC_MAX_CONNECTION_AGE"), "{bad}");
+    }
+
+    #[test]
+    fn statsd_as_that_service_sends_it() {
+        // Its default: on, over TCP, to localhost:8125, every 10 s.
+        let t = run(&[], true).unwrap();
+        let f = flags(&t);
+        assert!(f.contains(&("statsd-addr", "localhost:8125")), "{f:?}");
+        assert!(f.contains(&("statsd-protocol", "tcp")), "{f:?}");
+        // Not without the drop-in, nor with Prometheus chosen instead.
+        for (vars, dropin) in [
+            (&[][..], false),
+            (&[("USE_PROMETHEUS", "true")][..], true),
+            (&[("USE_STATSD", "false")][..], true),
+            (
+                &[("USE_STATSD", "true"), ("DISABLE_STATS", "true")][..],
+                true,
+            ),
+        ] {
+            let t = run(vars, dropin).unwrap();
+            assert!(
+                !flags(&t).iter().any(|(k, _)| k.starts_with("statsd")),
+                "{vars:?}: {:?}",
+                flags(&t)
+            );
+        }
+        let t = run(
+            &[
+                ("USE_STATSD", "true"),
+                ("STATSD_HOST", "statsd.monitoring"),
+                ("STATSD_PORT", "9125"),
+                ("STATSD_PROTOCOL", "UDP"),
+                ("EXTRA_TAGS", "env:prod,team:edge"),
+                ("STATS_FLUSH_INTERVAL", "2s"),
+            ],
+            false,
+        )
+        .unwrap();
+        let f = flags(&t);
+        for want in [
+            ("statsd-addr", "statsd.monitoring:9125"),
+            ("statsd-protocol", "udp"),
+            ("statsd-tags", "env:prod,team:edge"),
+            ("statsd-flush-interval", "2000ms"),
+        ] {
+            assert!(f.contains(&want), "{want:?} in {f:?}");
+        }
+        let t = run(
+            &[("USE_STATSD", "false"), ("USE_DOG_STATSD", "true")],
+            false,
+        )
+        .unwrap();
+        let f = flags(&t);
+        assert!(f.contains(&("statsd-format", "dogstatsd")), "{f:?}");
+        assert!(f.contains(&("statsd-protocol", "udp")), "{f:?}");
+        // What that service refuses, or what cannot be honoured.
+        for vars in [
+            &[("USE_DOG_STATSD", "true")][..],
+            &[("USE_STATSD", "false"), ("USE_DOG_STATSD_MOGRIFIERS", "A")][..],
+        ] {
+            let e = run(vars, true).unwrap_err();
+            assert!(e.contains("STATSD"), "{e}");
+        }
     }
 
     #[test]
@@ -875,13 +1010,15 @@ mod tests {
         assert!(run(&[("REDIS_URL", "x"), ("REDIS_TYPE", "ring")], false).is_err());
         let t = run(
             &[
-                ("USE_STATSD", "true"),
+                ("DISABLE_STATS", "true"),
                 ("EXPIRATION_JITTER_MAX_SECONDS", "60"),
+                ("RUNTIME_IGNOREDOTFILES", "true"),
             ],
-            false,
+            true,
         )
         .unwrap();
         assert_eq!(t.ignored.len(), 2, "{:?}", t.ignored);
+        assert!(!flags(&t).iter().any(|(k, _)| k.starts_with("statsd")));
         assert!(
             run(&[("SHADOW_MODE", "maybe")], false)
                 .unwrap_err()

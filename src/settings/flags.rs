@@ -34,6 +34,24 @@ pub(crate) enum FailureModeArg {
     Local,
 }
 
+/// `--statsd-protocol`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub(crate) enum StatsdProtocolArg {
+    /// Datagrams; one that cannot be sent is dropped.
+    Udp,
+    /// One connection; what a failed flush had is sent by the next.
+    Tcp,
+}
+
+/// `--statsd-format`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub(crate) enum StatsdFormatArg {
+    /// Tags in the name, `.__key=value` (envoyproxy/ratelimit's statsd sink).
+    Statsd,
+    /// DogStatsD tags, `|#key:value`.
+    Dogstatsd,
+}
+
 /// `--redis-hash-tag`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub(crate) enum HashTagArg {
@@ -275,6 +293,28 @@ pub(crate) struct Flags {
     /// memory. Set by USE_PROMETHEUS=true.
     #[arg(long, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
     pub(crate) reference_metrics: bool,
+
+    /// Also send envoyproxy/ratelimit's stats, as it names them, to this statsd collector
+    /// (host:port) every --statsd-flush-interval; off when unset. Set by USE_STATSD and
+    /// USE_DOG_STATSD with STATSD_HOST and STATSD_PORT.
+    #[arg(long)]
+    pub(crate) statsd_addr: Option<String>,
+
+    /// udp or tcp (envoyproxy/ratelimit's STATSD_PROTOCOL, whose default is tcp).
+    #[arg(long, value_enum, default_value = "udp")]
+    pub(crate) statsd_protocol: StatsdProtocolArg,
+
+    /// statsd (tags in the name, as envoyproxy/ratelimit sends them) or dogstatsd.
+    #[arg(long, value_enum, default_value = "statsd")]
+    pub(crate) statsd_format: StatsdFormatArg,
+
+    /// Tags on every stat, `key:value,key2:value2` (envoyproxy/ratelimit's EXTRA_TAGS).
+    #[arg(long, value_parser = parse_tags, default_value = "")]
+    pub(crate) statsd_tags: Tags,
+
+    /// How often stats are sent (STATS_FLUSH_INTERVAL).
+    #[arg(long, default_value = "10s", value_parser = parse_xds_duration)]
+    pub(crate) statsd_flush_interval: Duration,
 
     /// Export a span per ShouldRateLimit call (and its Redis wait) over OTLP, continuing the
     /// caller's W3C traceparent.
@@ -538,6 +578,17 @@ pub(crate) struct Flags {
     #[arg(long, default_value = "30s", value_parser = parse_timeout)]
     pub(crate) connection_idle_timeout: Duration,
 
+    /// A gRPC connection is sent GOAWAY after about this long (each connection within ±10% of
+    /// it), so that Envoy reconnects and new replicas take their share; 0 keeps connections
+    /// for as long as their clients do. E.g. 30m, 2h.
+    #[arg(long, default_value = "30m", value_parser = parse_age)]
+    pub(crate) grpc_max_connection_age: Duration,
+
+    /// How long the streams of a connection sent GOAWAY for its age may go on before it is
+    /// closed.
+    #[arg(long, default_value = "1m", value_parser = parse_age)]
+    pub(crate) grpc_max_connection_age_grace: Duration,
+
     /// Longest time to receive a request and answer it (gRPC and HTTP); a gRPC client's
     /// shorter `grpc-timeout` wins.
     #[arg(long, default_value = "5s", value_parser = parse_timeout)]
@@ -627,7 +678,8 @@ fn parse_duration_within(s: &str, max: Duration) -> Result<Duration, String> {
         "ms" => n / 1000.0,
         "" | "s" => n,
         "m" => n * 60.0,
-        _ => return Err(format!("'{s}' has an unknown unit (use ms, s or m)")),
+        "h" => n * 3_600.0,
+        _ => return Err(format!("'{s}' has an unknown unit (use ms, s, m or h)")),
     };
     match Duration::try_from_secs_f64(secs) {
         Ok(d) if d <= max => Ok(d),
@@ -651,6 +703,37 @@ fn parse_xds_duration(s: &str) -> Result<Duration, String> {
         return Err("must be more than 0".into());
     }
     Ok(d)
+}
+
+/// `--grpc-max-connection-age` and its grace: at most 30 days (0 is off for the age).
+fn parse_age(s: &str) -> Result<Duration, String> {
+    parse_duration_within(s, Duration::from_secs(30 * 86_400))
+}
+
+/// `--statsd-tags`: sorted by key, a key given twice keeping its last value.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Tags(pub(crate) Vec<(String, String)>);
+
+fn parse_tags(s: &str) -> Result<Tags, String> {
+    let mut tags = std::collections::BTreeMap::new();
+    for pair in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let (k, v) = pair
+            .split_once(':')
+            .ok_or_else(|| format!("'{pair}' is not key:value"))?;
+        let clean = |t: &str| {
+            !t.is_empty()
+                && t.bytes().all(|b| {
+                    b.is_ascii_graphic() && !matches!(b, b':' | b'|' | b',' | b'=' | b'#' | b'@')
+                })
+        };
+        if !clean(k) || !clean(v) {
+            return Err(format!(
+                "'{pair}': a tag's key and value are non-empty, without spaces or :|,=#@"
+            ));
+        }
+        tags.insert(k.to_owned(), v.to_owned());
+    }
+    Ok(Tags(tags.into_iter().collect()))
 }
 
 /// `--shutdown-grace`: at most an hour.

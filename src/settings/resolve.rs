@@ -9,7 +9,7 @@ use clap::CommandFactory;
 use super::Startup;
 use super::flags::{
     AccountingArg, AlgorithmArg, BackendArg, FailureModeArg, Flags, HashTagArg, HeaderModeArg,
-    LogFormatArg, TracingProtocolArg,
+    LogFormatArg, StatsdFormatArg, StatsdProtocolArg, TracingProtocolArg,
 };
 use crate::config::CompileOptions;
 use crate::engine::{EngineOptions, RequestLimits};
@@ -19,12 +19,13 @@ use crate::limiter::redis::{Credentials, RedisOptions, RedisTlsFiles, RedisUrl, 
 use crate::limiter::start::{BackendOptions, Store};
 use crate::limiter::{Accounting, Algorithm};
 use crate::rlqs::BucketOptions;
-use crate::server::conn::ConnLimits;
+use crate::server::conn::{ConnLimits, ConnectionAge};
 use crate::server::headers::{HeaderMode, ReferenceNames};
 use crate::server::rlqs::RlqsOptions;
 use crate::server::serve::{MAX_HTTP_CONNECTIONS, ServerOptions};
 use crate::server::tls::GrpcTls;
 use crate::source::{ConfigSource, SourceOptions};
+use crate::statsd::{Format, StatsdOptions, Transport};
 use crate::telemetry::{LogFormat, Protocol, TelemetryOptions, TracingOptions};
 use crate::xds::{Backoff, Deadlines, XdsOptions, XdsTls};
 
@@ -75,6 +76,10 @@ impl Flags {
             max_connections: self.max_connections,
             idle_timeout: self.connection_idle_timeout,
             request_bytes: usize::try_from(self.max_connection_request_bytes).unwrap_or(usize::MAX),
+            age: (!self.grpc_max_connection_age.is_zero()).then_some(ConnectionAge {
+                age: self.grpc_max_connection_age,
+                grace: self.grpc_max_connection_age_grace,
+            }),
         };
         Ok(Options {
             source: SourceOptions {
@@ -110,15 +115,30 @@ impl Flags {
                 response_headers: self.header_mode(),
                 admin: self.admin,
                 grpc_connections,
-                // The HTTP ports share one cap of their own, with the gRPC port's silence bound.
+                // The HTTP ports share one cap of their own, with the gRPC port's silence bound;
+                // HTTP/1 has no GOAWAY, and those connections are not Envoy's to rebalance.
                 http_connections: ConnLimits {
                     max_connections: MAX_HTTP_CONNECTIONS,
+                    age: None,
                     ..grpc_connections
                 },
                 request_timeout: self.request_timeout,
                 shutdown_grace: self.shutdown_grace,
             },
             reference_metrics: self.reference_metrics,
+            statsd: self.statsd_addr.clone().map(|addr| StatsdOptions {
+                addr,
+                protocol: match self.statsd_protocol {
+                    StatsdProtocolArg::Udp => Transport::Udp,
+                    StatsdProtocolArg::Tcp => Transport::Tcp,
+                },
+                format: match self.statsd_format {
+                    StatsdFormatArg::Statsd => Format::Statsd,
+                    StatsdFormatArg::Dogstatsd => Format::DogStatsd,
+                },
+                tags: self.statsd_tags.0.clone(),
+                flush_interval: self.statsd_flush_interval,
+            }),
         })
     }
 
@@ -404,6 +424,8 @@ pub struct Options {
     pub(crate) server: ServerOptions,
     /// Export envoyproxy/ratelimit's metric families too.
     pub(crate) reference_metrics: bool,
+    /// The statsd sink, if on.
+    pub(crate) statsd: Option<StatsdOptions>,
 }
 
 /// Flags that are individually valid but do not fit together, or name missing files.

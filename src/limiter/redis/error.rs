@@ -113,6 +113,30 @@ impl ErrorKind {
         }
     }
 
+    /// Every kind, for the zero series exported before the first error.
+    pub(super) const ALL: [ErrorKind; 20] = [
+        ErrorKind::Timeout,
+        ErrorKind::Connection,
+        ErrorKind::Oom,
+        ErrorKind::NoReplicas,
+        ErrorKind::Misconf,
+        ErrorKind::ReadOnly,
+        ErrorKind::Loading,
+        ErrorKind::MasterDown,
+        ErrorKind::Busy,
+        ErrorKind::NoScript,
+        ErrorKind::Auth,
+        ErrorKind::Cluster,
+        ErrorKind::Other,
+        ErrorKind::CrossSlot,
+        ErrorKind::Script,
+        ErrorKind::ForeignData,
+        ErrorKind::Reply,
+        ErrorKind::Closed,
+        ErrorKind::Overloaded,
+        ErrorKind::CircuitOpen,
+    ];
+
     /// The metric label (`ratelimit_backend_errors_total{kind}`).
     pub(super) fn label(self) -> &'static str {
         match self {

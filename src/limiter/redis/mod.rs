@@ -43,7 +43,7 @@ use self::wire::{Args, Decided, Mode};
 use super::{
     Backend, BackendError, BoxFuture, Enforcement, Hit, HitKind, Outcome, Verdict, admits,
 };
-use crate::metrics::BackendMetrics;
+use crate::metrics::{BackendMetrics, KindLabels};
 
 /// Everything the Redis backend needs (keys come built: see [`crate::limiter::key`]).
 #[derive(Clone, Debug)]
@@ -108,6 +108,13 @@ impl RedisBackend {
     ) -> Result<RedisBackend, SetupError> {
         let conn = Conn::new(&opts.target, &opts.tls, opts.timeout)?;
         let ping = Conn::new(&opts.target, &opts.tls, opts.timeout)?;
+        // Every kind exported at 0 from the start: a dashboard shows none rather than no data,
+        // and `rate()` sees the first error.
+        for kind in ErrorKind::ALL {
+            let _ = metrics
+                .errors
+                .get_or_create(&KindLabels { kind: kind.label() });
+        }
         let health = Arc::new(Health::new(ping, Some(metrics.clone())));
         let rlqs = rlqs::Lane::new(&opts)?;
         let batcher = Batcher::new(

@@ -1,0 +1,392 @@
+//! envoyproxy/ratelimit's stats pushed to a statsd or DogStatsD collector (`--statsd-addr`),
+//! named as that service's stats library names them, beside the Prometheus metrics (which stay
+//! the native way).
+//!
+//! Nothing is sent from the decision path. A decision adds to atomic counters (the per-rule
+//! counts of [`StatsdRules`], and the Prometheus families); one task reads them every flush
+//! interval and sends what grew since the last flush that got through. So:
+//!
+//! - a collector that is away, slow or never reads never slows a decision: the task alone
+//!   waits on it, each connect and each write within [`IO_TIMEOUT`];
+//! - what the sink holds does not grow while the collector is away: the counters are
+//!   cumulative and the sink keeps only the value it last sent of each stat (one per rule and
+//!   count), so the first flush that gets through over TCP carries the whole difference; over
+//!   UDP a datagram that cannot be sent is dropped, as statsd over UDP always may be;
+//! - one flush sends at most [`MAX_FLUSH_BYTES`]; stats past it wait for the next flush.
+//!
+//! Names (with `--statsd-tags` as the library serializes tags into a name, `.__key=value`, or
+//! as DogStatsD tags, `|#key:value`):
+//!
+//! - `ratelimit.service.rate_limit.<domain>.<rule>.{total_hits,within_limit,near_limit,over_limit,shadow_mode}`,
+//!   counted in hits as that service counts them;
+//! - `ratelimit.service.config_load_success`, `ratelimit.service.config_load_error`;
+//! - `ratelimit.service.call.should_rate_limit.redis_error` (requests the failure mode decided)
+//!   and `.service_error` (answered `INTERNAL`);
+//! - `ratelimit_server.ShouldRateLimit.total_requests`.
+
+use std::collections::HashMap;
+use std::fmt::Write as _;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::io::AsyncWriteExt;
+use tokio::net::{TcpStream, UdpSocket};
+
+use crate::metrics::{LoadResult, Metrics, StatsdRules};
+
+/// Longest a connect or one flush's write may take: past it the flush is given up (TCP: the
+/// connection too, and the next flush carries what this one had).
+pub(crate) const IO_TIMEOUT: Duration = Duration::from_secs(1);
+/// Most bytes one flush sends; what is left waits for the next.
+pub(crate) const MAX_FLUSH_BYTES: usize = 1 << 20;
+/// Largest UDP datagram: what fits in a common MTU, as the statsd libraries send.
+const DATAGRAM_BYTES: usize = 1432;
+
+/// How stats are sent.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Transport {
+    /// One TCP connection, kept; what a failed flush had is sent by the next.
+    Tcp,
+    /// Datagrams of at most 1432 bytes; one that cannot be sent is dropped.
+    Udp,
+}
+
+/// How tags are written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Format {
+    /// In the name, `name.__key=value` (lyft/gostats, which envoyproxy/ratelimit uses).
+    Statsd,
+    /// After the type, `|#key:value,…` (DogStatsD).
+    DogStatsd,
+}
+
+/// The sink's settings.
+#[derive(Clone, Debug)]
+pub(crate) struct StatsdOptions {
+    /// The collector, `host:port` (resolved at each connect).
+    pub(crate) addr: String,
+    /// TCP or UDP.
+    pub(crate) protocol: Transport,
+    /// How tags are written.
+    pub(crate) format: Format,
+    /// Tags on every stat, sorted by key.
+    pub(crate) tags: Vec<(String, String)>,
+    /// How often stats are sent.
+    pub(crate) flush_interval: Duration,
+}
+
+/// The stats sink: call [`Sink::flush`] every flush interval ([`run`] does).
+pub(crate) struct Sink {
+    options: StatsdOptions,
+    metrics: Arc<Metrics>,
+    rules: Option<StatsdRules>,
+    /// The value last sent of each stat (by full name, tags included).
+    sent: HashMap<String, u64>,
+    conn: Option<Conn>,
+    /// Whether the last flush failed (to log an outage once, not every flush).
+    failing: bool,
+}
+
+enum Conn {
+    Tcp(TcpStream),
+    Udp(UdpSocket),
+}
+
+impl Sink {
+    /// A sink sending `metrics` (and the per-rule counts, if they are on) as `options` say.
+    pub(crate) fn new(options: StatsdOptions, metrics: Arc<Metrics>) -> Sink {
+        let rules = metrics.decisions.statsd.clone();
+        Sink {
+            options,
+            metrics,
+            rules,
+            sent: HashMap::new(),
+            conn: None,
+            failing: false,
+        }
+    }
+
+    /// Sends what grew since the last flush that got through; returns the bytes sent.
+    pub(crate) async fn flush(&mut self) -> usize {
+        let (payload, values) = self.payload();
+        if payload.is_empty() {
+            return 0;
+        }
+        match tokio::time::timeout(IO_TIMEOUT, self.send(&payload)).await {
+            Ok(Ok(())) => {
+                self.metrics.statsd_flush(LoadResult::success);
+                if std::mem::take(&mut self.failing) {
+                    tracing::info!(addr = %self.options.addr, "statsd collector reachable again");
+                }
+                self.sent.extend(values);
+                payload.len()
+            }
+            Ok(Err(e)) => self.failed(&e.to_string(), values),
+            Err(_) => self.failed("timed out", values),
+        }
+    }
+
+    fn failed(&mut self, why: &str, values: Vec<(String, u64)>) -> usize {
+        self.metrics.statsd_flush(LoadResult::error);
+        if !self.failing {
+            tracing::warn!(addr = %self.options.addr, error = why, "statsd flush failed; stats wait for the next flush (TCP) or are dropped (UDP)");
+            self.failing = true;
+        }
+        self.conn = None;
+        if self.options.protocol == Transport::Udp {
+            self.sent.extend(values);
+        }
+        0
+    }
+
+    async fn send(&mut self, payload: &[u8]) -> std::io::Result<()> {
+        if self.conn.is_none() {
+            self.conn = Some(match self.options.protocol {
+                Transport::Tcp => {
+                    let s = TcpStream::connect(&self.options.addr).await?;
+                    s.set_nodelay(true)?;
+                    Conn::Tcp(s)
+                }
+                Transport::Udp => {
+                    let target = tokio::net::lookup_host(&self.options.addr)
+                        .await?
+                        .next()
+                        .ok_or_else(|| std::io::Error::other("no address"))?;
+                    let local = if target.is_ipv4() {
+                        "0.0.0.0:0"
+                    } else {
+                        "[::]:0"
+                    };
+                    let s = UdpSocket::bind(local).await?;
+                    s.connect(target).await?;
+                    Conn::Udp(s)
+                }
+            });
+        }
+        match self.conn.as_mut() {
+            Some(Conn::Tcp(s)) => s.write_all(payload).await,
+            Some(Conn::Udp(s)) => {
+                for datagram in datagrams(payload) {
+                    s.send(datagram).await?;
+                }
+                Ok(())
+            }
+            None => Ok(()),
+        }
+    }
+
+    /// The lines of every stat that grew, at most [`MAX_FLUSH_BYTES`] of them, and the values
+    /// they bring the stats to.
+    fn payload(&self) -> (Vec<u8>, Vec<(String, u64)>) {
+        let mut out = String::new();
+        let mut values = Vec::new();
+        for (name, value) in self.current() {
+            let before = self.sent.get(&name).copied().unwrap_or(0);
+            if value <= before {
+                continue;
+            }
+            let line = self.line(&name, value - before);
+            if out.len() + line.len() > MAX_FLUSH_BYTES {
+                break;
+            }
+            out.push_str(&line);
+            values.push((name, value));
+        }
+        (out.into_bytes(), values)
+    }
+
+    /// One counter line.
+    fn line(&self, name: &str, delta: u64) -> String {
+        let mut line = String::with_capacity(name.len() + 32);
+        line.push_str(name);
+        if self.options.format == Format::Statsd {
+            for (k, v) in &self.options.tags {
+                let _ = write!(line, ".__{k}={v}");
+            }
+        }
+        let _ = write!(line, ":{delta}|c");
+        if self.options.format == Format::DogStatsd && !self.options.tags.is_empty() {
+            line.push_str("|#");
+            for (i, (k, v)) in self.options.tags.iter().enumerate() {
+                if i > 0 {
+                    line.push(',');
+                }
+                let _ = write!(line, "{k}:{v}");
+            }
+        }
+        line.push('\n');
+        line
+    }
+
+    /// Every stat's cumulative value now, by name (without tags).
+    fn current(&self) -> Vec<(String, u64)> {
+        let mut stats = Vec::new();
+        if let Some(rules) = &self.rules {
+            for (domain, rule, counts) in rules.snapshot() {
+                let key = sanitize(&format!("{domain}.{rule}"));
+                for (stat, n) in RULE_STATS.iter().zip(counts) {
+                    stats.push((format!("ratelimit.service.rate_limit.{key}.{stat}"), n));
+                }
+            }
+        }
+        let text = self.metrics.encode();
+        let sum = |prefix: &str| -> u64 {
+            text.lines()
+                .filter(|l| l.starts_with(prefix))
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .sum::<f64>() as u64
+        };
+        for (name, series) in [
+            (
+                "ratelimit.service.config_load_success",
+                "ratelimit_config_loads_total{result=\"success\"} ",
+            ),
+            (
+                "ratelimit.service.config_load_error",
+                "ratelimit_config_loads_total{result=\"error\"} ",
+            ),
+            (
+                "ratelimit.service.call.should_rate_limit.redis_error",
+                "ratelimit_failure_mode_decisions_total{",
+            ),
+            (
+                "ratelimit.service.call.should_rate_limit.service_error",
+                "ratelimit_grpc_errors_total{code=\"internal\"} ",
+            ),
+            (
+                "ratelimit_server.ShouldRateLimit.total_requests",
+                "ratelimit_request_duration_seconds_count ",
+            ),
+        ] {
+            stats.push((name.to_owned(), sum(series)));
+        }
+        stats
+    }
+}
+
+/// The per-rule stats, in the order of `engine::report::reference_counts`.
+const RULE_STATS: [&str; 5] = [
+    "total_hits",
+    "within_limit",
+    "near_limit",
+    "over_limit",
+    "shadow_mode",
+];
+
+/// A stat key as envoyproxy/ratelimit cleans it: `:` and `|` (statsd's separators) become `_`,
+/// and so do the dots of an IPv4 address (which would otherwise split the name's levels).
+pub(crate) fn sanitize(key: &str) -> String {
+    let key = key.replace([':', '|'], "_");
+    let bytes = key.as_bytes();
+    let mut out = bytes.to_vec();
+    let mut i = 0;
+    while i < bytes.len() {
+        if let Some(len) = ipv4_at(&bytes[i..]) {
+            for b in &mut out[i..i + len] {
+                if *b == b'.' {
+                    *b = b'_';
+                }
+            }
+            i += len;
+        } else {
+            i += 1;
+        }
+    }
+    String::from_utf8(out).unwrap_or(key)
+}
+
+/// The length of `\d{1,3}\.\d{1,3}\.\d{1,3}\.\d{1,3}` at the start of `s`, if it is there
+/// (the regular expression that service uses, matched leftmost and greedy as Go's does).
+fn ipv4_at(s: &[u8]) -> Option<usize> {
+    let mut at = 0;
+    for group in 0..4 {
+        let digits = s[at..]
+            .iter()
+            .take(3)
+            .take_while(|b| b.is_ascii_digit())
+            .count();
+        if digits == 0 {
+            return None;
+        }
+        at += digits;
+        if group < 3 {
+            if s.get(at) != Some(&b'.') {
+                return None;
+            }
+            at += 1;
+        }
+    }
+    Some(at)
+}
+
+/// `payload` cut at line ends into datagrams of at most [`DATAGRAM_BYTES`] (a longer line goes
+/// alone).
+fn datagrams(payload: &[u8]) -> Vec<&[u8]> {
+    let mut out = Vec::new();
+    let mut start = 0;
+    let mut end = 0;
+    for (i, b) in payload.iter().enumerate() {
+        if *b != b'\n' {
+            continue;
+        }
+        if i + 1 - start > DATAGRAM_BYTES && end > start {
+            out.push(&payload[start..end]);
+            start = end;
+        }
+        end = i + 1;
+    }
+    if end > start {
+        out.push(&payload[start..end]);
+    }
+    out
+}
+
+/// Flushes `sink` every flush interval until `stopped`, then once more.
+pub(crate) async fn run(mut sink: Sink, stopped: impl std::future::Future<Output = ()>) {
+    tracing::info!(addr = %sink.options.addr, protocol = ?sink.options.protocol, format = ?sink.options.format, interval = ?sink.options.flush_interval, "sending stats to statsd");
+    let mut tick = tokio::time::interval(sink.options.flush_interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tick.tick().await;
+    let mut stopped = std::pin::pin!(stopped);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            () = &mut stopped => break,
+        }
+        sink.flush().await;
+    }
+    sink.flush().await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_are_cleaned_as_that_service_cleans_them() {
+        assert_eq!(
+            sanitize("d.remote_address_10.0.0.1"),
+            "d.remote_address_10_0_0_1"
+        );
+        assert_eq!(sanitize("d.k:v|w.1.2"), "d.k_v_w.1.2");
+        // Unanchored, as Go's regexp finds it: from the 2.
+        assert_eq!(sanitize("d.ip_1234.5.6.7"), "d.ip_1234_5_6_7");
+        assert_eq!(sanitize("d.v_1.2.3"), "d.v_1.2.3");
+        assert_eq!(sanitize("d.a_192.168.1.10.b"), "d.a_192_168_1_10.b");
+    }
+
+    #[test]
+    fn datagrams_end_at_lines_and_fit() {
+        let line = "x".repeat(99) + "\n";
+        let payload = line.repeat(30);
+        let cut = datagrams(payload.as_bytes());
+        assert_eq!(cut.concat(), payload.as_bytes());
+        assert!(
+            cut.iter()
+                .all(|d| d.len() <= DATAGRAM_BYTES && d.ends_with(b"\n"))
+        );
+        assert_eq!(cut.len(), 3);
+        let long = "y".repeat(2000) + "\n";
+        assert_eq!(datagrams(long.as_bytes()), vec![long.as_bytes()]);
+    }
+}

@@ -1,0 +1,246 @@
+//! The statsd sink (`--statsd-addr`, envoyproxy/ratelimit's `USE_STATSD`) against real collector
+//! sockets: the names and tags that service sends, over UDP and TCP, and a collector that is
+//! away or never reads, which must not slow a decision, lose what it missed (TCP) or make the
+//! process grow.
+
+mod common;
+
+use std::collections::HashMap;
+use std::process::Stdio;
+use std::time::Duration;
+
+use common::daemon::{Daemon, ratelimitd};
+use common::*;
+use tokio::io::AsyncReadExt;
+use tokio::net::{TcpListener, UdpSocket};
+
+const LIMITS: &str = "domain: d\ndescriptors:\n  - key: k\n    value: v\n    rate_limit: {unit: hour, requests_per_unit: 2}\n  - key: ip\n    detailed_metric: true\n    rate_limit: {unit: hour, requests_per_unit: 1000000}\n";
+
+async fn daemon(flags: &[&str]) -> (Daemon, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("l.yaml"), LIMITS).unwrap();
+    let mut cmd = ratelimitd(dir.path(), flags);
+    cmd.env("RATELIMITD_LOG_LEVEL", "warn");
+    (Daemon::start_with(cmd, Stdio::null()).await, dir)
+}
+
+/// Adds every counter line of `text` (`name:delta|c…`) to `totals`.
+fn add_lines(totals: &mut HashMap<String, u64>, text: &str) {
+    for line in text.lines() {
+        let (name, rest) = line.rsplit_once(':').map_or((line, ""), |(n, r)| (n, r));
+        // A DogStatsD line has tags after the type: name:delta|c|#k:v.
+        let (name, rest) = match line.split_once("|#") {
+            Some((head, _)) => head.rsplit_once(':').unwrap_or((name, rest)),
+            None => (name, rest),
+        };
+        let delta: u64 = rest
+            .strip_suffix("|c")
+            .unwrap_or_else(|| panic!("not a counter: {line}"))
+            .parse()
+            .unwrap();
+        *totals.entry(name.to_owned()).or_default() += delta;
+    }
+}
+
+/// Three requests on the limit of 2 and one on a detailed IP rule; what that service would
+/// count for them.
+async fn traffic(d: &Daemon) {
+    let mut c = d.client().await;
+    for _ in 0..3 {
+        call(&mut c, request("d", &[&[("k", "v")]])).await;
+    }
+    assert!(is_ok(
+        &call(&mut c, request("d", &[&[("ip", "10.1.2.3")]])).await
+    ));
+}
+
+fn expected(tags: &str) -> Vec<(String, u64)> {
+    [
+        ("ratelimit.service.rate_limit.d.k_v.total_hits", 3),
+        ("ratelimit.service.rate_limit.d.k_v.within_limit", 2),
+        ("ratelimit.service.rate_limit.d.k_v.near_limit", 1),
+        ("ratelimit.service.rate_limit.d.k_v.over_limit", 1),
+        // The IP's dots are cleaned, as that service cleans them.
+        ("ratelimit.service.rate_limit.d.ip_10_1_2_3.total_hits", 1),
+        ("ratelimit.service.config_load_success", 1),
+        ("ratelimit_server.ShouldRateLimit.total_requests", 4),
+    ]
+    .into_iter()
+    .map(|(name, n)| (format!("{name}{tags}"), n))
+    .collect()
+}
+
+fn all_there(totals: &HashMap<String, u64>, want: &[(String, u64)]) -> bool {
+    want.iter()
+        .all(|(name, n)| totals.get(name).copied().unwrap_or(0) >= *n)
+}
+
+/// Over UDP (`USE_DOG_STATSD`'s way), with DogStatsD tags: the counts that service sends,
+/// exactly, however the flushes cut them.
+#[tokio::test]
+async fn dogstatsd_over_udp_gets_the_counts_that_service_sends() {
+    let collector = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+    let addr = collector.local_addr().unwrap().to_string();
+    let (d, _dir) = daemon(&[
+        "--statsd-addr",
+        &addr,
+        "--statsd-protocol",
+        "udp",
+        "--statsd-format",
+        "dogstatsd",
+        "--statsd-tags",
+        "team:edge,env:prod",
+        "--statsd-flush-interval",
+        "100ms",
+    ])
+    .await;
+    traffic(&d).await;
+    let want = expected("");
+    let mut totals = HashMap::new();
+    let mut buf = vec![0u8; 65536];
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !all_there(&totals, &want) {
+        let n = tokio::time::timeout_at(deadline, collector.recv(&mut buf))
+            .await
+            .unwrap_or_else(|_| panic!("not all counted: {totals:?}"))
+            .unwrap();
+        assert!(n <= 1432, "a datagram fits a common MTU: {n}");
+        let text = std::str::from_utf8(&buf[..n]).unwrap();
+        for line in text.lines() {
+            assert!(line.ends_with("|c|#env:prod,team:edge"), "{line}");
+        }
+        add_lines(&mut totals, text);
+    }
+    // One flush more: nothing counted twice.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    while let Ok(Ok(n)) =
+        tokio::time::timeout(Duration::from_millis(50), collector.recv(&mut buf)).await
+    {
+        add_lines(&mut totals, std::str::from_utf8(&buf[..n]).unwrap());
+    }
+    for (name, n) in &want {
+        assert_eq!(totals.get(name), Some(n), "{name} in {totals:?}");
+    }
+}
+
+/// Reads a TCP collector's connections into `totals` until `want` is all there.
+async fn collect_tcp(listener: &TcpListener, want: &[(String, u64)]) -> HashMap<String, u64> {
+    let mut totals = HashMap::new();
+    let mut pending = String::new();
+    let (mut conn, _) = tokio::time::timeout(Duration::from_secs(10), listener.accept())
+        .await
+        .expect("the sink connects")
+        .unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let mut buf = vec![0u8; 65536];
+    while !all_there(&totals, want) {
+        let n = tokio::time::timeout_at(deadline, conn.read(&mut buf))
+            .await
+            .unwrap_or_else(|_| panic!("not all counted: {totals:?}"))
+            .unwrap();
+        assert!(n > 0, "closed: {totals:?}");
+        pending.push_str(std::str::from_utf8(&buf[..n]).unwrap());
+        if let Some(end) = pending.rfind('\n') {
+            add_lines(&mut totals, &pending[..=end]);
+            pending.drain(..=end);
+        }
+    }
+    totals
+}
+
+/// envoyproxy/ratelimit's default: TCP, tags in the name. A collector that is away at first
+/// misses nothing: the first flush that gets through carries everything since.
+#[tokio::test]
+async fn statsd_over_tcp_carries_what_a_collector_away_missed() {
+    // A port with nothing listening on it yet.
+    let port = common::redis::free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let (d, _dir) = daemon(&[
+        "--statsd-addr",
+        &addr,
+        "--statsd-protocol",
+        "tcp",
+        "--statsd-tags",
+        "env:prod",
+        "--statsd-flush-interval",
+        "100ms",
+    ])
+    .await;
+    traffic(&d).await;
+    // Several flushes fail (connection refused) while the collector is away.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let listener = TcpListener::bind(&addr).await.unwrap();
+    let want = expected(".__env=prod");
+    let totals = collect_tcp(&listener, &want).await;
+    for (name, n) in &want {
+        assert_eq!(totals.get(name), Some(n), "{name} in {totals:?}");
+    }
+}
+
+/// A collector that accepts and never reads, while 1,000 distinct rules change every flush and
+/// long tags make each line about 500 bytes: the kernel's buffers towards it fill (about 3 MB
+/// on loopback), the sink's writes time out, and still decisions are answered as before and the
+/// process does not grow with what it cannot send.
+#[tokio::test]
+async fn a_collector_that_never_reads_slows_no_decision_and_grows_nothing() {
+    // A small receive window, so that the kernel's buffers towards it fill within the test.
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let listener = socket.listen(1).unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let tags: Vec<String> = (0..8)
+        .map(|i| format!("tag{i}:{}", "x".repeat(50)))
+        .collect();
+    let (d, _dir) = daemon(&[
+        "--statsd-addr",
+        &addr,
+        "--statsd-protocol",
+        "tcp",
+        "--statsd-flush-interval",
+        "50ms",
+        "--statsd-tags",
+        &tags.join(","),
+    ])
+    .await;
+    let mut c = d.client().await;
+    let round = |from: u32| {
+        let mut c = c.clone();
+        async move {
+            for i in from..from + 1000 {
+                let ip = format!("10.0.{}.{}", i / 250, i % 250);
+                let r = call(&mut c, request("d", &[&[("ip", &ip)]])).await;
+                assert!(is_ok(&r), "{r:?}");
+            }
+        }
+    };
+    // Warm: every label exists (the detailed labels are capped at 1000, so the same 1000
+    // each round), and the kernel's buffers towards the collector fill.
+    round(0).await;
+    round(0).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let before = d.rss();
+    for _ in 0..5 {
+        round(0).await;
+    }
+    let grew = d.rss().saturating_sub(before);
+    assert!(
+        grew < 16 << 20,
+        "grew by {grew} bytes while the collector read nothing"
+    );
+    let (_, m) = http_get(d.http, "/metrics").await;
+    let failed = metric(&m, r#"ratelimit_statsd_flushes_total{result="error"}"#);
+    eprintln!("statsd stalled: grew {grew} bytes, {failed} failed flushes");
+    assert!(
+        failed >= 1.0,
+        "the collector's buffers filled and writes timed out: {m}"
+    );
+    // The limit of 2 still counts exactly.
+    let answers = [
+        call(&mut c, request("d", &[&[("k", "v")]])).await,
+        call(&mut c, request("d", &[&[("k", "v")]])).await,
+        call(&mut c, request("d", &[&[("k", "v")]])).await,
+    ];
+    assert!(is_ok(&answers[0]) && is_ok(&answers[1]) && is_over(&answers[2]));
+    drop(listener);
+}
