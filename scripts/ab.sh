@@ -4,7 +4,9 @@
 # runs alternating A, B, A, B... so that both see the same machine. Keep a change only if this
 # shows it. Usage: scripts/ab.sh BINARY_A BINARY_B. Loopback only; every run bounded.
 # Tunables: ROUNDS (3), DURATION (8 s), CLIENTS (16), STREAMS (32), BACKENDS ("memory redis"),
-# FLAGS (more server flags for both, e.g. "--reference-metrics").
+# FLAGS (more server flags for both, e.g. "--reference-metrics"), FLAGS_A and FLAGS_B (for one
+# side only: the same binary twice with FLAGS_B="--statsd-addr 127.0.0.1:8125" measures what a
+# flag costs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/common.sh
@@ -35,12 +37,12 @@ until redis-cli -p "$REDIS_PORT" ping >/dev/null 2>&1; do sleep 0.05; done
 ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 # One run of binary $1 on backend $2: prints "requests/s server-µs-per-request redis-µs-per-request".
 run() {
-  local bin=$1 backend=$2 grpc http pid s0 s1 r0 r1 out n
+  local bin=$1 backend=$2 side=${3:-} grpc http pid s0 s1 r0 r1 out n
   grpc=127.0.0.1:$(free_port)
   http=127.0.0.1:$(free_port)
   local flags=(--config benches/limits.yaml --grpc-addr "$grpc" --http-addr "$http" --log-level warn --backend "$backend")
   [ "$backend" = redis ] && flags+=(--redis-url "redis://127.0.0.1:$REDIS_PORT" --redis-timeout 1s)
-  read -ra extra <<<"${FLAGS:-}"
+  read -ra extra <<<"${FLAGS:-} $side"
   flags+=("${extra[@]}")
   "$bin" "${flags[@]}" &
   pid=$!
@@ -59,12 +61,12 @@ run() {
 
 echo "A: $A"
 echo "B: $B"
-echo "h2load -c$CLIENTS -m$STREAMS, ${DURATION}s per run, $ROUNDS rounds of A then B${FLAGS:+, server flags: $FLAGS}"
+echo "h2load -c$CLIENTS -m$STREAMS, ${DURATION}s per run, $ROUNDS rounds of A then B${FLAGS:+, server flags: $FLAGS}${FLAGS_A:+, A: $FLAGS_A}${FLAGS_B:+, B: $FLAGS_B}"
 for backend in $BACKENDS; do
   sa=0; sb=0; xa=0; xb=0
   for r in $(seq "$ROUNDS"); do
-    read -r ra ca da < <(run "$A" "$backend")
-    read -r rb cb db < <(run "$B" "$backend")
+    read -r ra ca da < <(run "$A" "$backend" "${FLAGS_A:-}")
+    read -r rb cb db < <(run "$B" "$backend" "${FLAGS_B:-}")
     printf '%-7s round %d   A %7s req/s %6s us/req (redis %5s)   B %7s req/s %6s us/req (redis %5s)\n' \
       "$backend" "$r" "$ra" "$ca" "$da" "$rb" "$cb" "$db"
     sa=$(awk -v a="$sa" -v b="$ca" 'BEGIN {print a + b}')

@@ -139,25 +139,37 @@ pub(crate) struct StatsdRules(Arc<std::sync::Mutex<StatsdRuleMap>>);
 
 type StatsdRuleMap = std::collections::HashMap<(Arc<String>, Arc<String>), Arc<RuleStats>>;
 
-/// One rule's five counts, in the order of `engine::report::reference_counts`.
+/// One rule's five counts (`engine::report::reference_counts`: total, within, near, over,
+/// shadow), kept so that the common decision, within the limit and short of near, adds to one
+/// counter: the hits of requests within (which are also their total) and the hits of requests
+/// over apart, the total being their sum.
 #[derive(Default)]
 pub(crate) struct RuleStats([std::sync::atomic::AtomicU64; 5]);
 
 impl RuleStats {
-    /// Adds `counts`.
-    fn add(&self, counts: [u64; 5]) {
-        for (counter, n) in self.0.iter().zip(counts) {
+    /// Adds `counts` (total, within, near, over, shadow).
+    fn add(&self, [total, within, near, over, shadow]: [u64; 5]) {
+        let kept = [within, total.saturating_sub(within), near, over, shadow];
+        for (counter, n) in self.0.iter().zip(kept) {
             if n > 0 {
                 counter.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
             }
         }
     }
 
-    /// The counts so far.
+    /// The counts so far: total, within, near, over, shadow.
     pub(crate) fn get(&self) -> [u64; 5] {
-        self.0
+        let [within, over_requests, near, over, shadow] = self
+            .0
             .each_ref()
-            .map(|c| c.load(std::sync::atomic::Ordering::Relaxed))
+            .map(|c| c.load(std::sync::atomic::Ordering::Relaxed));
+        [
+            within.wrapping_add(over_requests),
+            within,
+            near,
+            over,
+            shadow,
+        ]
     }
 }
 
@@ -629,6 +641,10 @@ impl Metrics {
             decisions.accounted.clone(),
         );
         let config_loads = Family::<LoadLabels, Counter>::default();
+        // Both results exported at 0 from the start, so that `rate()` sees the first failure.
+        for result in [LoadResult::success, LoadResult::error] {
+            let _ = config_loads.get_or_create(&LoadLabels { result });
+        }
         registry.register(
             "ratelimit_config_loads",
             "Config loads by result; a failed reload keeps the previous config",
@@ -786,6 +802,16 @@ impl Metrics {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What goes in comes out, however it is kept.
+    #[test]
+    fn rule_stats_give_back_the_counts_added() {
+        let stats = RuleStats::default();
+        stats.add([3, 3, 1, 0, 0]);
+        stats.add([4, 0, 1, 2, 2]);
+        stats.add([1, 1, 0, 0, 0]);
+        assert_eq!(stats.get(), [8, 4, 2, 2, 2]);
+    }
 
     fn count(metrics: &DecisionMetrics, decision: Decision) -> u64 {
         let domain = Arc::new("d".to_owned());

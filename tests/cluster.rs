@@ -251,3 +251,66 @@ async fn migrating_live_counters_under_load_never_over_admits() {
     assert!(seen.over > 0, "the load went past the limit");
     assert_eq!(cluster.node_for_key(domain).port, dst.port);
 }
+
+/// `--redis-tls-skip-hostname-verification` with a cluster whose nodes serve TLS only (the bus
+/// too) and present a certificate for another name: refused without the flag, served with it,
+/// and a certificate from another CA refused either way: only the name check is skipped, on
+/// the seed nodes and on the nodes the cluster names alike.
+#[tokio::test]
+async fn tls_cluster_nodes_hostname_verification_can_be_skipped_and_only_it() {
+    let certs_dir = tempfile::tempdir().unwrap();
+    let certs = make_certs(certs_dir.path());
+    sign(
+        &certs,
+        "elsewhere",
+        "/CN=elsewhere",
+        "subjectAltName=DNS:elsewhere.ratelimitd.test\n",
+    );
+    let cluster = RedisCluster::start_tls(&certs, "elsewhere");
+    let urls = cluster.urls();
+    assert!(urls.starts_with("rediss://"), "{urls}");
+    let answers = |ca: std::path::PathBuf, skip: bool| {
+        let urls = urls.clone();
+        async move {
+            let mut flags = vec![
+                "--redis-cluster-nodes".to_string(),
+                urls,
+                "--redis-tls-ca".into(),
+                ca.display().to_string(),
+            ];
+            if skip {
+                flags.push("--redis-tls-skip-hostname-verification".into());
+            }
+            let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+            let yaml = "domain: t\ndescriptors:\n  - key: k\n    rate_limit: {unit: hour, requests_per_unit: 10}\n";
+            let s = redis_server(&[("t.yaml", yaml)], &flags, &unique_prefix(), "2s").await;
+            let mut c = s.client().await;
+            // Keys in every slot range, so that every node is asked.
+            let mut answers = Vec::new();
+            for v in ["a", "b", "c", "d", "e", "f"] {
+                answers.push(
+                    c.should_rate_limit(request("t", &[&[("k", v)]]))
+                        .await
+                        .map(|r| is_ok(r.get_ref()))
+                        .map_err(|e| e.code()),
+                );
+            }
+            answers
+        }
+    };
+    let ca = certs.join("ca.crt");
+    let refused = answers(ca.clone(), false).await;
+    assert!(
+        refused.iter().all(|a| *a == Err(tonic::Code::Unavailable)),
+        "the certificates name another host: {refused:?}"
+    );
+    let served = answers(ca, true).await;
+    assert!(served.iter().all(|a| *a == Ok(true)), "{served:?}");
+    let other_dir = tempfile::tempdir().unwrap();
+    let other = make_certs(other_dir.path());
+    let refused = answers(other.join("ca.crt"), true).await;
+    assert!(
+        refused.iter().all(|a| *a == Err(tonic::Code::Unavailable)),
+        "certificates from another CA: {refused:?}"
+    );
+}

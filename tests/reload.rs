@@ -109,6 +109,38 @@ async fn a_bad_reload_keeps_the_whole_previous_config() {
     assert_eq!(metric(&m, "ratelimit_config_last_load_success"), 1.0);
 }
 
+/// A bad file, then the file as it was before: the config in force is the files' again, so
+/// the last load counts as good (the failure does not stand until some other change).
+#[tokio::test]
+async fn putting_back_the_config_in_force_after_a_bad_reload_clears_the_failure() {
+    let s = TestServer::start(&[("limits.yaml", &limits(5))]).await;
+    let mut c = s.client().await;
+    let last_ok = || async {
+        let (_, m) = s.http_get("/metrics").await;
+        metric(&m, "ratelimit_config_last_load_success")
+    };
+    assert_eq!(last_ok().await, 1.0);
+    s.write(
+        "limits.yaml",
+        "domain: d\ndescriptors: [{key: k, rate_limit: {unit: fortnight}}]\n",
+    );
+    poll(RELOAD_DEADLINE, || async {
+        (last_ok().await == 0.0).then_some(())
+    })
+    .await;
+    s.write("limits.yaml", &limits(5));
+    poll(RELOAD_DEADLINE, || async {
+        (last_ok().await == 1.0).then_some(())
+    })
+    .await;
+    assert_eq!(rpu(&mut c).await, Some(5));
+    let (_, m) = s.http_get("/metrics").await;
+    assert_eq!(
+        metric(&m, r#"ratelimit_config_loads_total{result="error"}"#),
+        1.0
+    );
+}
+
 /// What kubelet does on a ConfigMap update: a new `..<timestamp>` directory, a `..data_tmp`
 /// symlink to it renamed over `..data`, then the old directory removed.
 fn configmap_swap(dir: &Path, generation: u32, text: &str) {

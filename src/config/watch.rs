@@ -36,6 +36,8 @@ where
     F: Fn(Result<LoadedConfig, ConfigError>) + Send + 'static,
 {
     let (tx, mut rx) = mpsc::unbounded_channel::<()>();
+    // Whether the last load was refused.
+    let mut failing = false;
     let settle = tx.clone();
     let mut watcher: RecommendedWatcher =
         notify::recommended_watcher(move |event: notify::Result<notify::Event>| match event {
@@ -105,14 +107,21 @@ where
                 continue;
             };
             match result {
-                Ok(loaded) if loaded.fingerprint == fingerprint => {
+                // Unchanged, and the last load was good: nothing to do. After a refused load,
+                // files put back as they were are a good load again (the config in force
+                // is theirs), not a failure still standing.
+                Ok(loaded) if loaded.fingerprint == fingerprint && !failing => {
                     tracing::debug!("config files touched but unchanged");
                 }
                 Ok(loaded) => {
                     fingerprint = loaded.fingerprint;
+                    failing = false;
                     apply(Ok(loaded));
                 }
-                Err(err) => apply(Err(err)),
+                Err(err) => {
+                    failing = true;
+                    apply(Err(err));
+                }
             }
         }
     }))

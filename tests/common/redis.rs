@@ -107,6 +107,11 @@ impl RedisProc {
 
     /// [`RedisProc::start_tls`] presenting `name.crt` (and `name.key`) from `certs`.
     pub(crate) fn start_tls_as(certs: &std::path::Path, name: &str) -> RedisProc {
+        Self::start_tls_with(certs, name, &[])
+    }
+
+    /// [`RedisProc::start_tls_as`] with `more` arguments (a cluster node's).
+    pub(crate) fn start_tls_with(certs: &std::path::Path, name: &str, more: &[&str]) -> RedisProc {
         let port = free_port();
         let path = |f: &str| certs.join(f).display().to_string();
         let extra = [
@@ -121,7 +126,8 @@ impl RedisProc {
             "--tls-auth-clients".into(),
             "no".into(),
         ];
-        let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+        let mut extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+        extra.extend_from_slice(more);
         Self::start_with(0, &extra, Some(certs.join("ca.crt")))
     }
 
@@ -253,6 +259,21 @@ impl RedisCluster {
 
     /// `masters` masters with `replicas` replicas each, every node started with `extra`.
     pub(crate) fn start_with(masters: usize, replicas: usize, extra: &[&str]) -> RedisCluster {
+        Self::start_nodes(masters, replicas, extra, None)
+    }
+
+    /// Three masters serving TLS only (the cluster bus too), each presenting `name.crt` from
+    /// the certificates of [`make_certs`] in `certs`.
+    pub(crate) fn start_tls(certs: &std::path::Path, name: &str) -> RedisCluster {
+        Self::start_nodes(3, 0, &["--tls-cluster", "yes"], Some((certs, name)))
+    }
+
+    fn start_nodes(
+        masters: usize,
+        replicas: usize,
+        extra: &[&str],
+        tls: Option<(&std::path::Path, &str)>,
+    ) -> RedisCluster {
         let nodes: Vec<RedisProc> = (0..masters * (1 + replicas))
             .map(|_| {
                 let mut args = vec![
@@ -266,10 +287,16 @@ impl RedisCluster {
                     "0",
                 ];
                 args.extend_from_slice(extra);
-                RedisProc::start(&args)
+                match tls {
+                    Some((certs, name)) => RedisProc::start_tls_with(certs, name, &args),
+                    None => RedisProc::start(&args),
+                }
             })
             .collect();
         let mut create = Command::new("redis-cli");
+        if let Some((certs, _)) = tls {
+            create.args(["--tls", "--cacert"]).arg(certs.join("ca.crt"));
+        }
         create.arg("--cluster").arg("create");
         for n in &nodes {
             create.arg(format!("127.0.0.1:{}", n.port));
