@@ -473,8 +473,9 @@ async fn until_goaway(socket: &mut TcpStream, since: Instant) -> Duration {
 /// ±10% of `--grpc-max-connection-age`, not all at once.
 #[tokio::test]
 async fn connections_are_sent_goaway_at_their_age_each_with_its_own_jitter() {
-    let age = Duration::from_secs(4);
-    let (d, _dir) = daemon(&["--grpc-max-connection-age", "4s"]).await;
+    // Long enough that the spread (1.9 s expected) outlasts any stall of a loaded machine.
+    let age = Duration::from_secs(10);
+    let (d, _dir) = daemon(&["--grpc-max-connection-age", "10s"]).await;
     let clients = (0..24).map(|_| async {
         let mut socket = h2_connection(d.grpc).await;
         let since = Instant::now();
@@ -491,8 +492,8 @@ async fn connections_are_sent_goaway_at_their_age_each_with_its_own_jitter() {
         *last <= age.mul_f64(1.1) + Duration::from_secs(10),
         "{ages:?}"
     );
-    // 24 connections over 16 lanes spread over 0.75 s; together they would be within ms.
-    assert!(*last - *first >= Duration::from_millis(300), "{ages:?}");
+    // 24 connections over 16 lanes spread over 1.9 s; together they would be within ms.
+    assert!(*last - *first >= Duration::from_millis(500), "{ages:?}");
     victim_is_served(&d).await;
 }
 
@@ -543,8 +544,9 @@ async fn streams_in_flight_at_the_age_finish_within_the_grace_then_the_connectio
     // Stream 3 never finishes: the connection is closed once the grace is over.
     while next_frame(&mut socket).await.is_some() {}
     let closed = since.elapsed();
+    // Not before the earliest age plus the grace, whenever this client read the GOAWAY.
     assert!(
-        closed >= goaway + grace.mul_f64(0.95),
+        closed >= age.mul_f64(0.9) + grace,
         "closed after {closed:?}, GOAWAY after {goaway:?}"
     );
     assert!(
