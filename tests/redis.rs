@@ -5,7 +5,7 @@
 
 mod common;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -912,6 +912,59 @@ async fn tls_hostname_verification_can_be_skipped_and_only_it() {
     let other = make_certs(other_dir.path());
     assert_eq!(
         answers(target(&other.join("ca.crt"), true)).await,
+        Err(tonic::Code::Unavailable),
+        "a certificate from another CA"
+    );
+}
+
+/// `--redis-tls-server-name`: the certificate is verified against that name while the URL's
+/// address is dialled. The certificate's own name is served; another name, or a certificate
+/// from another CA, is refused.
+#[tokio::test]
+async fn tls_server_name_verifies_another_name_than_the_one_dialled() {
+    let certs_dir = tempfile::tempdir().unwrap();
+    let certs = make_certs(certs_dir.path());
+    common::redis::sign(
+        &certs,
+        "elsewhere",
+        "/CN=elsewhere",
+        "subjectAltName=DNS:elsewhere.ratelimitd.test\n",
+    );
+    let redis = RedisProc::start_tls_as(&certs, "elsewhere");
+    let url = redis.url();
+    let answers = |ca: PathBuf, name: &'static str| {
+        let url = url.clone();
+        async move {
+            let flags = [
+                "--redis-url",
+                url.as_str(),
+                "--redis-tls-ca",
+                ca.to_str().unwrap(),
+                "--redis-tls-server-name",
+                name,
+            ];
+            let s = redis_server(&[("f.yaml", ONE)], &flags, &unique_prefix(), "2s").await;
+            let mut c = s.client().await;
+            c.should_rate_limit(request("f", &[&[("k", "v")]]))
+                .await
+                .map(|r| is_ok(r.get_ref()))
+                .map_err(|e| e.code())
+        }
+    };
+    let ca = certs.join("ca.crt");
+    assert_eq!(
+        answers(ca.clone(), "elsewhere.ratelimitd.test").await,
+        Ok(true)
+    );
+    assert_eq!(
+        answers(ca, "other.ratelimitd.test").await,
+        Err(tonic::Code::Unavailable),
+        "the certificate does not name that"
+    );
+    let other_dir = tempfile::tempdir().unwrap();
+    let other = make_certs(other_dir.path());
+    assert_eq!(
+        answers(other.join("ca.crt"), "elsewhere.ratelimitd.test").await,
         Err(tonic::Code::Unavailable),
         "a certificate from another CA"
     );

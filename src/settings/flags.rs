@@ -519,6 +519,12 @@ pub(crate) struct Flags {
     #[arg(long, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
     pub(crate) redis_tls_skip_hostname_verification: bool,
 
+    /// Verify the standalone Redis server's certificate against this name instead of the URL's
+    /// host, which is still the address dialled (a certificate that names something other than
+    /// the address you reach it by). The chain, dates and key usage are verified as ever.
+    #[arg(long)]
+    pub(crate) redis_tls_server_name: Option<String>,
+
     /// CA certificate (PEM) to verify a rediss:// server.
     #[arg(long)]
     pub(crate) redis_tls_ca: Option<PathBuf>,

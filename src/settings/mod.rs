@@ -223,6 +223,31 @@ mod tests {
         )
         .unwrap_err();
         assert!(err.to_string().contains("not with Sentinel"), "{err}");
+        // A server name applies to one rediss:// URL, and not beside the skip.
+        for target in [
+            &["--redis-url", "redis://h:1"][..],
+            &["--redis-cluster-nodes", "rediss://a:1,rediss://b:1"][..],
+            &[
+                "--redis-url",
+                "rediss://h:1",
+                "--redis-tls-skip-hostname-verification",
+            ][..],
+        ] {
+            let mut args = vec![
+                "--config",
+                "x",
+                "--backend",
+                "redis",
+                "--redis-tls-server-name",
+                "n",
+            ];
+            args.extend_from_slice(target);
+            let err = parse(&args, &[]).unwrap_err();
+            assert!(
+                err.to_string().contains("--redis-tls-server-name n"),
+                "{err}"
+            );
+        }
         let err = parse(
             &[
                 "--config",

@@ -207,6 +207,12 @@ impl Flags {
         {
             return Err(SettingsError::SkipHostnameWithSentinel);
         }
+        if let Some(name) = &self.redis_tls_server_name {
+            let standalone_tls = matches!(&target, Topology::Standalone(url) if url.is_tls());
+            if !standalone_tls || self.redis_tls_skip_hostname_verification {
+                return Err(SettingsError::ServerName(name.clone()));
+            }
+        }
         if self.redis_tls_cert.is_some() != self.redis_tls_key.is_some() {
             return Err(SettingsError::RedisTlsPair);
         }
@@ -222,6 +228,7 @@ impl Flags {
                 cert: self.redis_tls_cert.clone(),
                 key: self.redis_tls_key.clone(),
                 skip_hostname_verification: self.redis_tls_skip_hostname_verification,
+                server_name: self.redis_tls_server_name.clone(),
             },
             timeout: self.redis_timeout,
             local_cache_bytes: self.local_cache_bytes,
@@ -448,6 +455,11 @@ pub enum SettingsError {
         "--redis-tls-skip-hostname-verification works with --redis-url and --redis-cluster-nodes, not with Sentinel"
     )]
     SkipHostnameWithSentinel,
+    /// A server name where it cannot apply.
+    #[error(
+        "--redis-tls-server-name {0} applies to one rediss:// --redis-url, without --redis-tls-skip-hostname-verification: a cluster's and Sentinel's nodes are dialled at the addresses they announce, each verified against its own"
+    )]
+    ServerName(String),
     /// Half a client certificate.
     #[error("--redis-tls-cert and --redis-tls-key go together")]
     RedisTlsPair,

@@ -12,8 +12,8 @@ use redis::cluster::ClusterClientBuilder;
 use redis::cluster_async::ClusterConnection;
 use redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType};
 use redis::{
-    AsyncConnectionConfig, Client, IntoConnectionInfo, RedisError, RedisResult, TlsCertificates,
-    TlsMode,
+    AsyncConnectionConfig, Client, ConnectionAddr, IntoConnectionInfo, RedisError, RedisResult,
+    TlsCertificates, TlsMode,
 };
 use tokio::sync::Mutex;
 
@@ -55,6 +55,9 @@ pub(crate) struct RedisTlsFiles {
     /// system's roots), its dates and its key usage too; only the name check is skipped.
     /// Standalone and Cluster only.
     pub skip_hostname_verification: bool,
+    /// Verify the standalone server's certificate against this name; the URL's host is still
+    /// the address dialled (`--redis-tls-server-name`).
+    pub server_name: Option<String>,
 }
 
 impl RedisTlsFiles {
@@ -111,6 +114,10 @@ pub(crate) fn response_timeout(call_budget: Duration) -> Duration {
 pub(crate) enum Conn {
     /// Auto-reconnecting multiplexed connection.
     Standalone(ConnectionManager),
+    /// A standalone server verified against another name than the one dialled: the client
+    /// connects to that name, which its resolver maps to the URL's host (the connection
+    /// manager takes no resolver, so the connection is made on use and remade after errors).
+    Named(Arc<Lazy<MultiplexedConnection>>),
     /// Cluster client: routes by slot, follows MOVED/ASK, retries TRYAGAIN within its budget.
     Cluster(Arc<Lazy<ClusterConnection>>),
     /// Master found through Sentinel, re-resolved after any connection error.
@@ -136,6 +143,28 @@ impl<C: Clone> Lazy<C> {
 
     async fn reset(&self) {
         *self.slot.lock().await = None;
+    }
+}
+
+/// Resolves the name a certificate is verified against to the host the URL names, so that
+/// the client dials one and verifies the other (`--redis-tls-server-name`).
+struct DialAs {
+    name: String,
+    host: String,
+}
+
+impl redis::io::AsyncDNSResolver for DialAs {
+    fn resolve<'a, 'b: 'a>(
+        &'a self,
+        host: &'b str,
+        port: u16,
+    ) -> redis::RedisFuture<'a, Box<dyn Iterator<Item = std::net::SocketAddr> + Send + 'a>> {
+        let dial = if host == self.name { &self.host } else { host };
+        Box::pin(async move {
+            let addrs: Vec<std::net::SocketAddr> =
+                tokio::net::lookup_host((dial, port)).await?.collect();
+            Ok(Box::new(addrs.into_iter()) as Box<dyn Iterator<Item = _> + Send>)
+        })
     }
 }
 
@@ -170,6 +199,47 @@ impl Conn {
             Client::open(info.set_addr(addr)).map_err(failed(url.to_string()))
         };
         match target {
+            Topology::Standalone(url) if tls.server_name.is_some() => {
+                let name = tls.server_name.clone().unwrap_or_default();
+                let info = client_for(url)?.get_connection_info().clone();
+                let ConnectionAddr::TcpTls {
+                    host,
+                    port,
+                    insecure,
+                    tls_params,
+                } = info.addr().clone()
+                else {
+                    return Err(SetupError::Client {
+                        node: url.to_string(),
+                        source: RedisError::from((
+                            redis::ErrorKind::InvalidClientConfig,
+                            "--redis-tls-server-name needs a rediss:// URL",
+                        )),
+                    });
+                };
+                let named = info.set_addr(ConnectionAddr::TcpTls {
+                    host: name.clone(),
+                    port,
+                    insecure,
+                    tls_params,
+                });
+                let client = Client::open(named).map_err(failed(url.to_string()))?;
+                let config = AsyncConnectionConfig::new()
+                    .set_connection_timeout(Some(timeout))
+                    .set_response_timeout(Some(response_timeout(timeout)))
+                    .set_dns_resolver(DialAs { name, host });
+                Ok(Conn::Named(Arc::new(Lazy {
+                    slot: Mutex::new(None),
+                    connect: Box::new(move || {
+                        let (client, config) = (client.clone(), config.clone());
+                        Box::pin(async move {
+                            client
+                                .get_multiplexed_async_connection_with_config(&config)
+                                .await
+                        })
+                    }),
+                })))
+            }
             Topology::Standalone(url) => {
                 let config = ConnectionManagerConfig::new()
                     .set_connection_timeout(Some(timeout))
@@ -266,6 +336,7 @@ impl Conn {
         match self {
             Conn::Standalone(m) => Ok(Live::Manager(m.clone())),
             Conn::Cluster(lazy) => Ok(Live::Cluster(lazy.get().await?)),
+            Conn::Named(lazy) => Ok(Live::Mux(lazy.get().await?)),
             Conn::Sentinel(s) => {
                 let mut slot = s.conn.lock().await;
                 if let Some(c) = slot.as_ref() {
@@ -324,6 +395,7 @@ impl Conn {
             || err.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::ReadOnly);
         match self {
             Conn::Cluster(lazy) if dead => lazy.reset().await,
+            Conn::Named(lazy) if dead => lazy.reset().await,
             Conn::Sentinel(s) if dead => *s.conn.lock().await = None,
             _ => {}
         }
