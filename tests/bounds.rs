@@ -5,12 +5,11 @@
 
 mod common;
 
-use std::process::Stdio;
 use std::time::Duration;
 
 use tokio::time::Instant;
 
-use common::daemon::{Daemon, ratelimitd};
+use common::daemon::Daemon;
 use common::redis::free_port;
 use common::*;
 use prost::Message;
@@ -20,11 +19,7 @@ use tokio::net::TcpStream;
 const LIMITS: &str = "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: hour, requests_per_unit: 1000000}\n";
 
 async fn daemon(flags: &[&str]) -> (Daemon, tempfile::TempDir) {
-    let dir = tempfile::tempdir().unwrap();
-    std::fs::write(dir.path().join("l.yaml"), LIMITS).unwrap();
-    let mut cmd = ratelimitd(dir.path(), flags);
-    cmd.env("RATELIMITD_LOG_LEVEL", "warn");
-    (Daemon::start_with(cmd, Stdio::null()).await, dir)
+    common::daemon::quiet(LIMITS, flags).await
 }
 
 /// A victim's call on its own connection: admitted.

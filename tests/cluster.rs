@@ -259,43 +259,26 @@ async fn migrating_live_counters_under_load_never_over_admits() {
 #[tokio::test]
 async fn tls_cluster_nodes_hostname_verification_can_be_skipped_and_only_it() {
     let certs_dir = tempfile::tempdir().unwrap();
-    let certs = make_certs(certs_dir.path());
-    sign(
-        &certs,
-        "elsewhere",
-        "/CN=elsewhere",
-        "subjectAltName=DNS:elsewhere.ratelimitd.test\n",
-    );
+    let certs = certs_naming_elsewhere(certs_dir.path());
     let cluster = RedisCluster::start_tls(&certs, "elsewhere");
     let urls = cluster.urls();
     assert!(urls.starts_with("rediss://"), "{urls}");
     let answers = |ca: std::path::PathBuf, skip: bool| {
-        let urls = urls.clone();
+        let mut flags = vec![
+            "--redis-cluster-nodes".to_string(),
+            urls.clone(),
+            "--redis-tls-ca".into(),
+            ca.display().to_string(),
+        ];
+        if skip {
+            flags.push("--redis-tls-skip-hostname-verification".into());
+        }
         async move {
-            let mut flags = vec![
-                "--redis-cluster-nodes".to_string(),
-                urls,
-                "--redis-tls-ca".into(),
-                ca.display().to_string(),
-            ];
-            if skip {
-                flags.push("--redis-tls-skip-hostname-verification".into());
-            }
             let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
             let yaml = "domain: t\ndescriptors:\n  - key: k\n    rate_limit: {unit: hour, requests_per_unit: 10}\n";
-            let s = redis_server(&[("t.yaml", yaml)], &flags, &unique_prefix(), "2s").await;
-            let mut c = s.client().await;
             // Keys in every slot range, so that every node is asked.
-            let mut answers = Vec::new();
-            for v in ["a", "b", "c", "d", "e", "f"] {
-                answers.push(
-                    c.should_rate_limit(request("t", &[&[("k", v)]]))
-                        .await
-                        .map(|r| is_ok(r.get_ref()))
-                        .map_err(|e| e.code()),
-                );
-            }
-            answers
+            let values = ["a", "b", "c", "d", "e", "f"];
+            answers_on(&[("t.yaml", yaml)], &flags, "t", &values).await
         }
     };
     let ca = certs.join("ca.crt");

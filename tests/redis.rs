@@ -871,48 +871,36 @@ async fn tls_with_a_private_ca() {
 #[tokio::test]
 async fn tls_hostname_verification_can_be_skipped_and_only_it() {
     let certs_dir = tempfile::tempdir().unwrap();
-    let certs = make_certs(certs_dir.path());
-    common::redis::sign(
-        &certs,
-        "elsewhere",
-        "/CN=elsewhere",
-        "subjectAltName=DNS:elsewhere.ratelimitd.test\n",
-    );
+    let certs = certs_naming_elsewhere(certs_dir.path());
     let redis = RedisProc::start_tls_as(&certs, "elsewhere");
     let url = redis.url();
     let ca = certs.join("ca.crt");
-    let answers = |flags: Vec<String>| async move {
-        let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
-        let s = redis_server(&[("f.yaml", ONE)], &flags, &unique_prefix(), "2s").await;
-        let mut c = s.client().await;
-        c.should_rate_limit(request("f", &[&[("k", "v")]]))
-            .await
-            .map(|r| is_ok(r.get_ref()))
-            .map_err(|e| e.code())
-    };
-    let target = |ca: &Path, skip: bool| {
-        let mut f = vec![
+    let answers = |ca: &Path, skip: bool| {
+        let mut flags = vec![
             "--redis-url".to_string(),
             url.clone(),
             "--redis-tls-ca".into(),
             ca.display().to_string(),
         ];
         if skip {
-            f.push("--redis-tls-skip-hostname-verification".into());
+            flags.push("--redis-tls-skip-hostname-verification".into());
         }
-        f
+        async move {
+            let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+            answers_on(&[("f.yaml", ONE)], &flags, "f", &["v"]).await
+        }
     };
     assert_eq!(
-        answers(target(&ca, false)).await,
-        Err(tonic::Code::Unavailable),
+        answers(&ca, false).await,
+        [Err(tonic::Code::Unavailable)],
         "the certificate names another host"
     );
-    assert_eq!(answers(target(&ca, true)).await, Ok(true));
+    assert_eq!(answers(&ca, true).await, [Ok(true)]);
     let other_dir = tempfile::tempdir().unwrap();
     let other = make_certs(other_dir.path());
     assert_eq!(
-        answers(target(&other.join("ca.crt"), true)).await,
-        Err(tonic::Code::Unavailable),
+        answers(&other.join("ca.crt"), true).await,
+        [Err(tonic::Code::Unavailable)],
         "a certificate from another CA"
     );
 }
@@ -923,13 +911,7 @@ async fn tls_hostname_verification_can_be_skipped_and_only_it() {
 #[tokio::test]
 async fn tls_server_name_verifies_another_name_than_the_one_dialled() {
     let certs_dir = tempfile::tempdir().unwrap();
-    let certs = make_certs(certs_dir.path());
-    common::redis::sign(
-        &certs,
-        "elsewhere",
-        "/CN=elsewhere",
-        "subjectAltName=DNS:elsewhere.ratelimitd.test\n",
-    );
+    let certs = certs_naming_elsewhere(certs_dir.path());
     let redis = RedisProc::start_tls_as(&certs, "elsewhere");
     let url = redis.url();
     let answers = |ca: PathBuf, name: &'static str| {
@@ -943,29 +925,21 @@ async fn tls_server_name_verifies_another_name_than_the_one_dialled() {
                 "--redis-tls-server-name",
                 name,
             ];
-            let s = redis_server(&[("f.yaml", ONE)], &flags, &unique_prefix(), "2s").await;
-            let mut c = s.client().await;
-            c.should_rate_limit(request("f", &[&[("k", "v")]]))
-                .await
-                .map(|r| is_ok(r.get_ref()))
-                .map_err(|e| e.code())
+            answers_on(&[("f.yaml", ONE)], &flags, "f", &["v"]).await
         }
     };
     let ca = certs.join("ca.crt");
-    assert_eq!(
-        answers(ca.clone(), "elsewhere.ratelimitd.test").await,
-        Ok(true)
-    );
+    assert_eq!(answers(ca.clone(), ELSEWHERE).await, [Ok(true)]);
     assert_eq!(
         answers(ca, "other.ratelimitd.test").await,
-        Err(tonic::Code::Unavailable),
+        [Err(tonic::Code::Unavailable)],
         "the certificate does not name that"
     );
     let other_dir = tempfile::tempdir().unwrap();
     let other = make_certs(other_dir.path());
     assert_eq!(
-        answers(other.join("ca.crt"), "elsewhere.ratelimitd.test").await,
-        Err(tonic::Code::Unavailable),
+        answers(other.join("ca.crt"), ELSEWHERE).await,
+        [Err(tonic::Code::Unavailable)],
         "a certificate from another CA"
     );
 }

@@ -1421,12 +1421,8 @@ impl QuotaDaemon {
     }
 
     async fn start_with(flags: &[&str]) -> QuotaDaemon {
-        let dir = tempfile::tempdir().unwrap();
         let rule = "domain: u\ndescriptors:\n  - key: user\n    rate_limit: {unit: minute, requests_per_unit: 100}\n";
-        std::fs::write(dir.path().join("u.yaml"), rule).unwrap();
-        let mut cmd = daemon::ratelimitd(dir.path(), flags);
-        cmd.args(["--log-level", "warn"]);
-        let daemon = daemon::Daemon::start_with(cmd, std::process::Stdio::null()).await;
+        let (daemon, dir) = daemon::quiet(rule, flags).await;
         let channel =
             tonic::transport::Channel::from_shared(format!("http://127.0.0.1:{}", daemon.grpc))
                 .unwrap()

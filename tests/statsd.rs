@@ -6,10 +6,9 @@
 mod common;
 
 use std::collections::HashMap;
-use std::process::Stdio;
 use std::time::Duration;
 
-use common::daemon::{Daemon, ratelimitd};
+use common::daemon::Daemon;
 use common::*;
 use tokio::io::AsyncReadExt;
 use tokio::net::{TcpListener, UdpSocket};
@@ -17,11 +16,7 @@ use tokio::net::{TcpListener, UdpSocket};
 const LIMITS: &str = "domain: d\ndescriptors:\n  - key: k\n    value: v\n    rate_limit: {unit: hour, requests_per_unit: 2}\n  - key: ip\n    detailed_metric: true\n    rate_limit: {unit: hour, requests_per_unit: 1000000}\n";
 
 async fn daemon(flags: &[&str]) -> (Daemon, tempfile::TempDir) {
-    let dir = tempfile::tempdir().unwrap();
-    std::fs::write(dir.path().join("l.yaml"), LIMITS).unwrap();
-    let mut cmd = ratelimitd(dir.path(), flags);
-    cmd.env("RATELIMITD_LOG_LEVEL", "warn");
-    (Daemon::start_with(cmd, Stdio::null()).await, dir)
+    common::daemon::quiet(LIMITS, flags).await
 }
 
 /// Adds every counter line of `text` (`name:delta|c…`) to `totals`.

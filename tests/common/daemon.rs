@@ -25,6 +25,16 @@ pub(crate) fn ratelimitd(config: impl AsRef<Path>, args: &[&str]) -> Command {
     cmd
 }
 
+/// The binary serving `limits` (one config file in a directory of its own, which the caller
+/// keeps) with `flags`, logging warnings only and to nowhere: for tests that load it hard.
+pub(crate) async fn quiet(limits: &str, flags: &[&str]) -> (Daemon, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("limits.yaml"), limits).unwrap();
+    let mut cmd = ratelimitd(dir.path(), flags);
+    cmd.env("RATELIMITD_LOG_LEVEL", "warn");
+    (Daemon::start_with(cmd, Stdio::null()).await, dir)
+}
+
 /// A running `ratelimitd` process on free loopback ports (given through the environment, as a
 /// container would), with its stderr captured.
 pub(crate) struct Daemon {

@@ -86,6 +86,28 @@ pub(crate) async fn redis_server(
     TestServer::start_with(files, &flags, Arc::new(SystemClock)).await
 }
 
+/// How a fresh Redis-backed server with `target` (the Redis, TLS flags) answers one request of
+/// `domain` for each value of key `k`: admitted or not, or the gRPC code it failed with.
+pub(crate) async fn answers_on(
+    files: &[(&str, &str)],
+    target: &[&str],
+    domain: &str,
+    values: &[&str],
+) -> Vec<Result<bool, tonic::Code>> {
+    let s = redis_server(files, target, &redis::unique_prefix(), "2s").await;
+    let mut c = s.client().await;
+    let mut answers = Vec::with_capacity(values.len());
+    for v in values {
+        answers.push(
+            c.should_rate_limit(request(domain, &[&[("k", v)]]))
+                .await
+                .map(|r| is_ok(r.get_ref()))
+                .map_err(|e| e.code()),
+        );
+    }
+    answers
+}
+
 /// A server on `kind` with `files` and extra flags.
 pub(crate) async fn start(kind: Kind, files: &[(&str, &str)], extra: &[&str]) -> TestServer {
     let mut flags = kind.flags();

@@ -447,6 +447,23 @@ fn openssl(dir: &std::path::Path, args: &[&str]) {
     );
 }
 
+/// The name `elsewhere.crt` of [`certs_naming_elsewhere`] is for: one no test dials.
+pub(crate) const ELSEWHERE: &str = "elsewhere.ratelimitd.test";
+
+/// The certificates of [`make_certs`] in `dir`, plus `elsewhere.crt` (and its key), signed by
+/// the same CA for [`ELSEWHERE`] only: a server presenting it is refused by a client that
+/// checks the name it dialled.
+pub(crate) fn certs_naming_elsewhere(dir: &std::path::Path) -> PathBuf {
+    let certs = make_certs(dir);
+    sign(
+        &certs,
+        "elsewhere",
+        "/CN=elsewhere",
+        &format!("subjectAltName=DNS:{ELSEWHERE}\n"),
+    );
+    certs
+}
+
 /// `name.key` and `name.crt` in `certs`, signed by its CA, v3 (webpki refuses v1) with the
 /// extensions `ext`.
 pub(crate) fn sign(certs: &std::path::Path, name: &str, subject: &str, ext: &str) {
