@@ -10,6 +10,19 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
+/// Exports each of `labels` in `family` at 0 from now on, before its first count: a dashboard
+/// shows none rather than no data, and `rate()` sees the first increment. For families whose
+/// labels are a fixed set.
+pub(crate) fn at_zero<S, M, C>(family: &Family<S, M, C>, labels: impl IntoIterator<Item = S>)
+where
+    S: Clone + std::hash::Hash + Eq,
+    C: prometheus_client::metrics::family::MetricConstructor<M>,
+{
+    for label in labels {
+        let _ = family.get_or_create(&label);
+    }
+}
+
 /// The outcome of one limit for one descriptor.
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
 #[allow(non_camel_case_types)]
@@ -641,10 +654,10 @@ impl Metrics {
             decisions.accounted.clone(),
         );
         let config_loads = Family::<LoadLabels, Counter>::default();
-        // Both results exported at 0 from the start, so that `rate()` sees the first failure.
-        for result in [LoadResult::success, LoadResult::error] {
-            let _ = config_loads.get_or_create(&LoadLabels { result });
-        }
+        at_zero(
+            &config_loads,
+            [LoadResult::success, LoadResult::error].map(|result| LoadLabels { result }),
+        );
         registry.register(
             "ratelimit_config_loads",
             "Config loads by result; a failed reload keeps the previous config",

@@ -84,13 +84,12 @@ pub(crate) fn start(
                 metrics.backend.clone(),
             )?);
             tasks.push(redis.spawn_probe(PROBE_EVERY));
-            // Exported at 0 from the start, as the errors are.
-            let _ = metrics
-                .backend
-                .failure_mode_decisions
-                .get_or_create(&ModeLabels {
+            crate::metrics::at_zero(
+                &metrics.backend.failure_mode_decisions,
+                [ModeLabels {
                     mode: failure_mode.as_str(),
-                });
+                }],
+            );
             let backend = Arc::new(Fallback::new(
                 redis.clone(),
                 *failure_mode,

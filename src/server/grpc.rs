@@ -35,13 +35,12 @@ pub(crate) struct GrpcService {
 impl GrpcService {
     /// Serves `engine`, recording timings in `metrics`, adding `headers` to responses.
     pub(crate) fn new(engine: Arc<Engine>, metrics: Arc<Metrics>, headers: HeaderMode) -> Self {
-        // Every code exported at 0 from the start: a dashboard shows none rather than no data,
-        // and `rate()` sees the first error.
-        for code in ERROR_CODES {
-            let _ = metrics.grpc_errors.get_or_create(&ErrorLabels {
+        crate::metrics::at_zero(
+            &metrics.grpc_errors,
+            ERROR_CODES.map(|code| ErrorLabels {
                 code: code.to_owned(),
-            });
-        }
+            }),
+        );
         Self {
             engine,
             metrics,

@@ -41,7 +41,7 @@ use crate::config::Snapshot;
 use crate::engine::RequestLimits;
 use crate::limiter::BoxFuture;
 use crate::limiter::key::KeyFormat;
-use crate::metrics::{NameLabels, RlqsMetrics};
+use crate::metrics::{NameLabels, RlqsMetrics, at_zero};
 use crate::rlqs::{
     self, Ask, Assignment, BucketOptions, BucketRule, ParticipantId, Pools, Signal, Usage,
 };
@@ -164,30 +164,25 @@ impl RlqsService {
         }: RlqsOptions,
         metrics: RlqsMetrics,
     ) -> std::io::Result<RlqsService> {
-        // Every kind exported at 0 from the start: a dashboard shows none rather than no data,
-        // and `rate()` sees the first one. The failure mode's only with Redis pools.
-        let zero = |family: &prometheus_client::metrics::family::Family<NameLabels, _>,
-                    kinds: &[&'static str]| {
-            for &kind in kinds {
-                let _ = family.get_or_create(&NameLabels { kind });
-            }
-        };
-        zero(
+        let kind = |kind| NameLabels { kind };
+        at_zero(
             &metrics.assignments,
-            &["allow_all", "deny_all", "token_bucket"],
+            ["allow_all", "deny_all", "token_bucket"].map(kind),
         );
-        zero(
+        at_zero(
             &metrics.skipped,
-            &[
+            [
                 "empty_key_or_value",
                 "no_bucket_id",
                 "too_long",
                 "too_many_pairs",
                 "over_budget",
-            ],
+            ]
+            .map(kind),
         );
+        // The failure mode's only with Redis pools.
         if let Pools::InRedis { failure, .. } = &pools {
-            zero(&metrics.fallbacks, &[failure.as_str(), "error"]);
+            at_zero(&metrics.fallbacks, [failure.as_str(), "error"].map(kind));
         }
         let service = RlqsService {
             apart: Arc::new(Apart::start()?),

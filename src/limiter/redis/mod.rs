@@ -108,13 +108,10 @@ impl RedisBackend {
     ) -> Result<RedisBackend, SetupError> {
         let conn = Conn::new(&opts.target, &opts.tls, opts.timeout)?;
         let ping = Conn::new(&opts.target, &opts.tls, opts.timeout)?;
-        // Every kind exported at 0 from the start: a dashboard shows none rather than no data,
-        // and `rate()` sees the first error.
-        for kind in ErrorKind::ALL {
-            let _ = metrics
-                .errors
-                .get_or_create(&KindLabels { kind: kind.label() });
-        }
+        crate::metrics::at_zero(
+            &metrics.errors,
+            ErrorKind::ALL.map(|kind| KindLabels { kind: kind.label() }),
+        );
         let health = Arc::new(Health::new(ping, Some(metrics.clone())));
         let rlqs = rlqs::Lane::new(&opts)?;
         let batcher = Batcher::new(
