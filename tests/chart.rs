@@ -522,33 +522,13 @@ fn promtool_checks(spec: &Value) {
     let dir = tempfile::tempdir().unwrap();
     let rules = dir.path().join("rules.yaml");
     std::fs::write(&rules, serde_json::to_string(spec).unwrap()).unwrap();
-    let out = Command::new(&promtool)
-        .arg("check")
-        .arg("rules")
-        .arg(&rules)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "promtool check rules: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
     let test = dir.path().join("test.yaml");
     std::fs::write(&test, ALERT_TESTS).unwrap();
-    let out = Command::new(&promtool)
-        .arg("test")
-        .arg("rules")
-        .arg(&test)
-        .current_dir(dir.path())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "promtool test rules: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    // The test names its rule file relative to itself.
+    for (what, file) in [("check", &rules), ("test", &test)] {
+        run(&promtool, &[what, "rules", file.to_str().unwrap()])
+            .unwrap_or_else(|e| panic!("promtool {what} rules: {e}"));
+    }
 }
 
 /// Series of two replicas over 30 minutes, one healthy (`a`) and one in trouble (`b`), and which

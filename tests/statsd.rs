@@ -22,18 +22,13 @@ async fn daemon(flags: &[&str]) -> (Daemon, tempfile::TempDir) {
 /// Adds every counter line of `text` (`name:delta|c…`) to `totals`.
 fn add_lines(totals: &mut HashMap<String, u64>, text: &str) {
     for line in text.lines() {
-        let (name, rest) = line.rsplit_once(':').map_or((line, ""), |(n, r)| (n, r));
-        // A DogStatsD line has tags after the type: name:delta|c|#k:v.
-        let (name, rest) = match line.split_once("|#") {
-            Some((head, _)) => head.rsplit_once(':').unwrap_or((name, rest)),
-            None => (name, rest),
-        };
-        let delta: u64 = rest
-            .strip_suffix("|c")
-            .unwrap_or_else(|| panic!("not a counter: {line}"))
-            .parse()
-            .unwrap();
-        *totals.entry(name.to_owned()).or_default() += delta;
+        // A DogStatsD line has its tags after the type: name:delta|c|#k:v.
+        let counter = line.split_once("|#").map_or(line, |(head, _)| head);
+        let (name, delta) = counter
+            .rsplit_once(':')
+            .and_then(|(name, delta)| Some((name, delta.strip_suffix("|c")?)))
+            .unwrap_or_else(|| panic!("not a counter: {line}"));
+        *totals.entry(name.to_owned()).or_default() += delta.parse::<u64>().unwrap();
     }
 }
 
