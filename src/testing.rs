@@ -35,6 +35,7 @@ pub async fn script_fair_shares(
             pipeline: 1,
             max_batch: 1,
             max_debt: crate::limiter::DEFAULT_MAX_DEBT,
+            per_second: None,
         },
         crate::metrics::BackendMetrics::default(),
     )

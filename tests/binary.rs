@@ -539,3 +539,50 @@ async fn grpc_on_a_unix_socket() {
         "{stderr}"
     );
 }
+
+/// envoyproxy/ratelimit's `REDIS_PERSECOND`: its limits whose unit is a second are counted in
+/// the Redis `REDIS_PERSECOND_URL` names, the others in `REDIS_URL`'s, as that service splits
+/// them.
+#[tokio::test]
+async fn redis_persecond_counts_second_limits_in_their_own_redis() {
+    let main = common::redis::RedisProc::start(&[]);
+    let fast = common::redis::RedisProc::start(&[]);
+    let data = tempfile::tempdir().unwrap();
+    let config = data.path().join("config");
+    std::fs::create_dir_all(&config).unwrap();
+    std::fs::write(
+        config.join("limits.yaml"),
+        "domain: ps\ndescriptors:\n  - key: rps\n    rate_limit: {unit: second, requests_per_unit: 1000}\n  - key: rph\n    rate_limit: {unit: hour, requests_per_unit: 1000}\n",
+    )
+    .unwrap();
+    let mut cmd = ratelimitd("", &[]);
+    cmd.env("REDIS_SOCKET_TYPE", "tcp")
+        .env("REDIS_URL", format!("127.0.0.1:{}", main.port))
+        .env("REDIS_PERSECOND", "true")
+        .env("REDIS_PERSECOND_SOCKET_TYPE", "tcp")
+        .env("REDIS_PERSECOND_URL", format!("127.0.0.1:{}", fast.port))
+        .env("USE_STATSD", "false")
+        .env("RUNTIME_ROOT", data.path())
+        .env("RUNTIME_SUBDIRECTORY", "")
+        .env("RUNTIME_IGNOREDOTFILES", "true");
+    let d = Daemon::start(cmd).await;
+    let mut client = d.client().await;
+    let r = call(
+        &mut client,
+        request("ps", &[&[("rps", "a")], &[("rph", "a")]]),
+    )
+    .await;
+    assert!(is_ok(&r), "{r:?}");
+    let keys = |node: &common::redis::RedisProc| node.cli(&["--scan", "--pattern", "*ps*"]);
+    let (in_main, in_fast) = (keys(&main), keys(&fast));
+    assert!(
+        in_main.lines().count() == 1 && in_main.contains("rph"),
+        "{in_main}"
+    );
+    assert!(
+        in_fast.lines().count() == 1 && in_fast.contains("rps"),
+        "{in_fast}"
+    );
+    let (status, log) = d.terminate().await;
+    assert!(status.success(), "{log}");
+}

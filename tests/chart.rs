@@ -172,6 +172,8 @@ fn every_feature_switched_on() {
         "--max-descriptors=32",
         "--grpc-max-connection-age=2h",
         "--grpc-max-connection-age-grace=5m",
+        "--redis-per-second-cluster-nodes=redis://fast-0:6379,redis://fast-1:6379",
+        "--redis-per-second-tls",
     ] {
         assert!(a.contains(&expected.to_owned()), "{expected} in {a:?}");
     }
@@ -186,6 +188,12 @@ fn every_feature_switched_on() {
         password["valueFrom"]["secretKeyRef"]["key"],
         "redis-password"
     );
+    let fast = env
+        .iter()
+        .find(|e| e["name"] == "RATELIMITD_REDIS_PER_SECOND_PASSWORD")
+        .unwrap();
+    assert_eq!(fast["valueFrom"]["secretKeyRef"]["name"], "redis-fast-auth");
+    assert_eq!(fast["valueFrom"]["secretKeyRef"]["key"], "password");
     assert!(env.iter().any(|e| e["name"] == "RATELIMITD_SHADOW_MODE"));
     assert!(
         !objects

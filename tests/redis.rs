@@ -13,6 +13,8 @@ use tokio::time::Instant;
 use common::redis::*;
 use common::*;
 use envoy_types::pb::google::protobuf::UInt64Value;
+use ratelimitd::admin::admin_client::AdminClient;
+use ratelimitd::admin::{CounterRequest, Entry};
 use ratelimitd::testing::{Algorithm, slot};
 
 fn algorithms_yaml(domain: &str, rpu: u32) -> String {
@@ -1211,4 +1213,127 @@ async fn sentinel_reaches_a_tls_only_master() {
         &["--redis-tls", "--redis-tls-ca", &ca],
     )
     .await;
+}
+
+/// A per-second limit (a window under a minute) and an hourly one, for the per-second store.
+const TWO_STORES: &str = "domain: p\ndescriptors:\n  - key: fast\n    rate_limit: {unit: second, unit_multiplier: 50, requests_per_unit: 3}\n  - key: slow\n    rate_limit: {unit: hour, requests_per_unit: 2}\n";
+
+/// `--redis-per-second-url` (envoyproxy/ratelimit's `REDIS_PERSECOND`): windows under a minute
+/// are counted in the second Redis, the rest in the main one; a request touching both is still
+/// all-or-nothing (the per-second hit of a request the hourly limit refuses is undone); and
+/// each store's outage touches only the requests that need it.
+#[tokio::test]
+async fn a_per_second_store_keeps_short_windows_apart_and_all_or_nothing() {
+    let mut main = RedisProc::start(&[]);
+    let fast = RedisProc::start(&[]);
+    let prefix = unique_prefix();
+    let (main_url, fast_url) = (main.url(), fast.url());
+    let s = redis_server(
+        &[("p.yaml", TWO_STORES)],
+        &[
+            "--redis-url",
+            &main_url,
+            "--redis-per-second-url",
+            &fast_url,
+            "--redis-failure-mode",
+            "error",
+            "--admin",
+        ],
+        &prefix,
+        "500ms",
+    )
+    .await;
+    let mut c = s.client().await;
+    let mut attempt = 0;
+    let v = loop {
+        // A 50 s window may end mid-test: start again, on fresh counters, when less than 10 s
+        // of it are left.
+        attempt += 1;
+        let v = format!("v{attempt}");
+        let both = request("p", &[&[("fast", &v)], &[("slow", &v)]]);
+        let r = call(&mut c, both.clone()).await;
+        assert!(is_ok(&r), "{r:?}");
+        let left = r.statuses[0].duration_until_reset.as_ref().unwrap().seconds;
+        if left < 10 {
+            assert!(attempt < 3, "windows keep ending");
+            tokio::time::sleep(Duration::from_secs(left as u64 + 1)).await;
+            continue;
+        }
+        assert_eq!(
+            (r.statuses[0].limit_remaining, r.statuses[1].limit_remaining),
+            (2, 1)
+        );
+        assert!(is_ok(&call(&mut c, both.clone()).await));
+        // The hourly limit refuses the third: its per-second hit, taken in the other store,
+        // is given back.
+        let r = call(&mut c, both).await;
+        assert!(is_over(&r), "{r:?}");
+        let r = call(&mut c, request("p", &[&[("fast", &v)]])).await;
+        assert!(is_ok(&r), "the refused request took nothing: {r:?}");
+        assert_eq!(r.statuses[0].limit_remaining, 0);
+        assert!(is_over(
+            &call(&mut c, request("p", &[&[("fast", &v)]])).await
+        ));
+        break v;
+    };
+    // The admin API finds each counter in its store, and a reset clears it there.
+    let mut admin = AdminClient::connect(format!("http://{}", s.grpc))
+        .await
+        .unwrap();
+    let fast_counter = CounterRequest {
+        domain: "p".into(),
+        entries: vec![Entry {
+            key: "fast".into(),
+            value: v.clone(),
+        }],
+    };
+    let seen = admin.get_counters(fast_counter.clone()).await.unwrap();
+    assert_eq!(seen.get_ref().counters[0].used, 3, "{seen:?}");
+    let reset = admin.reset_counters(fast_counter).await.unwrap();
+    assert_eq!(reset.get_ref().reset, 1);
+    assert!(is_ok(&call(&mut c, request("p", &[&[("fast", &v)]])).await));
+    let names = |node: &RedisProc| -> Vec<String> {
+        keys_with_ttl(node, &prefix)
+            .into_iter()
+            .map(|(k, _)| k)
+            .filter(|k| !k.contains("undo:"))
+            .collect()
+    };
+    let (in_main, in_fast) = (names(&main), names(&fast));
+    assert!(
+        !in_main.is_empty() && in_main.iter().all(|k| k.contains("slow")),
+        "{in_main:?}"
+    );
+    assert!(
+        !in_fast.is_empty() && in_fast.iter().all(|k| k.contains("fast")),
+        "{in_fast:?}"
+    );
+
+    // The main store down: a per-second request is still decided, an hourly one is not.
+    main.kill();
+    let fresh = format!("{v}-after");
+    let r = call(&mut c, request("p", &[&[("fast", &fresh)]])).await;
+    assert!(is_ok(&r), "{r:?}");
+    assert_eq!(
+        r.statuses[0].limit_remaining, 2,
+        "counted in the second Redis"
+    );
+    let e = c
+        .should_rate_limit(request("p", &[&[("slow", &fresh)]]))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Unavailable);
+    poll(Duration::from_secs(10), || async {
+        let (_, m) = s.http_get("/metrics").await;
+        (metric(&m, "ratelimit_backend_up") == 0.0).then_some(())
+    })
+    .await;
+    main.restart();
+    poll(Duration::from_secs(10), || async {
+        let (_, m) = s.http_get("/metrics").await;
+        (metric(&m, "ratelimit_backend_up") == 1.0).then_some(())
+    })
+    .await;
+    let r = call(&mut c, request("p", &[&[("slow", &fresh)]])).await;
+    assert!(is_ok(&r), "{r:?}");
 }

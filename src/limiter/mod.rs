@@ -31,6 +31,15 @@ pub struct Limit {
     pub burst: u64,
 }
 
+impl Limit {
+    /// Whether the window is shorter than a minute (a unit of seconds): such counters live in
+    /// the per-second store when there is one, as envoyproxy/ratelimit keeps its `SECOND`
+    /// limits apart with `REDIS_PERSECOND`.
+    pub fn is_short(&self) -> bool {
+        self.window_us < 60_000_000
+    }
+}
+
 /// How an over-limit verdict on a hit affects the whole request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Enforcement {

@@ -78,12 +78,14 @@ pub(crate) fn start(
             redis,
             failure_mode,
         } => {
-            tracing::info!(target = ?redis.target, hash_tag = ?keys.hash_tag(), failure_mode = failure_mode.as_str(), pipeline = redis.pipeline, max_batch = redis.max_batch, "redis backend");
+            tracing::info!(target = ?redis.target, per_second = ?redis.per_second, hash_tag = ?keys.hash_tag(), failure_mode = failure_mode.as_str(), pipeline = redis.pipeline, max_batch = redis.max_batch, "redis backend");
             let redis = Arc::new(RedisBackend::new(
                 RedisOptions::clone(redis),
                 metrics.backend.clone(),
             )?);
-            tasks.push(redis.spawn_probe(PROBE_EVERY));
+            for probe in redis.spawn_probes(PROBE_EVERY) {
+                tasks.push(probe);
+            }
             crate::metrics::at_zero(
                 &metrics.backend.failure_mode_decisions,
                 [ModeLabels {

@@ -77,8 +77,27 @@ const IGNORED: &[(&str, &str)] = &[
         "RUNTIME_WATCH_ROOT",
         "the config directory is always watched, the root's swaps too",
     ),
-    ("REDIS_PERSECOND", "one Redis for every window"),
-    ("REDIS_PERSECOND_URL", "one Redis for every window"),
+    (
+        "REDIS_PERSECOND_POOL_SIZE",
+        "one multiplexed connection needs no pool",
+    ),
+    (
+        "REDIS_PERSECOND_PIPELINE_WINDOW",
+        "requests are pipelined on one connection",
+    ),
+    (
+        "REDIS_PERSECOND_PIPELINE_LIMIT",
+        "requests are pipelined on one connection",
+    ),
+    ("REDIS_PERSECOND_POOL_ON_EMPTY_BEHAVIOR", "there is no pool"),
+    (
+        "REDIS_PERSECOND_CLUSTER_PIPELINE_PARALLELISM",
+        "script calls are pipelined on one connection per node",
+    ),
+    (
+        "REDIS_PERSECOND_TIMEOUT",
+        "REDIS_TIMEOUT bounds a request's calls to both stores, which are made in parallel",
+    ),
 ];
 
 /// The variables [`refuse`] judges.
@@ -249,7 +268,20 @@ pub(super) fn translate(
     tracing(&env, &mut t)?;
     stats(&env, dropin, &mut t)?;
     if let Some(url) = env.non_empty("REDIS_URL") {
-        redis(&env, &url, &mut t)?;
+        t.flag("backend", "redis".into());
+        redis(&env, &url, &MAIN_STORE, &mut t)?;
+        apply(&env, REDIS_TLS, &mut t)?;
+    }
+    if env.bool_var("REDIS_PERSECOND")? == Some(true) {
+        if env.non_empty("REDIS_URL").is_none() {
+            return Err(
+                "REDIS_PERSECOND=true needs REDIS_URL: the per-second Redis keeps only the counters of windows shorter than a minute".into(),
+            );
+        }
+        let url = env
+            .non_empty("REDIS_PERSECOND_URL")
+            .unwrap_or_else(|| "/var/run/nutcracker/ratelimitpersecond.sock".into());
+        redis(&env, &url, &PER_SECOND_STORE, &mut t)?;
     }
     ignored(&env, &mut t);
     Ok(t)
@@ -543,11 +575,62 @@ const GRPC_CLIENT_TLS: &[Row] = &[
     ("GRPC_CLIENT_TLS_SAN",    "grpc-tls-client-san", As::NonEmpty),
 ];
 
-/// The Redis backend at `url`: its shape (`REDIS_TYPE`), credentials and TLS.
-fn redis(env: &Env<'_>, url: &str, t: &mut Translated) -> Result<(), String> {
-    let tls = env.bool_var("REDIS_TLS")?.unwrap_or(false);
+/// The variables that name one Redis store, and the flags they become.
+struct StoreVars {
+    url: &'static str,
+    kind: &'static str,
+    socket_type: &'static str,
+    tls: &'static str,
+    auth: &'static str,
+    sentinel_auth: &'static str,
+    flag_url: &'static str,
+    flag_cluster_nodes: &'static str,
+    flag_sentinel_master: &'static str,
+    flag_sentinel_nodes: &'static str,
+    flag_tls: &'static str,
+    flag_username: &'static str,
+    flag_password: &'static str,
+}
+
+/// `REDIS_*`: the main store.
+const MAIN_STORE: StoreVars = StoreVars {
+    url: "REDIS_URL",
+    kind: "REDIS_TYPE",
+    socket_type: "REDIS_SOCKET_TYPE",
+    tls: "REDIS_TLS",
+    auth: "REDIS_AUTH",
+    sentinel_auth: "REDIS_SENTINEL_AUTH",
+    flag_url: "redis-url",
+    flag_cluster_nodes: "redis-cluster-nodes",
+    flag_sentinel_master: "redis-sentinel-master",
+    flag_sentinel_nodes: "redis-sentinel-nodes",
+    flag_tls: "redis-tls",
+    flag_username: "redis-username",
+    flag_password: "redis-password",
+};
+
+/// `REDIS_PERSECOND_*`: the store of the limits whose unit is a second.
+const PER_SECOND_STORE: StoreVars = StoreVars {
+    url: "REDIS_PERSECOND_URL",
+    kind: "REDIS_PERSECOND_TYPE",
+    socket_type: "REDIS_PERSECOND_SOCKET_TYPE",
+    tls: "REDIS_PERSECOND_TLS",
+    auth: "REDIS_PERSECOND_AUTH",
+    sentinel_auth: "REDIS_PERSECOND_SENTINEL_AUTH",
+    flag_url: "redis-per-second-url",
+    flag_cluster_nodes: "redis-per-second-cluster-nodes",
+    flag_sentinel_master: "redis-per-second-sentinel-master",
+    flag_sentinel_nodes: "redis-per-second-sentinel-nodes",
+    flag_tls: "redis-per-second-tls",
+    flag_username: "redis-per-second-username",
+    flag_password: "redis-per-second-password",
+};
+
+/// The Redis store at `url` that `vars` name: its shape (`REDIS_TYPE`), credentials and TLS.
+fn redis(env: &Env<'_>, url: &str, vars: &StoreVars, t: &mut Translated) -> Result<(), String> {
+    let tls = env.bool_var(vars.tls)?.unwrap_or(false);
     let unix = env
-        .var("REDIS_SOCKET_TYPE")
+        .var(vars.socket_type)
         .unwrap_or_else(|| "unix".into())
         .eq_ignore_ascii_case("unix");
     let scheme = if tls { "rediss" } else { "redis" };
@@ -558,22 +641,21 @@ fn redis(env: &Env<'_>, url: &str, t: &mut Translated) -> Result<(), String> {
             format!("{scheme}://{hostport}")
         }
     };
-    t.flag("backend", "redis".into());
     match env
-        .var("REDIS_TYPE")
+        .var(vars.kind)
         .unwrap_or_else(|| "SINGLE".into())
         .to_ascii_uppercase()
         .as_str()
     {
-        "SINGLE" => t.flag("redis-url", node(url)),
+        "SINGLE" => t.flag(vars.flag_url, node(url)),
         "CLUSTER" => {
             let nodes: Vec<String> = url.split(',').map(|n| node(n.trim())).collect();
-            t.flag("redis-cluster-nodes", nodes.join(","));
+            t.flag(vars.flag_cluster_nodes, nodes.join(","));
         }
         "SENTINEL" => {
             let mut parts = url.split(',').map(str::trim);
             let master = parts.next().unwrap_or_default().to_owned();
-            let auth = env.non_empty("REDIS_SENTINEL_AUTH");
+            let auth = env.non_empty(vars.sentinel_auth);
             let sentinels: Vec<String> = parts
                 .map(|hostport| match &auth {
                     Some(a) if a.contains(':') => format!("{scheme}://{a}@{hostport}"),
@@ -582,32 +664,34 @@ fn redis(env: &Env<'_>, url: &str, t: &mut Translated) -> Result<(), String> {
                 })
                 .collect();
             if master.is_empty() || sentinels.is_empty() {
-                return Err(
-                    "REDIS_TYPE=SENTINEL needs REDIS_URL=<master name>,<host:port>[,…]".into(),
-                );
+                return Err(format!(
+                    "{}=SENTINEL needs {}=<master name>,<host:port>[,…]",
+                    vars.kind, vars.url
+                ));
             }
-            t.flag("redis-sentinel-master", master);
-            t.flag("redis-sentinel-nodes", sentinels.join(","));
+            t.flag(vars.flag_sentinel_master, master);
+            t.flag(vars.flag_sentinel_nodes, sentinels.join(","));
             if tls {
-                t.flag("redis-tls", "true".into());
+                t.flag(vars.flag_tls, "true".into());
             }
         }
         other => {
             return Err(format!(
-                "REDIS_TYPE={other} is not one of SINGLE, CLUSTER, SENTINEL"
+                "{}={other} is not one of SINGLE, CLUSTER, SENTINEL",
+                vars.kind
             ));
         }
     }
-    if let Some(auth) = env.non_empty("REDIS_AUTH") {
+    if let Some(auth) = env.non_empty(vars.auth) {
         match auth.split_once(':') {
             Some((user, pass)) => {
-                t.flag("redis-username", user.to_owned());
-                t.flag("redis-password", pass.to_owned());
+                t.flag(vars.flag_username, user.to_owned());
+                t.flag(vars.flag_password, pass.to_owned());
             }
-            None => t.flag("redis-password", auth),
+            None => t.flag(vars.flag_password, auth),
         }
     }
-    apply(env, REDIS_TLS, t)
+    Ok(())
 }
 
 /// The Redis client's certificates.
@@ -626,10 +710,7 @@ fn ignored(env: &Env<'_>, t: &mut Translated) {
         // A variable set to what this service does anyway is not worth a line.
         let harmless = matches!(
             (*name, truthy(&v)),
-            (
-                "USE_STATSD" | "USE_DOG_STATSD" | "DISABLE_STATS" | "REDIS_PERSECOND",
-                Ok(false)
-            )
+            ("USE_STATSD" | "USE_DOG_STATSD" | "DISABLE_STATS", Ok(false))
         ) || matches!(*name, "RUNTIME_WATCH_ROOT" | "REDIS_POOL_SIZE");
         if !harmless {
             t.ignored.push(format!(
@@ -888,6 +969,69 @@ mod tests {
             ]
         );
         assert!(t.ignored.is_empty(), "{:?}", t.ignored);
+    }
+
+    #[test]
+    fn a_per_second_redis_gets_its_own_shape_credentials_and_tls() {
+        let t = run(
+            &[
+                ("REDIS_SOCKET_TYPE", "tcp"),
+                ("REDIS_URL", "main:6379"),
+                ("REDIS_PERSECOND", "true"),
+                ("REDIS_PERSECOND_SOCKET_TYPE", "tcp"),
+                ("REDIS_PERSECOND_TYPE", "sentinel"),
+                ("REDIS_PERSECOND_URL", "fast, s1:26379"),
+                ("REDIS_PERSECOND_SENTINEL_AUTH", "spw"),
+                ("REDIS_PERSECOND_AUTH", "u:mpw"),
+                ("REDIS_PERSECOND_TLS", "true"),
+                ("REDIS_PERSECOND_POOL_SIZE", "20"),
+            ],
+            false,
+        )
+        .unwrap();
+        assert_eq!(
+            flags(&t),
+            vec![
+                ("backend", "redis"),
+                ("redis-url", "redis://main:6379"),
+                ("redis-per-second-sentinel-master", "fast"),
+                ("redis-per-second-sentinel-nodes", "rediss://:spw@s1:26379"),
+                ("redis-per-second-tls", "true"),
+                ("redis-per-second-username", "u"),
+                ("redis-per-second-password", "mpw"),
+            ]
+        );
+        assert_eq!(t.ignored.len(), 1, "{:?}", t.ignored);
+        assert!(t.ignored[0].starts_with("REDIS_PERSECOND_POOL_SIZE=20"));
+        // That service's defaults: a Unix socket of its own.
+        let t = run(&[("REDIS_URL", "/m.sock"), ("REDIS_PERSECOND", "1")], false).unwrap();
+        assert!(flags(&t).contains(&(
+            "redis-per-second-url",
+            "unix:///var/run/nutcracker/ratelimitpersecond.sock"
+        )));
+        // Off, it names nothing, whatever else is set.
+        let t = run(
+            &[
+                ("REDIS_URL", "/m.sock"),
+                ("REDIS_PERSECOND", "false"),
+                ("REDIS_PERSECOND_URL", "/s.sock"),
+            ],
+            false,
+        )
+        .unwrap();
+        assert!(!flags(&t).iter().any(|(f, _)| f.contains("per-second")));
+        let err = run(&[("REDIS_PERSECOND", "true")], false).unwrap_err();
+        assert!(err.contains("needs REDIS_URL"), "{err}");
+        let err = run(
+            &[
+                ("REDIS_URL", "/m.sock"),
+                ("REDIS_PERSECOND", "true"),
+                ("REDIS_PERSECOND_TYPE", "ring"),
+            ],
+            false,
+        )
+        .unwrap_err();
+        assert!(err.starts_with("REDIS_PERSECOND_TYPE=RING"), "{err}");
     }
 
     #[test]

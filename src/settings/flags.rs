@@ -525,6 +525,37 @@ pub(crate) struct Flags {
     #[arg(long)]
     pub(crate) redis_tls_server_name: Option<String>,
 
+    /// A second Redis (standalone) for the counters of windows shorter than a minute, kept
+    /// apart from the longer ones (envoyproxy/ratelimit's REDIS_PERSECOND_URL). Same forms as
+    /// --redis-url; the TLS files, timeout and call bounds are shared.
+    #[arg(long, value_parser = RedisUrlParser)]
+    pub(crate) redis_per_second_url: Option<RedisUrl>,
+
+    /// The per-second store as a Redis Cluster: seed nodes, comma-separated URLs.
+    #[arg(long, value_parser = RedisUrlParser, value_delimiter = ',')]
+    pub(crate) redis_per_second_cluster_nodes: Vec<RedisUrl>,
+
+    /// The per-second store behind Sentinel: sentinel nodes, comma-separated URLs (with
+    /// --redis-per-second-sentinel-master).
+    #[arg(long, value_parser = RedisUrlParser, value_delimiter = ',')]
+    pub(crate) redis_per_second_sentinel_nodes: Vec<RedisUrl>,
+
+    /// The master name the per-second store's sentinels monitor.
+    #[arg(long)]
+    pub(crate) redis_per_second_sentinel_master: Option<String>,
+
+    /// ACL user for the per-second store's data nodes whose URL has none.
+    #[arg(long)]
+    pub(crate) redis_per_second_username: Option<String>,
+
+    /// Password for the per-second store's data nodes whose URL has none.
+    #[arg(long, value_parser = parse_secret)]
+    pub(crate) redis_per_second_password: Option<Secret>,
+
+    /// Reach the per-second store's data nodes over TLS; for Sentinel, its master.
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub(crate) redis_per_second_tls: bool,
+
     /// CA certificate (PEM) to verify a rediss:// server.
     #[arg(long)]
     pub(crate) redis_tls_ca: Option<PathBuf>,

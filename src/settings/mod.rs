@@ -306,6 +306,116 @@ mod tests {
     }
 
     #[test]
+    fn a_per_second_store_is_checked_as_the_main_one() {
+        let main = [
+            "--config",
+            "x",
+            "--backend",
+            "redis",
+            "--redis-url",
+            "redis://m:1",
+        ];
+        let s = parse(
+            &[
+                &main[..],
+                &[
+                    "--redis-per-second-cluster-nodes",
+                    "redis://a:1,redis://b:2",
+                    "--redis-per-second-password",
+                    "fast/pw",
+                    "--redis-per-second-tls",
+                ],
+            ]
+            .concat(),
+            &[],
+        )
+        .unwrap();
+        assert!(!format!("{s:?}").contains("fast/pw"), "{s:?}");
+        let opts = s.redis_options().unwrap();
+        assert!(matches!(opts.target, Topology::Standalone(ref u) if !u.is_tls()));
+        match opts.per_second {
+            Some(Topology::Cluster(nodes)) => {
+                assert_eq!(nodes.len(), 2);
+                assert!(nodes.iter().all(|n| n.is_tls()));
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(
+            parse(&main, &[])
+                .unwrap()
+                .redis_options()
+                .unwrap()
+                .per_second
+                .is_none()
+        );
+        for (extra, says) in [
+            (
+                &[
+                    "--redis-per-second-url",
+                    "redis://p:1",
+                    "--redis-per-second-cluster-nodes",
+                    "redis://a:1",
+                ][..],
+                "give only one of --redis-per-second-url",
+            ),
+            (
+                &["--redis-per-second-sentinel-nodes", "redis://s:1"][..],
+                "--redis-per-second-sentinel-nodes needs --redis-per-second-sentinel-master",
+            ),
+            (
+                &[
+                    "--redis-per-second-url",
+                    "redis://p:1",
+                    "--redis-per-second-username",
+                    "u",
+                ][..],
+                "--redis-per-second-username needs --redis-per-second-password",
+            ),
+            (
+                &[
+                    "--redis-per-second-sentinel-nodes",
+                    "redis://s:1",
+                    "--redis-per-second-sentinel-master",
+                    "m",
+                    "--redis-tls-skip-hostname-verification",
+                ][..],
+                "not with Sentinel",
+            ),
+        ] {
+            let err = parse(&[&main[..], extra].concat(), &[]).unwrap_err();
+            assert!(err.to_string().contains(says), "{extra:?}: {err}");
+        }
+        // A server name names one server: not a per-second one over TLS as well.
+        let tls_main = [
+            "--config",
+            "x",
+            "--backend",
+            "redis",
+            "--redis-url",
+            "rediss://m:1",
+        ];
+        let named = [&tls_main[..], &["--redis-tls-server-name", "10.0.0.3"]].concat();
+        assert!(parse(&named, &[]).is_ok());
+        assert!(
+            parse(
+                &[&named[..], &["--redis-per-second-url", "redis://p:1"]].concat(),
+                &[]
+            )
+            .is_ok()
+        );
+        let err = parse(
+            &[&named[..], &["--redis-per-second-url", "rediss://p:1"]].concat(),
+            &[],
+        )
+        .unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("a second server has a name of its own"),
+            "{err}"
+        );
+    }
+
+    #[test]
     fn sentinel_master_credentials_and_tls_are_apart_from_the_sentinels() {
         let s = parse(
             &[

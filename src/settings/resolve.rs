@@ -171,45 +171,24 @@ impl Flags {
 
     /// The Redis backend's options, or why they are incomplete.
     pub(super) fn redis_options(&self) -> Result<RedisOptions, SettingsError> {
-        let credentials = Credentials {
-            username: self.redis_username.clone(),
-            password: self.redis_password.as_ref().map(|s| s.0.clone()),
-        };
-        if credentials.username.is_some() && credentials.password.is_none() {
-            return Err(SettingsError::UsernameWithoutPassword);
-        }
-        let data_node = |url: &RedisUrl| {
-            let url = url.with_default_credentials(&credentials);
-            if self.redis_tls { url.with_tls() } else { url }
-        };
-        let target = match (
-            &self.redis_url,
-            self.redis_cluster_nodes.is_empty(),
-            self.redis_sentinel_nodes.is_empty(),
-        ) {
-            (Some(url), true, true) => Topology::Standalone(data_node(url)),
-            (None, false, true) => {
-                Topology::Cluster(self.redis_cluster_nodes.iter().map(data_node).collect())
+        let target = self
+            .main_store()
+            .topology()?
+            .ok_or(SettingsError::NoRedis)?;
+        let per_second = self.per_second_store().topology()?;
+        for t in std::iter::once(&target).chain(&per_second) {
+            if self.redis_tls_skip_hostname_verification && matches!(t, Topology::Sentinel { .. }) {
+                return Err(SettingsError::SkipHostnameWithSentinel);
             }
-            (None, true, false) => Topology::Sentinel {
-                nodes: self.redis_sentinel_nodes.clone(),
-                master: self
-                    .redis_sentinel_master
-                    .clone()
-                    .ok_or(SettingsError::SentinelWithoutMaster)?,
-                master_credentials: credentials.clone(),
-                master_tls: self.redis_tls,
-            },
-            (None, true, true) => return Err(SettingsError::NoRedis),
-            _ => return Err(SettingsError::SeveralRedis),
-        };
-        if self.redis_tls_skip_hostname_verification && matches!(target, Topology::Sentinel { .. })
-        {
-            return Err(SettingsError::SkipHostnameWithSentinel);
         }
         if let Some(name) = &self.redis_tls_server_name {
             let standalone_tls = matches!(&target, Topology::Standalone(url) if url.is_tls());
-            if !standalone_tls || self.redis_tls_skip_hostname_verification {
+            let per_second_tls = per_second.as_ref().is_some_and(|t| match t {
+                Topology::Standalone(url) => url.is_tls(),
+                Topology::Cluster(nodes) => nodes.iter().any(RedisUrl::is_tls),
+                Topology::Sentinel { master_tls, .. } => *master_tls,
+            });
+            if !standalone_tls || per_second_tls || self.redis_tls_skip_hostname_verification {
                 return Err(SettingsError::ServerName(name.clone()));
             }
         }
@@ -235,7 +214,39 @@ impl Flags {
             pipeline: self.redis_pipeline,
             max_batch: self.redis_max_batch,
             max_debt: self.max_debt,
+            per_second,
         })
+    }
+
+    /// The flags that name the main store.
+    fn main_store(&self) -> StoreFlags<'_> {
+        StoreFlags {
+            flag: "--redis",
+            url: self.redis_url.as_ref(),
+            cluster_nodes: &self.redis_cluster_nodes,
+            sentinel_nodes: &self.redis_sentinel_nodes,
+            sentinel_master: self.redis_sentinel_master.as_deref(),
+            username: self.redis_username.as_deref(),
+            password: self.redis_password.as_ref().map(|s| s.0.as_str()),
+            tls: self.redis_tls,
+        }
+    }
+
+    /// The flags that name the per-second store.
+    fn per_second_store(&self) -> StoreFlags<'_> {
+        StoreFlags {
+            flag: "--redis-per-second",
+            url: self.redis_per_second_url.as_ref(),
+            cluster_nodes: &self.redis_per_second_cluster_nodes,
+            sentinel_nodes: &self.redis_per_second_sentinel_nodes,
+            sentinel_master: self.redis_per_second_sentinel_master.as_deref(),
+            username: self.redis_per_second_username.as_deref(),
+            password: self
+                .redis_per_second_password
+                .as_ref()
+                .map(|s| s.0.as_str()),
+            tls: self.redis_per_second_tls,
+        }
     }
 
     /// The gRPC listener's TLS files, when TLS is asked for.
@@ -435,29 +446,82 @@ pub struct Options {
     pub(crate) statsd: Option<StatsdOptions>,
 }
 
+/// The flags that name one Redis store: `--redis-*` or `--redis-per-second-*`.
+struct StoreFlags<'a> {
+    /// The flags' common start, for errors.
+    flag: &'static str,
+    url: Option<&'a RedisUrl>,
+    cluster_nodes: &'a [RedisUrl],
+    sentinel_nodes: &'a [RedisUrl],
+    sentinel_master: Option<&'a str>,
+    username: Option<&'a str>,
+    password: Option<&'a str>,
+    tls: bool,
+}
+
+impl StoreFlags<'_> {
+    /// Where the store is, `None` when no flag names it.
+    fn topology(&self) -> Result<Option<Topology>, SettingsError> {
+        let credentials = Credentials {
+            username: self.username.map(str::to_owned),
+            password: self.password.map(str::to_owned),
+        };
+        if credentials.username.is_some() && credentials.password.is_none() {
+            return Err(SettingsError::UsernameWithoutPassword(self.flag));
+        }
+        let data_node = |url: &RedisUrl| {
+            let url = url.with_default_credentials(&credentials);
+            if self.tls { url.with_tls() } else { url }
+        };
+        Ok(Some(
+            match (
+                self.url,
+                self.cluster_nodes.is_empty(),
+                self.sentinel_nodes.is_empty(),
+            ) {
+                (Some(url), true, true) => Topology::Standalone(data_node(url)),
+                (None, false, true) => {
+                    Topology::Cluster(self.cluster_nodes.iter().map(data_node).collect())
+                }
+                (None, true, false) => Topology::Sentinel {
+                    nodes: self.sentinel_nodes.to_vec(),
+                    master: self
+                        .sentinel_master
+                        .ok_or(SettingsError::SentinelWithoutMaster(self.flag))?
+                        .to_owned(),
+                    master_credentials: credentials.clone(),
+                    master_tls: self.tls,
+                },
+                (None, true, true) => return Ok(None),
+                _ => return Err(SettingsError::SeveralRedis(self.flag)),
+            },
+        ))
+    }
+}
+
 /// Flags that are individually valid but do not fit together, or name missing files.
 #[derive(Debug, thiserror::Error)]
 pub enum SettingsError {
-    /// A user without a password.
-    #[error("--redis-username needs --redis-password")]
-    UsernameWithoutPassword,
+    /// A user without a password (of the store whose flags start so).
+    #[error("{0}-username needs {0}-password")]
+    UsernameWithoutPassword(&'static str),
     /// `--backend redis` with no Redis.
     #[error("--backend redis needs --redis-url, --redis-cluster-nodes or --redis-sentinel-nodes")]
     NoRedis,
-    /// Two Redis shapes at once.
-    #[error("give only one of --redis-url, --redis-cluster-nodes and --redis-sentinel-nodes")]
-    SeveralRedis,
+    /// Two Redis shapes at once (for the store whose flags start so).
+    #[error("give only one of {0}-url, {0}-cluster-nodes and {0}-sentinel-nodes")]
+    SeveralRedis(&'static str),
     /// Sentinels without the master's name.
-    #[error("--redis-sentinel-nodes needs --redis-sentinel-master")]
-    SentinelWithoutMaster,
+    #[error("{0}-sentinel-nodes needs {0}-sentinel-master")]
+    SentinelWithoutMaster(&'static str),
     /// No way to skip the name check on connections Sentinel hands out.
     #[error(
-        "--redis-tls-skip-hostname-verification works with --redis-url and --redis-cluster-nodes, not with Sentinel"
+        "--redis-tls-skip-hostname-verification works with a Redis URL and cluster nodes, not with Sentinel"
     )]
     SkipHostnameWithSentinel,
     /// A server name where it cannot apply.
     #[error(
-        "--redis-tls-server-name {0} applies to one rediss:// --redis-url, without --redis-tls-skip-hostname-verification: a cluster's and Sentinel's nodes are dialled at the addresses they announce, each verified against its own"
+        "--redis-tls-server-name {0} applies to one rediss:// --redis-url, without --redis-tls-skip-hostname-verification or a per-second store over TLS: a cluster's and Sentinel's nodes are dialled at the addresses they announce, each verified against its own, and a second server has a name of its own"
     )]
     ServerName(String),
     /// Half a client certificate.

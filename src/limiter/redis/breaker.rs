@@ -10,6 +10,7 @@
 //! call's connection a PING waited behind that connection's calls (a huge one's bytes
 //! included), and timed out while Redis was answering.
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::Duration;
 
@@ -103,20 +104,63 @@ pub(super) struct Health {
     /// A PING confirming a timed-out call's suspicion is in flight.
     confirming: AtomicBool,
     /// Where `ratelimit_backend_up` is set: the RLS path's health only.
-    up_gauge: Option<BackendMetrics>,
+    up_gauge: Option<UpGauge>,
+    /// Which store, for the log: "redis" or "per-second redis".
+    name: &'static str,
+}
+
+/// `ratelimit_backend_up` over the backend's stores (the main one, and the per-second one when
+/// there is one): 1 only while every store is up. One per store, sharing which are down.
+#[derive(Clone)]
+pub(super) struct UpGauge {
+    metrics: BackendMetrics,
+    /// One bit per store that was last seen down.
+    down: Arc<AtomicU32>,
+    bit: u32,
+}
+
+impl UpGauge {
+    /// The gauges of stores `0..n` of `metrics`.
+    pub(super) fn per_store(metrics: &BackendMetrics, n: usize) -> Vec<UpGauge> {
+        let down = Arc::new(AtomicU32::new(0));
+        (0..n)
+            .map(|i| UpGauge {
+                metrics: metrics.clone(),
+                down: down.clone(),
+                bit: 1 << i,
+            })
+            .collect()
+    }
+
+    fn set(&self, up: bool) {
+        let was = if up {
+            self.down.fetch_and(!self.bit, Ordering::AcqRel)
+        } else {
+            self.down.fetch_or(self.bit, Ordering::AcqRel)
+        };
+        let now = if up { was & !self.bit } else { was | self.bit };
+        // Racing stores may set it out of order; the next probe of each sets it again.
+        self.metrics.up.set((now == 0) as i64);
+    }
 }
 
 impl Health {
-    /// Closed, and Redis presumed up; PINGs go on `ping`. `up_gauge`: the metrics whose
-    /// `ratelimit_backend_up` this health sets (one health of a backend does).
-    pub(super) fn new(ping: Conn, up_gauge: Option<BackendMetrics>) -> Health {
+    /// Closed, and the store called `name` presumed up; PINGs go on `ping`. `up_gauge`: the
+    /// `ratelimit_backend_up` this health has a say in (one health per store of a backend).
+    pub(super) fn new(name: &'static str, ping: Conn, up_gauge: Option<UpGauge>) -> Health {
         Health {
             breaker: Breaker::new(),
             ping,
             up: AtomicBool::new(true),
             confirming: AtomicBool::new(false),
             up_gauge,
+            name,
         }
+    }
+
+    /// Which store this is, for the log.
+    pub(super) fn name(&self) -> &'static str {
+        self.name
     }
 
     /// Whether a call may go to Redis now.
@@ -131,8 +175,8 @@ impl Health {
 
     fn set_up(&self, up: bool) {
         self.up.store(up, Ordering::Relaxed);
-        if let Some(m) = &self.up_gauge {
-            m.up.set(up as i64);
+        if let Some(gauge) = &self.up_gauge {
+            gauge.set(up);
         }
     }
 
@@ -146,7 +190,7 @@ impl Health {
     /// opening.
     pub(super) fn on_unreachable(&self, why: &dyn std::fmt::Display) {
         if self.breaker.on_failure() {
-            tracing::warn!("redis circuit open: unreachable ({why})");
+            tracing::warn!("{} circuit open: unreachable ({why})", self.name);
         }
         self.set_up(false);
     }
@@ -176,7 +220,10 @@ impl Health {
             match health.ping(call_budget).await {
                 Ok(()) => health.on_answer(),
                 Err(why) => {
-                    tracing::warn!("redis circuit open: a script call timed out, and {why}");
+                    tracing::warn!(
+                        "{} circuit open: a script call timed out, and {why}",
+                        health.name
+                    );
                     health.breaker.trip();
                     health.set_up(false);
                 }

@@ -9,6 +9,12 @@
 //! are undone (their cost reports and refunds stand: they happened). That mode may over-reject
 //! for one round trip (a concurrent request can see the consumed-then-undone hits); it never
 //! over-admits.
+//!
+//! With a per-second store (`--redis-per-second-*`, envoyproxy/ratelimit's `REDIS_PERSECOND`),
+//! the counters of windows shorter than a minute live in a second Redis deployment and the
+//! rest in the main one: a request touching both is two groups, one call in each store, in
+//! parallel, undone the same way. Each store has its own connection, calls and circuit, so a
+//! request touching only a store that answers is decided while the other is down.
 
 mod batch;
 mod breaker;
@@ -33,7 +39,7 @@ use tokio::sync::oneshot;
 
 pub(crate) use self::batch::BatchOptions;
 use self::batch::{Batcher, CallError, Part, Reply};
-use self::breaker::Health;
+use self::breaker::{Health, UpGauge};
 use self::cache::OverLimitCache;
 pub(crate) use self::connection::{Conn, Credentials, RedisTlsFiles, Topology};
 pub use self::connection::{RedisUrl, SetupError};
@@ -62,15 +68,29 @@ pub(crate) struct RedisOptions {
     pub max_batch: usize,
     /// How far past its limit a cost report may take a counter (`--max-debt`).
     pub max_debt: u64,
+    /// Where the counters of windows shorter than a minute live, when not in `target`
+    /// (same TLS files, timeout and call bounds).
+    pub per_second: Option<Topology>,
 }
+
+/// One Redis deployment the backend counts in, with its own calls and circuit.
+struct Store {
+    conn: Conn,
+    batcher: Batcher,
+    health: Arc<Health>,
+}
+
+/// Index of the main store in [`RedisBackend::stores`].
+const MAIN: u8 = 0;
+/// Index of the per-second store, when there is one.
+const PER_SECOND: u8 = 1;
 
 /// Counters in Redis.
 pub(crate) struct RedisBackend {
-    conn: Conn,
-    batcher: Batcher,
+    /// The main store, then the per-second store if there is one.
+    stores: SmallVec<[Store; 2]>,
     opts: RedisOptions,
     cache: Option<OverLimitCache>,
-    health: Arc<Health>,
     /// The RLQS pools' calls: a lane of their own (see [`rlqs::Lane`]).
     rlqs: rlqs::Lane,
     metrics: BackendMetrics,
@@ -78,8 +98,9 @@ pub(crate) struct RedisBackend {
     nonce: AtomicU64,
 }
 
-/// One script call's share of a request: the indices of its hits, all in one slot.
+/// One script call's share of a request: the indices of its hits, all in one slot of one store.
 struct Group {
+    store: u8,
     slot: u16,
     hits: SmallVec<[usize; 8]>,
 }
@@ -106,32 +127,46 @@ impl RedisBackend {
         opts: RedisOptions,
         metrics: BackendMetrics,
     ) -> Result<RedisBackend, SetupError> {
-        let conn = Conn::new(&opts.target, &opts.tls, opts.timeout)?;
-        let ping = Conn::new(&opts.target, &opts.tls, opts.timeout)?;
         crate::metrics::at_zero(
             &metrics.errors,
             ErrorKind::ALL.map(|kind| KindLabels { kind: kind.label() }),
         );
-        let health = Arc::new(Health::new(ping, Some(metrics.clone())));
+        let targets: SmallVec<[(&'static str, &Topology); 2]> = [("redis", &opts.target)]
+            .into_iter()
+            .chain(opts.per_second.iter().map(|t| ("per-second redis", t)))
+            .collect();
+        let gauges = UpGauge::per_store(&metrics, targets.len());
+        let stores = targets
+            .into_iter()
+            .zip(gauges)
+            .map(|((name, target), gauge)| {
+                let conn = Conn::new(target, &opts.tls, opts.timeout)?;
+                let ping = Conn::new(target, &opts.tls, opts.timeout)?;
+                let health = Arc::new(Health::new(name, ping, Some(gauge)));
+                let batcher = Batcher::new(
+                    conn.clone(),
+                    matches!(target, Topology::Cluster(_)),
+                    BatchOptions {
+                        pipeline: opts.pipeline,
+                        max_requests: opts.max_batch,
+                        timeout: opts.timeout,
+                        max_debt: opts.max_debt,
+                    },
+                    metrics.clone(),
+                    health.clone(),
+                );
+                Ok(Store {
+                    conn,
+                    batcher,
+                    health,
+                })
+            })
+            .collect::<Result<_, SetupError>>()?;
         let rlqs = rlqs::Lane::new(&opts)?;
-        let batcher = Batcher::new(
-            conn.clone(),
-            matches!(opts.target, Topology::Cluster(_)),
-            BatchOptions {
-                pipeline: opts.pipeline,
-                max_requests: opts.max_batch,
-                timeout: opts.timeout,
-                max_debt: opts.max_debt,
-            },
-            metrics.clone(),
-            health.clone(),
-        );
         Ok(RedisBackend {
-            conn,
-            batcher,
+            stores,
             cache: (opts.local_cache_bytes > 0)
                 .then(|| OverLimitCache::new(opts.local_cache_bytes)),
-            health,
             rlqs,
             metrics,
             nonce_base: RandomState::new().hash_one(std::process::id()),
@@ -140,52 +175,75 @@ impl RedisBackend {
         })
     }
 
-    /// Whether the last call or probe reached Redis.
+    /// Whether the last call or probe reached every store.
     pub(crate) fn is_up(&self) -> bool {
-        self.health.is_up()
+        self.stores.iter().all(|s| s.health.is_up())
     }
 
-    /// Pings Redis every `every` so health and metrics tell the truth without traffic, and a
-    /// recovered Redis closes the circuit without waiting for a request to probe it.
+    /// Pings each store every `every` so health and metrics tell the truth without traffic,
+    /// and a recovered store closes its circuit without waiting for a request to probe it.
+    /// One task per store, so a slow store does not delay the other's probe.
     ///
-    /// While Redis is down it probes ten times as often, so a Redis that is back is used again
-    /// within a tenth of `every` (and the circuit closes) rather than within `every`.
-    pub(crate) fn spawn_probe(self: &Arc<Self>, every: Duration) -> tokio::task::JoinHandle<()> {
-        let backend = Arc::downgrade(self);
-        tokio::spawn(async move {
-            loop {
-                let up = backend.upgrade().is_some_and(|b| b.is_up());
-                tokio::time::sleep(if up { every } else { every / 10 }).await;
-                let Some(b) = backend.upgrade() else { return };
-                // As long as a timed-out call's confirming PING: a Redis slow under one
-                // client's load is not down.
-                match b.health.ping(b.opts.timeout).await {
-                    Ok(()) => {
-                        if !b.is_up() {
-                            tracing::info!("redis reachable again");
+    /// While a store is down it is probed ten times as often, so a store that is back is used
+    /// again within a tenth of `every` (and its circuit closes) rather than within `every`.
+    pub(crate) fn spawn_probes(
+        self: &Arc<Self>,
+        every: Duration,
+    ) -> Vec<tokio::task::JoinHandle<()>> {
+        (0..self.stores.len())
+            .map(|store| {
+                let backend = Arc::downgrade(self);
+                tokio::spawn(async move {
+                    loop {
+                        let up = backend
+                            .upgrade()
+                            .is_some_and(|b| b.stores[store].health.is_up());
+                        tokio::time::sleep(if up { every } else { every / 10 }).await;
+                        let Some(b) = backend.upgrade() else { return };
+                        let health = &b.stores[store].health;
+                        // As long as a timed-out call's confirming PING: a Redis slow under one
+                        // client's load is not down.
+                        match health.ping(b.opts.timeout).await {
+                            Ok(()) => {
+                                if !health.is_up() {
+                                    tracing::info!("{} reachable again", health.name());
+                                }
+                                health.on_answer();
+                            }
+                            Err(why) => {
+                                if health.is_up() {
+                                    tracing::warn!("{} unreachable ({why})", health.name());
+                                }
+                                health.on_unreachable(&why);
+                            }
                         }
-                        b.health.on_answer();
                     }
-                    Err(why) => {
-                        if b.is_up() {
-                            tracing::warn!("redis unreachable ({why})");
-                        }
-                        b.health.on_unreachable(&why);
-                    }
-                }
-            }
-        })
+                })
+            })
+            .collect()
     }
 
-    /// The request's hits by cluster slot (of each key's hash tag), in order of appearance.
-    /// With the domain as the tag, every hit of a request lands in one group.
-    fn groups(hits: &[Hit]) -> SmallVec<[Group; 2]> {
+    /// Which store keeps `hit`'s counter.
+    fn store_of(&self, hit: &Hit) -> u8 {
+        if self.stores.len() > 1 && hit.limit.is_short() {
+            PER_SECOND
+        } else {
+            MAIN
+        }
+    }
+
+    /// The request's hits by store and cluster slot (of each key's hash tag), in order of
+    /// appearance. With the domain as the tag, every hit of a request in one store lands in
+    /// one group.
+    fn groups(&self, hits: &[Hit]) -> SmallVec<[Group; 2]> {
         let mut groups: SmallVec<[Group; 2]> = SmallVec::new();
         for (i, hit) in hits.iter().enumerate() {
             let s = slot(hit.key.tag());
-            match groups.iter_mut().find(|g| g.slot == s) {
+            let store = self.store_of(hit);
+            match groups.iter_mut().find(|g| g.slot == s && g.store == store) {
                 Some(g) => g.hits.push(i),
                 None => groups.push(Group {
+                    store,
                     slot: s,
                     hits: SmallVec::from_slice(&[i]),
                 }),
@@ -244,7 +302,7 @@ impl RedisBackend {
             slot: group.slot,
             reply,
         };
-        self.batcher.submit(part);
+        self.stores[group.store as usize].batcher.submit(part);
         answer
     }
 
@@ -264,17 +322,18 @@ impl RedisBackend {
         self.error(ErrorKind::Timeout, detail)
     }
 
-    /// Runs `op` within the call budget (for the admin reset's direct commands). A failure
-    /// becomes a [`BackendError`], counted by kind; a connection the error says is dead is
-    /// dropped.
+    /// Runs `op` on `conn` within the call budget (for the admin reset's direct commands). A
+    /// failure becomes a [`BackendError`], counted by kind; a connection the error says is
+    /// dead is dropped.
     async fn bounded<T>(
         &self,
+        conn: &Conn,
         op: impl std::future::Future<Output = redis::RedisResult<T>>,
     ) -> Result<T, BackendError> {
         match tokio::time::timeout(self.opts.timeout, op).await {
             Ok(Ok(v)) => Ok(v),
             Ok(Err(e)) => {
-                self.conn.on_error(&e).await;
+                conn.on_error(&e).await;
                 Err(self.redis_error(&e))
             }
             Err(_) => Err(self.timeout_error()),
@@ -314,22 +373,29 @@ impl RedisBackend {
         (buf, len as u8)
     }
 
-    /// Whether a call may go to Redis now; an open circuit is a counted error.
-    fn circuit_closed(&self) -> Result<(), BackendError> {
-        if self.health.allow() {
-            return Ok(());
+    /// Whether calls may go to every store `groups` name now; an open circuit is a counted
+    /// error.
+    fn circuits_closed(&self, groups: &[Group]) -> Result<(), BackendError> {
+        let mut seen = 0u8;
+        for g in groups {
+            if seen & (1 << g.store) != 0 {
+                continue;
+            }
+            seen |= 1 << g.store;
+            let health = &self.stores[g.store as usize].health;
+            if !health.allow() {
+                let detail = format!("{} circuit open after repeated failures", health.name());
+                return Err(self.error(ErrorKind::CircuitOpen, detail));
+            }
         }
-        Err(self.error(
-            ErrorKind::CircuitOpen,
-            "redis circuit open after repeated failures",
-        ))
+        Ok(())
     }
 
     async fn decide_remote(&self, hits: &[Hit]) -> Result<Outcome, BackendError> {
-        self.circuit_closed()?;
+        let groups = self.groups(hits);
+        self.circuits_closed(&groups)?;
         let deadline = tokio::time::Instant::now() + self.opts.timeout;
         let nonce = self.next_nonce();
-        let groups = Self::groups(hits);
         let soft_split = groups.len() > 1;
         let answers: SmallVec<[_; 2]> = groups
             .iter()
@@ -514,8 +580,9 @@ impl Backend for RedisBackend {
                 if let Some(cache) = &self.cache {
                     cache.remove(hit.key.as_bytes());
                 }
+                let conn = &self.stores[self.store_of(hit) as usize].conn;
                 removed += self
-                    .bounded(self.conn.del(hit.key.as_bytes(), self.opts.timeout))
+                    .bounded(conn, conn.del(hit.key.as_bytes(), self.opts.timeout))
                     .await?;
             }
             Ok(removed)

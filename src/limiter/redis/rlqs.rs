@@ -41,7 +41,7 @@ impl Lane {
         let conn = || Conn::new(&opts.target, &opts.tls, opts.timeout);
         Ok(Lane {
             conn: conn()?,
-            health: Arc::new(Health::new(conn()?, None)),
+            health: Arc::new(Health::new("redis (RLQS)", conn()?, None)),
             turns: tokio::sync::Semaphore::new(Self::IN_FLIGHT),
         })
     }
