@@ -781,6 +781,18 @@ async fn descriptor_hash_tags_spread_and_refund_but_never_over_admit() {
 /// the master dies they follow the failover to the promoted replica, counts included.
 #[tokio::test]
 async fn sentinel_finds_the_master_and_follows_a_failover() {
+    follows_a_failover(&[]).await;
+}
+
+/// With `--redis-tls-skip-hostname-verification` the master is found without the redis
+/// crate's Sentinel client (whose connection to the master always checks names): that path
+/// follows a failover too.
+#[tokio::test]
+async fn sentinel_found_by_hand_follows_a_failover() {
+    follows_a_failover(&["--redis-tls-skip-hostname-verification"]).await;
+}
+
+async fn follows_a_failover(extra: &[&str]) {
     let mut master = RedisProc::start(&[]);
     let master_addr = master.port.to_string();
     let replica = RedisProc::start(&["--replicaof", "127.0.0.1", &master_addr]);
@@ -792,11 +804,15 @@ async fn sentinel_finds_the_master_and_follows_a_failover() {
     let sentinel_url = sentinel.url();
     let prefix = unique_prefix();
     let target = [
-        "--redis-sentinel-nodes",
-        &sentinel_url,
-        "--redis-sentinel-master",
-        "main",
-    ];
+        &[
+            "--redis-sentinel-nodes",
+            &sentinel_url,
+            "--redis-sentinel-master",
+            "main",
+        ],
+        extra,
+    ]
+    .concat();
     let s = redis_server(&[("f.yaml", ONE)], &target, &prefix, "500ms").await;
     let mut c = s.client().await;
     admits_exactly(&mut c, &request("f", &[&[("k", "v")]]), 2).await;
@@ -1336,4 +1352,115 @@ async fn a_per_second_store_keeps_short_windows_apart_and_all_or_nothing() {
     .await;
     let r = call(&mut c, request("p", &[&[("slow", &fresh)]])).await;
     assert!(is_ok(&r), "{r:?}");
+}
+
+/// Behind Sentinel too, `--redis-tls-skip-hostname-verification` skips the master
+/// certificate's name check, and only it: without it the master is refused, and so is a
+/// certificate from another CA with it.
+#[tokio::test]
+async fn sentinel_master_hostname_verification_can_be_skipped_and_only_it() {
+    let certs_dir = tempfile::tempdir().unwrap();
+    let certs = certs_naming_elsewhere(certs_dir.path());
+    let master = RedisProc::start_tls_as(&certs, "elsewhere");
+    let path = |f: &str| certs.join(f).display().to_string();
+    let sentinel = RedisProc::start_sentinel(
+        master.port,
+        &format!(
+            "tls-replication yes\ntls-cert-file {}\ntls-key-file {}\ntls-ca-cert-file {}\n\
+             tls-auth-clients no\n",
+            path("elsewhere.crt"),
+            path("elsewhere.key"),
+            path("ca.crt"),
+        ),
+        &[],
+    );
+    let sentinel_url = sentinel.url();
+    let answers = |ca: String, skip: bool| {
+        let mut flags = vec![
+            "--redis-sentinel-nodes".to_string(),
+            sentinel_url.clone(),
+            "--redis-sentinel-master".into(),
+            "main".into(),
+            "--redis-tls".into(),
+            "--redis-tls-ca".into(),
+            ca,
+        ];
+        if skip {
+            flags.push("--redis-tls-skip-hostname-verification".into());
+        }
+        async move {
+            let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+            answers_on(&[("f.yaml", ONE)], &flags, "f", &["v"]).await
+        }
+    };
+    assert_eq!(
+        answers(path("ca.crt"), false).await,
+        [Err(tonic::Code::Unavailable)],
+        "the certificate names another host"
+    );
+    assert_eq!(answers(path("ca.crt"), true).await, [Ok(true)]);
+    let other_dir = tempfile::tempdir().unwrap();
+    let other = make_certs(other_dir.path());
+    assert_eq!(
+        answers(other.join("ca.crt").display().to_string(), true).await,
+        [Err(tonic::Code::Unavailable)],
+        "a certificate from another CA"
+    );
+    counts_on_the_master(
+        &master,
+        &sentinel_url,
+        &[
+            "--redis-tls",
+            "--redis-tls-ca",
+            &path("ca.crt"),
+            "--redis-tls-skip-hostname-verification",
+        ],
+    )
+    .await;
+}
+
+/// Behind Sentinel, `--redis-tls-server-name` verifies the master's certificate against that
+/// name while the address the sentinel announces is dialled; another name is refused.
+#[tokio::test]
+async fn sentinel_master_verified_against_a_server_name() {
+    let certs_dir = tempfile::tempdir().unwrap();
+    let certs = certs_naming_elsewhere(certs_dir.path());
+    let master = RedisProc::start_tls_as(&certs, "elsewhere");
+    let path = |f: &str| certs.join(f).display().to_string();
+    let sentinel = RedisProc::start_sentinel(
+        master.port,
+        &format!(
+            "tls-replication yes\ntls-cert-file {}\ntls-key-file {}\ntls-ca-cert-file {}\n\
+             tls-auth-clients no\n",
+            path("elsewhere.crt"),
+            path("elsewhere.key"),
+            path("ca.crt"),
+        ),
+        &[],
+    );
+    let sentinel_url = sentinel.url();
+    let ca = path("ca.crt");
+    let flags = |name: &'static str| {
+        vec![
+            "--redis-sentinel-nodes".to_string(),
+            sentinel_url.clone(),
+            "--redis-sentinel-master".into(),
+            "main".into(),
+            "--redis-tls".into(),
+            "--redis-tls-ca".into(),
+            ca.clone(),
+            "--redis-tls-server-name".into(),
+            name.into(),
+        ]
+    };
+    let wrong = flags("other.ratelimitd.test");
+    let wrong: Vec<&str> = wrong.iter().map(String::as_str).collect();
+    assert_eq!(
+        answers_on(&[("f.yaml", ONE)], &wrong, "f", &["v"]).await,
+        [Err(tonic::Code::Unavailable)],
+        "the certificate names another host"
+    );
+    let right = flags(ELSEWHERE);
+    let right: Vec<&str> = right.iter().map(String::as_str).collect();
+    counts_on_the_master(&master, &sentinel_url, &right[4..]).await;
 }

@@ -515,13 +515,15 @@ pub(crate) struct Flags {
     /// Accept the Redis server's certificate whatever names it carries (managed Redis whose
     /// certificate names an address you do not connect to). Its chain is still verified against
     /// --redis-tls-ca or the system's roots, and its dates; only the name check is skipped.
-    /// Standalone and Cluster (envoyproxy/ratelimit's REDIS_TLS_SKIP_HOSTNAME_VERIFICATION).
+    /// Every node: standalone, cluster, sentinels and their master (envoyproxy/ratelimit's
+    /// REDIS_TLS_SKIP_HOSTNAME_VERIFICATION).
     #[arg(long, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
     pub(crate) redis_tls_skip_hostname_verification: bool,
 
     /// Verify the standalone Redis server's certificate against this name instead of the URL's
     /// host, which is still the address dialled (a certificate that names something other than
-    /// the address you reach it by). The chain, dates and key usage are verified as ever.
+    /// the address you reach it by); with Sentinel, the master's, at the address announced. The
+    /// chain, dates and key usage are verified as ever.
     #[arg(long)]
     pub(crate) redis_tls_server_name: Option<String>,
 

@@ -206,25 +206,25 @@ mod tests {
         )
         .unwrap_err();
         assert!(err.to_string().contains("--redis-sentinel-master"), "{err}");
-        // Sentinel hands out connections whose name check cannot be skipped: said at start.
-        let err = parse(
-            &[
-                "--config",
-                "x",
-                "--backend",
-                "redis",
-                "--redis-sentinel-nodes",
-                "redis://a:1",
-                "--redis-sentinel-master",
-                "m",
-                "--redis-tls-skip-hostname-verification",
-            ],
-            &[],
-        )
-        .unwrap_err();
-        assert!(err.to_string().contains("not with Sentinel"), "{err}");
-        // A server name applies to one rediss:// URL, and not beside the skip.
+        // A server name applies to one rediss:// URL or a Sentinel master over TLS, and not
+        // beside the skip.
+        let sentinel = [
+            "--redis-sentinel-nodes",
+            "redis://s:1",
+            "--redis-sentinel-master",
+            "m",
+        ];
+        let named = [
+            "--config",
+            "x",
+            "--backend",
+            "redis",
+            "--redis-tls-server-name",
+            "n",
+        ];
+        assert!(parse(&[&named[..], &sentinel, &["--redis-tls"]].concat(), &[]).is_ok());
         for target in [
+            &sentinel[..],
             &["--redis-url", "redis://h:1"][..],
             &["--redis-cluster-nodes", "rediss://a:1,rediss://b:1"][..],
             &[
@@ -370,16 +370,6 @@ mod tests {
                     "u",
                 ][..],
                 "--redis-per-second-username needs --redis-per-second-password",
-            ),
-            (
-                &[
-                    "--redis-per-second-sentinel-nodes",
-                    "redis://s:1",
-                    "--redis-per-second-sentinel-master",
-                    "m",
-                    "--redis-tls-skip-hostname-verification",
-                ][..],
-                "not with Sentinel",
             ),
         ] {
             let err = parse(&[&main[..], extra].concat(), &[]).unwrap_err();

@@ -176,13 +176,12 @@ impl Flags {
             .topology()?
             .ok_or(SettingsError::NoRedis)?;
         let per_second = self.per_second_store().topology()?;
-        for t in std::iter::once(&target).chain(&per_second) {
-            if self.redis_tls_skip_hostname_verification && matches!(t, Topology::Sentinel { .. }) {
-                return Err(SettingsError::SkipHostnameWithSentinel);
-            }
-        }
         if let Some(name) = &self.redis_tls_server_name {
-            let standalone_tls = matches!(&target, Topology::Standalone(url) if url.is_tls());
+            let standalone_tls = match &target {
+                Topology::Standalone(url) => url.is_tls(),
+                Topology::Sentinel { master_tls, .. } => *master_tls,
+                Topology::Cluster(_) => false,
+            };
             let per_second_tls = per_second.as_ref().is_some_and(|t| match t {
                 Topology::Standalone(url) => url.is_tls(),
                 Topology::Cluster(nodes) => nodes.iter().any(RedisUrl::is_tls),
@@ -514,14 +513,9 @@ pub enum SettingsError {
     /// Sentinels without the master's name.
     #[error("{0}-sentinel-nodes needs {0}-sentinel-master")]
     SentinelWithoutMaster(&'static str),
-    /// No way to skip the name check on connections Sentinel hands out.
-    #[error(
-        "--redis-tls-skip-hostname-verification works with a Redis URL and cluster nodes, not with Sentinel"
-    )]
-    SkipHostnameWithSentinel,
     /// A server name where it cannot apply.
     #[error(
-        "--redis-tls-server-name {0} applies to one rediss:// --redis-url, without --redis-tls-skip-hostname-verification or a per-second store over TLS: a cluster's and Sentinel's nodes are dialled at the addresses they announce, each verified against its own, and a second server has a name of its own"
+        "--redis-tls-server-name {0} applies to one rediss:// --redis-url or a Sentinel master reached over TLS, without --redis-tls-skip-hostname-verification or a per-second store over TLS: a cluster's nodes are dialled at the addresses they announce, each verified against its own, and a second server has a name of its own"
     )]
     ServerName(String),
     /// Half a client certificate.

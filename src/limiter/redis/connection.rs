@@ -52,11 +52,12 @@ pub(crate) struct RedisTlsFiles {
     pub key: Option<PathBuf>,
     /// Accept a server certificate whatever names it carries (envoyproxy/ratelimit's
     /// `REDIS_TLS_SKIP_HOSTNAME_VERIFICATION`): its chain is still verified against `ca` (or the
-    /// system's roots), its dates and its key usage too; only the name check is skipped.
-    /// Standalone and Cluster only.
+    /// system's roots), its dates and its key usage too; only the name check is skipped. Every
+    /// shape: the standalone server, every cluster node, the sentinels and their master.
     pub skip_hostname_verification: bool,
-    /// Verify the standalone server's certificate against this name; the URL's host is still
-    /// the address dialled (`--redis-tls-server-name`).
+    /// Verify the standalone server's (or the Sentinel master's) certificate against this
+    /// name; the URL's host (the address announced) is still the one dialled
+    /// (`--redis-tls-server-name`).
     pub server_name: Option<String>,
 }
 
@@ -114,9 +115,10 @@ pub(crate) fn response_timeout(call_budget: Duration) -> Duration {
 pub(crate) enum Conn {
     /// Auto-reconnecting multiplexed connection.
     Standalone(ConnectionManager),
-    /// A standalone server verified against another name than the one dialled: the client
-    /// connects to that name, which its resolver maps to the URL's host (the connection
-    /// manager takes no resolver, so the connection is made on use and remade after errors).
+    /// A connection made on use and remade after errors: a standalone server verified against
+    /// another name than the one dialled (the client connects to that name, which its resolver
+    /// maps to the URL's host; the connection manager takes no resolver), or the master behind
+    /// Sentinel whose certificate's names are not checked ([`FindMaster`]).
     Named(Arc<Lazy<MultiplexedConnection>>),
     /// Cluster client: routes by slot, follows MOVED/ASK, retries TRYAGAIN within its budget.
     Cluster(Arc<Lazy<ClusterConnection>>),
@@ -168,6 +170,112 @@ impl redis::io::AsyncDNSResolver for DialAs {
     }
 }
 
+/// A client for `url`, with the TLS `certs`; `skip_names`: its certificate's names are not
+/// checked (the chain, dates and key usage still are).
+fn open(url: &RedisUrl, certs: &Option<TlsCertificates>, skip_names: bool) -> RedisResult<Client> {
+    let client = match certs {
+        Some(c) => Client::build_with_tls(url.for_client(), c.clone()),
+        None => Client::open(url.for_client()),
+    }?;
+    if !skip_names {
+        return Ok(client);
+    }
+    let info = client.get_connection_info().clone();
+    let mut addr = info.addr().clone();
+    addr.set_danger_accept_invalid_hostnames(true);
+    Client::open(info.set_addr(addr))
+}
+
+/// The master a set of sentinels names, found without the redis crate's Sentinel client, whose
+/// connection to the master always checks the certificate against the address announced: for
+/// `--redis-tls-skip-hostname-verification` and `--redis-tls-server-name` behind Sentinel.
+struct FindMaster {
+    /// One client per sentinel (its URL's credentials and TLS).
+    sentinels: Vec<Client>,
+    master: String,
+    credentials: Credentials,
+    /// The master is reached over TLS.
+    tls: bool,
+    certs: Option<TlsCertificates>,
+    /// Certificates' names are not checked.
+    skip_names: bool,
+    /// The name the master's certificate is verified against, whatever address it has.
+    server_name: Option<String>,
+    config: AsyncConnectionConfig,
+}
+
+impl FindMaster {
+    /// Asks each sentinel in turn where the master is, and connects to the first address that
+    /// answers as a master (`ROLE`): a sentinel that has not yet seen a failover may name the
+    /// old master, now a replica.
+    async fn connect(&self) -> RedisResult<MultiplexedConnection> {
+        let mut last = RedisError::from((
+            redis::ErrorKind::MasterNameNotFoundBySentinel,
+            "no sentinel names the master",
+        ));
+        for sentinel in &self.sentinels {
+            match self.through(sentinel).await {
+                Ok(conn) => return Ok(conn),
+                Err(e) => last = e,
+            }
+        }
+        Err(last)
+    }
+
+    async fn through(&self, sentinel: &Client) -> RedisResult<MultiplexedConnection> {
+        let mut ask = sentinel
+            .get_multiplexed_async_connection_with_config(&self.config)
+            .await?;
+        let (host, port): (String, u16) = redis::cmd("SENTINEL")
+            .arg("get-master-addr-by-name")
+            .arg(&self.master)
+            .query_async::<Option<(String, u16)>>(&mut ask)
+            .await?
+            .ok_or_else(|| {
+                RedisError::from((
+                    redis::ErrorKind::MasterNameNotFoundBySentinel,
+                    "the sentinel does not know the master",
+                    self.master.clone(),
+                ))
+            })?;
+        // With a server name the client connects to that name, which the resolver maps to the
+        // address announced (as for a standalone server).
+        let (dial, config) = match &self.server_name {
+            Some(name) => (
+                name.clone(),
+                self.config.clone().set_dns_resolver(DialAs {
+                    name: name.clone(),
+                    host,
+                }),
+            ),
+            None if host.contains(':') => (format!("[{host}]"), self.config.clone()),
+            None => (host, self.config.clone()),
+        };
+        let scheme = if self.tls { "rediss" } else { "redis" };
+        let url = RedisUrl::parse(&format!("{scheme}://{dial}:{port}"))
+            .map_err(|e| {
+                RedisError::from((
+                    redis::ErrorKind::InvalidClientConfig,
+                    "the sentinel named an unusable address",
+                    e.to_string(),
+                ))
+            })?
+            .with_default_credentials(&self.credentials);
+        let mut conn = open(&url, &self.certs, self.skip_names)?
+            .get_multiplexed_async_connection_with_config(&config)
+            .await?;
+        let role: Vec<redis::Value> = redis::cmd("ROLE").query_async(&mut conn).await?;
+        match role.first() {
+            Some(redis::Value::BulkString(r)) if r == b"master" => Ok(conn),
+            Some(redis::Value::SimpleString(r)) if r == "master" => Ok(conn),
+            _ => Err(RedisError::from((
+                redis::ErrorKind::Server(redis::ServerErrorKind::ReadOnly),
+                "the address the sentinel named is not a master (yet)",
+            ))),
+        }
+    }
+}
+
 /// Sentinel-discovered master.
 pub(crate) struct SentinelConn {
     client: Mutex<SentinelClient>,
@@ -185,18 +293,7 @@ impl Conn {
         let certs = tls.certificates()?;
         let failed = |node: String| move |source| SetupError::Client { node, source };
         let client_for = |url: &RedisUrl| -> Result<Client, SetupError> {
-            let client = match &certs {
-                Some(c) => Client::build_with_tls(url.for_client(), c.clone()),
-                None => Client::open(url.for_client()),
-            }
-            .map_err(failed(url.to_string()))?;
-            if !tls.skip_hostname_verification {
-                return Ok(client);
-            }
-            let info = client.get_connection_info().clone();
-            let mut addr = info.addr().clone();
-            addr.set_danger_accept_invalid_hostnames(true);
-            Client::open(info.set_addr(addr)).map_err(failed(url.to_string()))
+            open(url, &certs, tls.skip_hostname_verification).map_err(failed(url.to_string()))
         };
         match target {
             Topology::Standalone(url) if tls.server_name.is_some() => {
@@ -273,6 +370,44 @@ impl Conn {
                     connect: Box::new(move || {
                         let client = client.clone();
                         Box::pin(async move { client.get_async_connection().await })
+                    }),
+                })))
+            }
+            Topology::Sentinel {
+                nodes,
+                master,
+                master_credentials,
+                master_tls,
+            } if tls.skip_hostname_verification || tls.server_name.is_some() => {
+                // The sentinels' own credentials and TLS come from their URLs.
+                let sentinels = nodes
+                    .iter()
+                    .map(|url| {
+                        let certs = if url.is_tls() { &certs } else { &None };
+                        open(url, certs, tls.skip_hostname_verification)
+                            .map_err(failed(url.to_string()))
+                    })
+                    .collect::<Result<Vec<_>, _>>()?;
+                if sentinels.is_empty() {
+                    return Err(SetupError::NoSentinels);
+                }
+                let find = Arc::new(FindMaster {
+                    sentinels,
+                    master: master.clone(),
+                    credentials: master_credentials.clone(),
+                    tls: *master_tls,
+                    certs,
+                    skip_names: tls.skip_hostname_verification,
+                    server_name: tls.server_name.clone(),
+                    config: AsyncConnectionConfig::new()
+                        .set_connection_timeout(Some(timeout))
+                        .set_response_timeout(Some(response_timeout(timeout))),
+                });
+                Ok(Conn::Named(Arc::new(Lazy {
+                    slot: Mutex::new(None),
+                    connect: Box::new(move || {
+                        let find = find.clone();
+                        Box::pin(async move { find.connect().await })
                     }),
                 })))
             }
