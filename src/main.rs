@@ -41,6 +41,12 @@ async fn serve(startup: Startup, options: Options) -> anyhow::Result<()> {
         let l = bind(*addr).with_context(|| format!("{flag}: cannot bind {addr}"))?;
         extra_http.push(l);
     }
+    let debug_http = match startup.debug_addr {
+        Some(addr) => {
+            Some(bind(addr).with_context(|| format!("--debug-addr: cannot bind {addr}"))?)
+        }
+        None => None,
+    };
     for note in &startup.ignored_env {
         tracing::warn!("{note}");
     }
@@ -50,6 +56,7 @@ async fn serve(startup: Startup, options: Options) -> anyhow::Result<()> {
             grpc,
             http,
             extra_http,
+            debug_http,
         },
         shutdown_signal(),
     )

@@ -3,7 +3,7 @@
 //! the native way).
 //!
 //! Nothing is sent from the decision path. A decision adds to atomic counters (the per-rule
-//! counts of [`StatsdRules`], and the Prometheus families); one task reads them every flush
+//! counts of [`StatsdRules`](crate::metrics::StatsdRules), and the Prometheus families); one task reads them every flush
 //! interval and sends what grew since the last flush that got through. So:
 //!
 //! - a collector that is away, slow or never reads never slows a decision: the task alone
@@ -22,7 +22,14 @@
 //! - `ratelimit.service.config_load_success`, `ratelimit.service.config_load_error`;
 //! - `ratelimit.service.call.should_rate_limit.redis_error` (requests the failure mode decided)
 //!   and `.service_error` (answered `INTERNAL`);
-//! - `ratelimit_server.ShouldRateLimit.total_requests`.
+//! - `ratelimit_server.ShouldRateLimit.total_requests`;
+//! - the timer `ratelimit_server.ShouldRateLimit.response_time`, in milliseconds. That service
+//!   sends one sample per request; here no sample is taken on the decision path: each flush
+//!   reads what `ratelimit_request_duration_seconds` gained in each of its buckets and sends one
+//!   line per bucket that grew, its value the middle of the bucket, with the sample rate
+//!   (`|@`) that makes a collector count it as many times as requests fell in it (statsd,
+//!   statsd_exporter and the Datadog agent scale a timer's count by it). Counts and rates are
+//!   exact; each duration is known to its bucket (25 µs to 1 s, 14 buckets).
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -32,7 +39,7 @@ use std::time::Duration;
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpStream, UdpSocket};
 
-use crate::metrics::{LoadResult, Metrics, StatsdRules};
+use crate::metrics::{LoadResult, Metrics};
 
 /// Longest a connect or one flush's write may take: past it the flush is given up (TCP: the
 /// connection too, and the next flush carries what this one had).
@@ -79,8 +86,7 @@ pub(crate) struct StatsdOptions {
 pub(crate) struct Sink {
     options: StatsdOptions,
     metrics: Arc<Metrics>,
-    rules: Option<StatsdRules>,
-    /// The value last sent of each stat (by full name, tags included).
+    /// The value last sent of each stat (by key: a counter's name, or a timer's name and bucket).
     sent: HashMap<String, u64>,
     conn: Option<Conn>,
     /// Whether the last flush failed (to log an outage once, not every flush).
@@ -95,11 +101,9 @@ enum Conn {
 impl Sink {
     /// A sink sending `metrics` (and the per-rule counts, if they are on) as `options` say.
     pub(crate) fn new(options: StatsdOptions, metrics: Arc<Metrics>) -> Sink {
-        let rules = metrics.decisions.statsd.clone();
         Sink {
             options,
             metrics,
-            rules,
             sent: HashMap::new(),
             conn: None,
             failing: false,
@@ -180,31 +184,43 @@ impl Sink {
     fn payload(&self) -> (Vec<u8>, Vec<(String, u64)>) {
         let mut out = String::new();
         let mut values = Vec::new();
-        for (name, value) in self.current() {
-            let before = self.sent.get(&name).copied().unwrap_or(0);
+        for Stat { key, value, timer } in reference_stats(&self.metrics) {
+            let before = self.sent.get(&key).copied().unwrap_or(0);
             if value <= before {
                 continue;
             }
-            let line = self.line(&name, value - before);
+            let name = key.split_once('@').map_or(key.as_str(), |(name, _)| name);
+            let line = self.line(name, value - before, timer);
             if out.len() + line.len() > MAX_FLUSH_BYTES {
                 break;
             }
             out.push_str(&line);
-            values.push((name, value));
+            values.push((key, value));
         }
         (out.into_bytes(), values)
     }
 
-    /// One counter line.
-    fn line(&self, name: &str, delta: u64) -> String {
-        let mut line = String::with_capacity(name.len() + 32);
+    /// One line: a counter's `delta`, or `delta` samples of a timer's value (ms) as one line
+    /// with a sample rate.
+    fn line(&self, name: &str, delta: u64, timer: Option<f64>) -> String {
+        let mut line = String::with_capacity(name.len() + 48);
         line.push_str(name);
         if self.options.format == Format::Statsd {
             for (k, v) in &self.options.tags {
                 let _ = write!(line, ".__{k}={v}");
             }
         }
-        let _ = write!(line, ":{delta}|c");
+        match timer {
+            None => {
+                let _ = write!(line, ":{delta}|c");
+            }
+            Some(ms) => {
+                let _ = write!(line, ":{ms}|ms");
+                if delta > 1 {
+                    let _ = write!(line, "|@{}", sample_rate(delta));
+                }
+            }
+        }
         if self.options.format == Format::DogStatsd && !self.options.tags.is_empty() {
             line.push_str("|#");
             for (i, (k, v)) in self.options.tags.iter().enumerate() {
@@ -217,51 +233,124 @@ impl Sink {
         line.push('\n');
         line
     }
+}
 
-    /// Every stat's cumulative value now, by name (without tags).
-    fn current(&self) -> Vec<(String, u64)> {
-        let mut stats = Vec::new();
-        if let Some(rules) = &self.rules {
-            for (domain, rule, counts) in rules.snapshot() {
-                let key = sanitize(&format!("{domain}.{rule}"));
-                for (stat, n) in RULE_STATS.iter().zip(counts) {
-                    stats.push((format!("ratelimit.service.rate_limit.{key}.{stat}"), n));
-                }
+/// Every stat of envoyproxy/ratelimit's this service keeps, with its cumulative value now, by
+/// key (without tags): what the sink sends the growth of, and the debug port's `/stats` lists.
+/// The per-rule stats are there while they are counted (statsd on).
+pub(crate) fn reference_stats(metrics: &Metrics) -> Vec<Stat> {
+    let mut stats = Vec::new();
+    if let Some(rules) = &metrics.decisions.statsd {
+        for (domain, rule, counts) in rules.snapshot() {
+            let key = sanitize(&format!("{domain}.{rule}"));
+            for (stat, n) in RULE_STATS.iter().zip(counts) {
+                stats.push(Stat::counter(
+                    format!("ratelimit.service.rate_limit.{key}.{stat}"),
+                    n,
+                ));
             }
         }
-        let text = self.metrics.encode();
-        let sum = |prefix: &str| -> u64 {
-            text.lines()
-                .filter(|l| l.starts_with(prefix))
-                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-                .sum::<f64>() as u64
-        };
-        for (name, series) in [
-            (
-                "ratelimit.service.config_load_success",
-                "ratelimit_config_loads_total{result=\"success\"} ",
-            ),
-            (
-                "ratelimit.service.config_load_error",
-                "ratelimit_config_loads_total{result=\"error\"} ",
-            ),
-            (
-                "ratelimit.service.call.should_rate_limit.redis_error",
-                "ratelimit_failure_mode_decisions_total{",
-            ),
-            (
-                "ratelimit.service.call.should_rate_limit.service_error",
-                "ratelimit_grpc_errors_total{code=\"internal\"} ",
-            ),
-            (
-                "ratelimit_server.ShouldRateLimit.total_requests",
-                "ratelimit_request_duration_seconds_count ",
-            ),
-        ] {
-            stats.push((name.to_owned(), sum(series)));
-        }
-        stats
     }
+    let text = metrics.encode();
+    let sum = |prefix: &str| -> u64 {
+        text.lines()
+            .filter(|l| l.starts_with(prefix))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>() as u64
+    };
+    for (name, series) in [
+        (
+            "ratelimit.service.config_load_success",
+            "ratelimit_config_loads_total{result=\"success\"} ",
+        ),
+        (
+            "ratelimit.service.config_load_error",
+            "ratelimit_config_loads_total{result=\"error\"} ",
+        ),
+        (
+            "ratelimit.service.call.should_rate_limit.redis_error",
+            "ratelimit_failure_mode_decisions_total{",
+        ),
+        (
+            "ratelimit.service.call.should_rate_limit.service_error",
+            "ratelimit_grpc_errors_total{code=\"internal\"} ",
+        ),
+        (
+            "ratelimit_server.ShouldRateLimit.total_requests",
+            "ratelimit_request_duration_seconds_count ",
+        ),
+    ] {
+        stats.push(Stat::counter(name.to_owned(), sum(series)));
+    }
+    stats.extend(response_times(&text));
+    stats
+}
+
+/// One stat's cumulative value: a counter, or the samples of a timer in one bucket (its key is
+/// then `name@bucket`).
+pub(crate) struct Stat {
+    /// The stat's name (a timer's: `name@bucket`).
+    pub(crate) key: String,
+    /// Its cumulative value (a timer's: samples in the bucket).
+    pub(crate) value: u64,
+    /// A timer's value for this bucket, in milliseconds.
+    pub(crate) timer: Option<f64>,
+}
+
+impl Stat {
+    fn counter(key: String, value: u64) -> Stat {
+        Stat {
+            key,
+            value,
+            timer: None,
+        }
+    }
+}
+
+/// The timer `ratelimit_server.ShouldRateLimit.response_time` from the request histogram in
+/// `text` (the registry, encoded): per bucket, the requests that fell in it so far, valued at
+/// the bucket's middle in milliseconds (the last, unbounded one at its lower bound).
+fn response_times(text: &str) -> Vec<Stat> {
+    const BUCKET: &str = "ratelimit_request_duration_seconds_bucket{le=\"";
+    let mut stats = Vec::new();
+    let (mut below, mut lower) = (0u64, 0.0f64);
+    for line in text.lines() {
+        let Some(rest) = line.strip_prefix(BUCKET) else {
+            continue;
+        };
+        let Some((le, count)) = rest.split_once("\"} ") else {
+            continue;
+        };
+        let (Ok(upper), Ok(cumulative)) = (le.parse::<f64>(), count.trim().parse::<u64>()) else {
+            continue;
+        };
+        let seconds = if upper.is_finite() {
+            (lower + upper) / 2.0
+        } else {
+            lower
+        };
+        // To the nanosecond, so that 0.0375 is not written 0.037500000000000006.
+        let ms = (seconds * 1e9).round() / 1e6;
+        stats.push(Stat {
+            key: format!("ratelimit_server.ShouldRateLimit.response_time@{le}"),
+            value: cumulative.saturating_sub(below),
+            timer: Some(ms),
+        });
+        (below, lower) = (cumulative, upper);
+    }
+    stats
+}
+
+/// The sample rate that makes a collector count one line `n` times: the largest `f64` not
+/// above `1/n` whose inverse is at least `n`, so a collector that truncates `1/rate` (as
+/// statsd_exporter does) still counts `n`. Written in full, never in exponent form.
+fn sample_rate(n: u64) -> f64 {
+    let n = n as f64;
+    let mut rate = 1.0 / n;
+    while 1.0 / rate < n {
+        rate = f64::from_bits(rate.to_bits() - 1);
+    }
+    rate
 }
 
 /// The per-rule stats, in the order of `engine::report::reference_counts`.
@@ -361,6 +450,41 @@ pub(crate) async fn run(mut sink: Sink, stopped: impl std::future::Future<Output
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_timer_bucket_is_counted_as_often_as_requests_fell_in_it() {
+        for n in [2u64, 3, 6, 7, 49, 1_000, 123_457, 10_000_019] {
+            let rate = sample_rate(n);
+            let written: f64 = rate.to_string().parse().unwrap();
+            assert!(!rate.to_string().contains('e'), "{rate}");
+            assert_eq!(
+                (1.0 / written) as u64,
+                n,
+                "truncated, as statsd_exporter does"
+            );
+            assert_eq!((1.0 / written).round() as u64, n, "rounded");
+        }
+        let text = "ratelimit_request_duration_seconds_count 7\n\
+            ratelimit_request_duration_seconds_bucket{le=\"0.000025\"} 1\n\
+            ratelimit_request_duration_seconds_bucket{le=\"0.00005\"} 1\n\
+            ratelimit_request_duration_seconds_bucket{le=\"0.001\"} 5\n\
+            ratelimit_request_duration_seconds_bucket{le=\"1.0\"} 6\n\
+            ratelimit_request_duration_seconds_bucket{le=\"+Inf\"} 7\n";
+        let got: Vec<(u64, f64)> = response_times(text)
+            .into_iter()
+            .map(|s| (s.value, s.timer.unwrap()))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                (1, 0.0125),
+                (0, 0.0375),
+                (4, 0.525),
+                (1, 500.5),
+                (1, 1000.0)
+            ]
+        );
+    }
 
     #[test]
     fn keys_are_cleaned_as_that_service_cleans_them() {

@@ -586,3 +586,106 @@ async fn redis_persecond_counts_second_limits_in_their_own_redis() {
     let (status, log) = d.terminate().await;
     assert!(status.success(), "{log}");
 }
+
+/// A GET answered with a body of known length (binary allowed): status and body bytes.
+async fn get_bytes(addr: SocketAddr, path: &str) -> (u16, Vec<u8>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let req = format!("GET {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n");
+    stream.write_all(req.as_bytes()).await.unwrap();
+    let mut raw = Vec::new();
+    stream.read_to_end(&mut raw).await.unwrap();
+    let end = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .expect("a whole answer");
+    let head = String::from_utf8_lossy(&raw[..end]).to_string();
+    assert!(!head.to_ascii_lowercase().contains("chunked"), "{head}");
+    let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
+    (status, raw[end + 4..].to_vec())
+}
+
+/// The debug port (`--debug-addr`, envoyproxy/ratelimit's `DEBUG_PORT`) serves `/stats` and a
+/// CPU profile `go tool pprof` reads, one at a time, of a bounded length; the HTTP port serves
+/// neither.
+#[tokio::test]
+async fn the_debug_port_serves_stats_and_a_cpu_profile() {
+    let debug: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    let (d, _dir) = common::daemon::quiet(
+        "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: hour, requests_per_unit: 1000000}\n",
+        &["--debug-addr", &debug.to_string()],
+    )
+    .await;
+    let mut client = d.client().await;
+    for _ in 0..3 {
+        assert!(is_ok(
+            &call(&mut client, request("d", &[&[("k", "v")]])).await
+        ));
+    }
+    let (status, stats) = http_get(debug, "/stats").await;
+    assert_eq!(status, 200);
+    assert!(
+        stats.contains("ratelimit_server.ShouldRateLimit.total_requests: 3\n"),
+        "{stats}"
+    );
+    assert!(stats.contains("ratelimit.service.config_load_success: 1\n"));
+    let resident: u64 = stats
+        .lines()
+        .find_map(|l| l.strip_prefix("process.resident_bytes: "))
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(resident > 1 << 20, "{stats}");
+    let (status, index) = http_get(debug, "/debug/pprof/").await;
+    assert!(status == 200 && index.contains("at most 20"), "{index}");
+    for path in ["/stats", "/debug/pprof/profile?seconds=1"] {
+        assert_eq!(
+            http_get(d.http, path).await.0,
+            404,
+            "{path} on the HTTP port"
+        );
+    }
+    for bad in ["0", "21", "x"] {
+        let path = format!("/debug/pprof/profile?seconds={bad}");
+        assert_eq!(http_get(debug, &path).await.0, 400, "{path}");
+    }
+
+    // Busy while the profile is taken, so that it has samples.
+    let load = tokio::spawn(async move {
+        let until = tokio::time::Instant::now() + Duration::from_secs(3);
+        while tokio::time::Instant::now() < until {
+            let calls = (0..32).map(|_| {
+                let mut c = client.clone();
+                async move { c.should_rate_limit(request("d", &[&[("k", "v")]])).await }
+            });
+            for r in futures_util::future::join_all(calls).await {
+                r.unwrap();
+            }
+        }
+    });
+    // Two at once: one is taken, the other refused (3 s each, so they overlap whichever
+    // arrives first).
+    let first = tokio::spawn(get_bytes(debug, "/debug/pprof/profile?seconds=3"));
+    let second = tokio::spawn(get_bytes(debug, "/debug/pprof/profile?seconds=3"));
+    let (first, second) = (first.await.unwrap(), second.await.unwrap());
+    load.await.unwrap();
+    let mut statuses = [first.0, second.0];
+    statuses.sort();
+    assert_eq!(statuses, [200, 429]);
+    let body = if first.0 == 200 { first.1 } else { second.1 };
+    use pprof::protos::Message as _;
+    let profile = pprof::protos::Profile::decode(body.as_slice()).expect("a pprof protobuf");
+    assert!(!profile.sample.is_empty(), "no samples");
+    assert!(
+        profile
+            .string_table
+            .iter()
+            .any(|s| s.contains("ratelimitd")),
+        "the service's own functions are named"
+    );
+    // Done: the next one may start.
+    assert_eq!(
+        get_bytes(debug, "/debug/pprof/profile?seconds=1").await.0,
+        200
+    );
+}

@@ -19,16 +19,32 @@ async fn daemon(flags: &[&str]) -> (Daemon, tempfile::TempDir) {
     common::daemon::quiet(LIMITS, flags).await
 }
 
-/// Adds every counter line of `text` (`name:delta|c…`) to `totals`.
+/// Adds every line of `text` to `totals`: a counter's delta (`name:delta|c…`), or how many
+/// samples a timer line stands for (`name:ms|ms|@rate…`), as statsd_exporter counts them
+/// (`1/rate`, truncated).
 fn add_lines(totals: &mut HashMap<String, u64>, text: &str) {
     for line in text.lines() {
-        // A DogStatsD line has its tags after the type: name:delta|c|#k:v.
-        let counter = line.split_once("|#").map_or(line, |(head, _)| head);
-        let (name, delta) = counter
+        // A DogStatsD line has its tags last: name:delta|c|#k:v, name:ms|ms|@rate|#k:v.
+        let head = line.split_once("|#").map_or(line, |(head, _)| head);
+        let (name, rest) = head
             .rsplit_once(':')
-            .and_then(|(name, delta)| Some((name, delta.strip_suffix("|c")?)))
-            .unwrap_or_else(|| panic!("not a counter: {line}"));
-        *totals.entry(name.to_owned()).or_default() += delta.parse::<u64>().unwrap();
+            .unwrap_or_else(|| panic!("not a stat: {line}"));
+        let n = if let Some(delta) = rest.strip_suffix("|c") {
+            delta.parse::<u64>().unwrap()
+        } else {
+            let mut parts = rest.split('|');
+            let ms: f64 = parts.next().unwrap().parse().unwrap();
+            assert_eq!(parts.next(), Some("ms"), "{line}");
+            assert!((0.0..=1000.0).contains(&ms), "{line}");
+            match parts.next() {
+                None => 1,
+                Some(rate) => {
+                    let rate: f64 = rate.strip_prefix('@').unwrap().parse().unwrap();
+                    (1.0 / rate) as u64
+                }
+            }
+        };
+        *totals.entry(name.to_owned()).or_default() += n;
     }
 }
 
@@ -54,6 +70,7 @@ fn expected(tags: &str) -> Vec<(String, u64)> {
         ("ratelimit.service.rate_limit.d.ip_10_1_2_3.total_hits", 1),
         ("ratelimit.service.config_load_success", 1),
         ("ratelimit_server.ShouldRateLimit.total_requests", 4),
+        ("ratelimit_server.ShouldRateLimit.response_time", 4),
     ]
     .into_iter()
     .map(|(name, n)| (format!("{name}{tags}"), n))
@@ -97,7 +114,11 @@ async fn dogstatsd_over_udp_gets_the_counts_that_service_sends() {
         assert!(n <= 1432, "a datagram fits a common MTU: {n}");
         let text = std::str::from_utf8(&buf[..n]).unwrap();
         for line in text.lines() {
-            assert!(line.ends_with("|c|#env:prod,team:edge"), "{line}");
+            assert!(
+                line.ends_with("|c|#env:prod,team:edge")
+                    || line.contains("|ms") && line.ends_with("|#env:prod,team:edge"),
+                "{line}"
+            );
         }
         add_lines(&mut totals, text);
     }

@@ -3,6 +3,7 @@
 
 pub(crate) mod admin;
 pub(crate) mod conn;
+pub(crate) mod debug;
 pub(crate) mod grpc;
 pub(crate) mod headers;
 pub(crate) mod http;

@@ -60,8 +60,10 @@ pub struct Listeners {
     pub grpc: GrpcSocket,
     /// For HTTP.
     pub http: TcpSocket,
-    /// More sockets serving the same HTTP endpoints (`--debug-addr`, `--metrics-addr`).
+    /// More sockets serving the same HTTP endpoints (`--metrics-addr`).
     pub extra_http: Vec<TcpSocket>,
+    /// The debug port (`--debug-addr`): the HTTP endpoints, `/stats` and the CPU profile.
+    pub debug_http: Option<TcpSocket>,
 }
 
 /// Where gRPC is served: a TCP socket, or a Unix socket (`--grpc-uds`).
@@ -151,6 +153,7 @@ pub(crate) struct Listening {
     grpc: GrpcListener,
     http: TcpListener,
     extra_http: Vec<TcpListener>,
+    debug_http: Option<TcpListener>,
 }
 
 impl Listeners {
@@ -167,6 +170,7 @@ impl Listeners {
                 .into_iter()
                 .map(listen)
                 .collect::<Result<_, _>>()?,
+            debug_http: self.debug_http.map(listen).transpose()?,
         })
     }
 }
@@ -211,6 +215,7 @@ pub(crate) fn serve<H: tonic_health::pb::health_server::Health>(
     let http = serve_http(
         listening.http,
         listening.extra_http,
+        listening.debug_http,
         state,
         options,
         stop,
@@ -393,21 +398,32 @@ fn admitted<IO>(
     })
 }
 
-/// The HTTP endpoints on `listener` and on every `extra` listener. The HTTP ports share one
-/// connection cap; no request-byte budget beyond the body limit.
+/// The HTTP endpoints on `listener` and on every `extra` listener, and with the debug pages on
+/// `debug`. The HTTP ports share one connection cap; no request-byte budget beyond the body
+/// limit.
 fn serve_http(
     listener: TcpListener,
     extra: Vec<TcpListener>,
+    debug: Option<TcpListener>,
     state: Arc<HttpState>,
     options: &ServerOptions,
     stop: &Stop,
     tasks: &mut Tasks,
 ) -> Serving<std::io::Error> {
     let tracker = Tracker::new(options.http_connections);
+    let metrics = state.metrics.clone();
     let routes = super::http::router(state, options.request_timeout);
-    for l in extra {
-        tracing::info!(http = ?l.local_addr().ok(), "serving HTTP endpoints here too");
-        let serve = super::http::serve(l, routes.clone(), tracker.clone(), stop.stopped());
+    let debug = debug.map(|l| {
+        let pages = super::debug::router(metrics, options.http_connections.idle_timeout);
+        let routes = routes.clone().merge(pages);
+        (l, routes, "serving HTTP endpoints and debug pages here too")
+    });
+    let extra = extra
+        .into_iter()
+        .map(|l| (l, routes.clone(), "serving HTTP endpoints here too"));
+    for (l, routes, what) in extra.chain(debug) {
+        tracing::info!(http = ?l.local_addr().ok(), "{what}");
+        let serve = super::http::serve(l, routes, tracker.clone(), stop.stopped());
         tasks.push(tokio::spawn(async move {
             if let Err(e) = serve.await {
                 tracing::error!(error = %e, "HTTP server failed");

@@ -392,7 +392,8 @@ pub(crate) struct Flags {
     #[arg(long, default_value = "0.0.0.0:8080")]
     pub(crate) http_addr: SocketAddr,
 
-    /// Also serve the HTTP endpoints here (envoyproxy/ratelimit's debug port, DEBUG_PORT).
+    /// Also serve the HTTP endpoints here, with the debug pages: /stats and a CPU profile at
+    /// /debug/pprof/profile (envoyproxy/ratelimit's debug port, DEBUG_PORT).
     #[arg(long)]
     pub(crate) debug_addr: Option<SocketAddr>,
 

@@ -156,13 +156,11 @@ impl Flags {
             grpc_addr: self.grpc_addr,
             grpc_uds: self.grpc_uds.clone().map(|p| (p, self.grpc_uds_mode)),
             http_addr: self.http_addr,
-            extra_http: [
-                ("--debug-addr", self.debug_addr),
-                ("--metrics-addr", self.metrics_addr),
-            ]
-            .into_iter()
-            .filter_map(|(flag, addr)| Some((flag, addr?)))
-            .collect(),
+            extra_http: [("--metrics-addr", self.metrics_addr)]
+                .into_iter()
+                .filter_map(|(flag, addr)| Some((flag, addr?)))
+                .collect(),
+            debug_addr: self.debug_addr,
             ignored_env: self.ignored_env,
             check: self.check,
             telemetry,

@@ -225,6 +225,7 @@ impl TestServer {
                 grpc: grpc_listener.into(),
                 http: http_listener,
                 extra_http: Vec::new(),
+                debug_http: None,
             },
             async {
                 let _ = stopped.await;
