@@ -1210,19 +1210,8 @@ async fn sentinel_reaches_a_tls_only_master() {
     let certs_dir = tempfile::tempdir().unwrap();
     let certs = make_certs(certs_dir.path());
     let master = RedisProc::start_tls(&certs);
-    let path = |f: &str| certs.join(f).display().to_string();
-    let sentinel = RedisProc::start_sentinel(
-        master.port,
-        &format!(
-            "tls-replication yes\ntls-cert-file {}\ntls-key-file {}\ntls-ca-cert-file {}\n\
-             tls-auth-clients no\n",
-            path("server.crt"),
-            path("server.key"),
-            path("ca.crt"),
-        ),
-        &[],
-    );
-    let ca = path("ca.crt");
+    let sentinel = sentinel_over_tls(&master, &certs, "server");
+    let ca = certs.join("ca.crt").display().to_string();
     counts_on_the_master(
         &master,
         &sentinel.url(),
@@ -1354,113 +1343,88 @@ async fn a_per_second_store_keeps_short_windows_apart_and_all_or_nothing() {
     assert!(is_ok(&r), "{r:?}");
 }
 
-/// Behind Sentinel too, `--redis-tls-skip-hostname-verification` skips the master
-/// certificate's name check, and only it: without it the master is refused, and so is a
-/// certificate from another CA with it.
-#[tokio::test]
-async fn sentinel_master_hostname_verification_can_be_skipped_and_only_it() {
-    let certs_dir = tempfile::tempdir().unwrap();
-    let certs = certs_naming_elsewhere(certs_dir.path());
-    let master = RedisProc::start_tls_as(&certs, "elsewhere");
+/// A sentinel (plain) watching `master` over TLS, trusting the CA of `certs` and presenting
+/// `cert`.
+fn sentinel_over_tls(master: &RedisProc, certs: &Path, cert: &str) -> RedisProc {
     let path = |f: &str| certs.join(f).display().to_string();
-    let sentinel = RedisProc::start_sentinel(
+    RedisProc::start_sentinel(
         master.port,
         &format!(
             "tls-replication yes\ntls-cert-file {}\ntls-key-file {}\ntls-ca-cert-file {}\n\
              tls-auth-clients no\n",
-            path("elsewhere.crt"),
-            path("elsewhere.key"),
+            path(&format!("{cert}.crt")),
+            path(&format!("{cert}.key")),
             path("ca.crt"),
         ),
         &[],
-    );
-    let sentinel_url = sentinel.url();
-    let answers = |ca: String, skip: bool| {
-        let mut flags = vec![
-            "--redis-sentinel-nodes".to_string(),
-            sentinel_url.clone(),
-            "--redis-sentinel-master".into(),
-            "main".into(),
-            "--redis-tls".into(),
-            "--redis-tls-ca".into(),
-            ca,
-        ];
-        if skip {
-            flags.push("--redis-tls-skip-hostname-verification".into());
-        }
-        async move {
-            let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
-            answers_on(&[("f.yaml", ONE)], &flags, "f", &["v"]).await
-        }
-    };
-    assert_eq!(
-        answers(path("ca.crt"), false).await,
-        [Err(tonic::Code::Unavailable)],
-        "the certificate names another host"
-    );
-    assert_eq!(answers(path("ca.crt"), true).await, [Ok(true)]);
-    let other_dir = tempfile::tempdir().unwrap();
-    let other = make_certs(other_dir.path());
-    assert_eq!(
-        answers(other.join("ca.crt").display().to_string(), true).await,
-        [Err(tonic::Code::Unavailable)],
-        "a certificate from another CA"
-    );
-    counts_on_the_master(
-        &master,
-        &sentinel_url,
-        &[
-            "--redis-tls",
-            "--redis-tls-ca",
-            &path("ca.crt"),
-            "--redis-tls-skip-hostname-verification",
-        ],
     )
-    .await;
 }
 
-/// Behind Sentinel, `--redis-tls-server-name` verifies the master's certificate against that
-/// name while the address the sentinel announces is dialled; another name is refused.
+/// Behind Sentinel too, a master whose certificate names another host is served with
+/// `--redis-tls-skip-hostname-verification` (which skips that check and only it: a
+/// certificate from another CA is still refused) or with `--redis-tls-server-name` naming what
+/// the certificate names (another name is refused), while the address the sentinel announces
+/// is dialled.
 #[tokio::test]
-async fn sentinel_master_verified_against_a_server_name() {
+async fn sentinel_master_certificate_names_skipped_or_given() {
     let certs_dir = tempfile::tempdir().unwrap();
     let certs = certs_naming_elsewhere(certs_dir.path());
     let master = RedisProc::start_tls_as(&certs, "elsewhere");
-    let path = |f: &str| certs.join(f).display().to_string();
-    let sentinel = RedisProc::start_sentinel(
-        master.port,
-        &format!(
-            "tls-replication yes\ntls-cert-file {}\ntls-key-file {}\ntls-ca-cert-file {}\n\
-             tls-auth-clients no\n",
-            path("elsewhere.crt"),
-            path("elsewhere.key"),
-            path("ca.crt"),
-        ),
-        &[],
-    );
+    let sentinel = sentinel_over_tls(&master, &certs, "elsewhere");
     let sentinel_url = sentinel.url();
-    let ca = path("ca.crt");
-    let flags = |name: &'static str| {
-        vec![
-            "--redis-sentinel-nodes".to_string(),
-            sentinel_url.clone(),
-            "--redis-sentinel-master".into(),
-            "main".into(),
-            "--redis-tls".into(),
-            "--redis-tls-ca".into(),
-            ca.clone(),
-            "--redis-tls-server-name".into(),
-            name.into(),
+    let ca = certs.join("ca.crt").display().to_string();
+    let other_dir = tempfile::tempdir().unwrap();
+    let other_ca = make_certs(other_dir.path()).join("ca.crt");
+    let other_ca = other_ca.display().to_string();
+    let skip = "--redis-tls-skip-hostname-verification";
+    let name = "--redis-tls-server-name";
+    for (ca, extra, want, why) in [
+        (
+            &ca,
+            &[][..],
+            Err(tonic::Code::Unavailable),
+            "the certificate names another host",
+        ),
+        (&ca, &[skip][..], Ok(true), "the name check skipped"),
+        (
+            &other_ca,
+            &[skip][..],
+            Err(tonic::Code::Unavailable),
+            "another CA",
+        ),
+        (
+            &ca,
+            &[name, "other.ratelimitd.test"][..],
+            Err(tonic::Code::Unavailable),
+            "another name",
+        ),
+        (
+            &ca,
+            &[name, ELSEWHERE][..],
+            Ok(true),
+            "the certificate's name",
+        ),
+    ] {
+        let sentinel_flags = [
+            "--redis-sentinel-nodes",
+            &sentinel_url,
+            "--redis-sentinel-master",
+            "main",
+        ];
+        let flags = [
+            &sentinel_flags[..],
+            &["--redis-tls", "--redis-tls-ca", ca],
+            extra,
         ]
-    };
-    let wrong = flags("other.ratelimitd.test");
-    let wrong: Vec<&str> = wrong.iter().map(String::as_str).collect();
-    assert_eq!(
-        answers_on(&[("f.yaml", ONE)], &wrong, "f", &["v"]).await,
-        [Err(tonic::Code::Unavailable)],
-        "the certificate names another host"
-    );
-    let right = flags(ELSEWHERE);
-    let right: Vec<&str> = right.iter().map(String::as_str).collect();
-    counts_on_the_master(&master, &sentinel_url, &right[4..]).await;
+        .concat();
+        assert_eq!(
+            answers_on(&[("f.yaml", ONE)], &flags, "f", &["v"]).await,
+            [want],
+            "{why}"
+        );
+    }
+    for extra in [&[skip][..], &[name, ELSEWHERE][..]] {
+        let flags = [&["--redis-tls", "--redis-tls-ca", &ca][..], extra].concat();
+        counts_on_the_master(&master, &sentinel_url, &flags).await;
+    }
 }

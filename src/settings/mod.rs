@@ -235,16 +235,7 @@ mod tests {
                 "--redis-tls-skip-hostname-verification",
             ][..],
         ] {
-            let mut args = vec![
-                "--config",
-                "x",
-                "--backend",
-                "redis",
-                "--redis-tls-server-name",
-                "n",
-            ];
-            args.extend_from_slice(target);
-            let err = parse(&args, &[]).unwrap_err();
+            let err = parse(&[&named[..], target].concat(), &[]).unwrap_err();
             assert!(
                 err.to_string().contains("--redis-tls-server-name n"),
                 "{err}"
