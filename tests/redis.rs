@@ -793,7 +793,8 @@ async fn sentinel_found_by_hand_follows_a_failover() {
 }
 
 async fn follows_a_failover(extra: &[&str]) {
-    let mut master = RedisProc::start(&[]);
+    // The replica's first sync at once, not after the default 5 s wait for more replicas.
+    let mut master = RedisProc::start(&["--repl-diskless-sync-delay", "0"]);
     let master_addr = master.port.to_string();
     let replica = RedisProc::start(&["--replicaof", "127.0.0.1", &master_addr]);
     let sentinel = RedisProc::start_sentinel(
@@ -821,7 +822,8 @@ async fn follows_a_failover(extra: &[&str]) {
         1,
         "counted on the master"
     );
-    poll(Duration::from_secs(10), || async {
+    // Generous: two of these tests may sync their replicas at once on a loaded machine.
+    poll(Duration::from_secs(30), || async {
         (keys_with_ttl(&replica, &prefix).len() == 1).then_some(())
     })
     .await;
