@@ -1247,7 +1247,7 @@ async fn a_per_second_store_keeps_short_windows_apart_and_all_or_nothing() {
             "--admin",
         ],
         &prefix,
-        "500ms",
+        "2s",
     )
     .await;
     let mut c = s.client().await;
