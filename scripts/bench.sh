@@ -32,6 +32,12 @@ DISTS=${DISTS:-hot uniform zipf}
 FLEET=${FLEET:-1000}
 KEYS_BIG=${KEYS_BIG:-1000000}
 ROUNDS=${ROUNDS:-3}
+# The light shape: a few calls in flight, as most replicas of a fleet see (4 Envoys, 2 each).
+LIGHT_CLIENTS=${LIGHT_CLIENTS:-4}
+LIGHT_STREAMS=${LIGHT_STREAMS:-2}
+# What runs after the closed-loop table (all by default): script dists fleet keys callgrind.
+SECTIONS=${SECTIONS-script dists fleet keys callgrind}
+section() { [[ " $SECTIONS " == *" $1 "* ]]; }
 LAT_ROUNDS=${LAT_ROUNDS:-3}
 KEY_ROUNDS=${KEY_ROUNDS:-3}
 # The fleet needs a descriptor per connection, in h2load and in the server.
@@ -90,7 +96,7 @@ start_server() {
 }
 stop_server() { kill "$SERVER_PID" 2>/dev/null || true; wait "$SERVER_PID" 2>/dev/null || true; }
 
-# Runs h2load against $GRPC; prints "req/s p50_ms p99_ms server_us redis_us 2xx" for the run.
+# Runs h2load against $GRPC; prints "req/s p50_ms p99_ms server_us redis_us 2xx mean_ms" for the run.
 # H2_CLIENTS and H2_STREAMS override -c and -m; extra arguments go to h2load.
 h2run() {
   local log=$WORK/h2.log
@@ -105,13 +111,14 @@ h2run() {
   local ok
   ok=$(echo "$out" | awk '/status codes:/ {print $3}')
   # Each line of the log: start time, HTTP status, elapsed microseconds.
-  local n p50 p99
+  local n p50 p99 mean
   n=$(wc -l <"$log")
-  read -r p50 p99 < <(cut -f3 "$log" | sort -n | awk -v n="$n" \
-    'NR == int(n * 0.50) + 1 {p50 = $1} NR == int(n * 0.99) + 1 {p99 = $1} END {printf "%.2f %.2f\n", p50 / 1000, p99 / 1000}')
+  read -r p50 p99 mean < <(cut -f3 "$log" | sort -n | awk -v n="$n" \
+    'NR == int(n * 0.50) + 1 {p50 = $1} NR == int(n * 0.99) + 1 {p99 = $1} {sum += $1}
+     END {printf "%.2f %.2f %.3f\n", p50 / 1000, p99 / 1000, sum / NR / 1000}')
   # CPU ticks cover the warm-up second too: count its requests in by rate.
-  awk -v n="$n" -v d="$DURATION" -v s=$((s1 - s0)) -v r=$((r1 - r0)) -v hz="$HZ" -v p50="$p50" -v p99="$p99" -v ok="$ok" \
-    'BEGIN { total = n * (d + 1) / d; printf "%.0f %s %s %.1f %.1f %s\n", n / d, p50, p99, s / hz * 1e6 / total, r / hz * 1e6 / total, ok }'
+  awk -v n="$n" -v d="$DURATION" -v s=$((s1 - s0)) -v r=$((r1 - r0)) -v hz="$HZ" -v p50="$p50" -v p99="$p99" -v ok="$ok" -v mean="$mean" \
+    'BEGIN { total = n * (d + 1) / d; printf "%.0f %s %s %.1f %.1f %s %s\n", n / d, p50, p99, s / hz * 1e6 / total, r / hz * 1e6 / total, ok, mean }'
 }
 
 # The fixed-window domain for key scale: the bench request's shape with hour windows, so every
@@ -130,7 +137,7 @@ YAML
 # Every server runs at once (an idle one costs nothing) and they are measured in turn, ROUNDS
 # times over; each figure is the median of its server's rounds, so a stall of the VM during one
 # run does not decide a ratio.
-declare -A RPS P50 P99 SCPU RCPU LRPS LSCPU LRCPU HALF_P99 HALF_RATE BASE_P99 SPID SGRPC RUNS LRUNS
+declare -A RPS P50 P99 SCPU RCPU LRPS LSCPU LRCPU LMEAN HALF_P99 HALF_RATE BASE_P99 SPID SGRPC RUNS LRUNS
 for name in $SERVERS; do
   start_server "$name"
   SPID[$name]=$SERVER_PID SGRPC[$name]=$GRPC
@@ -140,12 +147,12 @@ done
 for round in $(seq "$ROUNDS"); do
   for name in $SERVERS; do
     SERVER_PID=${SPID[$name]} GRPC=${SGRPC[$name]}
-    read -r rps p50 p99 scpu rcpu ok < <(h2run)
+    read -r rps p50 p99 scpu rcpu ok _ < <(h2run)
     [ "$ok" -gt 0 ] || { echo "bench: $name answered no 2xx" >&2; exit 1; }
     RUNS[$name]="${RUNS[$name]:-}$rps $p50 $p99 $scpu $rcpu;"
-    read -r rps _ _ scpu rcpu _ < <(H2_CLIENTS=2 H2_STREAMS=4 h2run)
-    LRUNS[$name]="${LRUNS[$name]:-}$rps $scpu $rcpu;"
-    echo "round $round: $name: -c$CLIENTS -m$STREAMS $(echo "${RUNS[$name]}" | tr ';' '\n' | grep -v '^$' | tail -1 | awk '{printf "%s req/s, server %s us, redis %s us", $1, $4, $5}'); 8 in flight $scpu us, redis $rcpu us"
+    read -r rps _ _ scpu rcpu _ mean < <(H2_CLIENTS=$LIGHT_CLIENTS H2_STREAMS=$LIGHT_STREAMS h2run)
+    LRUNS[$name]="${LRUNS[$name]:-}$rps $scpu $rcpu $mean;"
+    echo "round $round: $name: -c$CLIENTS -m$STREAMS $(echo "${RUNS[$name]}" | tr ';' '\n' | grep -v '^$' | tail -1 | awk '{printf "%s req/s, server %s us, redis %s us", $1, $4, $5}'); 8 in flight $scpu us, redis $rcpu us, mean $mean ms"
   done
 done
 # Column `col` (1-based) of a server's rounds, their median.
@@ -155,7 +162,7 @@ for name in $SERVERS; do
   P99[$name]=$(column_median "${RUNS[$name]}" 3); SCPU[$name]=$(column_median "${RUNS[$name]}" 4)
   RCPU[$name]=$(column_median "${RUNS[$name]}" 5)
   LRPS[$name]=$(column_median "${LRUNS[$name]}" 1); LSCPU[$name]=$(column_median "${LRUNS[$name]}" 2)
-  LRCPU[$name]=$(column_median "${LRUNS[$name]}" 3)
+  LRCPU[$name]=$(column_median "${LRUNS[$name]}" 3); LMEAN[$name]=$(column_median "${LRUNS[$name]}" 4)
   SERVER_PID=${SPID[$name]}
   stop_server
 done
@@ -163,17 +170,19 @@ done
 # Ratelimitd's script with the request's two keys, one call per request, as a function, fed
 # pipelined on one connection (redis-cli --pipe: the packed numbers are binary, which
 # redis-benchmark cannot send): the Redis ceiling for one-call-per-request designs.
-redis-cli -p "$REDIS_PORT" FUNCTION LOAD REPLACE \
-  "$(printf '#!lua name=ratelimitd_ceiling\nlocal FUNCTION = %s\n' "'ratelimitd_ceiling'"; cat src/limiter/redis/script.lua)" >/dev/null
-RB_N=$((DURATION * 30000))
-script_calls 1 "$RB_N" FCALL ratelimitd_ceiling >"$WORK/calls.resp"
-r0=$(cpu_ticks "$REDIS_PID")
-rb_start=$(date +%s.%N)
-redis-cli -p "$REDIS_PORT" --pipe <"$WORK/calls.resp" | grep -q 'errors: 0' || { echo "bench: the script's calls fail" >&2; exit 1; }
-rb_end=$(date +%s.%N)
-r1=$(cpu_ticks "$REDIS_PID")
-RB_RPS=$(awk -v n="$RB_N" -v a="$rb_start" -v b="$rb_end" 'BEGIN {printf "%.0f", n / (b - a)}')
-RB_RCPU=$(awk -v r=$((r1 - r0)) -v hz="$HZ" -v n="$RB_N" 'BEGIN {printf "%.1f", r / hz * 1e6 / n}')
+if section script; then
+  redis-cli -p "$REDIS_PORT" FUNCTION LOAD REPLACE \
+    "$(printf '#!lua name=ratelimitd_ceiling\nlocal FUNCTION = %s\n' "'ratelimitd_ceiling'"; cat src/limiter/redis/script.lua)" >/dev/null
+  RB_N=$((DURATION * 30000))
+  script_calls 1 "$RB_N" FCALL ratelimitd_ceiling >"$WORK/calls.resp"
+  r0=$(cpu_ticks "$REDIS_PID")
+  rb_start=$(date +%s.%N)
+  redis-cli -p "$REDIS_PORT" --pipe <"$WORK/calls.resp" | grep -q 'errors: 0' || { echo "bench: the script's calls fail" >&2; exit 1; }
+  rb_end=$(date +%s.%N)
+  r1=$(cpu_ticks "$REDIS_PID")
+  RB_RPS=$(awk -v n="$RB_N" -v a="$rb_start" -v b="$rb_end" 'BEGIN {printf "%.0f", n / (b - a)}')
+  RB_RCPU=$(awk -v r=$((r1 - r0)) -v hz="$HZ" -v n="$RB_N" 'BEGIN {printf "%.1f", r / hz * 1e6 / n}')
+fi
 
 label_of() {
   case $1 in
@@ -182,14 +191,14 @@ label_of() {
   esac
 }
 echo
-printf '%-44s %9s %8s %8s %9s %9s | %9s %9s %9s\n' "h2load closed loop" "req/s" "p50 ms" "p99 ms" \
-  "server us" "redis us" "8: req/s" "server us" "redis us"
+printf '%-44s %9s %8s %8s %9s %9s | %9s %9s %9s %8s\n' "h2load closed loop" "req/s" "p50 ms" "p99 ms" \
+  "server us" "redis us" "8: req/s" "server us" "redis us" "mean ms"
 for name in $SERVERS; do
-  printf '%-44s %9s %8s %8s %9s %9s | %9s %9s %9s\n' "$(label_of "$name")" "${RPS[$name]}" "${P50[$name]}" \
-    "${P99[$name]}" "${SCPU[$name]}" "${RCPU[$name]}" "${LRPS[$name]}" "${LSCPU[$name]}" "${LRCPU[$name]}"
+  printf '%-44s %9s %8s %8s %9s %9s | %9s %9s %9s %8s\n' "$(label_of "$name")" "${RPS[$name]}" "${P50[$name]}" \
+    "${P99[$name]}" "${SCPU[$name]}" "${RCPU[$name]}" "${LRPS[$name]}" "${LSCPU[$name]}" "${LRCPU[$name]}" "${LMEAN[$name]}"
 done
-printf '%-44s %9s %8s %8s %9s %9s\n' "ratelimitd's script alone, one per request" "$RB_RPS" - - - "$RB_RCPU"
-echo "(left: -c$CLIENTS -m$STREAMS; right, '8:': 8 calls in flight, -c2 -m4)"
+section script && printf '%-44s %9s %8s %8s %9s %9s\n' "ratelimitd's script alone, one per request" "$RB_RPS" - - - "$RB_RCPU"
+echo "(left: -c$CLIENTS -m$STREAMS; right, '8:': 8 calls in flight, -c$LIGHT_CLIENTS -m$LIGHT_STREAMS)"
 
 # loadgen against $GRPC with the given flags; prints "requests p50 p99 server_us redis_us".
 loadgen_run() {
@@ -208,9 +217,12 @@ loadgen_run() {
 # Then latency: open loop at half of the best closed-loop rate, ratelimitd and its baseline
 # both running, measured in turn LAT_ROUNDS times each at that rate; each side's p99 is the
 # median of its rounds, so one stall of the VM during one round does not decide the ratio.
-echo
-printf '%-44s %9s %8s %8s %9s %9s\n' "loadgen, 64 calls over 4 connections" "req/s" "p50 ms" "p99 ms" "server us" "redis us"
+if section dists; then
+  echo
+  printf '%-44s %9s %8s %8s %9s %9s\n' "loadgen, 64 calls over 4 connections" "req/s" "p50 ms" "p99 ms" "server us" "redis us"
+fi
 for pair in bare:memory naive:redis; do
+  section dists || continue
   base=${pair%%:*}; name=${pair##*:}
   [[ " $SERVERS " == *" $name "* ]] || continue
   start_server "$name"
@@ -251,7 +263,7 @@ done
 # cost to hide the connections' own), after memory per idle connection on the fresh server.
 rss_kb() { awk '/^VmRSS:/ {print $2}' "/proc/$1/status"; }
 declare -A FCPU FRPS IDLE_KB
-if [[ " $SERVERS " == *" memory "* ]]; then
+if section fleet && [[ " $SERVERS " == *" memory "* ]]; then
   echo
   printf '%-44s %9s %8s %8s %9s\n' "fleet: h2load closed loop" "req/s" "p50 ms" "p99 ms" "server us"
   for name in bare memory; do
@@ -266,7 +278,7 @@ if [[ " $SERVERS " == *" memory "* ]]; then
     sleep 1
     after=$(rss_kb "$SERVER_PID")
     kill "$idle_pid" 2>/dev/null || true; wait "$idle_pid" 2>/dev/null || true
-    read -r FRPS[$name] p50 p99 FCPU[$name] _ ok < <(H2_CLIENTS=$FLEET H2_STREAMS=4 h2run)
+    read -r FRPS[$name] p50 p99 FCPU[$name] _ ok _ < <(H2_CLIENTS=$FLEET H2_STREAMS=4 h2run)
     [ "$ok" -gt 0 ] || { echo "bench: $name answered no 2xx to the fleet" >&2; exit 1; }
     printf '%-44s %9s %8s %8s %9s\n' "$name, $FLEET connections x 4 streams" "${FRPS[$name]}" "$p50" "$p99" "${FCPU[$name]}"
     IDLE_KB[$name]=$(awk -v a="$after" -v b="$before" -v n="$FLEET" 'BEGIN {printf "%.1f", (a - b) / n}')
@@ -279,7 +291,7 @@ fi
 # measured in turn KEY_ROUNDS times each; each side's CPU per request is the median of its
 # rounds, so one stall of the VM during one round does not decide the ratio.
 declare -A KCPU
-if [[ " $SERVERS " == *" memory "* ]]; then
+if section keys && [[ " $SERVERS " == *" memory "* ]]; then
   echo
   printf '%-44s %9s %8s %8s %9s\n' "key scale: loadgen, memory backend" "req/s" "p50 ms" "p99 ms" "server us"
   declare -A KPID KGRPC KHELD KRUNS
@@ -308,7 +320,7 @@ if [[ " $SERVERS " == *" memory "* ]]; then
 fi
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.2f", a / b; else printf "n/a" }'; }
 # Instructions per request: the server under callgrind, instrumented only while loadgen runs.
-if [ "$CALLGRIND" = 1 ] && command -v valgrind >/dev/null; then
+if [ "$CALLGRIND" = 1 ] && section callgrind && command -v valgrind >/dev/null; then
   echo
   echo "callgrind: server instructions per request (loadgen, 8 calls over 2 connections, 5 s)"
   declare -A INSTR
@@ -349,14 +361,17 @@ target() { # label a b max [unit]
     printf "%-62s %18s %6.2fx %7s %4s\n", l, sprintf("%s / %s %s", a, b, u), r, "<=" m, (b > 0 && r <= m) ? "yes" : "no" }'
 }
 has() { [[ " $SERVERS " == *" $1 "* ]]; }
+LIGHT="8 in flight (-c$LIGHT_CLIENTS -m$LIGHT_STREAMS)"
 if has memory && has bare; then
-  target "memory: server CPU/req vs bare tonic, -c$CLIENTS -m$STREAMS" "${SCPU[memory]}" "${SCPU[bare]}" 1.15
+  target "memory: server CPU/req vs bare tonic, -c$CLIENTS -m$STREAMS" "${SCPU[memory]}" "${SCPU[bare]}" 1.10
+  target "memory: server CPU/req vs bare tonic, $LIGHT" "${LSCPU[memory]}" "${LSCPU[bare]}" 1.15
 fi
 if has redis && has naive; then
-  target "redis: server CPU/req vs naive, -c$CLIENTS -m$STREAMS" "${SCPU[redis]}" "${SCPU[naive]}" 1.0
-  target "redis: Redis CPU/req vs naive, -c$CLIENTS -m$STREAMS" "${RCPU[redis]}" "${RCPU[naive]}" 0.5
-  target "redis: server CPU/req vs naive, 8 in flight" "${LSCPU[redis]}" "${LSCPU[naive]}" 1.0
-  target "redis: Redis CPU/req vs naive, 8 in flight" "${LRCPU[redis]}" "${LRCPU[naive]}" 0.5
+  target "redis: server CPU/req vs naive, -c$CLIENTS -m$STREAMS" "${SCPU[redis]}" "${SCPU[naive]}" 0.75
+  target "redis: Redis CPU/req vs naive, -c$CLIENTS -m$STREAMS" "${RCPU[redis]}" "${RCPU[naive]}" 0.4
+  target "redis: server CPU/req vs naive, $LIGHT" "${LSCPU[redis]}" "${LSCPU[naive]}" 1.0
+  target "redis: Redis CPU/req vs naive, $LIGHT" "${LRCPU[redis]}" "${LRCPU[naive]}" 1.0
+  target "redis: mean latency vs naive, $LIGHT" "${LMEAN[redis]}" "${LMEAN[naive]}" 1.1 ms
 fi
 if has memory && has bare; then
   target "memory: p99 open loop at ${HALF_RATE[memory]:-?}/s vs bare at that rate" "${HALF_P99[memory]:-}" "${BASE_P99[memory]:-}" 1.25 ms
@@ -367,6 +382,8 @@ fi
 if has memory; then
   target "fleet: memory CPU/req, $FLEET conns x 4 vs $CLIENTS x $STREAMS" "${FCPU[memory]:-}" "${SCPU[memory]}" 1.2
   target "keys: memory CPU/req, $KEYS_BIG counters vs 10000" "${KCPU[$KEYS_BIG]:-}" "${KCPU[10000]:-}" 1.1
-  printf '%-62s %18s\n' "stated: resident memory per idle connection (memory)" "${IDLE_KB[memory]:-?} KiB"
-  has bare && printf '%-62s %18s\n' "  (bare tonic, for comparison)" "${IDLE_KB[bare]:-?} KiB"
+  if [ -n "${IDLE_KB[memory]:-}" ]; then
+    printf '%-62s %18s\n' "stated: resident memory per idle connection (memory)" "${IDLE_KB[memory]} KiB"
+    has bare && printf '%-62s %18s\n' "  (bare tonic, for comparison)" "${IDLE_KB[bare]:-?} KiB"
+  fi
 fi
