@@ -10,7 +10,7 @@
 #
 # Headline: h2load (Debian's nghttp2-client, a neutral HTTP/2 client) sending the bench domain's
 # two-descriptor request, closed loop, under load (-c16 -m32) and at low concurrency (8 calls in
-# flight: -c2 -m4). Then the project's loadgen: key distributions (one hot key, 10k uniform,
+# flight: -c4 -m2). Then the project's loadgen: key distributions (one hot key, 10k uniform,
 # Zipf over 10k); latency open loop at half of the peak, beside the matching baseline at the
 # same rate; a fleet (1,000 connections of 4 streams) and memory per idle connection; key scale
 # (1,000,000 live counters against 10,000); callgrind's instructions per request.
@@ -19,6 +19,8 @@
 # Loopback only; every duration is bounded. Tunables: DURATION (s), CLIENTS, STREAMS, SERVERS,
 # CALLGRIND (0 skips it), DISTS, FLEET (connections), KEYS_BIG (counters), ROUNDS, LAT_ROUNDS
 # and KEY_ROUNDS (rounds of each server in the closed-loop, latency and key-scale comparisons).
+# LIGHT_CLIENTS and LIGHT_STREAMS (the light shape, 4 and 2), SECTIONS (what runs after the
+# closed-loop table; SECTIONS="" runs that table and its targets alone).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/common.sh
@@ -115,7 +117,7 @@ h2run() {
   n=$(wc -l <"$log")
   read -r p50 p99 mean < <(cut -f3 "$log" | sort -n | awk -v n="$n" \
     'NR == int(n * 0.50) + 1 {p50 = $1} NR == int(n * 0.99) + 1 {p99 = $1} {sum += $1}
-     END {printf "%.2f %.2f %.3f\n", p50 / 1000, p99 / 1000, sum / NR / 1000}')
+     END {printf "%.2f %.2f %.3f\n", p50 / 1000, p99 / 1000, (NR ? sum / NR : 0) / 1000}')
   # CPU ticks cover the warm-up second too: count its requests in by rate.
   awk -v n="$n" -v d="$DURATION" -v s=$((s1 - s0)) -v r=$((r1 - r0)) -v hz="$HZ" -v p50="$p50" -v p99="$p99" -v ok="$ok" -v mean="$mean" \
     'BEGIN { total = n * (d + 1) / d; printf "%.0f %s %s %.1f %.1f %s %s\n", n / d, p50, p99, s / hz * 1e6 / total, r / hz * 1e6 / total, ok, mean }'
@@ -220,44 +222,43 @@ loadgen_run() {
 if section dists; then
   echo
   printf '%-44s %9s %8s %8s %9s %9s\n' "loadgen, 64 calls over 4 connections" "req/s" "p50 ms" "p99 ms" "server us" "redis us"
-fi
-for pair in bare:memory naive:redis; do
-  section dists || continue
-  base=${pair%%:*}; name=${pair##*:}
-  [[ " $SERVERS " == *" $name "* ]] || continue
-  start_server "$name"
-  OURS_PID=$SERVER_PID OURS_GRPC=$GRPC
-  peak=0
-  for dist in $DISTS; do
-    case $dist in
-      hot) flags=(--keys 1);; uniform) flags=(--keys 10000);; zipf) flags=(--keys 10000 --zipf 1.0);;
-    esac
-    read -r n p50 p99 scpu rcpu < <(loadgen_run --concurrency 64 --connections 4 "${flags[@]}")
-    rate=$((n / DURATION))
-    [ "$rate" -gt "$peak" ] && peak=$rate
-    printf '%-44s %9s %8s %8s %9s %9s\n' "$name, $dist" "$rate" "$p50" "$p99" "$scpu" "$rcpu"
-  done
-  if [ "$peak" -gt 0 ] && [[ " $SERVERS " == *" $base "* ]]; then
-    HALF_RATE[$name]=$((peak / 2))
-    start_server "$base"
-    BASE_PID=$SERVER_PID BASE_GRPC=$GRPC
-    ours=() theirs=()
-    for round in $(seq "$LAT_ROUNDS"); do
-      for side in "$name" "$base"; do
-        if [ "$side" = "$name" ]; then SERVER_PID=$OURS_PID GRPC=$OURS_GRPC; else SERVER_PID=$BASE_PID GRPC=$BASE_GRPC; fi
-        read -r n p50 p99 scpu rcpu < <(loadgen_run --concurrency 64 --connections 4 --keys 10000 --rate "${HALF_RATE[$name]}")
-        if [ "$side" = "$name" ]; then ours+=("$p99"); else theirs+=("$p99"); fi
-        printf '%-44s %9s %8s %8s %9s %9s\n' "$side, open loop at ${HALF_RATE[$name]}/s, round $round" "$((n / DURATION))" "$p50" "$p99" "$scpu" "$rcpu"
-      done
+  for pair in bare:memory naive:redis; do
+    base=${pair%%:*}; name=${pair##*:}
+    [[ " $SERVERS " == *" $name "* ]] || continue
+    start_server "$name"
+    OURS_PID=$SERVER_PID OURS_GRPC=$GRPC
+    peak=0
+    for dist in $DISTS; do
+      case $dist in
+        hot) flags=(--keys 1);; uniform) flags=(--keys 10000);; zipf) flags=(--keys 10000 --zipf 1.0);;
+      esac
+      read -r n p50 p99 scpu rcpu < <(loadgen_run --concurrency 64 --connections 4 "${flags[@]}")
+      rate=$((n / DURATION))
+      [ "$rate" -gt "$peak" ] && peak=$rate
+      printf '%-44s %9s %8s %8s %9s %9s\n' "$name, $dist" "$rate" "$p50" "$p99" "$scpu" "$rcpu"
     done
-    HALF_P99[$name]=$(echo "${ours[*]}" | median)
-    BASE_P99[$name]=$(echo "${theirs[*]}" | median)
-    echo "  p99, median of $LAT_ROUNDS rounds: $name ${HALF_P99[$name]} ms, $base ${BASE_P99[$name]} ms"
+    if [ "$peak" -gt 0 ] && [[ " $SERVERS " == *" $base "* ]]; then
+      HALF_RATE[$name]=$((peak / 2))
+      start_server "$base"
+      BASE_PID=$SERVER_PID BASE_GRPC=$GRPC
+      ours=() theirs=()
+      for round in $(seq "$LAT_ROUNDS"); do
+        for side in "$name" "$base"; do
+          if [ "$side" = "$name" ]; then SERVER_PID=$OURS_PID GRPC=$OURS_GRPC; else SERVER_PID=$BASE_PID GRPC=$BASE_GRPC; fi
+          read -r n p50 p99 scpu rcpu < <(loadgen_run --concurrency 64 --connections 4 --keys 10000 --rate "${HALF_RATE[$name]}")
+          if [ "$side" = "$name" ]; then ours+=("$p99"); else theirs+=("$p99"); fi
+          printf '%-44s %9s %8s %8s %9s %9s\n' "$side, open loop at ${HALF_RATE[$name]}/s, round $round" "$((n / DURATION))" "$p50" "$p99" "$scpu" "$rcpu"
+        done
+      done
+      HALF_P99[$name]=$(echo "${ours[*]}" | median)
+      BASE_P99[$name]=$(echo "${theirs[*]}" | median)
+      echo "  p99, median of $LAT_ROUNDS rounds: $name ${HALF_P99[$name]} ms, $base ${BASE_P99[$name]} ms"
+      stop_server
+    fi
+    SERVER_PID=$OURS_PID
     stop_server
-  fi
-  SERVER_PID=$OURS_PID
-  stop_server
-done
+  done
+fi
 
 # A fleet: FLEET connections of 4 streams each against 16 of 32 (the memory backend: no Redis
 # cost to hide the connections' own), after memory per idle connection on the fresh server.
