@@ -1,53 +1,71 @@
 #!/usr/bin/env bash
-# Where the Redis backend's CPU goes at 8 calls in flight, beside the naive one-EVALSHA server:
-# per request, server and Redis CPU (user time apart), context switches summed over every thread
-# (/proc/PID/task/*/status) and requests per script call (Redis's INFO commandstats), under the
-# project's loadgen (8 calls over 2 connections). Rounds alternate naive, ratelimitd.
+# Where a server's CPU goes at a few calls in flight: per request, server and Redis CPU (user time
+# apart), context switches summed over every thread (/proc/PID/task/*/status) and requests per
+# script call (Redis's INFO commandstats), under h2load's bench request at issue 35's light shape
+# (-c4 -m2). Each server is started afresh, warmed with 2,000 calls, then measured over one run;
+# rounds alternate the servers.
 #
-#   scripts/wakeups.sh        tunables: ROUNDS (2), DURATION (5 s)
+#   scripts/wakeups.sh [SERVER ...]     (default: naive redis; also bare, memory)
 #
-# Loopback only; every run bounded. Builds the release binary and the bench tools if needed.
+# Tunables: ROUNDS (2), DURATION (5 s), CLIENTS (4), STREAMS (2); FLAGS, extra flags for
+# ratelimitd (e.g. "--redis-max-batch 1"); TOKIO_WORKER_THREADS is passed on to every server.
+#
+# Loopback only; every run bounded. Builds the release binary and the baseline if needed; needs
+# h2load (apt-get install nghttp2-client).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/common.sh
 source scripts/common.sh
 ROUNDS=${ROUNDS:-2}
 DURATION=${DURATION:-5}
+CLIENTS=${CLIENTS:-4}
+STREAMS=${STREAMS:-2}
+read -r -a EXTRA <<<"${FLAGS:-}"
+[ $# -gt 0 ] || set -- naive redis
+command -v h2load >/dev/null || { echo "wakeups: h2load missing: apt-get install nghttp2-client" >&2; exit 1; }
 HZ=$(getconf CLK_TCK)
 cargo build --release --quiet
 BASELINE=$(bench_bin baseline)
-LOADGEN=$(bench_bin loadgen)
+WORK=$(mktemp -d)
 pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -f "$_ports_given"; }
+cleanup() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  rm -rf "$_ports_given" "$WORK"
+}
 trap cleanup EXIT
 REDIS_PORT=$(free_port)
 redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save "" --appendonly no >/dev/null &
 REDIS_PID=$!
 pids+=("$REDIS_PID")
-until redis-cli -p "$REDIS_PORT" ping >/dev/null 2>&1; do sleep 0.05; done
+wait_port "$REDIS_PORT" 100
+"$BASELINE" --write-request "$WORK/request.bin"
 
+# h2load's bench request against 127.0.0.1:$1, with extra arguments; prints its output.
+load() {
+  local port=$1
+  shift
+  h2load -t1 "$@" -d "$WORK/request.bin" -H 'content-type: application/grpc' -H 'te: trailers' \
+    "http://127.0.0.1:$port/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit"
+}
 switches() { cat /proc/"$1"/task/*/status | awk '/ctxt_switches/ {s += $2} END {print s}'; }
 ticks() { awk '{print $14 + $15, $14}' "/proc/$1/stat"; }
-echo "loadgen, 8 calls over 2 connections, ${DURATION}s; per request:"
+echo "h2load -c$CLIENTS -m$STREAMS, ${DURATION}s${FLAGS:+, ratelimitd $FLAGS}${TOKIO_WORKER_THREADS:+, TOKIO_WORKER_THREADS=$TOKIO_WORKER_THREADS}; per request:"
 printf '%-10s %9s %11s %9s %11s %9s %9s\n' server "CPU us" "(user us)" switches "Redis us" "(user us)" switches
 for _ in $(seq "$ROUNDS"); do
-  for name in naive ratelimitd; do
+  for name in "$@"; do
     port=$(free_port)
-    case $name in
-      naive) "$BASELINE" --mode evalsha --addr "127.0.0.1:$port" --redis "redis://127.0.0.1:$REDIS_PORT" & ;;
-      ratelimitd) ./target/release/ratelimitd --config benches/limits.yaml --grpc-addr "127.0.0.1:$port" \
-        --http-addr "127.0.0.1:$(free_port)" --log-level warn --backend redis \
-        --redis-url "redis://127.0.0.1:$REDIS_PORT" & ;;
-    esac
+    bench_server_cmd "$name" "$port" "redis://127.0.0.1:$REDIS_PORT" || { echo "wakeups: unknown server $name" >&2; exit 2; }
+    case $name in memory | redis) SERVER_CMD+=("${EXTRA[@]}") ;; esac
+    "${SERVER_CMD[@]}" &
     pid=$!
     pids+=("$pid")
-    wait_port "$port" 100 || true
-    "$LOADGEN" --target "http://127.0.0.1:$port" --duration 2 --warmup 0 --concurrency 8 --connections 2 >/dev/null
+    wait_port "$port" 100
+    load "$port" -c1 -n 2000 >/dev/null
     redis-cli -p "$REDIS_PORT" config resetstat >/dev/null
     read -r s0 u0 < <(ticks "$pid"); read -r r0 v0 < <(ticks "$REDIS_PID")
     c0=$(switches "$pid"); d0=$(switches "$REDIS_PID")
-    n=$("$LOADGEN" --target "http://127.0.0.1:$port" --duration "$DURATION" --warmup 0 --concurrency 8 \
-      --connections 2 | awk '/^requests:/ {print $2}')
+    n=$(load "$port" -c"$CLIENTS" -m"$STREAMS" -D "$DURATION" | awk '/status codes:/ {print $3}')
     read -r s1 u1 < <(ticks "$pid"); read -r r1 v1 < <(ticks "$REDIS_PID")
     c1=$(switches "$pid"); d1=$(switches "$REDIS_PID")
     calls=$(redis-cli -p "$REDIS_PORT" info commandstats | tr -d '\r' |

@@ -90,20 +90,21 @@ local floor, ceil, max, min, unpack_numbers
 -- enforcement, plus 3 for a report, plus 6 for a refund; see main).
 local ALGORITHMS = {'f', 's', 'w', 'b'}
 local ENFORCEMENTS = {'E', 'Q', 'S'}
--- The call's counters: key, algorithm, requests_per_unit, window, burst.
-local c_key, c_algo, c_rpu, c_w, c_burst = {}, {}, {}, {}, {}
--- The request being decided: its nonce, how many limits it has, and per limit its counter,
--- hits (0 for a refund, whose hits are in l_back), enforcement and kind (reused from request
--- to request: only 1..n are read); whether it has refunds, and reports.
+-- The call's counters: key, algorithm, requests_per_unit, window, burst, and the start of the
+-- window the call's time is in.
+local c_key, c_algo, c_rpu, c_w, c_burst, c_start = {}, {}, {}, {}, {}, {}
+-- The request being decided: its nonce, how many limits it has, and per limit its counter, the
+-- counter's algorithm, hits (0 for a refund, whose hits are in l_back), enforcement and kind
+-- (reused from request to request: only 1..n are read); whether it has refunds, and reports.
 local nonce, n = '', 0
-local l_c, l_hits, l_enf, l_kind, l_back = {}, {}, {}, {}, {}
+local l_c, l_algo, l_hits, l_enf, l_kind, l_back = {}, {}, {}, {}, {}, {}
 local refunds, reports = false, false
 -- The reply so far (`#out` is a search each time: keep the length here).
 local out, out_n
 -- Per limit of the current request: the check's verdict, the counter state it read, and (a
 -- token bucket admission) the arrival time a commit writes. Per limit, not per state: a
 -- request may name one counter twice (a refund and an admission).
-local over, remaining, reset, state, next_tat = {}, {}, {}, {}, {}
+local over, state, next_tat = {}, {}, {}
 
 -- The call's Redis TIME (µs), and how far past its limit a report may take a counter.
 local now, debt = 0, 0
@@ -436,11 +437,17 @@ local function decide()
   -- Check every limit (reads only; pruning the log changes no count). A refund's verdict is its
   -- counter as the refund left it (its hits are 0 here). A check of 0 hits asks whether one more
   -- unit fits: judged as 1 hit (`need`), what is left counted as for 0. (Checked apart, after
-  -- the common case: a Lua operation per limit shows in what a call costs.)
+  -- the common case: a Lua operation per limit shows in what a call costs.) Each limit's room
+  -- and reset go straight into the reply, and its verdict into the request's: all-or-nothing,
+  -- an enforced limit over, or every quota limit over, rejects the request (a refund's
+  -- enforcement is S: it never rejects). The request's first value, admitted, is written last.
+  local first = out_n + 1
+  local at = first
+  local admitted, quota_seen, quota_all_over = true, false, true
   for i = 1, n do
     local c = l_c[i]
-    local key, algo, rpu, w, burst, hits = c_key[c], c_algo[c], c_rpu[c], c_w[c], c_burst[c], l_hits[i]
-    local start = now - (now % w)
+    local key, algo, rpu, w, hits = c_key[c], l_algo[i], c_rpu[c], c_w[c], l_hits[i]
+    local start = c_start[c]
     local o, rem, rst = true, 0, w
     if algo == 'f' then
       local st = cache[key] or cached(key, load_f)
@@ -496,7 +503,7 @@ local function decide()
     elseif algo == 'b' then
       if rpu > 0 then
         local interval = w / rpu
-        local cap = burst * interval
+        local cap = c_burst[c] * interval
         local st = cache[key] or cached(key, load_b)
         state[i] = st
         local tat = max(st.tat, now)
@@ -510,27 +517,31 @@ local function decide()
           next_tat[i] = new_tat
         else
           rem = max(floor((cap - (tat - now)) / interval + 0.000001), 0)
-          if need <= burst then rst = ceil(tat + need * interval - now - cap - 0.001) end
+          if need <= c_burst[c] then rst = ceil(tat + need * interval - now - cap - 0.001) end
         end
       end
     else
       error('ratelimitd: unknown algorithm ' .. tostring(algo))
     end
-    over[i], remaining[i], reset[i] = o, rem, rst
-  end
-
-  -- All-or-nothing: an enforced limit over, or every quota limit over, rejects the request.
-  -- (A refund's enforcement is S: it never rejects.)
-  local admitted, quota_seen, quota_all_over = true, false, true
-  for i = 1, n do
+    over[i] = o
+    if rem < 0 then rem = 0 end
     local enforcement = l_enf[i]
-    if enforcement == 'E' and over[i] then admitted = false end
-    if enforcement == 'Q' then
-      quota_seen = true
-      if not over[i] then quota_all_over = false end
+    if o then
+      rem = -1 - rem
+      if enforcement == 'E' then
+        admitted = false
+      elseif enforcement == 'Q' then
+        quota_seen = true
+      end
+    elseif enforcement == 'Q' then
+      quota_seen, quota_all_over = true, false
     end
+    out[at + 1], out[at + 2] = rem, rst
+    at = at + 2
   end
   if quota_seen and quota_all_over then admitted = false end
+  out[first] = admitted and 1 or 0
+  out_n = at
 
   -- Admissions are consumed only if the request is admitted; reports are recorded anyway
   -- (a refund's hits are 0 here: it is given back already).
@@ -541,14 +552,14 @@ local function decide()
         if reports and l_kind[i] == 'r' then
           accounting.record(i)
         else
-          local c = l_c[i]
-          local key, algo, w = c_key[c], c_algo[c], c_w[c]
-          local st = state[i]
+          local algo, st = l_algo[i], state[i]
           if algo == 'f' then
-            st.count, st.dirty, st.w = st.count + hits, true, w
+            st.count, st.dirty, st.w = st.count + hits, true, c_w[l_c[i]]
           elseif algo == 's' then
-            st.c, st.delta, st.w = st.c + hits, st.delta + hits, w
+            st.c, st.delta, st.w = st.c + hits, st.delta + hits, c_w[l_c[i]]
           elseif algo == 'w' then
+            local c = l_c[i]
+            local key, w = c_key[c], c_w[c]
             redis.call('ZADD', key, now, member(i, hits))
             redis.call('ZINCRBY', key, -hits, '#')
             expire_at_us(key, now + w + 1)
@@ -565,17 +576,6 @@ local function decide()
       if l_kind[i] == 'r' and l_hits[i] > 0 then accounting.record(i) end
     end
   end
-
-  local o = out_n + 1
-  out[o] = admitted and 1 or 0
-  for i = 1, n do
-    local rem = remaining[i]
-    if rem < 0 then rem = 0 end
-    if over[i] then rem = -1 - rem end
-    out[o + 1], out[o + 2] = rem, reset[i]
-    o = o + 2
-  end
-  out_n = o
 end
 
 -- Errors that mean Redis cannot serve now: they fail the whole call (see the header).
@@ -627,7 +627,7 @@ local function main(KEYS, ARGV)
   for c = 1, counters do
     local k, a
     k, a, c_rpu[c], c_w[c], c_burst[c], at_byte = unpack_numbers('<ddddd', blob, at_byte)
-    c_key[c], c_algo[c] = KEYS[k], ALGORITHMS[a]
+    c_key[c], c_algo[c], c_start[c] = KEYS[k], ALGORITHMS[a], now - (now % c_w[c])
   end
   local undoing = mode == 'undo'
   for _ = 1, entries do
@@ -652,7 +652,9 @@ local function main(KEYS, ARGV)
       else
         l_c[i], l_hits[i], l_enf[i], l_kind[i], l_back[i], refunds = c, 0, 'S', 'n', hits, true
       end
-      if c_algo[c] == 'w' then logged = true end
+      local algo = c_algo[c]
+      l_algo[i] = algo
+      if algo == 'w' then logged = true end
     end
     if (refunds or reports) and not accounting then accounting = build_accounting() end
     if undoing then
