@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# What the runtime's shape costs on the Redis path: the naive one-EVALSHA server and ratelimitd
+# (Redis backend), each with tokio's default runtime (a worker per core) and with one worker
+# (TOKIO_WORKER_THREADS=1), and ratelimitd as PROCS processes of one worker each with the load
+# split evenly over them: what runtimes of one thread per core, with connections spread over
+# them and a coalescing lane and Redis connection each, would cost. Per request: server CPU
+# (summed over the processes), Redis CPU, context switches, and h2load's mean latency. Each
+# server is started afresh and warmed with 2,000 calls; rounds alternate the shapes.
+#
+#   scripts/runtimes.sh        tunables: ROUNDS (2), DURATION (6 s), CLIENTS (4), STREAMS (2),
+#                              PROCS (2; CLIENTS must divide by it)
+#
+# Loopback only; every run bounded. Builds the release binary and the baseline if needed; needs
+# h2load (apt-get install nghttp2-client).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+# shellcheck source=scripts/common.sh
+source scripts/common.sh
+ROUNDS=${ROUNDS:-2}
+DURATION=${DURATION:-6}
+CLIENTS=${CLIENTS:-4}
+STREAMS=${STREAMS:-2}
+PROCS=${PROCS:-2}
+[ $((CLIENTS % PROCS)) -eq 0 ] || { echo "runtimes: CLIENTS ($CLIENTS) must divide by PROCS ($PROCS)" >&2; exit 2; }
+command -v h2load >/dev/null || { echo "runtimes: h2load missing: apt-get install nghttp2-client" >&2; exit 1; }
+HZ=$(getconf CLK_TCK)
+cargo build --release --quiet
+BASELINE=$(bench_bin baseline)
+WORK=$(mktemp -d)
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  rm -rf "$_ports_given" "$WORK"
+}
+trap cleanup EXIT
+REDIS_PORT=$(free_port)
+redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save "" --appendonly no >/dev/null &
+REDIS_PID=$!
+pids+=("$REDIS_PID")
+wait_port "$REDIS_PORT" 100
+"$BASELINE" --write-request "$WORK/request.bin"
+
+ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+switches() { cat /proc/"$1"/task/*/status | awk '/ctxt_switches/ {s += $2} END {print s}'; }
+# h2load's bench request against 127.0.0.1:$1, its per-request log in $2; more arguments follow.
+load() {
+  local port=$1 log=$2
+  shift 2
+  h2load -t1 "$@" --log-file="$log" -d "$WORK/request.bin" -H 'content-type: application/grpc' \
+    -H 'te: trailers' "http://127.0.0.1:$port/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit" >/dev/null
+}
+# One run: LABEL, bench server NAME, PROCS processes, WORKERS (a number, or "default").
+run() {
+  local label=$1 name=$2 procs=$3 workers=$4 spids=() ports=() loads=() i port pid
+  for i in $(seq "$procs"); do
+    port=$(free_port)
+    bench_server_cmd "$name" "$port" "redis://127.0.0.1:$REDIS_PORT"
+    if [ "$workers" = default ]; then
+      env -u TOKIO_WORKER_THREADS "${SERVER_CMD[@]}" &
+    else
+      TOKIO_WORKER_THREADS=$workers "${SERVER_CMD[@]}" &
+    fi
+    pid=$!
+    pids+=("$pid")
+    spids+=("$pid")
+    ports+=("$port")
+  done
+  for port in "${ports[@]}"; do
+    wait_port "$port" 100
+    load "$port" "$WORK/warm.log" -c1 -n 2000
+  done
+  local s0=0 c0=0 s1=0 c1=0 r0 r1
+  for pid in "${spids[@]}"; do s0=$((s0 + $(ticks "$pid"))); c0=$((c0 + $(switches "$pid"))); done
+  r0=$(ticks "$REDIS_PID")
+  for i in "${!ports[@]}"; do
+    load "${ports[$i]}" "$WORK/run.$i.log" -c$((CLIENTS / procs)) -m"$STREAMS" -D "$DURATION" &
+    loads+=($!)
+  done
+  wait "${loads[@]}"
+  for pid in "${spids[@]}"; do s1=$((s1 + $(ticks "$pid"))); c1=$((c1 + $(switches "$pid"))); done
+  r1=$(ticks "$REDIS_PID")
+  for pid in "${spids[@]}"; do kill "$pid"; wait "$pid" 2>/dev/null || true; done
+  # Each line of h2load's log: start time, HTTP status, elapsed microseconds.
+  cat "$WORK"/run.*.log | awk -v label="$label" -v s=$((s1 - s0)) -v r=$((r1 - r0)) -v c=$((c1 - c0)) \
+    -v hz="$HZ" -v d="$DURATION" '{n++; sum += $3} END {
+      printf "%-36s %8.0f %9.1f %9.1f %9.2f %9.3f\n", label, n / d, s / hz * 1e6 / n, r / hz * 1e6 / n, c / n, sum / n / 1000 }'
+  rm -f "$WORK"/run.*.log
+}
+echo "h2load -c$CLIENTS -m$STREAMS (split over the processes), ${DURATION}s; per request:"
+printf '%-36s %8s %9s %9s %9s %9s\n' "server (runtime)" "req/s" "server us" "Redis us" switches "mean ms"
+for _ in $(seq "$ROUNDS"); do
+  run "naive (default)" naive 1 default
+  run "naive (1 worker)" naive 1 1
+  run "ratelimitd (default)" redis 1 default
+  run "ratelimitd (1 worker)" redis 1 1
+  run "ratelimitd ($PROCS processes x 1 worker)" redis "$PROCS" 1
+done
