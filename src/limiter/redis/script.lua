@@ -90,9 +90,9 @@ local floor, ceil, max, min, unpack_numbers
 -- enforcement, plus 3 for a report, plus 6 for a refund; see main).
 local ALGORITHMS = {'f', 's', 'w', 'b'}
 local ENFORCEMENTS = {'E', 'Q', 'S'}
--- The call's counters: key, algorithm, requests_per_unit, window, burst, and the start of the
--- window the call's time is in.
-local c_key, c_algo, c_rpu, c_w, c_burst, c_start = {}, {}, {}, {}, {}, {}
+-- The call's counters: key, algorithm, requests_per_unit, window, burst, the start of the
+-- window the call's time is in, and its state once read (false until then; see `cache`).
+local c_key, c_algo, c_rpu, c_w, c_burst, c_start, c_st = {}, {}, {}, {}, {}, {}, {}
 -- The request being decided: its nonce, how many limits it has, and per limit its counter, the
 -- counter's algorithm, hits (0 for a refund, whose hits are in l_back), enforcement and kind
 -- (reused from request to request: only 1..n are read); whether it has refunds, and reports.
@@ -178,12 +178,15 @@ end
 -- request still sees every earlier request's commits, so decisions are those of separate calls.
 -- (sliding_log writes a member per request and is read and written directly.) Callers look in
 -- `cache` first and call `cached` only on a miss: a Lua call per limit and request cost a
--- measurable share of a large call (docs/performance.md, "Measurements behind the code").
+-- measurable share of a large call (docs/performance.md, "Measurements behind the code"). The
+-- check looks in `c_st` by counter first, sparing the key's lookup for every further request.
+-- A state's window (`w`) is its counter's: a key names its algorithm and window.
 local cache, order
 
--- A miss: `key`'s state, read by `load`, kept for the rest of the call.
-local function cached(key, load)
+-- A miss: `key`'s state, read by `load`, with its window `w`, kept for the rest of the call.
+local function cached(key, load, w)
   local st = load(key)
+  st.w = w
   cache[key] = st
   order[#order + 1] = key
   return st
@@ -323,13 +326,13 @@ local function build_accounting()
     if hits <= 0 then return end
     local start = now - (now % w)
     if algo == 'f' then
-      local st = cache[key] or cached(key, load_f)
+      local st = cache[key] or cached(key, load_f, w)
       roll_f(st, start)
       if st.count > 0 then
         st.count, st.dirty, st.w = max(st.count - hits, 0), true, w
       end
     elseif algo == 's' then
-      local st = cache[key] or cached(key, load_s)
+      local st = cache[key] or cached(key, load_s, w)
       roll_s(st, start, w)
       local from_c = min(hits, st.c)
       local from_p = min(hits - from_c, st.p)
@@ -367,7 +370,7 @@ local function build_accounting()
       end
     elseif algo == 'b' then
       if rpu > 0 then
-        local st = cache[key] or cached(key, load_b)
+        local st = cache[key] or cached(key, load_b, w)
         if st.tat > now then
           st.tat, st.dirty = max(st.tat - hits * (w / rpu), now), true
         end
@@ -411,11 +414,11 @@ local function build_accounting()
     local key, algo = c_key[c], c_algo[c]
     if cache[key] then return end
     if algo == 'f' then
-      cached(key, load_f)
+      cached(key, load_f, c_w[c])
     elseif algo == 's' then
-      cached(key, load_s)
+      cached(key, load_s, c_w[c])
     elseif algo == 'b' and c_rpu[c] > 0 then
-      cached(key, load_b)
+      cached(key, load_b, c_w[c])
     elseif algo == 'w' then
       redis.call('ZSCORE', key, '#')
     end
@@ -446,11 +449,16 @@ local function decide()
   local admitted, quota_seen, quota_all_over = true, false, true
   for i = 1, n do
     local c = l_c[i]
-    local key, algo, rpu, w, hits = c_key[c], l_algo[i], c_rpu[c], c_w[c], l_hits[i]
+    local algo, rpu, w, hits = l_algo[i], c_rpu[c], c_w[c], l_hits[i]
     local start = c_start[c]
     local o, rem, rst = true, 0, w
     if algo == 'f' then
-      local st = cache[key] or cached(key, load_f)
+      local st = c_st[c]
+      if not st then
+        local key = c_key[c]
+        st = cache[key] or cached(key, load_f, w)
+        c_st[c] = st
+      end
       state[i] = st
       if st.start ~= start then roll_f(st, start) end
       local after = st.count + hits
@@ -458,7 +466,12 @@ local function decide()
       if not o then rem = rpu - after else rem = max(rpu - st.count, 0) end
       rst = start + w - now
     elseif algo == 's' then
-      local st = cache[key] or cached(key, load_s)
+      local st = c_st[c]
+      if not st then
+        local key = c_key[c]
+        st = cache[key] or cached(key, load_s, w)
+        c_st[c] = st
+      end
       state[i] = st
       if st.s ~= start then roll_s(st, start, w) end
       local p, c = st.p, st.c
@@ -480,6 +493,7 @@ local function decide()
         end
       end
     elseif algo == 'w' then
+      local key = c_key[c]
       local count = log_total(key, now - w)
       state[i] = count
       local after = count + hits
@@ -504,7 +518,12 @@ local function decide()
       if rpu > 0 then
         local interval = w / rpu
         local cap = c_burst[c] * interval
-        local st = cache[key] or cached(key, load_b)
+        local st = c_st[c]
+        if not st then
+          local key = c_key[c]
+          st = cache[key] or cached(key, load_b, w)
+          c_st[c] = st
+        end
         state[i] = st
         local tat = max(st.tat, now)
         local need = hits
@@ -554,9 +573,9 @@ local function decide()
         else
           local algo, st = l_algo[i], state[i]
           if algo == 'f' then
-            st.count, st.dirty, st.w = st.count + hits, true, c_w[l_c[i]]
+            st.count, st.dirty = st.count + hits, true
           elseif algo == 's' then
-            st.c, st.delta, st.w = st.c + hits, st.delta + hits, c_w[l_c[i]]
+            st.c, st.delta = st.c + hits, st.delta + hits
           elseif algo == 'w' then
             local c = l_c[i]
             local key, w = c_key[c], c_w[c]
@@ -627,7 +646,7 @@ local function main(KEYS, ARGV)
   for c = 1, counters do
     local k, a
     k, a, c_rpu[c], c_w[c], c_burst[c], at_byte = unpack_numbers('<ddddd', blob, at_byte)
-    c_key[c], c_algo[c], c_start[c] = KEYS[k], ALGORITHMS[a], now - (now % c_w[c])
+    c_key[c], c_algo[c], c_start[c], c_st[c] = KEYS[k], ALGORITHMS[a], now - (now % c_w[c]), false
   end
   local undoing = mode == 'undo'
   for _ = 1, entries do
