@@ -34,7 +34,6 @@ REDIS_PID=$!
 pids+=("$REDIS_PID")
 until redis-cli -p "$REDIS_PORT" ping >/dev/null 2>&1; do sleep 0.05; done
 
-ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 # One run of binary $1 on backend $2: prints "requests/s server-µs-per-request redis-µs-per-request".
 run() {
   local bin=$1 backend=$2 side=${3:-} grpc http pid s0 s1 r0 r1 out n
@@ -50,9 +49,9 @@ run() {
   local url="http://$grpc/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit"
   local h=(-d "$WORK/request.bin" -H 'content-type: application/grpc' -H 'te: trailers')
   h2load -c1 -n 2000 "${h[@]}" "$url" >/dev/null # warm
-  s0=$(ticks "$pid"); r0=$(ticks "$REDIS_PID")
+  s0=$(cpu_ticks "$pid"); r0=$(cpu_ticks "$REDIS_PID")
   out=$(h2load -c"$CLIENTS" -m"$STREAMS" -t1 -D "$DURATION" "${h[@]}" "$url")
-  s1=$(ticks "$pid"); r1=$(ticks "$REDIS_PID")
+  s1=$(cpu_ticks "$pid"); r1=$(cpu_ticks "$REDIS_PID")
   kill "$pid"; wait "$pid" 2>/dev/null || true
   n=$(echo "$out" | awk '/^requests:/ {print $8}')
   awk -v n="$n" -v d="$DURATION" -v s=$((s1 - s0)) -v r=$((r1 - r0)) -v hz="$HZ" \

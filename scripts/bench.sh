@@ -46,7 +46,6 @@ KEY_ROUNDS=${KEY_ROUNDS:-3}
 ulimit -n 65536 2>/dev/null || ulimit -n "$(ulimit -Hn)"
 
 command -v h2load >/dev/null || { echo "bench: h2load missing: apt-get install nghttp2-client" >&2; exit 1; }
-cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 HZ=$(getconf CLK_TCK)
 
 cargo build --release --quiet

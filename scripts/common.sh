@@ -31,6 +31,35 @@ wait_port() { # PORT [TRIES]
   return 1
 }
 
+# CPU time of process $1 so far, in clock ticks (user + system, /proc/PID/stat); with a second
+# argument `user`, the user time too, as a second field.
+cpu_ticks() { # PID [user]
+  if [ "${2:-}" = user ]; then awk '{print $14 + $15, $14}' "/proc/$1/stat"; else awk '{print $14 + $15}' "/proc/$1/stat"; fi
+}
+
+# Context switches of process $1 so far, voluntary and not, summed over its threads.
+ctx_switches() { cat /proc/"$1"/task/*/status | awk '/ctxt_switches/ {s += $2} END {print s}'; }
+
+# Starts a redis-server on a free loopback port for the script's run (nothing kept on disk):
+# sets REDIS_PORT and REDIS_PID, adds the pid to the caller's `pids` (which its cleanup kills),
+# and waits until it accepts.
+start_redis() {
+  REDIS_PORT=$(free_port)
+  redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save "" --appendonly no >/dev/null &
+  REDIS_PID=$!
+  pids+=("$REDIS_PID")
+  wait_port "$REDIS_PORT" 100
+}
+
+# h2load sending the bench request (a file `baseline --write-request` wrote) to the rate limit
+# service on 127.0.0.1:PORT; further arguments go to h2load.
+h2_bench() { # PORT REQUEST_FILE [h2load arguments]
+  local port=$1 request=$2
+  shift 2
+  h2load -t1 "$@" -d "$request" -H 'content-type: application/grpc' -H 'te: trailers' \
+    "http://127.0.0.1:$port/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit"
+}
+
 # The median of the numbers on stdin (separated by spaces or lines).
 median() { tr ' ' '\n' | grep -v '^$' | sort -g | awk '{v[NR] = $1} END {print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2}'; }
 

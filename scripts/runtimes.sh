@@ -34,21 +34,14 @@ cleanup() {
   rm -rf "$_ports_given" "$WORK"
 }
 trap cleanup EXIT
-REDIS_PORT=$(free_port)
-redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save "" --appendonly no >/dev/null &
-REDIS_PID=$!
-pids+=("$REDIS_PID")
-wait_port "$REDIS_PORT" 100
+start_redis
 "$BASELINE" --write-request "$WORK/request.bin"
 
-ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
-switches() { cat /proc/"$1"/task/*/status | awk '/ctxt_switches/ {s += $2} END {print s}'; }
 # h2load's bench request against 127.0.0.1:$1, its per-request log in $2; more arguments follow.
 load() {
   local port=$1 log=$2
   shift 2
-  h2load -t1 "$@" --log-file="$log" -d "$WORK/request.bin" -H 'content-type: application/grpc' \
-    -H 'te: trailers' "http://127.0.0.1:$port/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit" >/dev/null
+  h2_bench "$port" "$WORK/request.bin" "$@" --log-file="$log" >/dev/null
 }
 # One run: LABEL, bench server NAME, PROCS processes, WORKERS (a number, or "default").
 run() {
@@ -71,15 +64,15 @@ run() {
     load "$port" "$WORK/warm.log" -c1 -n 2000
   done
   local s0=0 c0=0 s1=0 c1=0 r0 r1
-  for pid in "${spids[@]}"; do s0=$((s0 + $(ticks "$pid"))); c0=$((c0 + $(switches "$pid"))); done
-  r0=$(ticks "$REDIS_PID")
+  for pid in "${spids[@]}"; do s0=$((s0 + $(cpu_ticks "$pid"))); c0=$((c0 + $(ctx_switches "$pid"))); done
+  r0=$(cpu_ticks "$REDIS_PID")
   for i in "${!ports[@]}"; do
     load "${ports[$i]}" "$WORK/run.$i.log" -c$((CLIENTS / procs)) -m"$STREAMS" -D "$DURATION" &
     loads+=($!)
   done
   wait "${loads[@]}"
-  for pid in "${spids[@]}"; do s1=$((s1 + $(ticks "$pid"))); c1=$((c1 + $(switches "$pid"))); done
-  r1=$(ticks "$REDIS_PID")
+  for pid in "${spids[@]}"; do s1=$((s1 + $(cpu_ticks "$pid"))); c1=$((c1 + $(ctx_switches "$pid"))); done
+  r1=$(cpu_ticks "$REDIS_PID")
   for pid in "${spids[@]}"; do kill "$pid"; wait "$pid" 2>/dev/null || true; done
   # Each line of h2load's log: start time, HTTP status, elapsed microseconds.
   cat "$WORK"/run.*.log | awk -v label="$label" -v s=$((s1 - s0)) -v r=$((r1 - r0)) -v c=$((c1 - c0)) \

@@ -34,22 +34,8 @@ cleanup() {
   rm -rf "$_ports_given" "$WORK"
 }
 trap cleanup EXIT
-REDIS_PORT=$(free_port)
-redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save "" --appendonly no >/dev/null &
-REDIS_PID=$!
-pids+=("$REDIS_PID")
-wait_port "$REDIS_PORT" 100
+start_redis
 "$BASELINE" --write-request "$WORK/request.bin"
-
-# h2load's bench request against 127.0.0.1:$1, with extra arguments; prints its output.
-load() {
-  local port=$1
-  shift
-  h2load -t1 "$@" -d "$WORK/request.bin" -H 'content-type: application/grpc' -H 'te: trailers' \
-    "http://127.0.0.1:$port/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit"
-}
-switches() { cat /proc/"$1"/task/*/status | awk '/ctxt_switches/ {s += $2} END {print s}'; }
-ticks() { awk '{print $14 + $15, $14}' "/proc/$1/stat"; }
 echo "h2load -c$CLIENTS -m$STREAMS, ${DURATION}s${FLAGS:+, ratelimitd $FLAGS}${TOKIO_WORKER_THREADS:+, TOKIO_WORKER_THREADS=$TOKIO_WORKER_THREADS}; per request:"
 printf '%-10s %9s %11s %9s %11s %9s %9s\n' server "CPU us" "(user us)" switches "Redis us" "(user us)" switches
 for _ in $(seq "$ROUNDS"); do
@@ -61,13 +47,14 @@ for _ in $(seq "$ROUNDS"); do
     pid=$!
     pids+=("$pid")
     wait_port "$port" 100
-    load "$port" -c1 -n 2000 >/dev/null
+    h2_bench "$port" "$WORK/request.bin" -c1 -n 2000 >/dev/null
     redis-cli -p "$REDIS_PORT" config resetstat >/dev/null
-    read -r s0 u0 < <(ticks "$pid"); read -r r0 v0 < <(ticks "$REDIS_PID")
-    c0=$(switches "$pid"); d0=$(switches "$REDIS_PID")
-    n=$(load "$port" -c"$CLIENTS" -m"$STREAMS" -D "$DURATION" | awk '/status codes:/ {print $3}')
-    read -r s1 u1 < <(ticks "$pid"); read -r r1 v1 < <(ticks "$REDIS_PID")
-    c1=$(switches "$pid"); d1=$(switches "$REDIS_PID")
+    read -r s0 u0 < <(cpu_ticks "$pid" user); read -r r0 v0 < <(cpu_ticks "$REDIS_PID" user)
+    c0=$(ctx_switches "$pid"); d0=$(ctx_switches "$REDIS_PID")
+    n=$(h2_bench "$port" "$WORK/request.bin" -c"$CLIENTS" -m"$STREAMS" -D "$DURATION" |
+      awk '/status codes:/ {print $3}')
+    read -r s1 u1 < <(cpu_ticks "$pid" user); read -r r1 v1 < <(cpu_ticks "$REDIS_PID" user)
+    c1=$(ctx_switches "$pid"); d1=$(ctx_switches "$REDIS_PID")
     calls=$(redis-cli -p "$REDIS_PORT" info commandstats | tr -d '\r' |
       awk -F'[=,:]' '/^cmdstat_(evalsha|fcall):/ {s += $3} END {print s + 0}')
     kill "$pid"; wait "$pid" 2>/dev/null || true
