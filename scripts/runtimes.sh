@@ -45,15 +45,14 @@ load() {
 }
 # One run: LABEL, bench server NAME, PROCS processes, WORKERS (a number, or "default").
 run() {
-  local label=$1 name=$2 procs=$3 workers=$4 spids=() ports=() loads=() i port pid
+  local label=$1 name=$2 procs=$3 workers=$4 gate=${5:-on} spids=() ports=() loads=() i port pid
   for i in $(seq "$procs"); do
     port=$(free_port)
     bench_server_cmd "$name" "$port" "redis://127.0.0.1:$REDIS_PORT"
-    if [ "$workers" = default ]; then
-      env -u TOKIO_WORKER_THREADS "${SERVER_CMD[@]}" &
-    else
-      TOKIO_WORKER_THREADS=$workers "${SERVER_CMD[@]}" &
-    fi
+    local envs=()
+    [ "$workers" = default ] || envs+=(TOKIO_WORKER_THREADS="$workers")
+    [ "$gate" = off ] && envs+=(RATELIMITD_WORKER_GATE=false)
+    env -u TOKIO_WORKER_THREADS -u RATELIMITD_WORKER_GATE "${envs[@]}" "${SERVER_CMD[@]}" &
     pid=$!
     pids+=("$pid")
     spids+=("$pid")
@@ -85,7 +84,7 @@ printf '%-36s %8s %9s %9s %9s %9s\n' "server (runtime)" "req/s" "server us" "Red
 for _ in $(seq "$ROUNDS"); do
   run "naive (default)" naive 1 default
   run "naive (1 worker)" naive 1 1
-  run "ratelimitd (default)" redis 1 default
+  run "ratelimitd (default, no gate)" redis 1 default off
+  run "ratelimitd (default, gate)" redis 1 default on
   run "ratelimitd (1 worker)" redis 1 1
-  run "ratelimitd ($PROCS processes x 1 worker)" redis "$PROCS" 1
 done

@@ -9,6 +9,7 @@ mod engine;
 mod limiter;
 mod metrics;
 mod rlqs;
+pub mod runtime;
 mod server;
 pub mod settings;
 mod shutdown;

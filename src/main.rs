@@ -3,6 +3,7 @@
 use std::process::ExitCode;
 
 use anyhow::Context;
+use ratelimitd::runtime::WorkerGate;
 use ratelimitd::settings::{Options, Startup};
 use ratelimitd::{GrpcSocket, Listeners, bind, check_config, run};
 
@@ -100,13 +101,19 @@ fn main() -> ExitCode {
             }
         }
     } else {
-        match runtime.block_on(serve(startup, options)) {
+        // Held workers are let go (the gate dropped) before the runtime is.
+        let gate = startup
+            .worker_gate
+            .then(|| WorkerGate::start(runtime.handle()));
+        let code = match runtime.block_on(serve(startup, options)) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("ratelimitd: {e:#}");
                 ExitCode::FAILURE
             }
-        }
+        };
+        drop(gate);
+        code
     };
     // Flushes the spans not yet exported, while the runtime that sends them still runs.
     let _inside = runtime.enter();

@@ -553,6 +553,9 @@ pub struct Metrics {
     /// `process_resident_memory_bytes` and `process_virtual_memory_bytes`, read at each scrape
     /// (the chart's dashboard and Envoy Gateway's show them).
     process: (Gauge, Gauge),
+    /// `ratelimit_worker_threads_active`: tokio workers taking tasks, read at each scrape (the
+    /// worker gate holds the others; without it, every worker of the runtime).
+    workers_active: Gauge,
     /// `ratelimit_config_loads_total{result}`.
     pub config_loads: Family<LoadLabels, Counter>,
     /// `ratelimit_config_rules`: rules in the snapshot in force.
@@ -645,6 +648,12 @@ impl Metrics {
             vsz.clone(),
         );
         let process = (rss, vsz);
+        let workers_active = Gauge::default();
+        registry.register(
+            "ratelimit_worker_threads_active",
+            "tokio worker threads taking tasks now (the worker gate holds the others at a light load)",
+            workers_active.clone(),
+        );
 
         let mut decisions = DecisionMetrics::new(decisions, reference);
         decisions.statsd = statsd.then(StatsdRules::default);
@@ -761,6 +770,7 @@ impl Metrics {
             registry,
             decisions,
             process,
+            workers_active,
             config_loads,
             config_rules,
             config_last_load,
@@ -805,6 +815,13 @@ impl Metrics {
             rss.set(kib("VmRSS:") * 1024);
             vsz.set(kib("VmSize:") * 1024);
         }
+        let workers = crate::runtime::active_workers().or_else(|| {
+            tokio::runtime::Handle::try_current()
+                .ok()
+                .map(|h| h.metrics().num_workers())
+        });
+        self.workers_active
+            .set(workers.map_or(0, |n| i64::try_from(n).unwrap_or(i64::MAX)));
         let mut out = String::new();
         prometheus_client::encoding::text::encode(&mut out, &self.registry)
             .expect("writing to a String cannot fail");

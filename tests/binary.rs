@@ -706,3 +706,35 @@ async fn the_debug_port_serves_stats_and_a_cpu_profile() {
         200
     );
 }
+
+/// The worker gate (`--worker-gate`, on by default): of two tokio workers one is held while
+/// the service idles (`ratelimit_worker_threads_active` reads 1), calls are answered all the
+/// while, and SIGTERM exits cleanly with a worker held; `--worker-gate=false` keeps both.
+#[tokio::test]
+async fn the_worker_gate_holds_a_worker_at_rest_and_exits_cleanly() {
+    for (flags, active) in [(&[][..], "1"), (&["--worker-gate=false"][..], "2")] {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("l.yaml"), LIMITS).unwrap();
+        let mut cmd = ratelimitd(dir.path(), flags);
+        cmd.env("TOKIO_WORKER_THREADS", "2");
+        let d = Daemon::start(cmd).await;
+        let want = format!("\nratelimit_worker_threads_active {active}\n");
+        poll(Duration::from_secs(20), || async {
+            http_get(d.http, "/metrics")
+                .await
+                .1
+                .contains(&want)
+                .then_some(())
+        })
+        .await;
+        let mut client = d.client().await;
+        // Within the limit of 5 a second.
+        for _ in 0..3 {
+            assert!(is_ok(
+                &call(&mut client, request("d", &[&[("k", "v")]])).await
+            ));
+        }
+        let (exit, stderr) = d.terminate().await;
+        assert!(exit.success(), "{flags:?}: {exit:?} {stderr}");
+    }
+}

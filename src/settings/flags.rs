@@ -350,6 +350,12 @@ pub(crate) struct Flags {
     #[arg(long)]
     pub(crate) check: bool,
 
+    /// Keep a light load on one tokio worker thread and bring in more only while those taking
+    /// tasks are saturated (the worker gate; docs/operations.md, "Worker threads"). Off: every
+    /// worker takes tasks at any load, as tokio does by default.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub(crate) worker_gate: bool,
+
     /// envoyproxy/ratelimit variables that were set but change nothing here (logged at start).
     #[arg(skip)]
     pub(crate) ignored_env: Vec<String>,

@@ -35,6 +35,8 @@ pub struct Startup {
     pub ignored_env: Vec<String>,
     /// `--check`: load the config files, print their rules and exit.
     pub check: bool,
+    /// `--worker-gate`: start a [`crate::runtime::WorkerGate`] on the runtime.
+    pub worker_gate: bool,
     /// Logging and tracing.
     pub telemetry: TelemetryOptions,
 }

@@ -163,6 +163,7 @@ impl Flags {
             debug_addr: self.debug_addr,
             ignored_env: self.ignored_env,
             check: self.check,
+            worker_gate: self.worker_gate,
             telemetry,
         }
     }

@@ -1,0 +1,314 @@
+//! The worker gate: a light load on one tokio worker, more workers as the load needs them.
+//!
+//! tokio's multi-thread scheduler spreads even a light load over every worker: a worker with a
+//! second runnable task wakes a parked sibling, which steals one and parks again. At a few
+//! requests in flight that is most of what the Redis path cost over a naive server
+//! (docs/performance.md, "The runtime's shape"): one worker carrying the same load spends a
+//! quarter less CPU a request and answers sooner; a second is needed only when one is busy.
+//!
+//! The gate keeps workers out of the scheduler while the others have room. A held worker runs
+//! a task that blocks its thread on a condition variable: tokio neither wakes it (a worker
+//! running a task is not an idle one) nor hands it work, and what was left in its queue is
+//! stolen by a worker that runs out of its own. A controller reads tokio's worker metrics every
+//! [`TICK`]: when the active workers are saturated (busy nearly all the tick and parked hardly
+//! at all), it lets one go at once; when they are not and the load would fit on one fewer, it
+//! holds one again. A hold that proves too few is let go and the next try waits twice as long
+//! (from [`PROBE_MIN`] up to [`PROBE_MAX`]), so a load just above one worker's settles on two
+//! and pays one short try every ten seconds; a load well under the one that failed is tried at
+//! once.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Duration;
+
+use tokio::runtime::{Handle, RuntimeMetrics};
+use tokio::time::Instant;
+
+/// How often the controller reads the workers' metrics.
+pub const TICK: Duration = Duration::from_millis(10);
+/// The least time between tries with one worker fewer (after a try that held).
+pub const PROBE_MIN: Duration = Duration::from_millis(100);
+/// The most time between tries, after tries that proved too few workers in a row.
+pub const PROBE_MAX: Duration = Duration::from_secs(10);
+/// Saturated: the active workers were busy more than this share of a tick...
+const SATURATED_BUSY: f64 = 0.8;
+/// ...and parked at most once each. A worker at 95% with requests waiting on Redis still
+/// parks dozens of times a tick; one with a queue never does.
+const SATURATED_PARKS: u64 = 1;
+/// One fewer is tried only while the active workers' busy time is under this many workers'
+/// worth of the fewer: two workers cost more CPU a request than one at a light load, so their
+/// sum overstates what one would need.
+const FIT: f64 = 1.5;
+
+/// A load under this share of the one at which the last try failed is tried at once: after a
+/// burst, a light load is back on one worker within a tick or two, not after the wait.
+const LIGHTER: f64 = 0.7;
+
+/// Workers in the scheduler now, while a gate runs (0: none runs); for the metrics.
+static ACTIVE: AtomicUsize = AtomicUsize::new(0);
+
+/// Workers in the scheduler now, if a [`WorkerGate`] runs in this process.
+pub fn active_workers() -> Option<usize> {
+    match ACTIVE.load(Ordering::Relaxed) {
+        0 => None,
+        n => Some(n),
+    }
+}
+
+/// Shared by the controller, the held workers and the owner.
+#[derive(Debug)]
+struct Shared {
+    state: Mutex<State>,
+    wake: Condvar,
+    workers: usize,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    /// Workers the controller wants held.
+    target: usize,
+    /// Workers held now.
+    held: usize,
+    stopped: bool,
+}
+
+/// The gate of a runtime. [`WorkerGate::stop`] (or dropping it) lets every worker go, and must
+/// come before the runtime is dropped: a held worker is inside a task's poll.
+#[derive(Debug)]
+pub struct WorkerGate {
+    shared: Arc<Shared>,
+}
+
+impl WorkerGate {
+    /// Starts the controller on `runtime`, a multi-thread runtime; with one worker there is
+    /// nothing to hold and no controller runs.
+    pub fn start(runtime: &Handle) -> WorkerGate {
+        let workers = runtime.metrics().num_workers();
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State::default()),
+            wake: Condvar::new(),
+            workers,
+        });
+        ACTIVE.store(workers, Ordering::Relaxed);
+        if workers > 1 {
+            runtime.spawn(control(Arc::clone(&shared), runtime.metrics()));
+        }
+        WorkerGate { shared }
+    }
+
+    /// Lets every held worker go and holds none again.
+    pub fn stop(&self) {
+        let mut state = lock(&self.shared.state);
+        state.stopped = true;
+        state.target = 0;
+        self.shared.wake.notify_all();
+    }
+}
+
+impl Drop for WorkerGate {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// The workers' busy time and park count so far, summed (a held worker adds nothing while it
+/// is held: tokio records both when a worker parks or between tasks).
+fn totals(metrics: &RuntimeMetrics) -> (Duration, u64) {
+    (0..metrics.num_workers()).fold((Duration::ZERO, 0), |(busy, parks), w| {
+        (
+            busy + metrics.worker_total_busy_duration(w),
+            parks + metrics.worker_park_count(w),
+        )
+    })
+}
+
+/// The controller: see the module's documentation.
+async fn control(shared: Arc<Shared>, metrics: RuntimeMetrics) {
+    let mut tick = tokio::time::interval(TICK);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut last = (Instant::now(), totals(&metrics));
+    let mut probe_wait = PROBE_MIN;
+    let mut next_probe = Instant::now();
+    // When the hold on trial began (a try is on trial for one probe interval).
+    let mut trial: Option<Instant> = None;
+    // The busy time at which the last try began, and at which the last try that failed did:
+    // a load well under that one is tried at once, whatever the wait.
+    let mut tried_at = f64::INFINITY;
+    let mut failed_at = f64::INFINITY;
+    loop {
+        tick.tick().await;
+        let now = (Instant::now(), totals(&metrics));
+        let wall = now.0.saturating_duration_since(last.0).as_secs_f64();
+        let busy = now.1.0.saturating_sub(last.1.0).as_secs_f64() / wall.max(1e-6);
+        let parks = now.1.1.saturating_sub(last.1.1);
+        last = now;
+        let target = {
+            let state = lock(&shared.state);
+            if state.stopped {
+                ACTIVE.store(0, Ordering::Relaxed);
+                return;
+            }
+            state.target
+        };
+        let active = shared.workers - target;
+        let saturated =
+            parks <= SATURATED_PARKS * active as u64 && busy > SATURATED_BUSY * active as f64;
+        if target > 0 && saturated {
+            // Too few: let one go now; after a try, wait longer before the next.
+            if trial.take().is_some() {
+                probe_wait = (probe_wait * 2).min(PROBE_MAX);
+                failed_at = tried_at;
+            }
+            next_probe = now.0 + probe_wait;
+            lock(&shared.state).target -= 1;
+            shared.wake.notify_one();
+        } else if active > 1
+            && !saturated
+            && busy < FIT * (active - 1) as f64
+            && (now.0 >= next_probe || busy < LIGHTER * failed_at)
+        {
+            trial = Some(now.0);
+            tried_at = busy;
+            next_probe = now.0 + probe_wait;
+            lock(&shared.state).target += 1;
+            tokio::spawn(hold(Arc::clone(&shared)));
+        } else if trial.is_some_and(|since| now.0.saturating_duration_since(since) >= probe_wait) {
+            // The try held a whole interval: the next may come soon.
+            trial = None;
+            probe_wait = PROBE_MIN;
+            failed_at = f64::INFINITY;
+        }
+    }
+}
+
+/// Holds the worker that runs it while the controller wants it held.
+async fn hold(shared: Arc<Shared>) {
+    // Deferred behind what is queued on this worker, which so runs before the thread blocks.
+    tokio::task::yield_now().await;
+    let mut state = lock(&shared.state);
+    if state.stopped || state.held >= state.target {
+        return;
+    }
+    state.held += 1;
+    ACTIVE.fetch_sub(1, Ordering::Relaxed);
+    while !state.stopped && state.held <= state.target {
+        state = shared
+            .wake
+            .wait(state)
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+    }
+    state.held -= 1;
+    ACTIVE.fetch_add(1, Ordering::Relaxed);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicBool;
+
+    /// Polls `done` every 10 ms until it holds or `within` passes.
+    fn eventually(within: Duration, mut done: impl FnMut() -> bool) -> bool {
+        let deadline = Instant::now() + within;
+        while Instant::now() < deadline {
+            if done() {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        done()
+    }
+
+    fn held(gate: &WorkerGate) -> usize {
+        lock(&gate.shared.state).held
+    }
+
+    /// Idle, the gate holds all workers but one; a load that keeps every active worker busy
+    /// gets them back; once it stops, one is held again; stopping lets every worker go, and the
+    /// runtime then drops as usual (the test would hang otherwise).
+    #[test]
+    fn holds_when_idle_and_lets_go_under_load() {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let gate = WorkerGate::start(runtime.handle());
+        assert!(
+            eventually(Duration::from_secs(20), || held(&gate) == 1),
+            "never held one"
+        );
+
+        // CPU-bound tasks that yield between slices: one worker alone never parks.
+        let spinning = Arc::new(AtomicBool::new(true));
+        for _ in 0..4 {
+            let spinning = Arc::clone(&spinning);
+            runtime.spawn(async move {
+                while spinning.load(Ordering::Relaxed) {
+                    let until = Instant::now() + Duration::from_micros(200);
+                    while Instant::now() < until {
+                        std::hint::spin_loop();
+                    }
+                    tokio::task::yield_now().await;
+                }
+            });
+        }
+        assert!(
+            eventually(Duration::from_secs(20), || held(&gate) == 0),
+            "never let go"
+        );
+        spinning.store(false, Ordering::Relaxed);
+        assert!(
+            eventually(Duration::from_secs(30), || held(&gate) == 1),
+            "never held again"
+        );
+
+        gate.stop();
+        assert!(
+            eventually(Duration::from_secs(5), || held(&gate) == 0),
+            "stop held on"
+        );
+        drop(runtime);
+    }
+
+    /// While a worker is held, tasks spawned from outside and from inside all run: the active
+    /// worker takes them (nothing waits on the held one).
+    #[test]
+    fn tasks_run_while_a_worker_is_held() {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let gate = WorkerGate::start(runtime.handle());
+        assert!(
+            eventually(Duration::from_secs(20), || held(&gate) == 1),
+            "never held one"
+        );
+        let done = runtime.block_on(async {
+            let tasks: Vec<_> = (0..200u64)
+                .map(|i| {
+                    tokio::spawn(async move {
+                        let inner = tokio::spawn(async move { i * 2 });
+                        tokio::time::sleep(Duration::from_millis(i % 5)).await;
+                        inner.await.unwrap()
+                    })
+                })
+                .collect();
+            let mut sum = 0;
+            for t in tasks {
+                sum += tokio::time::timeout(Duration::from_secs(20), t)
+                    .await
+                    .expect("a task never ran")
+                    .unwrap();
+            }
+            sum
+        });
+        assert_eq!(done, (0..200u64).map(|i| i * 2).sum::<u64>());
+        drop(gate);
+        drop(runtime);
+    }
+}
