@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# What the runtime's shape costs on the Redis path: the naive one-EVALSHA server and ratelimitd
-# (Redis backend), each with tokio's default runtime (a worker per core) and with one worker
-# (TOKIO_WORKER_THREADS=1), and ratelimitd as PROCS processes of one worker each with the load
-# split evenly over them: what runtimes of one thread per core, with connections spread over
-# them and a coalescing lane and Redis connection each, would cost. Per request: server CPU
-# (summed over the processes), Redis CPU, context switches, and h2load's mean latency. Each
-# server is started afresh and warmed with 2,000 calls; rounds alternate the shapes.
+# What the runtime's shape costs on the Redis path: the naive one-EVALSHA server with tokio's
+# default runtime (a worker per core) and with one worker (TOKIO_WORKER_THREADS=1), and
+# ratelimitd (Redis backend) with the default runtime without the worker gate
+# (--worker-gate=false), with it (the default), and with one worker. Per request: server CPU,
+# Redis CPU, context switches, and h2load's mean latency. Each server is started afresh and
+# warmed with 2,000 calls; rounds alternate the shapes. With PROCS=N, also ratelimitd as N
+# processes of one worker each with the load split evenly over them: what runtimes of one
+# thread per core, with connections spread over them and a coalescing lane and Redis
+# connection each, would cost (measured 2026-11-26).
 #
 #   scripts/runtimes.sh        tunables: ROUNDS (2), DURATION (6 s), CLIENTS (4), STREAMS (2),
-#                              PROCS (2; CLIENTS must divide by it)
+#                              PROCS (none; CLIENTS must divide by it)
 #
 # Loopback only; every run bounded. Builds the release binary and the baseline if needed; needs
 # h2load (apt-get install nghttp2-client).
@@ -18,10 +20,10 @@ cd "$(dirname "$0")/.."
 source scripts/common.sh
 ROUNDS=${ROUNDS:-2}
 DURATION=${DURATION:-6}
+PROCS=${PROCS:-}
+[ -z "$PROCS" ] || [ $((CLIENTS % PROCS)) -eq 0 ] || { echo "runtimes: CLIENTS ($CLIENTS) must divide by PROCS ($PROCS)" >&2; exit 2; }
 CLIENTS=${CLIENTS:-4}
 STREAMS=${STREAMS:-2}
-PROCS=${PROCS:-2}
-[ $((CLIENTS % PROCS)) -eq 0 ] || { echo "runtimes: CLIENTS ($CLIENTS) must divide by PROCS ($PROCS)" >&2; exit 2; }
 command -v h2load >/dev/null || { echo "runtimes: h2load missing: apt-get install nghttp2-client" >&2; exit 1; }
 HZ=$(getconf CLK_TCK)
 cargo build --release --quiet
@@ -43,7 +45,8 @@ load() {
   shift 2
   h2_bench "$port" "$WORK/request.bin" "$@" --log-file="$log" >/dev/null
 }
-# One run: LABEL, bench server NAME, PROCS processes, WORKERS (a number, or "default").
+# One run: LABEL, bench server NAME, PROCS processes (CLIENTS must divide by it), WORKERS (a
+# number, or "default"), and for ratelimitd GATE (on, the default, or off).
 run() {
   local label=$1 name=$2 procs=$3 workers=$4 gate=${5:-on} spids=() ports=() loads=() i port pid
   for i in $(seq "$procs"); do
@@ -87,4 +90,5 @@ for _ in $(seq "$ROUNDS"); do
   run "ratelimitd (default, no gate)" redis 1 default off
   run "ratelimitd (default, gate)" redis 1 default on
   run "ratelimitd (1 worker)" redis 1 1
+  [ -z "$PROCS" ] || run "ratelimitd ($PROCS processes x 1 worker)" redis "$PROCS" 1 off
 done
