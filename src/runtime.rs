@@ -226,11 +226,8 @@ mod tests {
         lock(&gate.shared.state).held
     }
 
-    /// Idle, the gate holds all workers but one; a load that keeps every active worker busy
-    /// gets them back; once it stops, one is held again; stopping lets every worker go, and the
-    /// runtime then drops as usual (the test would hang otherwise).
-    #[test]
-    fn holds_when_idle_and_lets_go_under_load() {
+    /// A runtime of two workers and its gate, once the gate holds one of them (at rest).
+    fn two_workers_one_held() -> (tokio::runtime::Runtime, WorkerGate) {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
@@ -241,6 +238,15 @@ mod tests {
             eventually(Duration::from_secs(20), || held(&gate) == 1),
             "never held one"
         );
+        (runtime, gate)
+    }
+
+    /// Idle, the gate holds all workers but one; a load that keeps every active worker busy
+    /// gets them back; once it stops, one is held again; stopping lets every worker go, and the
+    /// runtime then drops as usual (the test would hang otherwise).
+    #[test]
+    fn holds_when_idle_and_lets_go_under_load() {
+        let (runtime, gate) = two_workers_one_held();
 
         // CPU-bound tasks that yield between slices: one worker alone never parks.
         let spinning = Arc::new(AtomicBool::new(true));
@@ -278,16 +284,7 @@ mod tests {
     /// worker takes them (nothing waits on the held one).
     #[test]
     fn tasks_run_while_a_worker_is_held() {
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap();
-        let gate = WorkerGate::start(runtime.handle());
-        assert!(
-            eventually(Duration::from_secs(20), || held(&gate) == 1),
-            "never held one"
-        );
+        let (runtime, gate) = two_workers_one_held();
         let done = runtime.block_on(async {
             let tasks: Vec<_> = (0..200u64)
                 .map(|i| {
