@@ -3,6 +3,8 @@
 mod common;
 
 use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use common::daemon::{Daemon, ratelimitd};
@@ -667,40 +669,54 @@ async fn the_debug_port_serves_stats_and_a_cpu_profile() {
         assert_eq!(http_get(debug, &path).await.0, 400, "{path}");
     }
 
-    // Busy while the profile is taken, so that it has samples.
-    let load = tokio::spawn(async move {
-        let until = tokio::time::Instant::now() + Duration::from_secs(3);
-        while tokio::time::Instant::now() < until {
-            let calls = (0..32).map(|_| {
-                let mut c = client.clone();
-                async move { c.should_rate_limit(request("d", &[&[("k", "v")]])).await }
-            });
-            for r in futures_util::future::join_all(calls).await {
-                r.unwrap();
+    // Busy while profiles are taken, so that they have samples; until told to stop, within a
+    // bound of its own.
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let load = tokio::spawn({
+        let stop = stop.clone();
+        async move {
+            let until = tokio::time::Instant::now() + Duration::from_secs(60);
+            while !stop.load(Ordering::Relaxed) && tokio::time::Instant::now() < until {
+                let calls = (0..64).map(|_| {
+                    let mut c = client.clone();
+                    async move { c.should_rate_limit(request("d", &[&[("k", "v")]])).await }
+                });
+                for r in futures_util::future::join_all(calls).await {
+                    r.unwrap();
+                }
             }
         }
     });
-    // Two at once: one is taken, the other refused (3 s each, so they overlap whichever
+    // Two at once: one is taken, the other refused (2 s each, so they overlap whichever
     // arrives first).
-    let first = tokio::spawn(get_bytes(debug, "/debug/pprof/profile?seconds=3"));
-    let second = tokio::spawn(get_bytes(debug, "/debug/pprof/profile?seconds=3"));
+    let first = tokio::spawn(get_bytes(debug, "/debug/pprof/profile?seconds=2"));
+    let second = tokio::spawn(get_bytes(debug, "/debug/pprof/profile?seconds=2"));
     let (first, second) = (first.await.unwrap(), second.await.unwrap());
-    load.await.unwrap();
     let mut statuses = [first.0, second.0];
     statuses.sort();
     assert_eq!(statuses, [200, 429]);
     let body = if first.0 == 200 { first.1 } else { second.1 };
     use pprof::protos::Message as _;
-    let profile = pprof::protos::Profile::decode(body.as_slice()).expect("a pprof protobuf");
-    assert!(!profile.sample.is_empty(), "no samples");
-    assert!(
-        profile
-            .string_table
-            .iter()
-            .any(|s| s.contains("ratelimitd")),
-        "the service's own functions are named"
-    );
-    // Done: the next one may start.
+    let mut profile = pprof::protos::Profile::decode(body.as_slice()).expect("a pprof protobuf");
+    // Done: the next one may start. A profile samples the process when a kernel tick finds it
+    // on a CPU: on a machine busy with other work, a service that runs in short bursts can be
+    // missed for seconds, so profiles are taken until one has the service's own functions.
+    let named = |p: &pprof::protos::Profile| {
+        !p.sample.is_empty() && p.string_table.iter().any(|s| s.contains("ratelimitd"))
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while !named(&profile) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no profile named the service's functions in 30 s: {} samples in the last",
+            profile.sample.len()
+        );
+        let (status, body) = get_bytes(debug, "/debug/pprof/profile?seconds=1").await;
+        assert_eq!(status, 200);
+        profile = pprof::protos::Profile::decode(body.as_slice()).expect("a pprof protobuf");
+    }
+    stop.store(true, Ordering::Relaxed);
+    load.await.unwrap();
     assert_eq!(
         get_bytes(debug, "/debug/pprof/profile?seconds=1").await.0,
         200
