@@ -99,8 +99,11 @@ local c_key, c_algo, c_rpu, c_w, c_burst, c_start, c_st = {}, {}, {}, {}, {}, {}
 local nonce, n = '', 0
 local l_c, l_algo, l_hits, l_enf, l_kind, l_back = {}, {}, {}, {}, {}, {}
 local refunds, reports = false, false
--- The reply so far (`#out` is a search each time: keep the length here).
-local out, out_n
+-- The reply so far (`#out` is a search each time: keep the length here). One table for every
+-- call (as `cache` and `order`): a table that grows costs Redis a resize at each power of two,
+-- and the garbage collector its memory, call after call. What a call leaves past its reply is
+-- cut off by the nil `main` writes after it (Redis reads a reply's array up to its first nil).
+local out, out_n = {}, 0
 -- Per limit of the current request: the check's verdict, the counter state it read, and (a
 -- token bucket admission) the arrival time a commit writes. Per limit, not per state: a
 -- request may name one counter twice (a refund and an admission).
@@ -181,14 +184,23 @@ end
 -- measurable share of a large call (docs/performance.md, "Measurements behind the code"). The
 -- check looks in `c_st` by counter first, sparing the key's lookup for every further request.
 -- A state's window (`w`) is its counter's: a key names its algorithm and window.
-local cache, order
+-- Both are emptied when a call starts (`order` names every key `cache` holds). The states
+-- themselves are tables kept from call to call (`pool`, by their place in `order`), each set
+-- anew by its `load`: a table built per counter and call, and each of its fields a new key,
+-- was a tenth of what a call of one request cost Redis, with the garbage it left. What they
+-- keep is bounded by the largest call: its reply, and a table per counter.
+local cache, order, order_n, pool = {}, {}, 0, {}
 
--- A miss: `key`'s state, read by `load`, with its window `w`, kept for the rest of the call.
+-- A miss: `key`'s state, read by `load` into a table of the pool, with its window `w`, kept for
+-- the rest of the call.
 local function cached(key, load, w)
-  local st = load(key)
+  local at = order_n + 1
+  local st = load(key, pool[at])
+  pool[at] = st
   st.w = w
   cache[key] = st
-  order[#order + 1] = key
+  order_n = at
+  order[at] = key
   return st
 end
 
@@ -196,9 +208,18 @@ local function foreign(key)
   error('ratelimitd: a counter holds a value this service did not write')
 end
 
-local function load_f(key)
+-- Each load fills the pool's table `st` (setting every field its algorithm reads: the table
+-- may hold another's from an earlier call) or, when the pool has none there, builds one with
+-- a constructor, at its size at once (under EVAL the pool is new on every call), and returns
+-- the state.
+local function load_f(key, st)
   local v = redis.call('GET', key)
-  local st = {algo = 'f', count = 0, start = -1, dirty = false}
+  -- `read`: the window of the value read.
+  if st then
+    st.algo, st.count, st.start, st.dirty, st.read = 'f', 0, -1, false, false
+  else
+    st = {algo = 'f', count = 0, start = -1, dirty = false, read = false, w = 0}
+  end
   if v then
     local c, s = string.match(v, '^(%d+)@(%d+)$')
     if c then
@@ -216,17 +237,26 @@ local function f_value(count, start)
   return string.format('%d@%d', count, start)
 end
 
-local function load_s(key)
+local function load_s(key, st)
   local h = redis.call('HMGET', key, 's', 'p', 'c')
-  local st = {algo = 's', s = tonumber(h[1] or '-1'), p = tonumber(h[2] or '0'),
-    c = tonumber(h[3] or '0'), delta = 0, rolled = false}
-  if not (st.s and st.p and st.c) then foreign(key) end
+  local s, p, c = tonumber(h[1] or '-1'), tonumber(h[2] or '0'), tonumber(h[3] or '0')
+  if not (s and p and c) then foreign(key) end
+  if st then
+    st.algo, st.s, st.p, st.c, st.delta, st.rolled, st.rewrite = 's', s, p, c, 0, false, false
+  else
+    st = {algo = 's', s = s, p = p, c = c, delta = 0, rolled = false, rewrite = false, w = 0}
+  end
   return st
 end
 
-local function load_b(key)
-  local st = {algo = 'b', tat = tonumber(redis.call('GET', key) or '0'), dirty = false}
-  if not st.tat then foreign(key) end
+local function load_b(key, st)
+  local tat = tonumber(redis.call('GET', key) or '0')
+  if not tat then foreign(key) end
+  if st then
+    st.algo, st.tat, st.dirty = 'b', tat, false
+  else
+    st = {algo = 'b', tat = tat, dirty = false, w = 0}
+  end
   return st
 end
 
@@ -248,7 +278,8 @@ local function roll_s(st, start, w)
 end
 
 local function flush()
-  for _, key in ipairs(order) do
+  for i = 1, order_n do
+    local key = order[i]
     local st = cache[key]
     if st.algo == 'f' then
       if st.dirty then
@@ -641,8 +672,9 @@ local function main(KEYS, ARGV)
   local t = redis.call('TIME')
   now = tonumber(t[1]) * 1000000 + tonumber(t[2])
   local mode = ARGV[1]
-  out, out_n = {now}, 1
-  cache, order = {}, {}
+  out[1], out_n = now, 1
+  for i = 1, order_n do cache[order[i]] = nil end
+  order_n = 0
   -- The numbers, read in order from ARGV[2]; the nonces, in order from ARGV[3].
   local blob, at_byte, next_nonce = ARGV[2], 1, 3
   local entries, counters
@@ -693,6 +725,7 @@ local function main(KEYS, ARGV)
     end
   end
   flush()
+  out[out_n + 1] = nil
   return out
 end
 
