@@ -20,10 +20,10 @@ cd "$(dirname "$0")/.."
 source scripts/common.sh
 ROUNDS=${ROUNDS:-2}
 DURATION=${DURATION:-6}
-PROCS=${PROCS:-}
-[ -z "$PROCS" ] || [ $((CLIENTS % PROCS)) -eq 0 ] || { echo "runtimes: CLIENTS ($CLIENTS) must divide by PROCS ($PROCS)" >&2; exit 2; }
 CLIENTS=${CLIENTS:-4}
 STREAMS=${STREAMS:-2}
+PROCS=${PROCS:-}
+[ -z "$PROCS" ] || [ $((CLIENTS % PROCS)) -eq 0 ] || { echo "runtimes: CLIENTS ($CLIENTS) must divide by PROCS ($PROCS)" >&2; exit 2; }
 command -v h2load >/dev/null || { echo "runtimes: h2load missing: apt-get install nghttp2-client" >&2; exit 1; }
 HZ=$(getconf CLK_TCK)
 cargo build --release --quiet
