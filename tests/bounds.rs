@@ -179,10 +179,24 @@ async fn half_sent_attack(d: &Daemon, rss: u64) -> u64 {
         half_sent_streams(d, CALL[2].1, declared, declared - 1).await;
     let mut peak = 0;
     let started = Instant::now();
-    for (answer, _stream) in &mut answers {
-        let got = tokio::time::timeout(Duration::from_secs(15), answer)
-            .await
-            .expect("every half-sent request is answered by its deadline");
+    for (i, (answer, _stream)) in answers.iter_mut().enumerate() {
+        let Ok(got) = tokio::time::timeout(Duration::from_secs(15), answer).await else {
+            // What a failure needs to be read: how far the attack got, and whether the server
+            // still answers others and how many workers it runs (the worker gate).
+            let victim = tokio::time::timeout(Duration::from_secs(5), victim_is_served(d)).await;
+            let (_, metrics) = http_get(d.http, "/metrics").await;
+            let workers: Vec<&str> = metrics
+                .lines()
+                .filter(|l| l.starts_with("ratelimit_worker_threads_active"))
+                .collect();
+            panic!(
+                "every half-sent request is answered by its deadline: stream {i} of {} was not, \
+                 {:?} after the last was sent; a victim is served: {}; {workers:?}",
+                answers.len(),
+                started.elapsed(),
+                victim.is_ok(),
+            );
+        };
         peak = peak.max(d.rss().saturating_sub(rss));
         let response = got.unwrap();
         let status = response.headers().get("grpc-status").cloned();
