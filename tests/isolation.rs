@@ -415,6 +415,79 @@ async fn a_request_touching_too_many_counters_is_refused_with_the_numbers() {
     assert!(is_ok(&call(&mut c, request("m", &descriptors[..2])).await));
 }
 
+/// A plain connection to `redis`, to drive the script by hand.
+fn script_connection(redis: &RedisProc) -> ::redis::Connection {
+    ::redis::Client::open(redis.url())
+        .and_then(|c| c.get_connection())
+        .expect("a connection")
+}
+
+/// EVAL of the script in its documented layout: KEYS, the mode, the numbers packed as
+/// little-endian doubles, the nonces. Its reply's values come packed the same way.
+fn eval_script(
+    conn: &mut ::redis::Connection,
+    keys: &[&str],
+    mode: &str,
+    numbers: &[f64],
+    nonces: &[&str],
+) -> Vec<i64> {
+    let packed: Vec<u8> = numbers.iter().flat_map(|n| n.to_le_bytes()).collect();
+    let reply: Vec<u8> = ::redis::cmd("EVAL")
+        .arg(ratelimitd::testing::SCRIPT)
+        .arg(keys.len())
+        .arg(keys)
+        .arg(mode)
+        .arg(packed)
+        .arg(nonces)
+        .query(conn)
+        .expect("the script runs");
+    assert_eq!(reply.len() % 8, 0, "whole doubles: {} bytes", reply.len());
+    reply
+        .chunks_exact(8)
+        .map(|b| f64::from_le_bytes(b.try_into().unwrap()) as i64)
+        .collect()
+}
+
+/// The script packs its reply in slices of 2,048 values (`unpack` puts them on Lua's C stack,
+/// which holds 8,000). The service's calls stay under one slice (at most 512 limits a call),
+/// so the slices are driven by hand: a run of 3,000 identical requests (9,001 values, more than
+/// one `unpack` can take) gets each request's own values on both sides of each slice's end, in
+/// order, the second run too, where the limit runs out part of the way.
+#[tokio::test]
+async fn a_reply_of_more_than_one_slice_keeps_every_requests_values_in_order() {
+    let redis = shared_standalone();
+    let key = format!("{}{{r}}:k:v:f3600000000:0", unique_prefix());
+    let mut conn = script_connection(redis);
+    const RUN: i64 = 3000;
+    const LIMIT: i64 = 4000;
+    // One entry, one counter, a debt bound of 1; the counter: KEYS[1], fixed window (1), LIMIT
+    // an hour, burst LIMIT; the entry: a run of RUN, one limit: counter 1, 1 hit, enforced (1).
+    let header = [1.0, 1.0, 1.0];
+    let counter = [1.0, 1.0, LIMIT as f64, 3600000000.0, LIMIT as f64];
+    let entry = [RUN as f64, 1.0, 1.0, 1.0, 1.0];
+    let numbers = [&header[..], &counter, &entry].concat();
+    for run in 0..2 {
+        let reply = eval_script(&mut conn, &[&key], "decide", &numbers, &[]);
+        let len = reply.len() as i64;
+        assert_eq!(len, 1 + RUN * 3, "the time, then 3 values a request");
+        for (i, v) in (0..).zip(reply[1..].chunks_exact(3)) {
+            let taken = run * RUN + i + 1;
+            let (admitted, room, reset) = (v[0], v[1], v[2]);
+            if taken <= LIMIT {
+                let want = (1, LIMIT - taken);
+                assert_eq!((admitted, room), want, "run {run}, request {i}");
+            } else {
+                // Over, with nothing that would have fit: the room is -1 - 0.
+                assert_eq!((admitted, room), (0, -1), "run {run}, request {i}");
+            }
+            assert!(
+                (1..=3_600_000_000).contains(&reset),
+                "run {run}, request {i}: reset {reset} µs"
+            );
+        }
+    }
+}
+
 /// The cluster client retries a script call after an I/O error, so an undo (of a request another
 /// slot group rejected) may run twice; run twice, it gave back twice and over-admitted. Its
 /// marker key makes the second run a no-op. (The script is driven by hand here, in its
@@ -425,21 +498,9 @@ async fn an_undo_run_twice_gives_back_once() {
     let prefix = unique_prefix();
     let key = format!("{prefix}{{r}}:k:v:f3600000000:0");
     let marker = format!("{prefix}{{r}}undo:n1");
-    let mut conn = ::redis::Client::open(redis.url())
-        .and_then(|c| c.get_connection())
-        .expect("a connection");
-    // EVAL of the script: KEYS, the mode, the numbers packed as little-endian doubles, nonces.
-    let mut eval = |keys: &[&str], mode: &str, numbers: &[f64], nonces: &[&str]| -> Vec<i64> {
-        let packed: Vec<u8> = numbers.iter().flat_map(|n| n.to_le_bytes()).collect();
-        ::redis::cmd("EVAL")
-            .arg(ratelimitd::testing::SCRIPT)
-            .arg(keys.len())
-            .arg(keys)
-            .arg(mode)
-            .arg(packed)
-            .arg(nonces)
-            .query(&mut conn)
-            .expect("the script runs")
+    let mut conn = script_connection(redis);
+    let mut eval = |keys: &[&str], mode: &str, numbers: &[f64], nonces: &[&str]| {
+        eval_script(&mut conn, keys, mode, numbers, nonces)
     };
     // One entry, one counter, a debt bound of 1; the counter: KEYS[1], fixed window (1), 5 an
     // hour, burst 5.

@@ -350,7 +350,7 @@ async fn send(shared: WorkerState, parts: Vec<Part>) -> Done {
     let mut loaded = false;
     let result = loop {
         let cmd = wire::command(&args, how, options.max_debt);
-        let r = attempt::<Vec<i64>>(&conn, cmd, timeout, deadline, &mut unanswered).await;
+        let r = attempt::<Vec<u8>>(&conn, cmd, timeout, deadline, &mut unanswered).await;
         let Err(CallError::Redis(e)) = &r else {
             break r;
         };
@@ -393,21 +393,22 @@ async fn send(shared: WorkerState, parts: Vec<Part>) -> Done {
     drop(args);
     let expected: usize =
         wire::REPLY_HEADER + parts.iter().map(|p| p.args.reply_len()).sum::<usize>();
-    let result = match result {
-        Ok(values) if values.len() == expected => Ok(Arc::new(values)),
-        Ok(values) => Err(CallError::Reply(format!(
-            "unexpected script reply of {} values for {} requests ({} expected)",
-            values.len(),
-            parts.len(),
-            expected
-        ))),
-        Err(e) => {
-            if let CallError::Redis(e) = &e {
-                conn.on_error(e).await;
+    let result =
+        match result.and_then(|packed| wire::reply_values(&packed).map_err(CallError::Reply)) {
+            Ok(values) if values.len() == expected => Ok(Arc::new(values)),
+            Ok(values) => Err(CallError::Reply(format!(
+                "unexpected script reply of {} values for {} requests ({} expected)",
+                values.len(),
+                parts.len(),
+                expected
+            ))),
+            Err(e) => {
+                if let CallError::Redis(e) = &e {
+                    conn.on_error(e).await;
+                }
+                Err(e)
             }
-            Err(e)
-        }
-    };
+        };
     let mut from = wire::REPLY_HEADER;
     for part in parts {
         let len = part.args.reply_len();

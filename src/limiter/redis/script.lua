@@ -70,12 +70,15 @@
 -- Limits are sent once per counter, keys once per call and identical requests once per run,
 -- not once per request: parsing arguments was most of what Redis spent on a coalesced request.
 --
--- The reply is the call's time (Redis TIME, µs), then every request's values in order:
+-- The reply is one string: its values as little-endian doubles back to back (struct.pack), as
+-- the arguments come. As an array of integers, Redis wrote each as text and the client parsed
+-- it back, about 650 instructions a value in redis-rs's parser, five values a request of two
+-- limits. The values are the call's time (Redis TIME, µs), then every request's in order:
 -- decide: admitted (1 or 0), then per limit: its room, and its reset (µs). The room is what is
 --   left when within (>= 0), and -1 - (how many hits would have fit) when over (for
---   statistics): one value where two would say the same, since Redis writes out every value of
---   a reply as text and the client parses it back. Nothing is written for a request unless it
---   is admitted; then every limit that fits is consumed and every key written gets an expiry.
+--   statistics): one value where two would say the same. Nothing is written for a request
+--   unless it is admitted; then every limit that fits is consumed and every key written gets
+--   an expiry.
 -- undo: 1. It takes back what an admitted decide of the same KEYS and ARGV consumed.
 --
 -- Each request succeeds or fails on its own: one whose counter holds foreign data (a key of the
@@ -85,7 +88,7 @@
 -- would fail every request alike, and the client's failure mode answers them.
 
 -- Set on the first call: a library's top level may not read the standard libraries.
-local floor, ceil, max, min, unpack_numbers
+local floor, ceil, max, min, unpack_numbers, pack_numbers, unpack_values
 -- The codes the numbers carry for algorithms and enforcements (a limit's "how" is its
 -- enforcement, plus 3 for a report, plus 6 for a refund; see main).
 local ALGORITHMS = {'f', 's', 'w', 'b'}
@@ -99,10 +102,9 @@ local c_key, c_algo, c_rpu, c_w, c_burst, c_start, c_st = {}, {}, {}, {}, {}, {}
 local nonce, n = '', 0
 local l_c, l_algo, l_hits, l_enf, l_kind, l_back = {}, {}, {}, {}, {}, {}
 local refunds, reports = false, false
--- The reply so far (`#out` is a search each time: keep the length here). One table for every
--- call (as `cache` and `order`): a table that grows costs Redis a resize at each power of two,
--- and the garbage collector its memory, call after call. What a call leaves past its reply is
--- cut off by the nil `main` writes after it (Redis reads a reply's array up to its first nil).
+-- The reply's values so far (`#out` is a search each time: keep the length here). One table
+-- for every call (as `cache` and `order`): a table that grows costs Redis a resize at each
+-- power of two, and the garbage collector its memory, call after call. Only 1..out_n is sent.
 local out, out_n = {}, 0
 -- Per limit of the current request: the check's verdict, the counter state it read, and (a
 -- token bucket admission) the arrival time a commit writes. Per limit, not per state: a
@@ -664,10 +666,27 @@ local function decide_entry(m)
   out_n = o
 end
 
+-- Values 1..n of `values` as one string of little-endian doubles. `unpack` puts what it
+-- returns on Lua's C stack, which holds 8,000 at most: a larger reply is packed in slices.
+local PACK_SLICE = 2048
+local function packed(values, n)
+  if n <= PACK_SLICE then
+    return pack_numbers('<' .. string.rep('d', n), unpack_values(values, 1, n))
+  end
+  local slices = {}
+  for i = 1, n, PACK_SLICE do
+    local j = min(i + PACK_SLICE - 1, n)
+    local format = '<' .. string.rep('d', j - i + 1)
+    slices[#slices + 1] = pack_numbers(format, unpack_values(values, i, j))
+  end
+  return table.concat(slices)
+end
+
 -- One call: everything above is built once per library load (FCALL), or once per call (EVAL).
 local function main(KEYS, ARGV)
   if not floor then
-    floor, ceil, max, min, unpack_numbers = math.floor, math.ceil, math.max, math.min, struct.unpack
+    floor, ceil, max, min = math.floor, math.ceil, math.max, math.min
+    unpack_numbers, pack_numbers, unpack_values = struct.unpack, struct.pack, unpack
   end
   local t = redis.call('TIME')
   now = tonumber(t[1]) * 1000000 + tonumber(t[2])
@@ -725,8 +744,7 @@ local function main(KEYS, ARGV)
     end
   end
   flush()
-  out[out_n + 1] = nil
-  return out
+  return packed(out, out_n)
 end
 
 -- Loaded as a function library (FUNCTION LOAD), `FUNCTION` is the name the loader's header

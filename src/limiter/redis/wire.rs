@@ -408,6 +408,26 @@ pub(super) fn load_library() -> Cmd {
 /// Values a call's reply starts with, before its requests' shares: the call's Redis `TIME` (µs).
 pub(super) const REPLY_HEADER: usize = 1;
 
+/// A call's reply as its values: the script sends them packed, little-endian doubles back to
+/// back (script.lua, "The reply"), each an integer that a double holds exactly; read as Redis
+/// reads a Lua number it replies with (truncated).
+pub(super) fn reply_values(packed: &[u8]) -> Result<Vec<i64>, String> {
+    if !packed.len().is_multiple_of(8) {
+        return Err(format!(
+            "unexpected script reply of {} bytes, not whole values",
+            packed.len()
+        ));
+    }
+    Ok(packed
+        .chunks_exact(8)
+        .map(|b| {
+            let mut v = [0; 8];
+            v.copy_from_slice(b);
+            f64::from_le_bytes(v) as i64
+        })
+        .collect())
+}
+
 /// The call's Redis `TIME` (µs), from a whole reply's values (its length checked by the caller).
 pub(super) fn call_time(values: &[i64]) -> i64 {
     values[0]
@@ -616,6 +636,63 @@ mod tests {
             "nn",
         ];
         assert_eq!(got, expected);
+    }
+
+    /// The packed reply: doubles back to back, each read as the integer Redis would have
+    /// replied with (truncated toward zero); a length that is not whole values is an error.
+    #[test]
+    fn a_packed_reply_reads_as_its_integers() {
+        let sent = [
+            1_795_000_000_123_456.0,
+            1.0,
+            -1.0,
+            -4.0,
+            3_600_000_000.0,
+            2.9,
+            -2.9,
+        ];
+        let packed: Vec<u8> = sent.iter().flat_map(|v: &f64| v.to_le_bytes()).collect();
+        assert_eq!(
+            reply_values(&packed).unwrap(),
+            [1_795_000_000_123_456, 1, -1, -4, 3_600_000_000, 2, -2]
+        );
+        assert_eq!(reply_values(&[]).unwrap(), Vec::<i64>::new());
+        let e = reply_values(&packed[..13]).unwrap_err();
+        assert!(e.contains("13 bytes"), "{e}");
+    }
+
+    /// What redis-rs spends reading a call's reply of 265 values (53 requests of two limits),
+    /// as RESP integers and packed: docs/performance.md, "Measurements behind the code".
+    /// `cargo test --release --lib reply_read_cost -- --ignored --nocapture`
+    #[test]
+    #[ignore = "a measurement, not a test"]
+    fn reply_read_cost() {
+        let n = 265;
+        let now = 1_795_000_000_000_000_i64;
+        let mut integers = format!("*{n}\r\n").into_bytes();
+        for i in 0..n {
+            integers.extend_from_slice(format!(":{}\r\n", now + i * 7919).as_bytes());
+        }
+        let mut packed = format!("${}\r\n", n * 8).into_bytes();
+        for i in 0..n {
+            packed.extend_from_slice(&((now + i * 7919) as f64).to_le_bytes());
+        }
+        packed.extend_from_slice(b"\r\n");
+        let reads = 20_000;
+        for (name, reply) in [("RESP integers", &integers), ("packed", &packed)] {
+            let started = tokio::time::Instant::now();
+            let mut values = 0;
+            for _ in 0..reads {
+                values += match redis::parse_redis_value(reply).unwrap() {
+                    redis::Value::Array(a) => a.len(),
+                    redis::Value::BulkString(b) => reply_values(&b).unwrap().len(),
+                    other => panic!("{other:?}"),
+                };
+            }
+            assert_eq!(values, reads * n as usize);
+            let each = started.elapsed() / reads as u32;
+            eprintln!("{name}: {} bytes, read in {each:?}", reply.len());
+        }
     }
 
     #[test]
