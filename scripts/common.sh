@@ -75,7 +75,8 @@ bench_bin() {
 # baselines are $BASELINE (benches/baseline.rs), the rest this checkout's release build with
 # the bench domain. REDIS_URL is for naive and redis; REDIS_TIMEOUT is the Redis backend's
 # call budget (longer under valgrind). Returns 2 for an unknown name.
-bench_server_cmd() { # NAME PORT [REDIS_URL] [REDIS_TIMEOUT]
+bench_server_cmd() { # NAME PORT [REDIS_URL] [REDIS_TIMEOUT]; NAME: bare, naive, memory, redis,
+  # a ratelimitd binary's path (memory backend), or redis:PATH (that binary on Redis)
   local name=$1 port=$2 redis=${3:-} timeout=${4:-1s}
   local service=(--config benches/limits.yaml --grpc-addr "127.0.0.1:$port"
     --http-addr "127.0.0.1:$(free_port)" --log-level warn)
@@ -84,6 +85,9 @@ bench_server_cmd() { # NAME PORT [REDIS_URL] [REDIS_TIMEOUT]
     naive) SERVER_CMD=("$BASELINE" --mode evalsha --addr "127.0.0.1:$port" --redis "$redis") ;;
     memory) SERVER_CMD=(./target/release/ratelimitd "${service[@]}" --backend memory) ;;
     redis) SERVER_CMD=(./target/release/ratelimitd "${service[@]}" --backend redis
+      --redis-url "$redis" --redis-timeout "$timeout") ;;
+    redis:*) [ -x "${name#redis:}" ] || return 2
+      SERVER_CMD=("${name#redis:}" "${service[@]}" --backend redis
       --redis-url "$redis" --redis-timeout "$timeout") ;;
     *) [ -x "$name" ] || return 2
       SERVER_CMD=("$name" "${service[@]}" --backend memory) ;;

@@ -4,8 +4,9 @@
 # does, so an A/B of two builds needs no rounds. Each server in turn, fresh, warmed up with
 # WARMUP requests, then counted over N requests.
 #
-#   scripts/instructions.sh [SERVER ...]    SERVER: bare, memory, naive, redis, or a path to a
-#                                           ratelimitd binary (run on the memory backend)
+#   scripts/instructions.sh [SERVER ...]    SERVER: bare, memory, naive, redis, a path to a
+#                                           ratelimitd binary (run on the memory backend), or
+#                                           redis:PATH (that binary on the Redis backend)
 #
 # Default: bare memory. CLIENTS and STREAMS set h2load's -c and -m (default 2 and 4: 8 calls
 # in flight); N (default 20000); KEEP=/some/dir keeps the callgrind files (callgrind_annotate
@@ -42,7 +43,7 @@ trap cleanup EXIT
 # it is stopped with the rest).
 REDIS_URL=
 case " $* " in
-  *" naive "* | *" redis "*)
+  *" naive "* | *" redis "* | *" redis:"*)
     REDIS_PORT=$(free_port)
     redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save "" --appendonly no >/dev/null &
     pids+=("$!")
