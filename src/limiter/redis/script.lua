@@ -72,8 +72,8 @@
 --
 -- The reply is one string: its values as little-endian doubles back to back (struct.pack), as
 -- the arguments come. As an array of integers, Redis wrote each as text and the client parsed
--- it back, about 650 instructions a value in redis-rs's parser, five values a request of two
--- limits. The values are the call's time (Redis TIME, µs), then every request's in order:
+-- it back: redis-rs took 29.9 µs for a call of 53 requests of two limits (265 values), 0.95 µs
+-- packed. The values are the call's time (Redis TIME, µs), then every request's in order:
 -- decide: admitted (1 or 0), then per limit: its room, and its reset (µs). The room is what is
 --   left when within (>= 0), and -1 - (how many hits would have fit) when over (for
 --   statistics): one value where two would say the same. Nothing is written for a request
