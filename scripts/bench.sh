@@ -113,7 +113,16 @@ h2run() {
   ok=$(echo "$out" | awk '/status codes:/ {print $3}')
   # Each line of the log: start time, HTTP status, elapsed microseconds.
   local n p50 p99 mean
-  n=$(wc -l <"$log")
+  n=$(wc -l <"$log" 2>/dev/null || echo 0)
+  if [ "$n" -eq 0 ]; then
+    # No request completed: say what h2load said and whether the server still runs, rather
+    # than dividing by zero below.
+    local alive=no
+    kill -0 "$SERVER_PID" 2>/dev/null && alive=yes
+    echo "bench: no request completed against $GRPC (server process alive: $alive); h2load said:" >&2
+    echo "$out" | tail -5 >&2
+    exit 1
+  fi
   read -r p50 p99 mean < <(cut -f3 "$log" | sort -n | awk -v n="$n" \
     'NR == int(n * 0.50) + 1 {p50 = $1} NR == int(n * 0.99) + 1 {p99 = $1} {sum += $1}
      END {printf "%.2f %.2f %.3f\n", p50 / 1000, p99 / 1000, (NR ? sum / NR : 0) / 1000}')
