@@ -9,16 +9,27 @@
 //! The gate keeps workers out of the scheduler while the others have room. A held worker runs
 //! a task that blocks its thread on a condition variable: tokio neither wakes it (a worker
 //! running a task is not an idle one) nor hands it work, and what was left in its queue is
-//! stolen by a worker that runs out of its own. A controller reads tokio's worker metrics every
-//! [`TICK`]: when the active workers are saturated (busy nearly all the tick and parked hardly
-//! at all), it lets one go at once; when they are not and the load would fit on one fewer, it
-//! holds one again. A hold that proves too few is let go and the next try waits twice as long
-//! (from [`PROBE_MIN`] up to [`PROBE_MAX`]), so a load just above one worker's settles on two
-//! and pays one short try every ten seconds; a load well under the one that failed is tried at
-//! once.
+//! stolen by a worker that runs out of its own. A controller, a thread of its own, reads
+//! tokio's worker metrics every [`TICK`]: when the active workers are saturated (busy nearly
+//! all the tick and parked hardly at all), it lets one go at once; when they are not and the
+//! load would fit on one fewer, it holds one again. A hold that proves too few is let go and
+//! the next try waits twice as long (from [`PROBE_MIN`] up to [`PROBE_MAX`]), so a load just
+//! above one worker's settles on two and pays one short try every ten seconds; a load well
+//! under the one that failed is tried at once.
+//!
+//! **The I/O driver.** A parking worker polls the I/O and timer driver only if no other worker
+//! has it; otherwise it sleeps on its own condition variable until it is sent work. A worker
+//! that comes out of the driver and then blocks in a hold leaves every other worker asleep and
+//! nobody polling sockets or timers: the whole service stops (seen: a server that never
+//! answered its first health check, and a stream left unanswered in the bounds tests). So
+//! after every hold begins, the controller spawns an empty task from its own thread: tokio
+//! wakes a sleeping worker for a task from outside, and that worker, out of work again, parks
+//! on the driver, which is free. One wake a hold, and a hold is tried at most every
+//! [`PROBE_MIN`].
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
 use std::time::Duration;
 
 use tokio::runtime::{Handle, RuntimeMetrics};
@@ -59,7 +70,10 @@ pub fn active_workers() -> Option<usize> {
 #[derive(Debug)]
 struct Shared {
     state: Mutex<State>,
+    /// Held workers wait on this to be let go.
     wake: Condvar,
+    /// The controller waits on this between ticks: a hold began, or the gate stopped.
+    changed: Condvar,
     workers: usize,
 }
 
@@ -69,6 +83,9 @@ struct State {
     target: usize,
     /// Workers held now.
     held: usize,
+    /// Holds begun so far: the controller wakes a sleeping worker after each (see the module's
+    /// documentation, "The I/O driver").
+    begun: u64,
     stopped: bool,
 }
 
@@ -77,23 +94,29 @@ struct State {
 #[derive(Debug)]
 pub struct WorkerGate {
     shared: Arc<Shared>,
+    controller: Option<JoinHandle<()>>,
 }
 
 impl WorkerGate {
-    /// Starts the controller on `runtime`, a multi-thread runtime; with one worker there is
-    /// nothing to hold and no controller runs.
+    /// Starts the controller for `runtime`, a multi-thread runtime, on a thread of its own;
+    /// with one worker there is nothing to hold and no controller runs.
     pub fn start(runtime: &Handle) -> WorkerGate {
         let workers = runtime.metrics().num_workers();
         let shared = Arc::new(Shared {
             state: Mutex::new(State::default()),
             wake: Condvar::new(),
+            changed: Condvar::new(),
             workers,
         });
         ACTIVE.store(workers, Ordering::Relaxed);
-        if workers > 1 {
-            runtime.spawn(control(Arc::clone(&shared), runtime.metrics()));
-        }
-        WorkerGate { shared }
+        let controller = (workers > 1).then(|| {
+            let (shared, runtime) = (Arc::clone(&shared), runtime.clone());
+            std::thread::Builder::new()
+                .name("worker-gate".into())
+                .spawn(move || control(&shared, &runtime))
+                .expect("the worker gate's thread starts")
+        });
+        WorkerGate { shared, controller }
     }
 
     /// Lets every held worker go and holds none again.
@@ -102,12 +125,16 @@ impl WorkerGate {
         state.stopped = true;
         state.target = 0;
         self.shared.wake.notify_all();
+        self.shared.changed.notify_all();
     }
 }
 
 impl Drop for WorkerGate {
     fn drop(&mut self) {
         self.stop();
+        if let Some(controller) = self.controller.take() {
+            let _ = controller.join();
+        }
     }
 }
 
@@ -126,11 +153,40 @@ fn totals(metrics: &RuntimeMetrics) -> (Duration, u64) {
     })
 }
 
-/// The controller: see the module's documentation.
-async fn control(shared: Arc<Shared>, metrics: RuntimeMetrics) {
-    let mut tick = tokio::time::interval(TICK);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+/// Waits until `until`, and after each hold that begins meanwhile spawns an empty task from
+/// this thread, so that a sleeping worker wakes and takes the I/O driver (see the module's
+/// documentation, "The I/O driver"); `woken` counts the holds already followed by a wake.
+/// False once the gate has stopped.
+fn between_ticks(shared: &Shared, runtime: &Handle, until: Instant, woken: &mut u64) -> bool {
+    let mut state = lock(&shared.state);
+    loop {
+        if state.stopped {
+            return false;
+        }
+        if state.begun != *woken {
+            *woken = state.begun;
+            drop(state);
+            runtime.spawn(async {});
+            state = lock(&shared.state);
+            continue;
+        }
+        let now = Instant::now();
+        if now >= until {
+            return true;
+        }
+        state = shared
+            .changed
+            .wait_timeout(state, until - now)
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .0;
+    }
+}
+
+/// The controller, on its own thread: see the module's documentation.
+fn control(shared: &Arc<Shared>, runtime: &Handle) {
+    let metrics = runtime.metrics();
     let mut last = (Instant::now(), totals(&metrics));
+    let mut woken = 0;
     let mut probe_wait = PROBE_MIN;
     let mut next_probe = Instant::now();
     // When the hold on trial began (a try is on trial for one probe interval).
@@ -139,21 +195,13 @@ async fn control(shared: Arc<Shared>, metrics: RuntimeMetrics) {
     // a load well under that one is tried at once, whatever the wait.
     let mut tried_at = f64::INFINITY;
     let mut failed_at = f64::INFINITY;
-    loop {
-        tick.tick().await;
+    while between_ticks(shared, runtime, last.0 + TICK, &mut woken) {
         let now = (Instant::now(), totals(&metrics));
         let wall = now.0.saturating_duration_since(last.0).as_secs_f64();
         let busy = now.1.0.saturating_sub(last.1.0).as_secs_f64() / wall.max(1e-6);
         let parks = now.1.1.saturating_sub(last.1.1);
         last = now;
-        let target = {
-            let state = lock(&shared.state);
-            if state.stopped {
-                ACTIVE.store(0, Ordering::Relaxed);
-                return;
-            }
-            state.target
-        };
+        let target = lock(&shared.state).target;
         let active = shared.workers - target;
         let saturated =
             parks <= SATURATED_PARKS * active as u64 && busy > SATURATED_BUSY * active as f64;
@@ -175,7 +223,7 @@ async fn control(shared: Arc<Shared>, metrics: RuntimeMetrics) {
             tried_at = busy;
             next_probe = now.0 + probe_wait;
             lock(&shared.state).target += 1;
-            tokio::spawn(hold(Arc::clone(&shared)));
+            runtime.spawn(hold(Arc::clone(shared)));
         } else if trial.is_some_and(|since| now.0.saturating_duration_since(since) >= probe_wait) {
             // The try held a whole interval: the next may come soon.
             trial = None;
@@ -183,17 +231,26 @@ async fn control(shared: Arc<Shared>, metrics: RuntimeMetrics) {
             failed_at = f64::INFINITY;
         }
     }
+    ACTIVE.store(0, Ordering::Relaxed);
 }
 
 /// Holds the worker that runs it while the controller wants it held.
 async fn hold(shared: Arc<Shared>) {
     // Deferred behind what is queued on this worker, which so runs before the thread blocks.
     tokio::task::yield_now().await;
+    hold_now(&shared);
+}
+
+/// Blocks this worker's thread while the controller wants it held (not at all if it wants no
+/// more held than are).
+fn hold_now(shared: &Shared) {
     let mut state = lock(&shared.state);
     if state.stopped || state.held >= state.target {
         return;
     }
     state.held += 1;
+    state.begun += 1;
+    shared.changed.notify_all();
     ACTIVE.fetch_sub(1, Ordering::Relaxed);
     while !state.stopped && state.held <= state.target {
         state = shared
@@ -277,6 +334,98 @@ mod tests {
             eventually(Duration::from_secs(5), || held(&gate) == 0),
             "stop held on"
         );
+        drop(runtime);
+    }
+
+    /// The I/O driver is polled while a worker is held, however the hold began: here a hold
+    /// runs inline in a task a timer woke, so on the worker that was polling the driver, with
+    /// the other worker asleep and nothing sent to it. Without the controller's wake after a
+    /// hold begins, sockets and timers stop for good and the echo never comes.
+    #[test]
+    fn the_io_driver_is_polled_while_a_worker_is_held() {
+        use std::io::{Read, Write};
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let addr = listener.local_addr().unwrap();
+        runtime.spawn(async move {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            let listener = tokio::net::TcpListener::from_std(listener).unwrap();
+            while let Ok((mut socket, _)) = listener.accept().await {
+                tokio::spawn(async move {
+                    let mut byte = [0u8; 1];
+                    while socket.read_exact(&mut byte).await.is_ok() {
+                        let _ = socket.write_all(&byte).await;
+                    }
+                });
+            }
+        });
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State {
+                target: 1,
+                ..State::default()
+            }),
+            wake: Condvar::new(),
+            changed: Condvar::new(),
+            workers: 2,
+        });
+        // Lets the held worker go however the test ends (before the runtime drops).
+        struct Release(Arc<Shared>);
+        impl Drop for Release {
+            fn drop(&mut self) {
+                let mut state = lock(&self.0.state);
+                state.stopped = true;
+                state.target = 0;
+                self.0.wake.notify_all();
+                self.0.changed.notify_all();
+            }
+        }
+        let release = Release(Arc::clone(&shared));
+        // The controller's wake alone, without its policy (which would hold on its own).
+        let waker = {
+            let (shared, handle) = (Arc::clone(&shared), runtime.handle().clone());
+            std::thread::spawn(move || {
+                let mut woken = 0;
+                while between_ticks(&shared, &handle, Instant::now() + TICK, &mut woken) {}
+            })
+        };
+        for round in 0..20 {
+            // Both workers idle: one polls the driver, the other sleeps on its condvar.
+            std::thread::sleep(Duration::from_millis(20));
+            let held = Arc::clone(&shared);
+            runtime.spawn(async move {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                hold_now(&held);
+            });
+            assert!(
+                eventually(Duration::from_secs(10), || lock(&shared.state).held == 1),
+                "round {round}: never held"
+            );
+            let mut client = std::net::TcpStream::connect(addr).unwrap();
+            client
+                .set_read_timeout(Some(Duration::from_secs(5)))
+                .unwrap();
+            client.write_all(b"x").unwrap();
+            let mut byte = [0u8; 1];
+            assert!(
+                client.read_exact(&mut byte).is_ok(),
+                "round {round}: no echo while a worker was held: nobody polls the I/O driver"
+            );
+            // Let the worker go for the next round.
+            lock(&shared.state).target = 0;
+            shared.wake.notify_all();
+            assert!(
+                eventually(Duration::from_secs(10), || lock(&shared.state).held == 0),
+                "round {round}: never let go"
+            );
+            lock(&shared.state).target = 1;
+        }
+        drop(release);
+        waker.join().unwrap();
         drop(runtime);
     }
 
