@@ -499,9 +499,6 @@ async fn an_undo_run_twice_gives_back_once() {
     let key = format!("{prefix}{{r}}:k:v:f3600000000:0");
     let marker = format!("{prefix}{{r}}undo:n1");
     let mut conn = script_connection(redis);
-    let mut eval = |keys: &[&str], mode: &str, numbers: &[f64], nonces: &[&str]| {
-        eval_script(&mut conn, keys, mode, numbers, nonces)
-    };
     // One entry, one counter, a debt bound of 1; the counter: KEYS[1], fixed window (1), 5 an
     // hour, burst 5.
     let header = [1.0, 1.0, 1.0];
@@ -510,17 +507,20 @@ async fn an_undo_run_twice_gives_back_once() {
     // admission (1). A fixed window names no log members: no nonce.
     let decide = [&header[..], &counter, &[1.0, 1.0, 1.0, 1.0, 1.0]].concat();
     // The reply: the call's time, then admitted, then the limit's room and reset.
-    let first = eval(&[&key], "decide", &decide, &[]);
+    let first = eval_script(&mut conn, &[&key], "decide", &decide, &[]);
     assert_eq!(first[1], 1, "admitted: {first:?}");
     let at = first[0] as f64;
-    assert_eq!(eval(&[&key], "decide", &decide, &[])[1], 1);
+    assert_eq!(
+        eval_script(&mut conn, &[&key], "decide", &decide, &[])[1],
+        1
+    );
     for _ in 0..2 {
         // An undo entry: at, its marker (KEYS[2]), one limit as above; its nonce.
         let numbers = [&header[..], &counter, &[at, 2.0, 1.0, 1.0, 1.0, 1.0]].concat();
-        eval(&[&key, &marker], "undo", &numbers, &["n1"]);
+        eval_script(&mut conn, &[&key, &marker], "undo", &numbers, &["n1"]);
     }
     // Two taken, one given back (once), one more taken: 3 remain.
-    let third = eval(&[&key], "decide", &decide, &[]);
+    let third = eval_script(&mut conn, &[&key], "decide", &decide, &[]);
     assert_eq!(
         third[2], 3,
         "5 - 2 taken + 1 given back - 1 taken: {third:?}"
