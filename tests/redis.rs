@@ -199,11 +199,11 @@ async fn coalesced_calls_decide_as_separate_calls_would(target: &[&str]) {
     }
 }
 
-/// While a call is in flight, requests wait for it and then share one call, though
-/// `--redis-pipeline` would let another call go: a second call goes early only when full.
-/// (Redis holds the first call with CLIENT PAUSE; the calls are counted from the metrics.)
+/// A call goes at once while fewer than `--redis-pipeline` are in flight; with the pipeline
+/// full, requests wait and then share one call. (Redis holds the calls with CLIENT PAUSE; the
+/// calls are counted from the metrics.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn requests_behind_a_call_in_flight_share_the_next_call() {
+async fn requests_behind_a_full_pipeline_share_the_next_call() {
     let redis = RedisProc::start(&[]);
     let url = redis.url();
     let flags = ["--redis-url", url.as_str(), "--redis-pipeline", "2"];
@@ -222,32 +222,32 @@ async fn requests_behind_a_call_in_flight_share_the_next_call() {
     ));
     let (calls0, requests0) = calls().await;
     redis.cli(&["CLIENT", "PAUSE", "3000", "WRITE"]);
-    let first = tokio::spawn({
+    let send = |name: String| {
         let mut c = c.clone();
-        async move { call(&mut c, request("f", &[&[("s", "first")]])).await }
-    });
-    poll(Duration::from_secs(5), || async {
-        (calls().await.0 == calls0 + 1.0).then_some(())
-    })
-    .await;
-    let behind: Vec<_> = (0..10)
-        .map(|i| {
-            let mut c = c.clone();
-            tokio::spawn(async move {
-                call(&mut c, request("f", &[&[("s", &format!("behind{i}"))]])).await
-            })
+        tokio::spawn(async move { call(&mut c, request("f", &[&[("s", &name)]])).await })
+    };
+    // One call in flight, then a second: it goes at once, not after the first.
+    let mut first = Vec::new();
+    for (i, name) in ["first", "second"].into_iter().enumerate() {
+        first.push(send(name.to_owned()));
+        poll(Duration::from_secs(5), || async {
+            (calls().await.0 == calls0 + 1.0 + i as f64).then_some(())
         })
-        .collect();
-    assert!(is_ok(&first.await.expect("the first request")));
+        .await;
+    }
+    let behind: Vec<_> = (0..10).map(|i| send(format!("behind{i}"))).collect();
+    for r in first {
+        assert!(is_ok(&r.await.expect("a request in the pipeline")));
+    }
     for b in behind {
         assert!(is_ok(&b.await.expect("a request behind it")));
     }
     let (calls1, requests1) = calls().await;
-    assert_eq!(requests1 - requests0, 11.0);
+    assert_eq!(requests1 - requests0, 12.0);
     assert_eq!(
         calls1 - calls0,
-        2.0,
-        "the first call, then one call for the ten behind it"
+        3.0,
+        "two calls in flight, then one call for the ten behind them"
     );
 }
 

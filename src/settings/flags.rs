@@ -593,8 +593,9 @@ pub(crate) struct Flags {
     #[arg(long, value_enum, default_value = "domain")]
     pub(crate) redis_hash_tag: HashTagArg,
 
-    /// Most Redis script calls in flight at once: a call goes at once when none is in flight, a
-    /// further one only when full; requests arriving meanwhile share the next call.
+    /// Most Redis script calls in flight at once: while fewer are in flight, a call goes at once
+    /// with every request queued; while this many are, requests arriving meanwhile share the
+    /// next call.
     #[arg(long, default_value_t = 2, value_parser = clap::builder::TypedValueParser::map(clap::value_parser!(u16).range(1..=64), usize::from))]
     pub(crate) redis_pipeline: usize,
 

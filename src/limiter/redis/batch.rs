@@ -1,10 +1,10 @@
 //! Coalescing: the requests in flight share script calls.
 //!
 //! Every request's share of a script call (a [`Part`]) goes to one worker task. The worker
-//! sends a part at once when no call is in flight, so an idle service adds no wait. While a
-//! call is in flight, parts queue and the next call carries every queued part of its slot (up
-//! to `max_requests`); a queue that fills a call sends it at once, up to `pipeline` calls in
-//! flight: one script call and one round trip for many requests. The script decides a call's
+//! sends what is queued at once while fewer than `pipeline` calls are in flight, so an idle
+//! service adds no wait. While `pipeline` calls are in flight, parts queue and the next call
+//! carries every queued part of its slot (up to `max_requests`): one script call and one round
+//! trip for many requests. The script decides a call's
 //! parts one after another, each all-or-nothing on its own, exactly as separate calls at the same instant would: no decision
 //! changes. A part whose caller has given up (its call budget spent) is dropped before it is
 //! sent, so a request answered with an error is never counted later.
@@ -201,12 +201,12 @@ impl Batcher {
 }
 
 /// A lane's worker: calls of at most `max_requests` parts each, at most `pipeline` in flight.
-/// With no call awaited, what is queued goes at once (an idle service adds no wait); while one
-/// is, parts wait for it to return and then share the next call, unless they fill a call,
-/// which goes at once. So a few requests in flight share calls too (8 in flight: about 3.4 a
-/// call, not 2.2), and a busy lane keeps `pipeline` full calls going. A call answered
-/// `Timeout` but not by Redis yet still holds its place among the `pipeline`, but nobody waits
-/// for it: the parts behind it go at once.
+/// While fewer are in flight, what is queued goes at once (an idle service adds no wait);
+/// while `pipeline` are, parts wait for one to return and then share the next call. So a few
+/// requests in flight share calls too, and a busy lane keeps `pipeline` full calls going.
+/// Sending a second call before the first returns, rather than only a full one, is measured
+/// in docs/performance.md ("The second call goes at once"). A call answered
+/// `Timeout` but not by Redis yet still holds its place among the `pipeline`.
 async fn run(
     mut rx: mpsc::Receiver<Part>,
     shared: WorkerState,
@@ -215,17 +215,13 @@ async fn run(
 ) {
     // Calls, and the tails of calls answered `Timeout` that Redis has not answered yet.
     let mut in_flight: FuturesUnordered<BoxFuture<'static, Done>> = FuturesUnordered::new();
-    let mut tails = 0;
     // Parts taken off the channel, not sent yet: at most `pipeline` calls' worth (the channel
     // holds the rest, within its bound).
     let mut queued: Vec<Part> = Vec::new();
     let held = pipeline * max_requests;
     let mut open = true;
     loop {
-        while !queued.is_empty()
-            && in_flight.len() < pipeline
-            && (in_flight.len() == tails || queued.len() >= max_requests)
-        {
+        while !queued.is_empty() && in_flight.len() < pipeline {
             let mut next: Vec<Part> = queued.drain(..queued.len().min(max_requests)).collect();
             let bytes: usize = next.iter().map(|p| p.args.key_bytes()).sum();
             shared.queued_bytes.fetch_sub(bytes, Ordering::AcqRel);
@@ -239,16 +235,14 @@ async fn run(
         tokio::select! {
             biased;
             Some(done) = in_flight.next(), if !in_flight.is_empty() => match done {
-                Done::Answered => {}
+                Done::Answered | Done::TailAnswered => {}
                 Done::Unanswered(tail) => {
                     // Its callers are answered; it keeps its place until Redis answers.
-                    tails += 1;
                     in_flight.push(Box::pin(async move {
                         tail.await;
                         Done::TailAnswered
                     }));
                 }
-                Done::TailAnswered => tails -= 1,
             },
             part = rx.recv(), if open && queued.len() < held => {
                 let Some(part) = part else {
@@ -257,7 +251,7 @@ async fn run(
                     continue;
                 };
                 queued.push(part);
-                if in_flight.len() == tails {
+                if in_flight.len() < pipeline {
                     // This part goes at once: first let the tasks already woken (requests read
                     // in the same pass) queue theirs, to share its call. One pass of the
                     // scheduler, no timer (docs/performance.md, "Measurements behind the code").
