@@ -373,18 +373,12 @@ mod tests {
             changed: Condvar::new(),
             workers: 2,
         });
-        // Lets the held worker go however the test ends (before the runtime drops).
-        struct Release(Arc<Shared>);
-        impl Drop for Release {
-            fn drop(&mut self) {
-                let mut state = lock(&self.0.state);
-                state.stopped = true;
-                state.target = 0;
-                self.0.wake.notify_all();
-                self.0.changed.notify_all();
-            }
-        }
-        let release = Release(Arc::clone(&shared));
+        // A gate without its controller thread: dropped, it stops, which lets the held worker go
+        // however the test ends (before the runtime drops).
+        let gate = WorkerGate {
+            shared: Arc::clone(&shared),
+            controller: None,
+        };
         // The controller's wake alone, without its policy (which would hold on its own).
         let waker = {
             let (shared, handle) = (Arc::clone(&shared), runtime.handle().clone());
@@ -424,7 +418,7 @@ mod tests {
             );
             lock(&shared.state).target = 1;
         }
-        drop(release);
+        drop(gate);
         waker.join().unwrap();
         drop(runtime);
     }
