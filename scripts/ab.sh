@@ -55,7 +55,7 @@ run() {
   kill "$pid"; wait "$pid" 2>/dev/null || true
   n=$(echo "$out" | awk '/^requests:/ {print $8}')
   awk -v n="$n" -v d="$DURATION" -v s=$((s1 - s0)) -v r=$((r1 - r0)) -v hz="$HZ" \
-    'BEGIN { printf "%.0f %.1f %.1f\n", n / d, s / hz * 1e6 / n, r / hz * 1e6 / n }'
+    'BEGIN { printf "%.0f %.1f %.2f\n", n / d, s / hz * 1e6 / n, r / hz * 1e6 / n }'
 }
 
 echo "A: $A"
@@ -77,6 +77,6 @@ for backend in $BACKENDS; do
     'BEGIN { printf "%-7s mean      A %.1f us/req   B %.1f us/req   B/A %.2f\n", k, a / n, b / n, b / a }'
   if [ "$backend" = redis ]; then
     awk -v a="$xa" -v b="$xb" -v n="$ROUNDS" \
-      'BEGIN { printf "redis   mean Redis CPU   A %.1f us/req   B %.1f us/req   B/A %.2f\n", a / n, b / n, (a > 0) ? b / a : 0 }'
+      'BEGIN { printf "redis   mean Redis CPU   A %.2f us/req   B %.2f us/req   B/A %.2f\n", a / n, b / n, (a > 0) ? b / a : 0 }'
   fi
 done
