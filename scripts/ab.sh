@@ -28,11 +28,7 @@ pids=()
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$WORK" "$_ports_given"; }
 trap cleanup EXIT
 "$BASELINE" --write-request "$WORK/request.bin"
-REDIS_PORT=$(free_port)
-redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save "" --appendonly no >/dev/null &
-REDIS_PID=$!
-pids+=("$REDIS_PID")
-until redis-cli -p "$REDIS_PORT" ping >/dev/null 2>&1; do sleep 0.05; done
+start_redis
 
 # One run of binary $1 on backend $2: prints "requests/s server-µs-per-request redis-µs-per-request".
 run() {

@@ -59,11 +59,7 @@ trap cleanup EXIT
 echo "machine: $(nproc) cores ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)), $(redis-server --version | cut -d' ' -f1-3), $(h2load --version | head -1)"
 echo "h2load: -c$CLIENTS -m$STREAMS, ${DURATION}s per run, the same 2-descriptor request (bench domain)"
 
-REDIS_PORT=$(free_port)
-redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save "" --appendonly no >/dev/null &
-REDIS_PID=$!
-pids+=("$REDIS_PID")
-for _ in $(seq 100); do redis-cli -p "$REDIS_PORT" ping >/dev/null 2>&1 && break; sleep 0.05; done
+start_redis
 "$BASELINE" --write-request "$WORK/request.bin"
 
 SERVER_PID=

@@ -4,8 +4,8 @@
 //! sends what is queued at once while fewer than `pipeline` calls are in flight, so an idle
 //! service adds no wait. While `pipeline` calls are in flight, parts queue and the next call
 //! carries every queued part of its slot (up to `max_requests`): one script call and one round
-//! trip for many requests. The script decides a call's
-//! parts one after another, each all-or-nothing on its own, exactly as separate calls at the same instant would: no decision
+//! trip for many requests. The script decides a call's parts one after another, each
+//! all-or-nothing on its own, exactly as separate calls at the same instant would: no decision
 //! changes. A part whose caller has given up (its call budget spent) is dropped before it is
 //! sent, so a request answered with an error is never counted later.
 //!
