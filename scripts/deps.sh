@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Installs what `make test` needs on a fresh Debian machine with Rust: rustfmt and clippy,
 # redis-server / redis-cli / openssl for the tests, which start their own Redis processes on
-# free loopback ports (nothing needs to be running), and helm (v4) for the chart's tests, into
-# target/tools/ when it is not on PATH. Idempotent and quiet when all is present.
+# free loopback ports (nothing needs to be running), a C compiler (cc: the calendar tests set
+# a Redis' wall clock with a small preloaded library, tests/common/fakeclock.c), and helm (v4)
+# for the chart's tests, into target/tools/ when it is not on PATH. Idempotent and quiet when
+# all is present.
 set -euo pipefail
 
 if ! cargo fmt --version >/dev/null 2>&1 || ! cargo clippy --version >/dev/null 2>&1; then
@@ -18,6 +20,7 @@ missing=()
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
 command -v redis-cli >/dev/null 2>&1 || missing+=(redis-tools)
 command -v openssl >/dev/null 2>&1 || missing+=(openssl)
+command -v cc >/dev/null 2>&1 || missing+=(gcc)
 HELM_DIR=target/tools
 need_helm=""
 if ! command -v helm >/dev/null 2>&1 && [ ! -x "$HELM_DIR/helm" ]; then

@@ -168,6 +168,7 @@ fn every_feature_switched_on() {
         "--redis-tls-cert=/etc/ratelimitd/redis-tls/tls.crt",
         "--redis-tls-key=/etc/ratelimitd/redis-tls/tls.key",
         "--response-headers=draft03",
+        "--calendar-timezone=America/New_York",
         "--redis-key-prefix=ratelimit:",
         "--max-descriptors=32",
         "--grpc-max-connection-age=2h",
@@ -226,6 +227,7 @@ fn the_schema_refuses_bad_values() {
     for (set, says) in [
         ("backend.type=etcd", "backend/type"),
         ("responseHeaders=on", "responseHeaders"),
+        ("calendarTimezone=Europe/Berlin;rm", "calendarTimezone"),
         ("backend.redis.keyPrefix=a{b}", "keyPrefix"),
         ("backend.redis.url=http://x", "url"),
         ("nonsense=1", "nonsense"),

@@ -1,10 +1,11 @@
 //! Differential test: random request sequences (several limits per descriptor, every
 //! algorithm, shadow and quota rules, checks, admissions, cost reports within and past the
-//! limit, refunds, request overrides) sent to the memory backend and to Redis (one script per
-//! request, and one per slot group with undos) must get the same decisions and the same
-//! remaining counts. Windows are 1000 days (overrides: a year), so
-//! no window boundary falls inside the test. A failure prints its seed: `DIFF_SEED=<seed>`
-//! replays it (add `DIFF_TRACE=1` to print every step); `DIFF_ROUNDS=<n>` runs more sequences.
+//! limit, refunds, request overrides, calendar windows) sent to the memory backend and to Redis
+//! and a Redis Cluster (one script per request, and one per slot group with undos) must get
+//! the same decisions and the same remaining counts. Windows are 1000 days (overrides: a year;
+//! calendar limits: the year in two zones), so no window boundary falls inside the test but
+//! once a year. A failure prints its seed: `DIFF_SEED=<seed>` replays it (add `DIFF_TRACE=1`
+//! to print every step); `DIFF_ROUNDS=<n>` runs more sequences.
 
 mod common;
 
@@ -54,6 +55,10 @@ descriptors:
           - {{{W}, requests_per_unit: 3, algorithm: token_bucket, burst: 5}}
   - key: z
     rate_limit: {{{W}, requests_per_unit: 0}}
+  - key: cal
+    rate_limits:
+      - {{unit: year, requests_per_unit: 7, calendar: Pacific/Chatham}}
+      - {{unit: month, unit_multiplier: 12, requests_per_unit: 5, calendar: Asia/Kathmandu}}
 "
     )
 }
@@ -76,7 +81,7 @@ impl Rng {
 
 fn random_request(rng: &mut Rng) -> RateLimitRequest {
     let keys = [
-        "f", "s", "l", "b", "sh", "q1", "q2", "z", "nested", "unknown",
+        "f", "s", "l", "b", "sh", "q1", "q2", "z", "cal", "nested", "unknown",
     ];
     let values = ["a", "b"];
     let n = 1 + rng.below(3) as usize;
@@ -164,11 +169,23 @@ async fn servers(seed: u64) -> Vec<(String, TestServer)> {
         "memory".to_string(),
         TestServer::start_with(&files, &[], Arc::new(SystemClock)).await,
     )];
+    let cluster = shared_cluster().urls();
     for tag in ["domain", "descriptor"] {
         let prefix = format!("{}{seed}:", unique_prefix());
         let target = ["--redis-url", redis.as_str(), "--redis-hash-tag", tag];
         out.push((
             format!("redis, {tag} tags"),
+            redis_server(&files, &target, &prefix, "2s").await,
+        ));
+        let prefix = format!("{}{seed}:", unique_prefix());
+        let target = [
+            "--redis-cluster-nodes",
+            cluster.as_str(),
+            "--redis-hash-tag",
+            tag,
+        ];
+        out.push((
+            format!("cluster, {tag} tags"),
             redis_server(&files, &target, &prefix, "2s").await,
         ));
     }

@@ -4,14 +4,12 @@
 
 mod common;
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 
 use common::*;
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse;
 use envoy_types::pb::google::protobuf::value::Kind;
 use ratelimitd::testing::SystemClock;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const LIMITS: &str = "domain: web
 descriptors:
@@ -167,24 +165,6 @@ async fn dynamic_metadata_as_envoyproxy_ratelimit_returns_it() {
         call(&mut c, req()).await.dynamic_metadata.is_none(),
         "off by default"
     );
-}
-
-async fn post_json(addr: SocketAddr, body: &str) -> (u16, String) {
-    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let req = format!(
-        "POST /json HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    stream.write_all(req.as_bytes()).await.unwrap();
-    let mut raw = Vec::new();
-    stream.read_to_end(&mut raw).await.unwrap();
-    let text = String::from_utf8_lossy(&raw).to_string();
-    let status = text.split_whitespace().nth(1).unwrap().parse().unwrap();
-    let body = text
-        .split_once("\r\n\r\n")
-        .map_or("", |(_, b)| b)
-        .to_string();
-    (status, body)
 }
 
 #[tokio::test]

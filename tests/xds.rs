@@ -1306,3 +1306,82 @@ async fn an_oversized_response_is_counted_each_time_and_logged_once() {
     assert_eq!(said, 1, "logged once: {stderr}");
     assert!(stderr.contains("found 10"), "the size: {stderr}");
 }
+
+/// Envoy Gateway's `Month`, `Day` and `Year` reach us over xDS with no field for a zone:
+/// `--calendar-timezone` makes them calendar windows, a descriptor's `metadata.ratelimitd`
+/// names a zone of its own, and an unknown zone there is NACKed with the words a file gets,
+/// the previous config staying in force.
+#[tokio::test]
+async fn calendar_windows_reach_xds_limits_and_a_bad_zone_is_nacked() {
+    use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
+    let with_zone = |mut d: pb::RateLimitDescriptor, zone: &str| {
+        let extensions = Struct {
+            fields: [(
+                "calendar".to_owned(),
+                Value {
+                    kind: Some(Kind::StringValue(zone.into())),
+                },
+            )]
+            .into(),
+        };
+        d.metadata = Some(Struct {
+            fields: [(
+                "ratelimitd".to_owned(),
+                Value {
+                    kind: Some(Kind::StructValue(extensions)),
+                },
+            )]
+            .into(),
+        });
+        d
+    };
+    let ads = AdsServer::start().await;
+    let good = config(
+        "d",
+        vec![
+            limit("month", 2, pb::RateLimitUnit::Month),
+            with_zone(limit("own", 2, pb::RateLimitUnit::Day), "Asia/Kolkata"),
+            limit("minute", 2, pb::RateLimitUnit::Minute),
+        ],
+    );
+    ads.set("v1", std::slice::from_ref(&good)).await;
+    let s = server(&ads, &["--calendar-timezone", "America/New_York"]).await;
+    let mut c = s.client().await;
+    until_rpu(&c, "d", "month", Some(2)).await;
+    let (_, rules) = s.http_get("/rlconfig").await;
+    let rule = |key: &str| {
+        rules
+            .lines()
+            .find(|l| l.starts_with(&format!("d.{key}:")))
+            .unwrap_or_else(|| panic!("no rule for {key}: {rules}"))
+            .to_owned()
+    };
+    assert!(
+        rule("month").contains("calendar=America/New_York"),
+        "{rules}"
+    );
+    assert!(rule("own").contains("calendar=Asia/Kolkata"), "{rules}");
+    assert!(!rule("minute").contains("calendar"), "{rules}");
+
+    let bad = config(
+        "d",
+        vec![with_zone(
+            limit("own", 2, pb::RateLimitUnit::Day),
+            "Mars/Base",
+        )],
+    );
+    ads.set("v2", &[bad]).await;
+    let nonce = ads.nonce();
+    let nack = ads
+        .until_request("the NACK", |r| r.response_nonce == nonce)
+        .await;
+    let detail = nack.error_detail.expect("a NACK carries why").message;
+    assert!(
+        detail.contains("xds:d")
+            && detail.contains("descriptors[0].metadata.ratelimitd.calendar")
+            && detail.contains("unknown time zone 'Mars/Base'"),
+        "{detail}"
+    );
+    assert_eq!(nack.version_info, "v1");
+    assert_eq!(rpu(&mut c, "d", "month").await, Some(2), "v1 stays");
+}

@@ -17,7 +17,7 @@ use super::{
     Wildcard, is_wildcard,
 };
 use crate::limiter::key::{LimitIdentity, escaped_if_needed};
-use crate::limiter::{Accounting, Algorithm};
+use crate::limiter::{Accounting, Algorithm, Calendar, Zone, calendar};
 
 /// Sets `slot` to `value` (placed at `at`) unless the config set it already.
 fn fill<T>(slot: &mut Option<Spanned<T>>, value: Option<T>, at: Location) {
@@ -27,8 +27,8 @@ fn fill<T>(slot: &mut Option<Spanned<T>>, value: Option<T>, at: Location) {
 }
 
 /// The key under a descriptor's `metadata` that sets our limit extensions (`algorithm`,
-/// `burst`, `unit_multiplier`, `accounting`) where a control plane can set metadata but not
-/// those fields.
+/// `burst`, `unit_multiplier`, `accounting`, `calendar`) where a control plane can set metadata
+/// but not those fields.
 pub(crate) const METADATA_KEY: &str = "ratelimitd";
 
 /// What a descriptor's `metadata.ratelimitd` sets for its limits, as written.
@@ -37,6 +37,7 @@ struct MetadataExtensions {
     burst: Option<u64>,
     unit_multiplier: Option<u64>,
     accounting: Option<String>,
+    calendar: Option<String>,
 }
 
 /// Largest `unit_multiplier`: keeps every window (up to 10 000 years) within u64 microseconds.
@@ -63,6 +64,25 @@ pub(crate) struct CompileOptions {
     /// Several files (or xDS configs) may carry one domain: their descriptors are merged, as
     /// envoyproxy/ratelimit's `MERGE_DOMAIN_CONFIG` merges them (`--merge-domain-config`).
     pub(crate) merge_domains: bool,
+    /// The calendar of every limit that names none and can take one (`--calendar-timezone`):
+    /// fixed_window, an hour or longer, a multiplier that tiles the next unit. Others are left
+    /// as they are (logged once), so the flag never makes a config invalid.
+    pub(crate) calendar: Option<&'static Zone>,
+}
+
+/// What a config is told of a zone the built-in database does not have.
+fn unknown_zone(name: &str) -> String {
+    format!(
+        "unknown time zone '{name}' (expected an IANA name such as Europe/Berlin or America/New_York, or UTC; time-zone data {})",
+        calendar::tzdb_version()
+    )
+}
+
+/// Logs `message` the first time `flag` is raised, and never again in this process.
+fn log_once(flag: &std::sync::atomic::AtomicBool, message: impl FnOnce() -> String) {
+    if !flag.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        tracing::warn!("{}", message());
+    }
 }
 
 /// Parses and validates one config file, with the default compile options.
@@ -375,19 +395,33 @@ impl Compiler<'_> {
             }
         };
         if let Some(other) = map.keys().find(|k| {
-            !["algorithm", "burst", "unit_multiplier", "accounting"].contains(&k.as_str())
+            ![
+                "algorithm",
+                "burst",
+                "unit_multiplier",
+                "accounting",
+                "calendar",
+            ]
+            .contains(&k.as_str())
         }) {
             return Err(self.err(
                 Some(&at),
                 &format!("{field}.{other}"),
-                "unknown key (expected algorithm, burst, unit_multiplier or accounting)",
+                "unknown key (expected algorithm, burst, unit_multiplier, accounting or calendar)",
             ));
+        }
+        let calendar = text("calendar")?;
+        if let Some(zone) = &calendar
+            && calendar::zone(zone).is_none()
+        {
+            return Err(self.err(Some(&at), &format!("{field}.calendar"), unknown_zone(zone)));
         }
         Ok(MetadataExtensions {
             algorithm: text("algorithm")?,
             burst: number("burst")?,
             unit_multiplier: number("unit_multiplier")?,
             accounting: text("accounting")?,
+            calendar,
         })
     }
 
@@ -534,6 +568,7 @@ impl Compiler<'_> {
                 fill(&mut limit.burst, ext.burst, at);
                 fill(&mut limit.unit_multiplier, ext.unit_multiplier, at);
                 fill(&mut limit.accounting, ext.accounting.clone(), at);
+                fill(&mut limit.calendar, ext.calendar.clone(), at);
             }
         }
 
@@ -618,6 +653,98 @@ impl Compiler<'_> {
         Ok((key.into_boxed_str(), node))
     }
 
+    /// The calendar of the limit `raw` at `field`: its own `calendar` (refused where it means
+    /// nothing), else `--calendar-timezone`'s where the limit can take one.
+    fn calendar(
+        &self,
+        raw: &RawLimit,
+        at: Location,
+        field: &str,
+        unit: Unit,
+        algorithm: Algorithm,
+        multiplier: u64,
+    ) -> Result<Option<Calendar>, ConfigError> {
+        use std::sync::atomic::AtomicBool;
+        let sub = |name: &str| format!("{field}.{name}");
+        let Some(named) = &raw.calendar else {
+            let Some(zone) = self.options.calendar else {
+                return Ok(None);
+            };
+            static SHORT: AtomicBool = AtomicBool::new(false);
+            static ALGORITHM: AtomicBool = AtomicBool::new(false);
+            static MULTIPLIER: AtomicBool = AtomicBool::new(false);
+            let Some(calendar_unit) = unit.calendar_unit() else {
+                log_once(&SHORT, || {
+                    "--calendar-timezone leaves limits of a second or a minute as they are (the same length in every zone)".to_owned()
+                });
+                return Ok(None);
+            };
+            if algorithm != Algorithm::FixedWindow {
+                log_once(&ALGORITHM, || {
+                    let shown = ConfigError::at(
+                        self.file,
+                        loc(&at),
+                        field,
+                        format!(
+                            "left as it is by --calendar-timezone: {algorithm} takes no calendar (logged once)"
+                        ),
+                    );
+                    shown.to_string()
+                });
+                return Ok(None);
+            }
+            return Ok(match Calendar::new(zone, calendar_unit, multiplier) {
+                Ok(c) => Some(c),
+                Err(why) => {
+                    log_once(&MULTIPLIER, || {
+                        let shown = ConfigError::at(
+                            self.file,
+                            loc(&at),
+                            field,
+                            format!(
+                                "left as it is by --calendar-timezone: {} (logged once)",
+                                why.0
+                            ),
+                        );
+                        shown.to_string()
+                    });
+                    None
+                }
+            });
+        };
+        let here = Some(&named.referenced);
+        let Some(zone) = calendar::zone(&named.value) else {
+            return Err(self.err(here, &sub("calendar"), unknown_zone(&named.value)));
+        };
+        let Some(calendar_unit) = unit.calendar_unit() else {
+            return Err(self.err(
+                here,
+                &sub("calendar"),
+                format!(
+                    "calendar '{}' means nothing for unit {}: it is the same length in every zone (a calendar takes hour, day, week, month or year)",
+                    named.value,
+                    unit.as_str().to_lowercase()
+                ),
+            ));
+        };
+        if algorithm != Algorithm::FixedWindow {
+            return Err(self.err(
+                here,
+                &sub("calendar"),
+                format!(
+                    "calendar '{}' applies only to algorithm: fixed_window ({algorithm} measures time from each hit, not from a boundary of the calendar)",
+                    named.value
+                ),
+            ));
+        }
+        Calendar::new(zone, calendar_unit, multiplier)
+            .map(Some)
+            .map_err(|why| {
+                let at = raw.unit_multiplier.as_ref().map(|m| &m.referenced).or(here);
+                self.err(at, &sub("unit_multiplier"), why.0)
+            })
+    }
+
     fn node_limits(
         &self,
         raw: RawLimit,
@@ -654,6 +781,7 @@ impl Compiler<'_> {
                     raw.unit_multiplier.as_ref().map(|s| s.referenced),
                 ),
                 ("accounting", raw.accounting.as_ref().map(|s| s.referenced)),
+                ("calendar", raw.calendar.as_ref().map(|s| s.referenced)),
             ];
             if let Some((name, Some(at))) = extension.into_iter().find(|(_, at)| at.is_some()) {
                 return Err(self.err(Some(&at), &sub(name), "has no meaning when unlimited"));
@@ -733,6 +861,7 @@ impl Compiler<'_> {
                 )
             })?),
         };
+        let calendar = self.calendar(&raw, at, field, unit, algorithm, unit_multiplier)?;
         let name = raw.name.map(|n| Arc::<str>::from(n.value));
         let mut replaces = Vec::new();
         for (k, r) in raw.replaces.unwrap_or_default().into_iter().enumerate() {
@@ -769,6 +898,7 @@ impl Compiler<'_> {
             algorithm,
             burst,
             accounting,
+            calendar,
             ordinal: 0,
             identity: LimitIdentity::default(),
         };

@@ -16,7 +16,7 @@ use std::fmt::{self, Write as _};
 use std::sync::Arc;
 
 use crate::limiter::key::LimitIdentity;
-use crate::limiter::{Accounting, Algorithm, Limit};
+use crate::limiter::{Accounting, Algorithm, Calendar, CalendarUnit, Limit};
 
 pub(crate) use compile::CompileOptions;
 pub use compile::compile_file;
@@ -83,6 +83,19 @@ impl Unit {
         }
     }
 
+    /// The calendar unit of this unit: `None` for seconds and minutes, whose length is the
+    /// same in every zone.
+    pub fn calendar_unit(self) -> Option<CalendarUnit> {
+        match self {
+            Unit::Second | Unit::Minute => None,
+            Unit::Hour => Some(CalendarUnit::Hour),
+            Unit::Day => Some(CalendarUnit::Day),
+            Unit::Week => Some(CalendarUnit::Week),
+            Unit::Month => Some(CalendarUnit::Month),
+            Unit::Year => Some(CalendarUnit::Year),
+        }
+    }
+
     /// Parses a unit name, case-insensitively.
     pub fn parse(name: &str) -> Option<Unit> {
         Unit::ALL
@@ -116,6 +129,9 @@ pub struct LimitRule {
     pub burst: u64,
     /// How this limit counts a descriptor's hits; `None`: as `--accounting` says.
     pub accounting: Option<Accounting>,
+    /// Windows that follow a time zone's calendar (`calendar`, or `--calendar-timezone`);
+    /// `None`: fixed lengths from the Unix epoch, as envoyproxy/ratelimit counts.
+    pub calendar: Option<Calendar>,
     /// Which counter of its descriptor this limit keeps: the number of limits before it on the
     /// same descriptor with the same algorithm and window. With the algorithm and window it
     /// names the counter, so reordering limits, adding one with another window, renaming one
@@ -136,6 +152,7 @@ impl LimitRule {
             requests_per_unit: self.requests_per_unit,
             window_us: self.window_seconds() * 1_000_000,
             burst: self.burst,
+            calendar: self.calendar,
         }
     }
 
@@ -535,6 +552,9 @@ impl Snapshot {
                             }
                             if let Some(accounting) = l.accounting {
                                 let _ = write!(line, " accounting={}", accounting.as_str());
+                            }
+                            if let Some(calendar) = &l.calendar {
+                                let _ = write!(line, " calendar={}", calendar.zone().name());
                             }
                             if let Some(name) = &l.name {
                                 let _ = write!(line, ", name={name}");

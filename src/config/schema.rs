@@ -87,6 +87,9 @@ raw! {
         pub unit_multiplier: Option<Spanned<u64>>,
         /// Extension: auto, admission or report (how the limit counts a descriptor's hits).
         pub accounting: Option<Spanned<String>>,
+        /// Extension: an IANA time zone whose calendar the windows follow (fixed_window, a
+        /// unit of an hour or longer).
+        pub calendar: Option<Spanned<String>>,
     }
     misplaced here: [
         domain,

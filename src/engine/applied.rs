@@ -19,8 +19,11 @@ pub struct ReportedLimit {
     pub requests_per_unit: u64,
     /// The configured unit (not multiplied).
     pub unit: Unit,
-    /// The window: unit × `unit_multiplier`.
+    /// The window: unit × `unit_multiplier` (a calendar window's nominal length: a month is
+    /// 30 days here, whatever the month).
     pub window: Duration,
+    /// Windows follow a calendar: the reset is the verdict's, never the epoch's arithmetic.
+    pub calendar: bool,
 }
 
 /// One limit that applies to one descriptor.

@@ -34,6 +34,7 @@ pub(crate) fn override_hit(
         requests_per_unit: o.requests_per_unit,
         window_us: o.unit.seconds() * 1_000_000,
         burst: o.requests_per_unit,
+        calendar: None,
     };
     Hit {
         key: keys
@@ -123,6 +124,7 @@ pub(crate) fn resolve<'s>(
                     requests_per_unit: o.requests_per_unit,
                     unit: o.unit,
                     window: Duration::from_secs(o.unit.seconds()),
+                    calendar: false,
                 },
                 enforcement: enforce,
                 rule,
@@ -294,6 +296,7 @@ fn reported(rule: &LimitRule) -> ReportedLimit {
         requests_per_unit: rule.requests_per_unit,
         unit: rule.unit,
         window: Duration::from_secs(rule.window_seconds()),
+        calendar: rule.calendar.is_some(),
     }
 }
 
@@ -395,6 +398,7 @@ descriptors:
             requests_per_unit: 3,
             window_us: 1_000_000,
             burst: 3,
+            calendar: None,
         };
         for tag in [
             crate::limiter::key::HashTag::Domain,
@@ -482,6 +486,7 @@ descriptors:
                 requests_per_unit: 1,
                 unit: crate::config::Unit::Second,
                 window: Duration::from_secs(1),
+                calendar: false,
             },
             enforcement: Enforcement::Enforce,
             rule: Cow::Owned(Arc::new(String::new())),
@@ -506,6 +511,7 @@ descriptors:
                     requests_per_unit: 10,
                     window_us: 1_000_000,
                     burst: 10,
+                    calendar: None,
                 },
                 hits: n,
                 enforcement: Enforcement::Enforce,

@@ -92,7 +92,7 @@ pub(crate) enum State {
 /// Log entries a rejected sliding_log check scans for its reset, here and in `script.lua`.
 pub(crate) const LOG_SCAN_MAX: usize = 128;
 /// Log entries one refund removes or shortens at most, here and in `script.lua`: a refund
-/// larger than the newest entries hold gives back only what they hold.
+/// larger than the oldest entries hold gives back only what they hold.
 pub(crate) const LOG_REFUND_MAX: usize = 1000;
 
 fn us(d: u128) -> Duration {
@@ -144,15 +144,23 @@ impl State {
     /// observable count; [`check`](Self::check) and [`commit`](Self::commit) call it.
     fn advance(&mut self, limit: &Limit, now: u64) {
         let w = limit.window_us;
-        let window_start = now - now % w;
         match self {
             State::Fixed { start, count } => {
+                let window_start = match &limit.calendar {
+                    None => now - now % w,
+                    // The stored window, while it lasts: a calendar's is worked out only anew.
+                    Some(_) if *start != 0 && *start <= now && now < limit.window_end(*start) => {
+                        *start
+                    }
+                    Some(calendar) => calendar.window_at(now).0,
+                };
                 if *start != window_start {
                     *start = window_start;
                     *count = 0;
                 }
             }
             State::Sliding { start, prev, cur } => {
+                let window_start = now - now % w;
                 if *start != window_start {
                     *prev = if start.checked_add(w) == Some(window_start) {
                         *cur
@@ -208,7 +216,7 @@ impl State {
                         rpu - count.saturating_add(hits)
                     },
                     fits: rpu.saturating_sub(*count),
-                    reset: us((*start + w - now) as u128),
+                    reset: us((limit.window_end(*start) - now) as u128),
                 }
             }
             State::Sliding { start, prev, cur } => {
@@ -403,12 +411,18 @@ impl State {
     }
 
     /// Gives `hits` back at `now` (a refund): never below an empty counter, so a refund on an
-    /// unused counter creates no credit and `remaining` never exceeds the limit.
+    /// unused counter creates no credit and `remaining` never exceeds the limit. A refund does
+    /// not say when its hits were taken; where the state can tell hits apart by age, it gives
+    /// back the oldest first, which never frees more than giving back the refund's own hits
+    /// would (docs/configuration.md, "Refunds across a window"):
     ///
-    /// - fixed_window: from the current window's count;
-    /// - sliding_window: from the current window's count, the rest from the previous one's
-    ///   (which lowers the estimate by its weighted share only);
-    /// - sliding_log: the most recent weight first, at most [`LOG_REFUND_MAX`] entries;
+    /// - fixed_window: from the current window's count (it cannot tell which window the hits
+    ///   were taken in);
+    /// - sliding_window: from the previous window's count first (which lowers the estimate by
+    ///   its weighted share only), the rest from the current one's;
+    /// - sliding_log: the oldest weight first, at most [`LOG_REFUND_MAX`] entries, so the log
+    ///   keeps "never more than the limit in any window-long interval" for a refund of hits it
+    ///   still holds;
     /// - token_bucket: the theoretical arrival time moves back, never before now (a full
     ///   bucket).
     pub(crate) fn refund(&mut self, limit: &Limit, now: u64, hits: u64) {
@@ -416,20 +430,20 @@ impl State {
         match self {
             State::Fixed { count, .. } => *count = count.saturating_sub(hits),
             State::Sliding { prev, cur, .. } => {
-                let from_cur = hits.min(*cur);
-                *cur -= from_cur;
-                *prev = prev.saturating_sub(hits - from_cur);
+                let from_prev = hits.min(*prev);
+                *prev -= from_prev;
+                *cur = cur.saturating_sub(hits - from_prev);
             }
             State::Log { entries, total } => {
                 let mut rest = hits;
                 for _ in 0..LOG_REFUND_MAX {
-                    let Some((_, n)) = entries.back_mut() else {
+                    let Some((_, n)) = entries.front_mut() else {
                         break;
                     };
                     if *n <= rest {
                         rest -= *n;
                         *total -= *n;
-                        entries.pop_back();
+                        entries.pop_front();
                     } else {
                         *n -= rest;
                         *total -= rest;
@@ -455,7 +469,7 @@ impl State {
     pub(crate) fn expires_at(&self, limit: &Limit) -> u64 {
         let w = limit.window_us;
         match self {
-            State::Fixed { start, .. } => start.saturating_add(w),
+            State::Fixed { start, .. } => limit.window_end(*start),
             State::Sliding { start, .. } => start.saturating_add(w.saturating_mul(2)),
             State::Log { entries, .. } => entries.back().map_or(0, |&(t, _)| t.saturating_add(w)),
             State::Bucket { tat, scale } => {
@@ -479,6 +493,7 @@ mod tests {
             requests_per_unit: rpu,
             window_us: window_s * SEC,
             burst: rpu,
+            calendar: None,
         }
     }
 
@@ -666,21 +681,72 @@ mod tests {
     }
 
     #[test]
-    fn a_sliding_log_refund_takes_the_most_recent_weight_first() {
+    fn a_sliding_log_refund_takes_the_oldest_weight_first() {
         let l = limit(Algorithm::SlidingLog, 10, 60);
         let mut s = State::new(l.algorithm);
         for (t, n) in [(0, 4), (10, 3), (20, 2)] {
             assert!(!take(&mut s, &l, T0 + t * SEC, n).over);
         }
-        s.refund(&l, T0 + 30 * SEC, 4);
+        s.refund(&l, T0 + 30 * SEC, 5);
         let State::Log { entries, total } = &s else {
             panic!("a log")
         };
-        assert_eq!(*total, 5);
+        assert_eq!(*total, 4);
         assert_eq!(
             entries.iter().copied().collect::<Vec<_>>(),
-            [(T0, 4), (T0 + 10 * SEC, 1)]
+            [(T0 + 10 * SEC, 2), (T0 + 20 * SEC, 2)]
         );
+    }
+
+    /// Limit 10 a second. A reserves 5 at 0; others take 5 at 0.9; A settles (refunds its 5)
+    /// at 0.95. Giving back the newest weight (the others') let 5 more in at once and 5 more
+    /// when A's entry left at 1.0: 15 within 0.25 s. The oldest first keeps 10 in any second.
+    #[test]
+    fn a_sliding_log_refund_keeps_the_limit_in_every_window_long_interval() {
+        let l = limit(Algorithm::SlidingLog, 10, 1);
+        let ms = 1_000;
+        let mut s = State::new(l.algorithm);
+        assert!(!take(&mut s, &l, T0, 5).over);
+        assert!(!take(&mut s, &l, T0 + 900 * ms, 5).over);
+        s.refund(&l, T0 + 950 * ms, 5);
+        let mut admitted = vec![(T0 + 900 * ms, 5)];
+        for t in (960..=2_000).step_by(10) {
+            if !take(&mut s, &l, T0 + t * ms, 1).over {
+                admitted.push((T0 + t * ms, 1));
+            }
+        }
+        for &(from, _) in &admitted {
+            let within: u64 = admitted
+                .iter()
+                .filter(|&&(t, _)| t >= from && t < from + SEC)
+                .map(|&(_, n)| n)
+                .sum();
+            assert!(within <= 10, "{within} admitted in the second from {from}");
+        }
+    }
+
+    /// Limit 10 a minute. A takes 10 late in one window; the window turns; A refunds 10. The
+    /// previous window's count gives them back first: the estimate falls by their weighted
+    /// share only, as it would had A never taken them.
+    #[test]
+    fn a_sliding_window_refund_takes_the_previous_window_first() {
+        let l = limit(Algorithm::SlidingWindow, 10, 60);
+        let mut s = State::new(l.algorithm);
+        assert!(!take(&mut s, &l, T0 + 59 * SEC, 10).over);
+        // 15 s into the next window: 10 × 45/60 = 7.5 still weigh; 2 fit.
+        let now = T0 + 75 * SEC;
+        assert!(!take(&mut s, &l, now, 2).over);
+        s.refund(&l, now, 10);
+        assert_eq!(
+            s,
+            State::Sliding {
+                start: T0 + 60 * SEC,
+                prev: 0,
+                cur: 2
+            }
+        );
+        // Had the refund come from the current window, the 2 taken now would be gone too.
+        assert_eq!(s.check(&l, now, 0).remaining, 8);
     }
 
     #[test]

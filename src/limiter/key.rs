@@ -5,7 +5,7 @@
 //! Distinct inputs therefore give distinct keys, and a key never contains a brace: a Redis hash
 //! tag placed around a prefix of it is chosen by us, never by a request value.
 
-use super::Limit;
+use super::{Limit, Zone};
 
 /// What a key's Redis Cluster hash tag covers.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -210,36 +210,68 @@ fn push_decimal(buf: &mut Vec<u8>, mut n: u64) {
     buf.extend_from_slice(&digits[i..]);
 }
 
-/// The end of a limit's counter keys, `:<algorithm tag><window µs>:<ordinal>` (see
-/// [`CounterKey::with_limit`]), kept inline: 28 bytes at most (a 20-digit window, a 5-digit
-/// ordinal). The default is empty: no limit's.
+/// The end of a limit's counter keys, `:<algorithm tag><window µs>[~<zone>]:<ordinal>` (see
+/// [`CounterKey::with_limit`]): 28 bytes at most kept inline (a 20-digit window, a 5-digit
+/// ordinal), and a calendar's zone by reference (its IANA name, at most 32 bytes in the
+/// database, every byte one a key holds as it is). Kept once per configured limit, so its size
+/// counts in a large config's memory. The default is empty: no limit's.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct LimitIdentity {
     len: u8,
-    bytes: [u8; 31],
+    /// Where `:<ordinal>` starts in `bytes` (a zone goes before it).
+    split: u8,
+    bytes: [u8; 28],
+    zone: Option<&'static Zone>,
 }
 
 impl LimitIdentity {
     /// The identity of `limit` as the `ordinal`-th of its descriptor's limits with its
-    /// algorithm and window.
+    /// algorithm and window (and calendar zone: a calendar's counters are never an epoch
+    /// window's, nor another zone's).
     pub fn new(limit: &Limit, ordinal: u16) -> Self {
         let mut buf = Vec::with_capacity(28);
         buf.push(b':');
         buf.push(limit.algorithm.tag());
         push_decimal(&mut buf, limit.window_us);
+        let split = buf.len();
         buf.push(b':');
         push_decimal(&mut buf, ordinal as u64);
-        let mut bytes = [0; 31];
+        let mut bytes = [0; 28];
         bytes[..buf.len()].copy_from_slice(&buf);
         LimitIdentity {
             len: buf.len() as u8,
+            split: split as u8,
             bytes,
+            zone: limit.calendar.map(|c| c.zone()),
         }
     }
 
+    /// Appends the bytes a key ends with. Zone names are the database's: letters, digits,
+    /// '/', '_', '-' and '+', all bytes a key holds as they are (never ':'), so keys stay
+    /// injective.
+    pub fn push_to(&self, buf: &mut Vec<u8>) {
+        match self.zone {
+            None => buf.extend_from_slice(&self.bytes[..self.len as usize]),
+            Some(zone) => {
+                buf.extend_from_slice(&self.bytes[..self.split as usize]);
+                buf.push(b'~');
+                push_escaped(buf, zone.name().as_bytes());
+                buf.extend_from_slice(&self.bytes[self.split as usize..self.len as usize]);
+            }
+        }
+    }
+
+    /// How many bytes [`push_to`](Self::push_to) appends.
+    pub fn len(&self) -> usize {
+        self.len as usize + self.zone.map_or(0, |z| 1 + z.name().len())
+    }
+
     /// The bytes a key ends with.
-    pub fn as_bytes(&self) -> &[u8] {
-        &self.bytes[..self.len as usize]
+    #[cfg(test)]
+    fn to_vec(self) -> Vec<u8> {
+        let mut buf = Vec::new();
+        self.push_to(&mut buf);
+        buf
     }
 }
 
@@ -261,16 +293,15 @@ impl CounterKey {
     /// [`CounterKey::with_limit`] with the identity built beforehand (a configured limit's is
     /// built once, when its config compiles).
     pub fn with_identity(mut self, identity: &LimitIdentity) -> Self {
-        self.bytes.extend_from_slice(identity.as_bytes());
+        identity.push_to(&mut self.bytes);
         self
     }
 
     /// [`CounterKey::with_identity`] on a copy, reserving exactly what the identity needs.
     pub fn for_identity(&self, identity: &LimitIdentity) -> Self {
-        let suffix = identity.as_bytes();
-        let mut bytes = Vec::with_capacity(self.bytes.len() + suffix.len());
+        let mut bytes = Vec::with_capacity(self.bytes.len() + identity.len());
         bytes.extend_from_slice(&self.bytes);
-        bytes.extend_from_slice(suffix);
+        identity.push_to(&mut bytes);
         CounterKey {
             bytes,
             tag: self.tag,
@@ -331,6 +362,7 @@ mod tests {
             requests_per_unit: 1,
             window_us: 1_000_000,
             burst: 1,
+            calendar: None,
         }
     }
 
@@ -364,8 +396,50 @@ mod tests {
             ..limit()
         };
         let id = LimitIdentity::new(&widest, u16::MAX);
-        assert_eq!(id.as_bytes(), b":s18446744073709551615:65535");
-        assert_eq!(LimitIdentity::default().as_bytes(), b"");
+        assert_eq!(id.to_vec(), b":s18446744073709551615:65535");
+        assert_eq!(LimitIdentity::default().to_vec(), b"");
+        // Every zone of the database, with the widest window and ordinal, fits whole.
+        let mut zones = 0;
+        for name in jiff::tz::db().available() {
+            let Some(zone) = crate::limiter::calendar::zone(name.as_str()) else {
+                continue; // a name that is an alias of one already seen, or not a zone
+            };
+            let calendar =
+                crate::limiter::Calendar::new(zone, crate::limiter::CalendarUnit::Year, 1).unwrap();
+            let widest = Limit {
+                window_us: u64::MAX,
+                calendar: Some(calendar),
+                ..limit()
+            };
+            let id = LimitIdentity::new(&widest, u16::MAX);
+            let want = format!(":s18446744073709551615~{}:65535", zone.name());
+            assert_eq!(String::from_utf8_lossy(&id.to_vec()), want);
+            assert_eq!(id.len(), want.len());
+            zones += 1;
+        }
+        assert!(zones > 300, "{zones} zones");
+    }
+
+    #[test]
+    fn a_calendar_limit_has_counters_of_its_own() {
+        let zone = crate::limiter::calendar::zone("Asia/Kolkata").unwrap();
+        let day = Limit {
+            algorithm: Algorithm::FixedWindow,
+            window_us: 86_400_000_000,
+            ..limit()
+        };
+        let calendar = Limit {
+            calendar: Some(
+                crate::limiter::Calendar::new(zone, crate::limiter::CalendarUnit::Day, 1).unwrap(),
+            ),
+            ..day
+        };
+        let key = |l: &Limit| {
+            let k = CounterKey::new("d", [("k", "v")]).with_limit(l, 0);
+            String::from_utf8_lossy(k.as_bytes()).into_owned()
+        };
+        assert_eq!(key(&day), "{d}:k:v:f86400000000:0");
+        assert_eq!(key(&calendar), "{d}:k:v:f86400000000~Asia/Kolkata:0");
     }
 
     proptest::proptest! {

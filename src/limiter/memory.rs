@@ -384,6 +384,7 @@ mod tests {
                 requests_per_unit: rpu,
                 window_us: 1_000_000,
                 burst: rpu,
+                calendar: None,
             },
             hits: 1,
             enforcement: Enforcement::Enforce,

@@ -2,6 +2,7 @@
 //! stores the counters. Nothing here knows about gRPC or YAML.
 
 pub(crate) mod algorithm;
+pub(crate) mod calendar;
 pub(crate) mod clock;
 pub(crate) mod fallback;
 pub(crate) mod key;
@@ -14,6 +15,7 @@ use std::pin::Pin;
 use std::time::Duration;
 
 pub use algorithm::Algorithm;
+pub(crate) use calendar::{Calendar, CalendarUnit, Zone};
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use key::{CounterKey, HashTag, KeyFormat};
 pub use memory::MemoryBackend;
@@ -29,9 +31,32 @@ pub struct Limit {
     pub window_us: u64,
     /// Token bucket capacity; equals `requests_per_unit` unless configured.
     pub burst: u64,
+    /// Windows that follow a time zone's calendar (fixed_window only): `window_us` is then
+    /// the unit's nominal length, for the key and the headers, and windows come from here.
+    pub calendar: Option<Calendar>,
 }
 
 impl Limit {
+    /// The fixed window `[start, end)` (µs) holding `now`: aligned to the Unix epoch, or to
+    /// the calendar.
+    pub fn window_at(&self, now: u64) -> (u64, u64) {
+        match &self.calendar {
+            None => {
+                let start = now - now % self.window_us;
+                (start, start.saturating_add(self.window_us))
+            }
+            Some(calendar) => calendar.window_at(now),
+        }
+    }
+
+    /// The end of the fixed window that starts at `start`.
+    pub fn window_end(&self, start: u64) -> u64 {
+        match &self.calendar {
+            None => start.saturating_add(self.window_us),
+            Some(calendar) => calendar.window_at(start).1,
+        }
+    }
+
     /// Whether the window is shorter than a minute (a unit of seconds): such counters live in
     /// the per-second store when there is one, as envoyproxy/ratelimit keeps its `SECOND`
     /// limits apart with `REDIS_PERSECOND`.
@@ -256,6 +281,7 @@ mod tests {
                 requests_per_unit: 1,
                 window_us: 1_000_000,
                 burst: 1,
+                calendar: None,
             },
             hits: 1,
             enforcement,

@@ -55,9 +55,17 @@ pub(crate) fn start(
     metrics: &Metrics,
     tasks: &mut Tasks,
 ) -> Result<Started, SetupError> {
+    tracing::info!(
+        tzdb = super::calendar::tzdb_version(),
+        "calendar windows follow the time-zone data built in"
+    );
     let memory = Arc::new(
-        MemoryBackend::bounded(clock, options.memory_max_bytes, metrics.memory.clone())
-            .with_max_debt(options.max_debt),
+        MemoryBackend::bounded(
+            clock.clone(),
+            options.memory_max_bytes,
+            metrics.memory.clone(),
+        )
+        .with_max_debt(options.max_debt),
     );
     tasks.push({
         let memory = memory.clone();
@@ -79,10 +87,10 @@ pub(crate) fn start(
             failure_mode,
         } => {
             tracing::info!(target = ?redis.target, per_second = ?redis.per_second, hash_tag = ?keys.hash_tag(), failure_mode = failure_mode.as_str(), pipeline = redis.pipeline, max_batch = redis.max_batch, "redis backend");
-            let redis = Arc::new(RedisBackend::new(
-                RedisOptions::clone(redis),
-                metrics.backend.clone(),
-            )?);
+            let redis = Arc::new(
+                RedisBackend::new(RedisOptions::clone(redis), metrics.backend.clone())?
+                    .with_clock(clock),
+            );
             for probe in redis.spawn_probes(PROBE_EVERY) {
                 tasks.push(probe);
             }

@@ -121,7 +121,13 @@ pub(crate) fn headers(
             let unit = limit.unit.seconds();
             out.push((names.limit, limit.requests_per_unit.to_string()));
             out.push((names.remaining, min.remaining.to_string()));
-            out.push((names.reset, (unit - now_s % unit).to_string()));
+            // A calendar window ends where the calendar says, not where the epoch's would.
+            let left = if limit.calendar {
+                secs_ceil(reset)
+            } else {
+                unit - now_s % unit
+            };
+            out.push((names.reset, left.to_string()));
         }
         HeaderMode::Draft03 => {
             let mut value = limit.requests_per_unit.to_string();
@@ -204,6 +210,7 @@ mod tests {
                 requests_per_unit: rpu,
                 unit,
                 window: Duration::from_secs(unit.seconds()),
+                calendar: false,
             }),
             remaining,
             reset: Some(Duration::from_millis(reset_ms)),
@@ -262,6 +269,22 @@ mod tests {
             "\"burst\";q=100;w=60, \"daily\";q=1000;w=86400"
         );
         assert_eq!(get(&h, "RateLimit").unwrap(), "\"daily\";r=20;t=86000");
+    }
+
+    #[test]
+    fn a_calendar_limit_resets_when_its_window_ends_not_the_epochs() {
+        // A day in Kolkata with 6 h 30 min left, at a time 12 h before a UTC midnight.
+        let mut s = status(5, Unit::Day, 4, 23_400_000, false, None);
+        if let Some(l) = &mut s.limit {
+            l.calendar = true;
+        }
+        let r = response(vec![s]);
+        let h = headers(
+            HeaderMode::Reference(ReferenceNames::default()),
+            &r,
+            1_780_315_200,
+        );
+        assert_eq!(get(&h, "RateLimit-Reset").unwrap(), "23400");
     }
 
     #[test]

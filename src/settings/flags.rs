@@ -150,6 +150,29 @@ impl std::fmt::Debug for Secret {
     }
 }
 
+/// What `--version` prints after the name: the release and the time-zone data built in, which
+/// calendar windows follow (`ratelimitd 0.1.0 (tzdb 2026f)`).
+fn version() -> &'static str {
+    static VERSION: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    VERSION.get_or_init(|| {
+        format!(
+            "{} (tzdb {})",
+            env!("CARGO_PKG_VERSION"),
+            crate::limiter::calendar::tzdb_version()
+        )
+    })
+}
+
+fn parse_zone(s: &str) -> Result<String, String> {
+    match crate::limiter::calendar::zone(s) {
+        Some(zone) => Ok(zone.name().to_owned()),
+        None => Err(format!(
+            "unknown time zone '{s}' (expected an IANA name such as Europe/Berlin or America/New_York, or UTC; time-zone data {})",
+            crate::limiter::calendar::tzdb_version()
+        )),
+    }
+}
+
 fn parse_secret(s: &str) -> Result<Secret, String> {
     Ok(Secret(s.to_owned()))
 }
@@ -168,7 +191,7 @@ pub(crate) enum LogFormatArg {
 #[derive(Clone, Debug, Parser)]
 #[command(
     name = "ratelimitd",
-    version,
+    version = version(),
     about = "Rate-limit service for Envoy and Istio (envoy.service.ratelimit.v3)",
     after_help = "Every flag can also be set as RATELIMITD_<FLAG>, e.g. RATELIMITD_GRPC_ADDR=0.0.0.0:8081; \
                   RATELIMITD_CONFIG takes a comma-separated list."
@@ -273,6 +296,16 @@ pub(crate) struct Flags {
     /// Gateway's API has no field for one: set RATELIMITD_DEFAULT_ALGORITHM in its deployment).
     #[arg(long, value_enum, default_value = "fixed-window")]
     pub(crate) default_algorithm: AlgorithmArg,
+
+    /// Make every limit of an hour or longer that names no `calendar` follow the calendar of
+    /// this IANA time zone (e.g. Europe/Berlin, UTC): a day from local midnight, a month from
+    /// the 1st, in files and over xDS alike (Envoy Gateway's API has no field for it: set
+    /// RATELIMITD_CALENDAR_TIMEZONE in its deployment). Limits of seconds or minutes, and
+    /// those whose algorithm or unit_multiplier cannot take a calendar, are left as they are
+    /// (logged once). Unset: windows are fixed lengths from the Unix epoch, as in
+    /// envoyproxy/ratelimit (a month is 30 days).
+    #[arg(long, value_name = "ZONE", value_parser = parse_zone)]
+    pub(crate) calendar_timezone: Option<String>,
 
     /// How limits that set no `accounting` of their own count a descriptor's hits: auto (a
     /// descriptor carrying its own hits_addend > 0 is a cost report, as Envoy sends when a

@@ -87,6 +87,10 @@ impl Flags {
                 compile: CompileOptions {
                     default_algorithm: self.default_algorithm(),
                     merge_domains: self.merge_domain_config,
+                    calendar: self
+                        .calendar_timezone
+                        .as_deref()
+                        .and_then(crate::limiter::calendar::zone),
                 },
                 start_without_config: self.start_without_config,
                 unhealthy_until_config: self.unhealthy_until_config,

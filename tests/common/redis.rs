@@ -42,6 +42,8 @@ pub(crate) fn unique_prefix() -> String {
 pub(crate) struct RedisProc {
     pub port: u16,
     args: Vec<String>,
+    /// Its environment beyond the test's (the fake clock's preload).
+    env: Vec<(String, String)>,
     child: Option<Child>,
     pub dir: tempfile::TempDir,
     /// CA of a TLS-only server.
@@ -92,6 +94,7 @@ impl RedisProc {
         let mut p = RedisProc {
             port,
             args,
+            env: Vec::new(),
             child: None,
             dir,
             tls_ca: None,
@@ -153,6 +156,7 @@ impl RedisProc {
         let mut p = RedisProc {
             port: tls_port.unwrap_or(port),
             args,
+            env: Vec::new(),
             child: None,
             dir,
             tls_ca,
@@ -165,6 +169,7 @@ impl RedisProc {
         let server = server_binary();
         let child = Command::new(&server)
             .args(&self.args)
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -180,6 +185,44 @@ impl RedisProc {
             );
             std::thread::sleep(Duration::from_millis(20));
         }
+    }
+
+    /// A standalone server whose wall clock the test sets (see [`FakeClock`]).
+    pub(crate) fn start_with_fake_clock(clock: &FakeClock) -> RedisProc {
+        let dir = tempfile::tempdir().unwrap();
+        let port = free_port();
+        let mut p = RedisProc {
+            port,
+            args: [
+                "--port",
+                &port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                &dir.path().display().to_string(),
+            ]
+            .map(str::to_owned)
+            .to_vec(),
+            env: vec![
+                (
+                    "LD_PRELOAD".into(),
+                    fake_clock_library().display().to_string(),
+                ),
+                (
+                    "FAKECLOCK_OFFSET_FILE".into(),
+                    clock.file.display().to_string(),
+                ),
+            ],
+            child: None,
+            dir,
+            tls_ca: None,
+        };
+        p.spawn();
+        p
     }
 
     pub(crate) fn url(&self) -> String {
@@ -500,4 +543,121 @@ pub(crate) fn sign(certs: &std::path::Path, name: &str, subject: &str, ext: &str
             &cnf,
         ],
     );
+}
+
+/// The wall clock of a Redis started with [`RedisProc::start_with_fake_clock`]: real time plus
+/// an offset the test sets, read by the server on every clock read (tests/common/fakeclock.c,
+/// preloaded). Only the wall clock moves; Redis' monotonic clock stays real.
+pub(crate) struct FakeClock {
+    _dir: tempfile::TempDir,
+    file: PathBuf,
+}
+
+impl FakeClock {
+    /// A clock at real time.
+    pub(crate) fn new() -> FakeClock {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("offset");
+        std::fs::write(&file, "0").unwrap();
+        FakeClock { _dir: dir, file }
+    }
+
+    /// Sets the server's wall clock to `at_us` (µs since the epoch) now; it runs on from there.
+    pub(crate) fn set(&self, at_us: u64) {
+        use ratelimitd::testing::{Clock, SystemClock};
+        let offset = at_us as i64 - SystemClock.now_us() as i64;
+        // Written whole, then renamed: the server never reads half a number.
+        let tmp = self.file.with_extension("tmp");
+        std::fs::write(&tmp, offset.to_string()).unwrap();
+        std::fs::rename(&tmp, &self.file).unwrap();
+    }
+}
+
+/// The fake clock's library, built once per test binary with the C compiler.
+fn fake_clock_library() -> PathBuf {
+    static LIB: OnceLock<PathBuf> = OnceLock::new();
+    LIB.get_or_init(|| {
+        let dir = std::env::temp_dir().join(format!("ratelimitd-fakeclock-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let lib = dir.join("libfakeclock.so");
+        let source = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/common/fakeclock.c");
+        let status = Command::new("cc")
+            .args(["-shared", "-fPIC", "-O2", "-o"])
+            .arg(&lib)
+            .arg(source)
+            .status()
+            .expect("a C compiler (cc) builds the fake clock");
+        assert!(status.success(), "cc failed to build {source}");
+        lib
+    })
+    .clone()
+}
+
+/// The clock that decides a stepped test: the service's own (the memory backend), or the
+/// store's (a Redis started with [`RedisProc::start_with_fake_clock`]), which runs on in real
+/// time from where it is set.
+pub(crate) enum Stepped {
+    Memory(ratelimitd::testing::ManualClock),
+    Redis(FakeClock),
+}
+
+impl Stepped {
+    /// Sets the deciding clock to `at_us`.
+    pub(crate) fn set(&self, at_us: u64) {
+        match self {
+            Stepped::Memory(c) => c.set(at_us),
+            Stepped::Redis(c) => c.set(at_us),
+        }
+    }
+
+    /// How much a reset may be short of the exact one: nothing on a stopped clock; on a
+    /// running one, the time between setting it and the answer (a loaded machine: seconds).
+    pub(crate) fn slack(&self) -> Duration {
+        match self {
+            Stepped::Memory(_) => Duration::ZERO,
+            Stepped::Redis(_) => Duration::from_secs(10),
+        }
+    }
+}
+
+/// `files` served twice, each with its clock set to `at_us` and stepped by the test: on the
+/// memory backend (the service's clock), and on a Redis of its own whose wall clock is the
+/// one that counts (the service's clock is `service_us` and never moves). The Redis is
+/// returned too: it lives as long as the test holds it.
+pub(crate) async fn stepped_servers(
+    files: &[(&str, &str)],
+    at_us: u64,
+    service_us: u64,
+) -> (Vec<(&'static str, super::TestServer, Stepped)>, RedisProc) {
+    use ratelimitd::testing::ManualClock;
+    use std::sync::Arc;
+    let memory = ManualClock::new(at_us);
+    let fake = FakeClock::new();
+    fake.set(at_us);
+    let redis = RedisProc::start_with_fake_clock(&fake);
+    let url = redis.url();
+    let flags = [
+        "--backend",
+        "redis",
+        "--redis-url",
+        &url,
+        "--redis-key-prefix",
+        "stepped:",
+        "--redis-timeout",
+        "2s",
+    ];
+    let servers = vec![
+        (
+            "memory",
+            super::TestServer::start_with(files, &[], Arc::new(memory.clone())).await,
+            Stepped::Memory(memory),
+        ),
+        (
+            "redis",
+            super::TestServer::start_with(files, &flags, Arc::new(ManualClock::new(service_us)))
+                .await,
+            Stepped::Redis(fake),
+        ),
+    ];
+    (servers, redis)
 }

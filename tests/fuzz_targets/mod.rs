@@ -146,6 +146,7 @@ pub(crate) fn redis_args(data: &[u8]) {
         requests_per_unit: 1,
         window_us: 1_000_000,
         burst: 1,
+        calendar: None,
     };
     let entries = || entries.iter().map(|(k, v)| (k.as_str(), v.as_str()));
     for tag in [HashTag::Domain, HashTag::Descriptor] {

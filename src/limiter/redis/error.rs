@@ -43,6 +43,9 @@ pub(super) enum ErrorKind {
     ForeignData,
     /// The script's reply did not have the expected shape.
     Reply,
+    /// A calendar window's boundaries missed Redis' time twice (its clock jumped between two
+    /// calls of one request).
+    Clock,
     /// The backend is shutting down.
     Closed,
     /// The queue of calls was full: refused at once.
@@ -114,7 +117,7 @@ impl ErrorKind {
     }
 
     /// Every kind, for the zero series exported before the first error.
-    pub(super) const ALL: [ErrorKind; 20] = [
+    pub(super) const ALL: [ErrorKind; 21] = [
         ErrorKind::Timeout,
         ErrorKind::Connection,
         ErrorKind::Oom,
@@ -132,6 +135,7 @@ impl ErrorKind {
         ErrorKind::Script,
         ErrorKind::ForeignData,
         ErrorKind::Reply,
+        ErrorKind::Clock,
         ErrorKind::Closed,
         ErrorKind::Overloaded,
         ErrorKind::CircuitOpen,
@@ -157,6 +161,7 @@ impl ErrorKind {
             ErrorKind::Script => "script",
             ErrorKind::ForeignData => "foreign_data",
             ErrorKind::Reply => "reply",
+            ErrorKind::Clock => "clock",
             ErrorKind::Closed => "closed",
             ErrorKind::Overloaded => "overloaded",
             ErrorKind::CircuitOpen => "circuit_open",

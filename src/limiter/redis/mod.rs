@@ -27,7 +27,7 @@ mod wire;
 
 use std::hash::{BuildHasher, RandomState};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -47,7 +47,8 @@ use self::error::ErrorKind;
 pub use self::wire::SCRIPT;
 use self::wire::{Args, Decided, Mode};
 use super::{
-    Backend, BackendError, BoxFuture, Enforcement, Hit, HitKind, Outcome, Verdict, admits,
+    Backend, BackendError, BoxFuture, Clock, Enforcement, Hit, HitKind, Outcome, SystemClock,
+    Verdict, admits,
 };
 use crate::metrics::{BackendMetrics, KindLabels};
 
@@ -96,7 +97,17 @@ pub(crate) struct RedisBackend {
     metrics: BackendMetrics,
     nonce_base: u64,
     nonce: AtomicU64,
+    /// This service's clock, and how far Redis' clock is ahead of it (µs, from the last
+    /// reply's TIME): where calendar windows' boundaries are sent around. Redis' clock decides
+    /// which window holds a call; this only keeps the guess close (see script.lua).
+    clock: Arc<dyn Clock>,
+    redis_ahead_us: AtomicI64,
 }
+
+/// How far the estimate of Redis' clock may drift before a reply's TIME replaces it (µs): a
+/// calendar window is an hour at least, so a second is nothing, and most replies leave the
+/// shared value unwritten.
+const REDIS_CLOCK_SLACK_US: i64 = 1_000_000;
 
 /// One script call's share of a request: the indices of its hits, all in one slot of one store.
 struct Group {
@@ -171,8 +182,32 @@ impl RedisBackend {
             metrics,
             nonce_base: RandomState::new().hash_one(std::process::id()),
             nonce: AtomicU64::new(0),
+            clock: Arc::new(SystemClock),
+            redis_ahead_us: AtomicI64::new(0),
             opts,
         })
+    }
+
+    /// This backend with `clock` as the service's own (the estimate of Redis' clock starts
+    /// from it; answers never do).
+    pub(crate) fn with_clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        self.clock = clock;
+        self
+    }
+
+    /// Where Redis' clock is expected to be now (µs).
+    fn redis_now(&self) -> u64 {
+        let ahead = self.redis_ahead_us.load(Ordering::Relaxed);
+        self.clock.now_us().saturating_add_signed(ahead)
+    }
+
+    /// Learns Redis' clock from a reply's TIME (µs).
+    fn learn_redis_time(&self, at: i64) {
+        let ahead = at.saturating_sub(self.clock.now_us() as i64);
+        let known = self.redis_ahead_us.load(Ordering::Relaxed);
+        if ahead.abs_diff(known) > REDIS_CLOCK_SLACK_US as u64 {
+            self.redis_ahead_us.store(ahead, Ordering::Relaxed);
+        }
     }
 
     /// Whether the last call or probe reached every store.
@@ -295,7 +330,14 @@ impl RedisBackend {
                 Enforcement::Soft if soft_split => Enforcement::Shadow,
                 e => e,
             };
-            args.push(hit.key.as_bytes(), &hit.limit, given, enforcement, kind);
+            args.push(
+                hit.key.as_bytes(),
+                &hit.limit,
+                given,
+                enforcement,
+                kind,
+                || self.redis_now(),
+            );
         }
         let part = Part {
             args,
@@ -401,7 +443,7 @@ impl RedisBackend {
             .iter()
             .map(|g| self.submit(hits, g, Mode::Decide, nonce, 0, soft_split, None))
             .collect();
-        let results: SmallVec<[_; 2]> = if answers.len() == 1 {
+        let mut results: SmallVec<[_; 2]> = if answers.len() == 1 {
             let only = answers.into_iter().next().expect("one group");
             let mut results = SmallVec::new();
             results.push(self.answer(only, deadline).await);
@@ -412,6 +454,17 @@ impl RedisBackend {
                 .into_iter()
                 .collect()
         };
+        // A calendar window whose boundaries missed Redis' clock (this service's idea of it was
+        // off by more than a window: at start, or after either clock jumped): nothing was
+        // written for that group. Once more, around the time its reply carried.
+        for (g, result) in results.iter_mut().enumerate() {
+            let Ok(reply) = result else { continue };
+            self.learn_redis_time(reply.at());
+            if matches!(Decided::parse(reply.values(), reply.at()), Decided::Stale) {
+                let again = self.submit(hits, &groups[g], Mode::Decide, nonce, 0, soft_split, None);
+                *result = self.answer(again, deadline).await;
+            }
+        }
 
         let mut verdicts = vec![
             Verdict {
@@ -433,6 +486,12 @@ impl RedisBackend {
                 }
             };
             match Decided::parse(reply.values(), reply.at()) {
+                Decided::Stale => {
+                    first_error.get_or_insert(self.error(
+                        ErrorKind::Clock,
+                        "redis' clock left a calendar window between two calls of one request",
+                    ));
+                }
                 Decided::ForeignData => {
                     // This request alone could not be decided; the others in its call were.
                     first_error.get_or_insert(self.error(
@@ -440,7 +499,7 @@ impl RedisBackend {
                         "a counter key holds data this service did not write",
                     ));
                 }
-                Decided::Decided {
+                Decided::Answered {
                     admitted,
                     at,
                     limits,

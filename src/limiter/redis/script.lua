@@ -39,8 +39,16 @@
 --   D        how far past its limit a cost report may take a counter, in limits (--max-debt)
 -- then per counter c (C times; the same key may come twice with different limits, e.g. from
 -- requests on either side of a config reload), its key being KEYS[k] with k from the first field:
---   k, algorithm (1 fixed_window, 2 sliding_window, 3 sliding_log, 4 token_bucket),
---   requests_per_unit, window (µs), burst
+--   k, algorithm (1 fixed_window, 2 sliding_window, 3 sliding_log, 4 token_bucket, 5 a
+--   fixed_window on a calendar), requests_per_unit, window (µs), burst
+--   and for a calendar (5) four window boundaries b0 < b1 < b2 < b3 (µs): the windows [b0, b1),
+--   [b1, b2) and [b2, b3), around where the client expects Redis' time to be. The one holding
+--   this call's TIME is the counter's window (its length is b(i+1) - b(i): a day may be 23
+--   hours, a month 28 days); the calendar's arithmetic (zones, daylight saving) stays in the
+--   client, the clock that picks the window is Redis'. When none holds TIME (the client's idea
+--   of Redis' time was off by more than a window), every request naming the counter is answered
+--   admitted = -2 and zeros, and nothing is written for it: the client asks again with
+--   boundaries around the TIME this reply carries.
 -- then per entry (E of them), decide:
 --   m        the entry stands for m identical requests in a row, decided one after another
 --   n        how many limits each has
@@ -82,7 +90,8 @@
 -- undo: 1. It takes back what an admitted decide of the same KEYS and ARGV consumed.
 --
 -- Each request succeeds or fails on its own: one whose counter holds foreign data (a key of the
--- wrong type, a value that is not ours) gets admitted = -1 and zeros, nothing is written for it,
+-- wrong type, a value that is not ours) gets admitted = -1 and zeros (a calendar counter whose
+-- boundaries miss TIME: -2, see above), nothing is written for it,
 -- and the call's other requests are decided as usual. An error that means Redis cannot serve
 -- now (OOM, NOREPLICAS, MISCONF, READONLY, LOADING, MASTERDOWN, BUSY) fails the whole call: it
 -- would fail every request alike, and the client's failure mode answers them.
@@ -96,6 +105,9 @@ local ENFORCEMENTS = {'E', 'Q', 'S'}
 -- The call's counters: key, algorithm, requests_per_unit, window, burst, the start of the
 -- window the call's time is in, and its state once read (false until then; see `cache`).
 local c_key, c_algo, c_rpu, c_w, c_burst, c_start, c_st = {}, {}, {}, {}, {}, {}, {}
+-- Calendar counters: whether the counter is one, its four boundaries, and whether none of its
+-- windows holds the call's time (see the header).
+local c_cal, c_b0, c_b1, c_b2, c_b3, c_stale = {}, {}, {}, {}, {}, {}
 -- The request being decided: its nonce, how many limits it has, and per limit its counter, the
 -- counter's algorithm, hits (0 for a refund, whose hits are in l_back), enforcement and kind
 -- (reused from request to request: only 1..n are read); whether it has refunds, and reports.
@@ -113,6 +125,18 @@ local over, state, next_tat = {}, {}, {}
 
 -- The call's Redis TIME (µs), and how far past its limit a report may take a counter.
 local now, debt = 0, 0
+
+-- The window of calendar counter c that holds `t`: its start and length, or nil when none does.
+local function window_in(c, t)
+  local b0, b1, b2, b3 = c_b0[c], c_b1[c], c_b2[c], c_b3[c]
+  if t >= b1 then
+    if t < b2 then return b1, b2 - b1 end
+    if t < b3 then return b2, b3 - b2 end
+  elseif t >= b0 then
+    return b0, b1 - b0
+  end
+  return nil
+end
 
 local function expiry_ms(at_us)
   -- Expiries are in ms and a key lives while now_ms <= at_ms, so expire at the last ms before
@@ -312,6 +336,7 @@ local function undo(at)
     local key, algo, rpu, w, burst, hits = limit(i)
     if hits > 0 then
       local start = at - (at % w)
+      if c_cal[l_c[i]] then start = window_in(l_c[i], at) or -1 end
       if algo == 'f' then
         -- Only the decide's own window, and only a value in this version's form.
         local v = redis.call('GET', key)
@@ -357,7 +382,7 @@ local function build_accounting()
     local c = l_c[i]
     local key, algo, rpu, w, hits = c_key[c], c_algo[c], c_rpu[c], c_w[c], l_back[i]
     if hits <= 0 then return end
-    local start = now - (now % w)
+    local start = c_start[c]
     if algo == 'f' then
       local st = cache[key] or cached(key, load_f, w)
       roll_f(st, start)
@@ -367,28 +392,31 @@ local function build_accounting()
     elseif algo == 's' then
       local st = cache[key] or cached(key, load_s, w)
       roll_s(st, start, w)
-      local from_c = min(hits, st.c)
-      local from_p = min(hits - from_c, st.p)
+      -- The previous window first: a refund does not say when its hits were taken, and these
+      -- weigh only their faded share (see State::refund).
+      local from_p = min(hits, st.p)
+      local from_c = min(hits - from_p, st.c)
       if from_c + from_p > 0 then
         st.c, st.p, st.rewrite, st.w = st.c - from_c, st.p - from_p, true, w
       end
     elseif algo == 'w' then
-      -- The most recent weight first: remove whole members, shorten the last one.
+      -- The oldest weight first (see State::refund): remove whole members, shorten the last
+      -- one. (`#` is scored below every entry's time, so it is never among them.)
       local total = log_total(key, now - w)
       if total <= 0 then return end
-      local newest = redis.call('ZREVRANGEBYSCORE', key, '+inf', string.format('(%d', now - w),
+      local oldest = redis.call('ZRANGEBYSCORE', key, string.format('(%d', now - w), '+inf',
         'WITHSCORES', 'LIMIT', 0, LOG_REFUND_MAX)
       -- One ZREM for every member taken (a call per member let a request of many refunds on
       -- long logs hold Redis for a long time); the member shortened is written anew.
       local rest, gone, shortened = hits, {}, nil
-      for j = 1, #newest, 2 do
-        local m = newest[j]
+      for j = 1, #oldest, 2 do
+        local m = oldest[j]
         local weight = tonumber(string.match(m, ':(%d+)$'))
         gone[#gone + 1] = m
         if weight <= rest then
           rest = rest - weight
         else
-          shortened = {newest[j + 1], string.match(m, '^(.*):%d+$') .. ':' .. (weight - rest)}
+          shortened = {oldest[j + 1], string.match(m, '^(.*):%d+$') .. ':' .. (weight - rest)}
           rest = 0
         end
         if rest <= 0 then break end
@@ -698,10 +726,23 @@ local function main(KEYS, ARGV)
   local blob, at_byte, next_nonce = ARGV[2], 1, 3
   local entries, counters
   entries, counters, debt, at_byte = unpack_numbers('<ddd', blob, at_byte)
+  local stale_any = false
   for c = 1, counters do
     local k, a
     k, a, c_rpu[c], c_w[c], c_burst[c], at_byte = unpack_numbers('<ddddd', blob, at_byte)
-    c_key[c], c_algo[c], c_start[c], c_st[c] = KEYS[k], ALGORITHMS[a], now - (now % c_w[c]), false
+    c_key[c], c_st[c] = KEYS[k], false
+    if a == 5 then
+      c_b0[c], c_b1[c], c_b2[c], c_b3[c], at_byte = unpack_numbers('<dddd', blob, at_byte)
+      c_algo[c], c_cal[c] = 'f', true
+      local start, w = window_in(c, now)
+      if start then
+        c_start[c], c_w[c], c_stale[c] = start, w, false
+      else
+        c_start[c], c_stale[c], stale_any = now - (now % c_w[c]), true, true
+      end
+    else
+      c_algo[c], c_start[c], c_cal[c], c_stale[c] = ALGORITHMS[a], now - (now % c_w[c]), false, false
+    end
   end
   local undoing = mode == 'undo'
   for _ = 1, entries do
@@ -712,7 +753,7 @@ local function main(KEYS, ARGV)
     else
       m, n, at_byte = unpack_numbers('<dd', blob, at_byte)
     end
-    local logged = false
+    local logged, stale = false, false
     refunds, reports = false, false
     for i = 1, n do
       local c, hits, e
@@ -729,6 +770,7 @@ local function main(KEYS, ARGV)
       local algo = c_algo[c]
       l_algo[i] = algo
       if algo == 'w' then logged = true end
+      if stale_any and c_stale[c] then stale = true end
     end
     if (refunds or reports) and not accounting then accounting = build_accounting() end
     if undoing then
@@ -740,7 +782,21 @@ local function main(KEYS, ARGV)
       if logged then
         nonce, next_nonce = ARGV[next_nonce], next_nonce + 1
       end
-      decide_entry(m)
+      if stale then
+        -- A calendar window the boundaries miss: the client asks again (see the header).
+        local o = out_n
+        for _ = 1, m do
+          out[o + 1] = -2
+          o = o + 1
+          for _ = 1, n do
+            out[o + 1], out[o + 2] = 0, 0
+            o = o + 2
+          end
+        end
+        out_n = o
+      else
+        decide_entry(m)
+      end
     end
   end
   flush()

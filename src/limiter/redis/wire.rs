@@ -65,6 +65,8 @@ struct LimitArgs {
     enforcement: Enforcement,
     /// Admission, cost report or refund.
     kind: HitKind,
+    /// A calendar window's: where its boundaries are in [`Args::bounds`] (see script.lua).
+    bounds: Option<u16>,
 }
 
 /// A request's share of a script call: its counters' keys and limits, and what to do with
@@ -84,6 +86,8 @@ pub(super) struct Args {
     key_ends: SmallVec<[u32; 8]>,
     /// One per key.
     limits: SmallVec<[LimitArgs; 8]>,
+    /// The boundaries of its calendar limits' windows (none for most requests: no allocation).
+    bounds: Vec<[u64; 4]>,
 }
 
 impl Args {
@@ -111,12 +115,14 @@ impl Args {
             keys: Vec::with_capacity(key_bytes),
             key_ends: SmallVec::new(),
             limits: SmallVec::new(),
+            bounds: Vec::new(),
         }
     }
 
     /// Adds a counter: its key, its limit, the hits to add (a refund, or an undo: to give back),
     /// what an over verdict does (a quota limit the caller cannot judge across calls goes as
-    /// shadow) and the hits' kind (an undo's are all admissions).
+    /// shadow) and the hits' kind (an undo's are all admissions). A calendar limit's windows
+    /// are sent as the boundaries around `redis_now` (µs), where Redis' clock is expected.
     pub(super) fn push(
         &mut self,
         key: &[u8],
@@ -124,9 +130,14 @@ impl Args {
         hits: u64,
         enforcement: Enforcement,
         kind: HitKind,
+        redis_now: impl Fn() -> u64,
     ) {
         self.keys.extend_from_slice(key);
         self.key_ends.push(self.keys.len() as u32);
+        let bounds = limit.calendar.map(|calendar| {
+            self.bounds.push(calendar.boundaries_around(redis_now()));
+            (self.bounds.len() - 1) as u16
+        });
         self.limits.push(LimitArgs {
             algorithm: limit.algorithm,
             requests_per_unit: limit.requests_per_unit,
@@ -135,6 +146,7 @@ impl Args {
             hits,
             enforcement,
             kind,
+            bounds,
         });
     }
 
@@ -177,6 +189,11 @@ impl Args {
             (key, l)
         })
     }
+
+    /// The boundaries of limit `l`'s calendar windows, if it has a calendar.
+    fn bounds_of(&self, l: &LimitArgs) -> Option<&[u64; 4]> {
+        l.bounds.map(|b| &self.bounds[b as usize])
+    }
 }
 
 /// Up to this many limits in a call, keys and counters are matched by a scan.
@@ -197,8 +214,8 @@ pub(super) fn command(parts: &[&Args], how: Call, max_debt: u64) -> Cmd {
     // hashing, which costs more to set up than a short scan does.
     let hashed = limits_in > SCAN_LIMITS;
     let mut key_index: HashMap<&[u8], usize> = HashMap::new();
-    let mut counters: Vec<(usize, &LimitArgs)> = Vec::with_capacity(limits_in);
-    let mut counter_index: HashMap<(usize, Algorithm, u64, u64, u64), usize> = HashMap::new();
+    let mut counters: Vec<(usize, &LimitArgs, Option<&[u64; 4]>)> = Vec::with_capacity(limits_in);
+    let mut counter_index: HashMap<(usize, Algorithm, bool, u64, u64, u64), usize> = HashMap::new();
     if hashed {
         key_index.reserve(limits_in);
         counter_index.reserve(limits_in);
@@ -220,11 +237,21 @@ pub(super) fn command(parts: &[&Args], how: Call, max_debt: u64) -> Cmd {
                     }
                 }
             };
-            let identity = (k, l.algorithm, l.requests_per_unit, l.window_us, l.burst);
-            let same = |(ck, cl): &(usize, &LimitArgs)| {
+            // A calendar counter's boundaries are the first request's: every request's are
+            // boundaries of the same calendar, and the script asks again if they miss TIME.
+            let identity = (
+                k,
+                l.algorithm,
+                l.bounds.is_some(),
+                l.requests_per_unit,
+                l.window_us,
+                l.burst,
+            );
+            let same = |(ck, cl, _): &(usize, &LimitArgs, Option<&[u64; 4]>)| {
                 (
                     *ck,
                     cl.algorithm,
+                    cl.bounds.is_some(),
                     cl.requests_per_unit,
                     cl.window_us,
                     cl.burst,
@@ -232,14 +259,14 @@ pub(super) fn command(parts: &[&Args], how: Call, max_debt: u64) -> Cmd {
             };
             let c = if hashed {
                 *counter_index.entry(identity).or_insert_with(|| {
-                    counters.push((k, l));
+                    counters.push((k, l, p.bounds_of(l)));
                     counters.len()
                 })
             } else {
                 match counters.iter().position(same) {
                     Some(c) => c + 1,
                     None => {
-                        counters.push((k, l));
+                        counters.push((k, l, p.bounds_of(l)));
                         counters.len()
                     }
                 }
@@ -278,6 +305,7 @@ pub(super) fn command(parts: &[&Args], how: Call, max_debt: u64) -> Cmd {
     // Every number goes in one argument, packed (see [`Numbers`]); the nonces follow it.
     let numbers = 3
         + 5 * counters.len()
+        + 4 * counters.iter().filter(|(_, _, b)| b.is_some()).count()
         + entries
             .iter()
             .map(|&(i, _, _)| 3 + 3 * parts[i].limits.len())
@@ -287,13 +315,19 @@ pub(super) fn command(parts: &[&Args], how: Call, max_debt: u64) -> Cmd {
         .push(entries.len() as f64)
         .push(counters.len() as f64)
         .push(max_debt as f64);
-    for (k, l) in &counters {
+    for (k, l, bounds) in &counters {
         packed
             .push(*k as f64)
-            .push(algorithm_code(l.algorithm))
+            .push(match bounds {
+                Some(_) => CALENDAR_CODE,
+                None => algorithm_code(l.algorithm),
+            })
             .push(l.requests_per_unit as f64)
             .push(l.window_us as f64)
             .push(l.burst as f64);
+        for b in bounds.iter().flat_map(|b| b.iter()) {
+            packed.push(*b as f64);
+        }
     }
     let mut nonces: SmallVec<[&[u8]; 4]> = SmallVec::new();
     for &(i, from, run) in &entries {
@@ -351,6 +385,9 @@ impl Numbers {
         self
     }
 }
+
+/// The script's code for a fixed_window on a calendar, whose four boundaries follow its limit.
+const CALENDAR_CODE: f64 = 5.0;
 
 /// The script's code for an algorithm (`ALGORITHMS` in script.lua).
 fn algorithm_code(algorithm: Algorithm) -> f64 {
@@ -439,8 +476,11 @@ pub(super) fn call_time(values: &[i64]) -> i64 {
 pub(super) enum Decided<'a> {
     /// A counter holds data this service did not write: nothing was decided or written.
     ForeignData,
+    /// A calendar counter's boundaries held no window with Redis' time: nothing was decided or
+    /// written; ask again with boundaries around the call's time.
+    Stale,
     /// Decided.
-    Decided {
+    Answered {
         /// Every limit fit and was consumed.
         admitted: bool,
         /// Redis `TIME` of the decision (µs), what its refund names.
@@ -455,11 +495,12 @@ impl Decided<'_> {
     /// against [`Args::reply_len`]), made at `at` (the call's time).
     pub(super) fn parse(values: &[i64], at: i64) -> Decided<'_> {
         match values {
-            [admitted, limits @ ..] if *admitted >= 0 => Decided::Decided {
+            [admitted, limits @ ..] if *admitted >= 0 => Decided::Answered {
                 admitted: *admitted == 1,
                 at,
                 limits,
             },
+            [-2, ..] => Decided::Stale,
             _ => Decided::ForeignData,
         }
     }
@@ -495,9 +536,17 @@ mod tests {
             requests_per_unit: rpu,
             window_us: 1_000_000,
             burst: rpu,
+            calendar: None,
         };
         for key in keys {
-            p.push(key, &limit, hits, Enforcement::Enforce, HitKind::Admission);
+            p.push(
+                key,
+                &limit,
+                hits,
+                Enforcement::Enforce,
+                HitKind::Admission,
+                || 0,
+            );
         }
         p
     }
@@ -624,8 +673,16 @@ mod tests {
             requests_per_unit: 3,
             window_us: 2_000_000,
             burst: 3,
+            calendar: None,
         };
-        p.push(b"{d}:a", &limit, 1, Enforcement::Soft, HitKind::Admission);
+        p.push(
+            b"{d}:a",
+            &limit,
+            1,
+            Enforcement::Soft,
+            HitKind::Admission,
+            || 0,
+        );
         assert_eq!(p.reply_len(), 1);
         let got = args(&command(&[&p], Call::Hash, 1));
         #[rustfmt::skip]
@@ -701,7 +758,7 @@ mod tests {
             Decided::parse(&[-1, 0, 0, 0, 0], 7),
             Decided::ForeignData
         ));
-        let Decided::Decided {
+        let Decided::Answered {
             admitted,
             at,
             limits,
