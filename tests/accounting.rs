@@ -391,8 +391,6 @@ async fn headers_after_a_report_show_nothing_left_and_the_real_reset() {
 /// the example limits admits exactly as many requests as the budget allows.
 #[tokio::test]
 async fn the_token_budget_example_meets_envoys_protos_and_holds() {
-    use envoy_types::pb::envoy::config::route::v3::RateLimit;
-    use envoy_types::pb::envoy::config::route::v3::rate_limit::HitsAddend;
     use envoy_types::pb::envoy::extensions::filters::http::lua::v3::Lua;
     use envoy_types::pb::envoy::extensions::filters::http::ratelimit::v3::RateLimit as Filter;
     use envoy_types::pb::envoy::extensions::filters::http::router::v3::Router;
@@ -419,36 +417,11 @@ async fn the_token_budget_example_meets_envoys_protos_and_holds() {
     let route = &hcm["route_config"]["virtual_hosts"][0]["routes"][0]["route"];
     // Each route rate limit, read into Envoy's message field by field: a field Envoy does not
     // have is refused here.
-    let limits: Vec<RateLimit> = route["rate_limits"]
+    let limits: Vec<_> = route["rate_limits"]
         .as_array()
         .unwrap()
         .iter()
-        .map(|l| {
-            let mut limit = RateLimit::default();
-            for (field, value) in l.as_object().unwrap() {
-                match field.as_str() {
-                    "actions" => assert_eq!(value.as_array().unwrap().len(), 1),
-                    "apply_on_stream_done" => limit.apply_on_stream_done = value == true,
-                    "hits_addend" => {
-                        let mut addend = HitsAddend::default();
-                        for (field, value) in value.as_object().unwrap() {
-                            match field.as_str() {
-                                "number" => {
-                                    addend.number = Some(UInt64Value {
-                                        value: value.as_u64().unwrap(),
-                                    })
-                                }
-                                "format" => addend.format = value.as_str().unwrap().to_owned(),
-                                other => panic!("HitsAddend has no field {other}"),
-                            }
-                        }
-                        limit.hits_addend = Some(addend);
-                    }
-                    other => panic!("RateLimit field {other} is not used here"),
-                }
-            }
-            limit
-        })
+        .map(route_rate_limit)
         .collect();
     let [check, report] = &limits[..] else {
         panic!("two rate limits")

@@ -343,13 +343,7 @@ descriptors:
     .await;
     // The environment reached the rules: /rlconfig shows which limits took the zone.
     let (_, rules) = s.http_get("/rlconfig").await;
-    let rule = |key: &str| {
-        rules
-            .lines()
-            .find(|l| l.starts_with(&format!("d.{key}:")))
-            .unwrap_or_else(|| panic!("{key}: {rules}"))
-            .to_owned()
-    };
+    let rule = |key: &str| rule_line(&rules, "d", key);
     assert!(rule("day").contains("calendar=Asia/Kolkata"), "{rules}");
     assert!(rule("own").contains("calendar=UTC"), "{rules}");
     for key in ["minute", "sliding", "two_days"] {

@@ -107,8 +107,6 @@ async fn the_reservations_example_meets_envoys_protos_and_holds() {
     use envoy_types::pb::envoy::config::core::v3::data_source::Specifier;
     use envoy_types::pb::envoy::config::core::v3::substitution_format_string::Format;
     use envoy_types::pb::envoy::config::core::v3::{DataSource, SubstitutionFormatString};
-    use envoy_types::pb::envoy::config::route::v3::RateLimit;
-    use envoy_types::pb::envoy::config::route::v3::rate_limit::HitsAddend;
     use envoy_types::pb::envoy::extensions::filters::common::set_filter_state::v3::FilterStateValue;
     use envoy_types::pb::envoy::extensions::filters::common::set_filter_state::v3::filter_state_value::{
         Key, Value,
@@ -205,36 +203,14 @@ async fn the_reservations_example_meets_envoys_protos_and_holds() {
     };
     assert_eq!(estimate, "%REQ(x-max-tokens)%");
 
-    // The route's rate limits, read into Envoy's messages: a field Envoy does not have is
-    // refused here.
+    // The route's rate limits, read into Envoy's messages.
     let route = &hcm["route_config"]["virtual_hosts"][0]["routes"][0];
     let per_route = &route["typed_per_filter_config"]["envoy.filters.http.ratelimit"];
-    let limits: Vec<RateLimit> = per_route["rate_limits"]
+    let limits: Vec<_> = per_route["rate_limits"]
         .as_array()
         .unwrap()
         .iter()
-        .map(|l| {
-            let mut limit = RateLimit::default();
-            for (field, value) in l.as_object().unwrap() {
-                match field.as_str() {
-                    "actions" => assert_eq!(value.as_array().unwrap().len(), 1),
-                    "apply_on_stream_done" => limit.apply_on_stream_done = value == true,
-                    "hits_addend" => {
-                        let mut addend = HitsAddend::default();
-                        for (field, value) in value.as_object().unwrap() {
-                            match field.as_str() {
-                                "format" => addend.format = value.as_str().unwrap().to_owned(),
-                                "is_negative_hits" => addend.is_negative_hits = value == true,
-                                other => panic!("HitsAddend has no field {other}"),
-                            }
-                        }
-                        limit.hits_addend = Some(addend);
-                    }
-                    other => panic!("RateLimit field {other} is not used here"),
-                }
-            }
-            limit
-        })
+        .map(route_rate_limit)
         .collect();
     let per_route_message = RateLimitPerRoute {
         rate_limits: limits.clone(),

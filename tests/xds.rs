@@ -255,6 +255,30 @@ impl Drop for AdsServer {
     }
 }
 
+/// `d` with `metadata: {ratelimitd: {<fields>}}`, as a control plane sets our extensions.
+fn with_extensions<const N: usize>(
+    mut d: pb::RateLimitDescriptor,
+    fields: [(&str, envoy_types::pb::google::protobuf::value::Kind); N],
+) -> pb::RateLimitDescriptor {
+    use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
+    let extensions = Struct {
+        fields: fields
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), Value { kind: Some(v) }))
+            .collect(),
+    };
+    d.metadata = Some(Struct {
+        fields: [(
+            "ratelimitd".to_owned(),
+            Value {
+                kind: Some(Kind::StructValue(extensions)),
+            },
+        )]
+        .into(),
+    });
+    d
+}
+
 fn limit(key: &str, rpu: u32, unit: pb::RateLimitUnit) -> pb::RateLimitDescriptor {
     pb::RateLimitDescriptor {
         key: key.into(),
@@ -982,28 +1006,16 @@ async fn envoy_gateway_corpus_over_ads_on_redis_admits_each_rule_exactly_its_lim
 /// a protobuf Struct) sets algorithm, burst, unit_multiplier and accounting for its limits.
 #[tokio::test]
 async fn the_default_algorithm_and_metadata_extensions_reach_xds_limits() {
-    use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
+    use envoy_types::pb::google::protobuf::value::Kind;
     let ads = AdsServer::start().await;
-    let extensions = Struct {
-        fields: [
+    let bucket = with_extensions(
+        limit("bucket", 5, pb::RateLimitUnit::Second),
+        [
             ("algorithm", Kind::StringValue("token_bucket".into())),
             ("burst", Kind::NumberValue(20.0)),
             ("accounting", Kind::StringValue("admission".into())),
-        ]
-        .into_iter()
-        .map(|(k, v)| (k.to_owned(), Value { kind: Some(v) }))
-        .collect(),
-    };
-    let mut bucket = limit("bucket", 5, pb::RateLimitUnit::Second);
-    bucket.metadata = Some(Struct {
-        fields: [(
-            "ratelimitd".to_owned(),
-            Value {
-                kind: Some(Kind::StructValue(extensions)),
-            },
-        )]
-        .into(),
-    });
+        ],
+    );
     ads.set(
         "v1",
         &[config(
@@ -1016,13 +1028,7 @@ async fn the_default_algorithm_and_metadata_extensions_reach_xds_limits() {
     let c = s.client().await;
     until_rpu(&c, "d", "plain", Some(3)).await;
     let (_, rules) = s.http_get("/rlconfig").await;
-    let line = |key: &str| {
-        rules
-            .lines()
-            .find(|l| l.starts_with(&format!("d.{key}:")))
-            .unwrap_or_else(|| panic!("no rule for {key}: {rules}"))
-            .to_owned()
-    };
+    let line = |key: &str| rule_line(&rules, "d", key);
     assert!(
         line("plain").contains("algorithm=sliding_window"),
         "{rules}"
@@ -1313,28 +1319,9 @@ async fn an_oversized_response_is_counted_each_time_and_logged_once() {
 /// the previous config staying in force.
 #[tokio::test]
 async fn calendar_windows_reach_xds_limits_and_a_bad_zone_is_nacked() {
-    use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
-    let with_zone = |mut d: pb::RateLimitDescriptor, zone: &str| {
-        let extensions = Struct {
-            fields: [(
-                "calendar".to_owned(),
-                Value {
-                    kind: Some(Kind::StringValue(zone.into())),
-                },
-            )]
-            .into(),
-        };
-        d.metadata = Some(Struct {
-            fields: [(
-                "ratelimitd".to_owned(),
-                Value {
-                    kind: Some(Kind::StructValue(extensions)),
-                },
-            )]
-            .into(),
-        });
-        d
-    };
+    use envoy_types::pb::google::protobuf::value::Kind;
+    let with_zone =
+        |d, zone: &str| with_extensions(d, [("calendar", Kind::StringValue(zone.into()))]);
     let ads = AdsServer::start().await;
     let good = config(
         "d",
@@ -1349,13 +1336,7 @@ async fn calendar_windows_reach_xds_limits_and_a_bad_zone_is_nacked() {
     let mut c = s.client().await;
     until_rpu(&c, "d", "month", Some(2)).await;
     let (_, rules) = s.http_get("/rlconfig").await;
-    let rule = |key: &str| {
-        rules
-            .lines()
-            .find(|l| l.starts_with(&format!("d.{key}:")))
-            .unwrap_or_else(|| panic!("no rule for {key}: {rules}"))
-            .to_owned()
-    };
+    let rule = |key: &str| rule_line(&rules, "d", key);
     assert!(
         rule("month").contains("calendar=America/New_York"),
         "{rules}"

@@ -516,3 +516,46 @@ pub(crate) async fn post_json(addr: SocketAddr, body: &str) -> (u16, String) {
         .to_string();
     (status, body)
 }
+
+/// A route rate limit of an Envoy example, read into Envoy's `RateLimit` field by field: a
+/// field Envoy's message does not have (or that the examples do not use) is refused here.
+pub(crate) fn route_rate_limit(
+    l: &serde_json::Value,
+) -> envoy_types::pb::envoy::config::route::v3::RateLimit {
+    use envoy_types::pb::envoy::config::route::v3::RateLimit;
+    use envoy_types::pb::envoy::config::route::v3::rate_limit::HitsAddend;
+    let mut limit = RateLimit::default();
+    for (field, value) in l.as_object().unwrap() {
+        match field.as_str() {
+            "actions" => assert_eq!(value.as_array().unwrap().len(), 1),
+            "apply_on_stream_done" => limit.apply_on_stream_done = value == true,
+            "hits_addend" => {
+                let mut addend = HitsAddend::default();
+                for (field, value) in value.as_object().unwrap() {
+                    match field.as_str() {
+                        "number" => {
+                            addend.number = Some(UInt64Value {
+                                value: value.as_u64().unwrap(),
+                            })
+                        }
+                        "format" => addend.format = value.as_str().unwrap().to_owned(),
+                        "is_negative_hits" => addend.is_negative_hits = value == true,
+                        other => panic!("HitsAddend has no field {other}"),
+                    }
+                }
+                limit.hits_addend = Some(addend);
+            }
+            other => panic!("RateLimit field {other} is not used here"),
+        }
+    }
+    limit
+}
+
+/// The line of `/rlconfig` (`rules`) for `key` in `domain`.
+pub(crate) fn rule_line(rules: &str, domain: &str, key: &str) -> String {
+    rules
+        .lines()
+        .find(|l| l.starts_with(&format!("{domain}.{key}:")))
+        .unwrap_or_else(|| panic!("no rule for {key}: {rules}"))
+        .to_owned()
+}

@@ -670,6 +670,21 @@ local function decide_run(m)
   for _ = 1, m do decide() end
 end
 
+-- Answers the current entry's m requests `admitted` (-1: foreign data; -2: a calendar window
+-- the boundaries miss) and zeros: nothing was decided for them.
+local function undecided(m, admitted)
+  local o = out_n
+  for _ = 1, m do
+    out[o + 1] = admitted
+    o = o + 1
+    for _ = 1, n do
+      out[o + 1], out[o + 2] = 0, 0
+      o = o + 2
+    end
+  end
+  out_n = o
+end
+
 -- Decides the current entry on its own: if its counters hold foreign data, each of its requests
 -- gets admitted = -1 and zeros, and it leaves no trace; the call's other entries go on. (Only
 -- loading a counter can find foreign data, and an entry's requests share their counters, so
@@ -683,15 +698,8 @@ local function decide_entry(m)
   for _, code in ipairs(UNAVAILABLE) do
     if string.find(msg, code .. ' ', 1, true) then error(err) end
   end
-  for _ = 1, m do
-    out[o + 1] = -1
-    o = o + 1
-    for _ = 1, n do
-      out[o + 1], out[o + 2] = 0, 0
-      o = o + 2
-    end
-  end
   out_n = o
+  undecided(m, -1)
 end
 
 -- Values 1..n of `values` as one string of little-endian doubles. `unpack` puts what it
@@ -784,16 +792,7 @@ local function main(KEYS, ARGV)
       end
       if stale then
         -- A calendar window the boundaries miss: the client asks again (see the header).
-        local o = out_n
-        for _ = 1, m do
-          out[o + 1] = -2
-          o = o + 1
-          for _ = 1, n do
-            out[o + 1], out[o + 2] = 0, 0
-            o = o + 2
-          end
-        end
-        out_n = o
+        undecided(m, -2)
       else
         decide_entry(m)
       end
