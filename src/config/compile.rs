@@ -674,9 +674,12 @@ impl Compiler<'_> {
             static ALGORITHM: AtomicBool = AtomicBool::new(false);
             static MULTIPLIER: AtomicBool = AtomicBool::new(false);
             let Some(calendar_unit) = unit.calendar_unit() else {
-                log_once(&SHORT, || {
-                    "--calendar-timezone leaves limits of a second or a minute as they are (the same length in every zone)".to_owned()
-                });
+                // Expected in most configs: said once, not warned.
+                if !SHORT.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                    tracing::info!(
+                        "--calendar-timezone leaves limits of a second or a minute as they are (the same length in every zone)"
+                    );
+                }
                 return Ok(None);
             };
             if algorithm != Algorithm::FixedWindow {
@@ -728,11 +731,15 @@ impl Compiler<'_> {
             ));
         };
         if algorithm != Algorithm::FixedWindow {
+            let why = match algorithm {
+                Algorithm::TokenBucket => "refills continuously, with no boundary to align to",
+                _ => "measures its window back from each hit, not from a boundary of the calendar",
+            };
             return Err(self.err(
                 here,
                 &sub("calendar"),
                 format!(
-                    "calendar '{}' applies only to algorithm: fixed_window ({algorithm} measures time from each hit, not from a boundary of the calendar)",
+                    "calendar '{}' applies only to algorithm: fixed_window ({algorithm} {why})",
                     named.value
                 ),
             ));
