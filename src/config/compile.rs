@@ -70,14 +70,6 @@ pub(crate) struct CompileOptions {
     pub(crate) calendar: Option<&'static Zone>,
 }
 
-/// What a config is told of a zone the built-in database does not have.
-fn unknown_zone(name: &str) -> String {
-    format!(
-        "unknown time zone '{name}' (expected an IANA name such as Europe/Berlin or America/New_York, or UTC; time-zone data {})",
-        calendar::tzdb_version()
-    )
-}
-
 /// Logs `message` the first time `flag` is raised, and never again in this process.
 fn log_once(flag: &std::sync::atomic::AtomicBool, message: impl FnOnce() -> String) {
     if !flag.swap(true, std::sync::atomic::Ordering::Relaxed) {
@@ -414,7 +406,11 @@ impl Compiler<'_> {
         if let Some(zone) = &calendar
             && calendar::zone(zone).is_none()
         {
-            return Err(self.err(Some(&at), &format!("{field}.calendar"), unknown_zone(zone)));
+            return Err(self.err(
+                Some(&at),
+                &format!("{field}.calendar"),
+                calendar::unknown_zone(zone),
+            ));
         }
         Ok(MetadataExtensions {
             algorithm: text("algorithm")?,
@@ -682,42 +678,25 @@ impl Compiler<'_> {
                 }
                 return Ok(None);
             };
-            if algorithm != Algorithm::FixedWindow {
-                log_once(&ALGORITHM, || {
-                    let shown = ConfigError::at(
-                        self.file,
-                        loc(&at),
-                        field,
-                        format!(
-                            "left as it is by --calendar-timezone: {algorithm} takes no calendar (logged once)"
-                        ),
-                    );
-                    shown.to_string()
+            // Left as it is, said once per reason (the first limit it concerns named).
+            let left = |flag: &AtomicBool, why: String| {
+                log_once(flag, || {
+                    let why = format!("left as it is by --calendar-timezone: {why} (logged once)");
+                    ConfigError::at(self.file, loc(&at), field, why).to_string()
                 });
-                return Ok(None);
+                None
+            };
+            if algorithm != Algorithm::FixedWindow {
+                return Ok(left(&ALGORITHM, format!("{algorithm} takes no calendar")));
             }
             return Ok(match Calendar::new(zone, calendar_unit, multiplier) {
                 Ok(c) => Some(c),
-                Err(why) => {
-                    log_once(&MULTIPLIER, || {
-                        let shown = ConfigError::at(
-                            self.file,
-                            loc(&at),
-                            field,
-                            format!(
-                                "left as it is by --calendar-timezone: {} (logged once)",
-                                why.0
-                            ),
-                        );
-                        shown.to_string()
-                    });
-                    None
-                }
+                Err(why) => left(&MULTIPLIER, why.0),
             });
         };
         let here = Some(&named.referenced);
         let Some(zone) = calendar::zone(&named.value) else {
-            return Err(self.err(here, &sub("calendar"), unknown_zone(&named.value)));
+            return Err(self.err(here, &sub("calendar"), calendar::unknown_zone(&named.value)));
         };
         let Some(calendar_unit) = unit.calendar_unit() else {
             return Err(self.err(

@@ -76,8 +76,9 @@ impl fmt::Display for Algorithm {
 /// The stored state of one counter.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) enum State {
-    /// Hits in the window starting at `start`.
-    Fixed { start: u64, count: u64 },
+    /// Hits in the window `[start, end)`. The end is kept, not derived: a calendar window's
+    /// takes time-zone lookups to work out, and its length varies.
+    Fixed { start: u64, end: u64, count: u64 },
     /// Hits in the window starting at `start` and in the one before it.
     Sliding { start: u64, prev: u64, cur: u64 },
     /// (time, hits) of every admitted hit still inside the window, oldest first.
@@ -107,7 +108,11 @@ impl State {
     /// A fresh counter for `algorithm`.
     pub(crate) fn new(algorithm: Algorithm) -> State {
         match algorithm {
-            Algorithm::FixedWindow => State::Fixed { start: 0, count: 0 },
+            Algorithm::FixedWindow => State::Fixed {
+                start: 0,
+                end: 0,
+                count: 0,
+            },
             Algorithm::SlidingWindow => State::Sliding {
                 start: 0,
                 prev: 0,
@@ -145,18 +150,14 @@ impl State {
     fn advance(&mut self, limit: &Limit, now: u64) {
         let w = limit.window_us;
         match self {
-            State::Fixed { start, count } => {
-                let window_start = match &limit.calendar {
-                    None => now - now % w,
-                    // The stored window, while it lasts: a calendar's is worked out only anew.
-                    Some(_) if *start != 0 && *start <= now && now < limit.window_end(*start) => {
-                        *start
+            State::Fixed { start, end, count } => {
+                // The stored window while it holds `now`; another is worked out only then.
+                if now < *start || now >= *end {
+                    let (window_start, window_end) = limit.window_at(now);
+                    if *start != window_start {
+                        *count = 0;
                     }
-                    Some(calendar) => calendar.window_at(now).0,
-                };
-                if *start != window_start {
-                    *start = window_start;
-                    *count = 0;
+                    (*start, *end) = (window_start, window_end);
                 }
             }
             State::Sliding { start, prev, cur } => {
@@ -206,7 +207,7 @@ impl State {
             reset: us(w as u128),
         };
         match self {
-            State::Fixed { start, count } => {
+            State::Fixed { end, count, .. } => {
                 let over = rpu == 0 || count.saturating_add(need) > rpu;
                 Verdict {
                     over,
@@ -216,7 +217,7 @@ impl State {
                         rpu - count.saturating_add(hits)
                     },
                     fits: rpu.saturating_sub(*count),
-                    reset: us((limit.window_end(*start) - now) as u128),
+                    reset: us((*end - now) as u128),
                 }
             }
             State::Sliding { start, prev, cur } => {
@@ -469,7 +470,7 @@ impl State {
     pub(crate) fn expires_at(&self, limit: &Limit) -> u64 {
         let w = limit.window_us;
         match self {
-            State::Fixed { start, .. } => limit.window_end(*start),
+            State::Fixed { end, .. } => *end,
             State::Sliding { start, .. } => start.saturating_add(w.saturating_mul(2)),
             State::Log { entries, .. } => entries.back().map_or(0, |&(t, _)| t.saturating_add(w)),
             State::Bucket { tat, scale } => {
@@ -599,6 +600,7 @@ mod tests {
             s,
             State::Fixed {
                 start: T0,
+                end: T0 + 60 * SEC,
                 count: 20
             }
         );

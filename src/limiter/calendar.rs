@@ -11,7 +11,7 @@
 //! Windows never overlap and leave no gap: every instant is in exactly one.
 //!
 //! The time-zone data is built into the binary (jiff's bundled copy of the IANA database): no
-//! dependency on the host's tzdata, which distroless images lack. [`TZDB_VERSION`] names it.
+//! dependency on the host's tzdata, which distroless images lack. [`tzdb_version`] names it.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -52,6 +52,14 @@ impl fmt::Debug for Zone {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.name)
     }
+}
+
+/// What a config or a flag is told of a zone the built-in database does not have.
+pub(crate) fn unknown_zone(name: &str) -> String {
+    format!(
+        "unknown time zone '{name}' (expected an IANA name such as Europe/Berlin or America/New_York, or UTC; time-zone data {})",
+        tzdb_version()
+    )
 }
 
 /// The zone named `name` (an IANA name, any case: `Europe/Berlin`, `utc`), or `None` when the

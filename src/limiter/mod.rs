@@ -49,14 +49,6 @@ impl Limit {
         }
     }
 
-    /// The end of the fixed window that starts at `start`.
-    pub fn window_end(&self, start: u64) -> u64 {
-        match &self.calendar {
-            None => start.saturating_add(self.window_us),
-            Some(calendar) => calendar.window_at(start).1,
-        }
-    }
-
     /// Whether the window is shorter than a minute (a unit of seconds): such counters live in
     /// the per-second store when there is one, as envoyproxy/ratelimit keeps its `SECOND`
     /// limits apart with `REDIS_PERSECOND`.

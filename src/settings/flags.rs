@@ -166,10 +166,7 @@ fn version() -> &'static str {
 fn parse_zone(s: &str) -> Result<String, String> {
     match crate::limiter::calendar::zone(s) {
         Some(zone) => Ok(zone.name().to_owned()),
-        None => Err(format!(
-            "unknown time zone '{s}' (expected an IANA name such as Europe/Berlin or America/New_York, or UTC; time-zone data {})",
-            crate::limiter::calendar::tzdb_version()
-        )),
+        None => Err(crate::limiter::calendar::unknown_zone(s)),
     }
 }
 

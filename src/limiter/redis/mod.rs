@@ -456,8 +456,10 @@ impl RedisBackend {
         };
         // A calendar window whose boundaries missed Redis' clock (this service's idea of it was
         // off by more than a window: at start, or after either clock jumped): nothing was
-        // written for that group. Once more, around the time its reply carried.
-        for (g, result) in results.iter_mut().enumerate() {
+        // written for that group. Once more, around the time its reply carried. Only requests
+        // with a calendar limit learn Redis' clock: the others have no use for it.
+        let calendar = hits.iter().any(|h| h.limit.calendar.is_some());
+        for (g, result) in results.iter_mut().enumerate().filter(|_| calendar) {
             let Ok(reply) = result else { continue };
             self.learn_redis_time(reply.at());
             if matches!(Decided::parse(reply.values(), reply.at()), Decided::Stale) {
