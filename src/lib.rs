@@ -4,6 +4,7 @@
 //! server on port 0; `main.rs` only parses flags, binds and waits for a signal.
 #![forbid(unsafe_code)]
 
+pub mod cli;
 mod config;
 mod engine;
 mod limiter;
@@ -16,6 +17,7 @@ mod shutdown;
 mod source;
 mod statsd;
 pub mod telemetry;
+mod top;
 mod trace;
 mod xds;
 
@@ -93,6 +95,31 @@ impl From<SourceError> for RunError {
     }
 }
 
+/// Starts the heavy-hitter sketches' window rotation and, with Redis, their exchange among
+/// replicas.
+fn spawn_top(
+    engine: &Engine,
+    redis: Option<Arc<limiter::redis::RedisBackend>>,
+    keys: &limiter::KeyFormat,
+    tasks: &mut Tasks,
+) {
+    let top = engine.top();
+    if !top.is_on() {
+        return;
+    }
+    tasks.push(tokio::spawn(top::rotate_every(
+        top.clone(),
+        top.options().window,
+    )));
+    if let Some(redis) = redis {
+        tasks.push(tokio::spawn(engine::top::exchange(
+            top.clone(),
+            redis,
+            keys.clone(),
+        )));
+    }
+}
+
 /// Loads the config files `options` name, as the service would at start, without running it:
 /// the rules as `/rlconfig` prints them, or the first error with its file, line and field.
 pub fn check_config(options: &Options) -> Result<String, CheckError> {
@@ -153,6 +180,7 @@ pub async fn run_with_clock(
     }
     let started =
         limiter::start::start(&options.backend, &options.keys, clock, &metrics, &mut tasks)?;
+    let redis = started.redis.as_ref().map(|(r, _)| r.clone());
     let pools = Pools::beside(started.redis, &options.rlqs.buckets, metrics.rlqs.clone());
     let rlqs = RlqsService::new(
         source.config.clone(),
@@ -161,6 +189,7 @@ pub async fn run_with_clock(
         metrics.rlqs.clone(),
     )
     .map_err(RunError::Thread)?;
+    let top_keys = options.keys.clone();
     let engine = Arc::new(Engine::new(
         source.config,
         started.backend.clone(),
@@ -168,6 +197,7 @@ pub async fn run_with_clock(
         metrics.decisions.clone(),
         options.engine,
     ));
+    spawn_top(&engine, redis, &top_keys, &mut tasks);
     // Listening only now: the config is in force and the backend ready.
     let services = Services {
         engine,

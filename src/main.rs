@@ -66,6 +66,10 @@ async fn serve(startup: Startup, options: Options) -> anyhow::Result<()> {
 }
 
 fn main() -> ExitCode {
+    // `ratelimitd top`: the terminal client of GET /top, not the service.
+    if std::env::args().nth(1).as_deref() == Some("top") {
+        return ratelimitd::cli::top(std::env::args().skip(2));
+    }
     let (startup, options) =
         match ratelimitd::settings::parse(std::env::args(), |k| std::env::var(k).ok()) {
             Ok(parsed) => parsed,

@@ -11,8 +11,8 @@ use std::path::{Path, PathBuf};
 /// "root" is `lib.rs` and what it defines; `main.rs` uses the crate as any user does.
 const FLOORS: &[&[&str]] = &[
     &["runtime"],
-    &["metrics", "shutdown", "trace"],
-    &["limiter", "statsd", "telemetry"],
+    &["cli", "metrics", "shutdown", "trace"],
+    &["limiter", "statsd", "telemetry", "top"],
     &["config"],
     &["engine", "rlqs", "xds"],
     &["server", "source"],

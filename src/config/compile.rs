@@ -18,6 +18,7 @@ use super::{
 };
 use crate::limiter::key::{LimitIdentity, escaped_if_needed};
 use crate::limiter::{Accounting, Algorithm, Calendar, Zone, calendar};
+use crate::top::Values;
 
 /// Sets `slot` to `value` (placed at `at`) unless the config set it already.
 fn fill<T>(slot: &mut Option<Spanned<T>>, value: Option<T>, at: Location) {
@@ -38,6 +39,7 @@ struct MetadataExtensions {
     unit_multiplier: Option<u64>,
     accounting: Option<String>,
     calendar: Option<String>,
+    top_values: Option<String>,
 }
 
 /// Largest `unit_multiplier`: keeps every window (up to 10 000 years) within u64 microseconds.
@@ -393,13 +395,14 @@ impl Compiler<'_> {
                 "unit_multiplier",
                 "accounting",
                 "calendar",
+                "top_values",
             ]
             .contains(&k.as_str())
         }) {
             return Err(self.err(
                 Some(&at),
                 &format!("{field}.{other}"),
-                "unknown key (expected algorithm, burst, unit_multiplier, accounting or calendar)",
+                "unknown key (expected algorithm, burst, unit_multiplier, accounting, calendar or top_values)",
             ));
         }
         let calendar = text("calendar")?;
@@ -418,6 +421,7 @@ impl Compiler<'_> {
             unit_multiplier: number("unit_multiplier")?,
             accounting: text("accounting")?,
             calendar,
+            top_values: text("top_values")?,
         })
     }
 
@@ -565,6 +569,7 @@ impl Compiler<'_> {
                 fill(&mut limit.unit_multiplier, ext.unit_multiplier, at);
                 fill(&mut limit.accounting, ext.accounting.clone(), at);
                 fill(&mut limit.calendar, ext.calendar.clone(), at);
+                fill(&mut limit.top_values, ext.top_values.clone(), at);
             }
         }
 
@@ -768,6 +773,7 @@ impl Compiler<'_> {
                 ),
                 ("accounting", raw.accounting.as_ref().map(|s| s.referenced)),
                 ("calendar", raw.calendar.as_ref().map(|s| s.referenced)),
+                ("top_values", raw.top_values.as_ref().map(|s| s.referenced)),
             ];
             if let Some((name, Some(at))) = extension.into_iter().find(|(_, at)| at.is_some()) {
                 return Err(self.err(Some(&at), &sub(name), "has no meaning when unlimited"));
@@ -848,6 +854,19 @@ impl Compiler<'_> {
             })?),
         };
         let calendar = self.calendar(&raw, at, field, unit, algorithm, unit_multiplier)?;
+        let top_values = match &raw.top_values {
+            None => Values::Show,
+            Some(v) => Values::parse(&v.value).ok_or_else(|| {
+                self.err(
+                    Some(&v.referenced),
+                    &sub("top_values"),
+                    format!(
+                        "unknown top_values '{}' (expected show, hash or hide)",
+                        v.value
+                    ),
+                )
+            })?,
+        };
         let name = raw.name.map(|n| Arc::<str>::from(n.value));
         let mut replaces = Vec::new();
         for (k, r) in raw.replaces.unwrap_or_default().into_iter().enumerate() {
@@ -885,6 +904,7 @@ impl Compiler<'_> {
             burst,
             accounting,
             calendar,
+            top_values,
             ordinal: 0,
             identity: LimitIdentity::default(),
         };

@@ -132,6 +132,9 @@ pub struct LimitRule {
     /// Windows that follow a time zone's calendar (`calendar`, or `--calendar-timezone`);
     /// `None`: fixed lengths from the Unix epoch, as envoyproxy/ratelimit counts.
     pub calendar: Option<Calendar>,
+    /// How `/top` shows this limit's descriptor values (`top_values`; the server's
+    /// `--top-values` may show less).
+    pub top_values: crate::top::Values,
     /// Which counter of its descriptor this limit keeps: the number of limits before it on the
     /// same descriptor with the same algorithm and window. With the algorithm and window it
     /// names the counter, so reordering limits, adding one with another window, renaming one

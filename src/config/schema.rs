@@ -90,6 +90,8 @@ raw! {
         /// Extension: an IANA time zone whose calendar the windows follow (fixed_window, a
         /// unit of an hour or longer).
         pub calendar: Option<Spanned<String>>,
+        /// Extension: how `/top` shows this limit's descriptor values: show, hash or hide.
+        pub top_values: Option<Spanned<String>>,
     }
     misplaced here: [
         domain,

@@ -43,6 +43,14 @@ pub(crate) struct Applicable<'s> {
     pub(crate) counters: Option<&'s RuleCounters>,
     /// The config node's `metadata`, if any.
     pub(crate) metadata: Option<&'s serde_json::Value>,
+    /// Which limit this is for the heavy-hitter sketches: the config node's path (never
+    /// request values) or [`OVERRIDE_RULE`](super::resolve::OVERRIDE_RULE), and the limit's
+    /// place on the node ([`OVERRIDE`](crate::top::OVERRIDE) for a request's own).
+    pub(crate) path: &'s str,
+    /// See `path`.
+    pub(crate) index: u16,
+    /// How `/top` shows the limit's values.
+    pub(crate) top_values: crate::top::Values,
 }
 
 /// An applicable limit and the hit its counter is decided in, once hits on the same counter

@@ -11,6 +11,7 @@ mod applied;
 mod report;
 mod request;
 mod resolve;
+pub(crate) mod top;
 
 use std::collections::HashSet;
 use std::sync::{Arc, OnceLock};
@@ -28,6 +29,7 @@ use crate::config::Snapshot;
 use crate::limiter::key::KeyFormat;
 use crate::limiter::{Accounting, Algorithm, Backend, HitKind};
 use crate::metrics::{Accounted, Decision, DecisionMetrics};
+use crate::top::{LimitRef, Top, TopOptions};
 
 /// How the engine decides, beyond the config.
 #[derive(Clone, Copy, Debug)]
@@ -44,6 +46,8 @@ pub struct EngineOptions {
     pub dynamic_metadata: bool,
     /// How limits that set no `accounting` of their own count a descriptor's hits.
     pub accounting: Accounting,
+    /// The heavy-hitter sketches behind `/top`.
+    pub top: TopOptions,
 }
 
 impl Default for EngineOptions {
@@ -55,6 +59,7 @@ impl Default for EngineOptions {
             global_quota_mode: false,
             dynamic_metadata: false,
             accounting: Accounting::Auto,
+            top: TopOptions::default(),
         }
     }
 }
@@ -95,6 +100,7 @@ pub struct Engine {
     options: EngineOptions,
     value_rules: ValueRules,
     override_rule: Arc<String>,
+    top: Arc<Top>,
 }
 
 impl Engine {
@@ -115,6 +121,7 @@ impl Engine {
             options,
             value_rules: ValueRules::default(),
             override_rule: Arc::new(OVERRIDE_RULE.to_owned()),
+            top: Arc::new(Top::new(options.top)),
         }
     }
 
@@ -160,7 +167,12 @@ impl Engine {
             &hits,
             &outcome,
             self.options.near_limit_ratio,
-            |a, kind, decision, tally| self.record(domain, a, kind, decision, tally),
+            |a, kind, decision, tally| {
+                self.record(domain, a, kind, decision, tally);
+                if kind != HitKind::Refund {
+                    self.count_top(domain, req, a, &hits[a.hit], tally.over);
+                }
+            },
         );
         let overall = if outcome.admitted || self.options.global_shadow_mode {
             Code::Ok
@@ -222,6 +234,41 @@ impl Engine {
                 .decisions
                 .record(domain, self.rule_label(a), decision, reference),
         }
+    }
+
+    /// Counts `a`'s descriptor in its limit's heavy-hitter sketch: the hits it asked for
+    /// (its own, not those of other descriptors sharing its counter), refused if `over`.
+    fn count_top(
+        &self,
+        domain: &str,
+        req: &Request<'_>,
+        a: &Applied<'_>,
+        hit: &crate::limiter::Hit,
+        over: bool,
+    ) {
+        if !self.top.is_on() {
+            return;
+        }
+        let d = &req.descriptors[a.limit.descriptor];
+        let hits = d.hits_addend.unwrap_or(req.hits_addend.max(1));
+        let reported = &a.limit.reported;
+        let limit = LimitRef {
+            domain,
+            rule: a.limit.path,
+            index: a.limit.index,
+            name: reported.name.as_deref(),
+            algorithm: hit.limit.algorithm.as_str(),
+            unit: reported.unit.as_str(),
+            window_seconds: reported.window.as_secs(),
+            requests_per_unit: reported.requests_per_unit,
+            values: a.limit.top_values,
+        };
+        self.top.record(&limit, &d.entries, hits, over);
+    }
+
+    /// The heavy-hitter sketches.
+    pub(crate) fn top(&self) -> &Arc<Top> {
+        &self.top
     }
 
     /// The metric `rule` label of `a`: its config path, or where that carries request values,

@@ -113,9 +113,14 @@ pub(crate) fn resolve<'s>(
         if let Some(o) = d.limit_override {
             // The metric label comes from the config, never from the request's entries: the
             // node the descriptor matches, else a constant.
-            let (rule, rule_has_values, counters) = match domain.resolve(&d.entries, keys) {
-                Some(m) => (m.rule, m.rule_has_values, Some(&m.node.counters)),
-                None => (Cow::Borrowed(override_rule), false, None),
+            let (rule, rule_has_values, counters, path) = match domain.resolve(&d.entries, keys) {
+                Some(m) => (
+                    m.rule,
+                    m.rule_has_values,
+                    Some(&m.node.counters),
+                    m.node.path.as_str(),
+                ),
+                None => (Cow::Borrowed(override_rule), false, None, OVERRIDE_RULE),
             };
             found.push(Applied::unmerged(Applicable {
                 descriptor: i,
@@ -131,6 +136,9 @@ pub(crate) fn resolve<'s>(
                 rule_has_values,
                 counters,
                 metadata: None,
+                path,
+                index: crate::top::OVERRIDE,
+                top_values: crate::top::Values::Show,
             }));
             hits.push(Hit {
                 enforcement: enforce,
@@ -177,6 +185,9 @@ pub(crate) fn resolve<'s>(
                 rule_has_values: matched.rule_has_values,
                 counters: Some(&matched.node.counters),
                 metadata: matched.node.metadata.as_deref(),
+                path: matched.node.path.as_str(),
+                index: r as u16,
+                top_values: rule.top_values,
             }));
             hits.push(Hit {
                 key,
@@ -493,6 +504,9 @@ descriptors:
             rule_has_values: false,
             counters: None,
             metadata: None,
+            path: "",
+            index: 0,
+            top_values: crate::top::Values::Show,
         }
     }
 

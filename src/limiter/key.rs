@@ -43,6 +43,11 @@ impl KeyFormat {
         })
     }
 
+    /// The prefix every key starts with.
+    pub fn prefix(&self) -> &[u8] {
+        &self.prefix
+    }
+
     /// What the hash tag covers.
     pub fn hash_tag(&self) -> HashTag {
         self.tag

@@ -7,6 +7,7 @@ use tonic::{Request, Response, Status};
 
 use super::grpc::to_status;
 use crate::engine::Engine;
+use crate::engine::top::{DEFAULT_TOP_N, TopQuery};
 
 /// Code generated from the proto at build time.
 #[allow(missing_docs, clippy::all)]
@@ -15,7 +16,10 @@ pub mod pb {
 }
 
 pub(crate) use pb::admin_server::AdminServer;
-use pb::{Counter, CounterRequest, CounterResponse, ResetResponse};
+use pb::{
+    Counter, CounterRequest, CounterResponse, ResetResponse, TopDescriptor, TopEntry, TopLimit,
+    TopRequest, TopResponse,
+};
 
 /// The admin service over an [`Engine`].
 pub(crate) struct Admin {
@@ -77,6 +81,58 @@ impl pb::admin_server::Admin for Admin {
         tracing::info!(domain = %req.domain, counters = reset, "admin: counters reset");
         Ok(Response::new(ResetResponse {
             reset: u32::try_from(reset).unwrap_or(u32::MAX),
+        }))
+    }
+
+    async fn get_top(&self, request: Request<TopRequest>) -> Result<Response<TopResponse>, Status> {
+        let req = request.into_inner();
+        let nonempty = |s: String| (!s.is_empty()).then_some(s);
+        let query = TopQuery {
+            domain: nonempty(req.domain),
+            limit: nonempty(req.limit),
+            prefix: req.entries.into_iter().map(|e| (e.key, e.value)).collect(),
+            n: match req.n {
+                0 => DEFAULT_TOP_N,
+                n => n as usize,
+            },
+        };
+        let report = self.engine.top_report(&query).await.map_err(to_status)?;
+        Ok(Response::new(TopResponse {
+            window_seconds: report.window.as_secs(),
+            untracked_hits: report.untracked_hits,
+            limits: report
+                .limits
+                .into_iter()
+                .map(|l| TopLimit {
+                    r#override: l.info.index == crate::top::OVERRIDE,
+                    domain: l.info.domain,
+                    rule: l.info.rule,
+                    name: l.info.name.unwrap_or_default(),
+                    algorithm: l.info.algorithm,
+                    unit: l.info.unit,
+                    window_seconds: l.info.window_seconds,
+                    requests_per_unit: l.info.requests_per_unit,
+                    values: l.values.as_str().to_owned(),
+                    hits: l.hits,
+                    unlisted_at_most: l.floor,
+                    descriptors: l
+                        .descriptors
+                        .into_iter()
+                        .map(|d| TopDescriptor {
+                            entries: d
+                                .entries
+                                .into_iter()
+                                .map(|(key, value)| TopEntry { key, value })
+                                .collect(),
+                            hits: d.hits,
+                            over_limit: d.over_limit,
+                            error: d.error,
+                            remaining: d.remaining,
+                            elided: d.elided,
+                        })
+                        .collect(),
+                })
+                .collect(),
         }))
     }
 }

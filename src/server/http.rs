@@ -49,6 +49,7 @@ pub(crate) fn router(state: Arc<HttpState>, request_timeout: Duration) -> Router
         .route("/metrics", get(metrics))
         .route("/rlconfig", get(rlconfig))
         .route("/json", post(json_decide))
+        .route("/top", get(super::top::top))
         .with_state(state)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(axum::middleware::from_fn(

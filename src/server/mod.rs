@@ -11,3 +11,4 @@ pub(crate) mod json;
 pub(crate) mod rlqs;
 pub(crate) mod serve;
 pub(crate) mod tls;
+pub(crate) mod top;

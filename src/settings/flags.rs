@@ -97,6 +97,17 @@ pub(crate) enum AlgorithmArg {
     TokenBucket,
 }
 
+/// `--top-values`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub(crate) enum TopValuesArg {
+    /// As sent.
+    Show,
+    /// sha256: and the first 16 hex digits of the value's SHA-256.
+    Hash,
+    /// Not shown.
+    Hide,
+}
+
 /// `--accounting`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub(crate) enum AccountingArg {
@@ -191,7 +202,9 @@ pub(crate) enum LogFormatArg {
     version = version(),
     about = "Rate-limit service for Envoy and Istio (envoy.service.ratelimit.v3)",
     after_help = "Every flag can also be set as RATELIMITD_<FLAG>, e.g. RATELIMITD_GRPC_ADDR=0.0.0.0:8081; \
-                  RATELIMITD_CONFIG takes a comma-separated list."
+                  RATELIMITD_CONFIG takes a comma-separated list.\n\n\
+                  `ratelimitd top --addr HOST:PORT` prints who is being limited (GET /top) as a \
+                  table, refreshed (`ratelimitd top --help`)."
 )]
 pub(crate) struct Flags {
     /// Config file or directory (every *.yaml/*.yml inside, dot-files skipped); repeatable.
@@ -642,6 +655,33 @@ pub(crate) struct Flags {
     /// included; past it the counters closest to expiry are given up, e.g. 64MiB.
     #[arg(long, default_value = "64MiB", value_parser = parse_bytes)]
     pub(crate) memory_max_bytes: u64,
+
+    /// Descriptors counted per limit for `/top` (who is being limited): Space-Saving
+    /// counters, so any descriptor asking for more than 1/N of a limit's hits is listed, each
+    /// count within N-th of the limit's hits. 0 turns the sketches off.
+    #[arg(long, default_value_t = crate::top::TopOptions::default().capacity,
+        value_parser = clap::builder::TypedValueParser::map(clap::value_parser!(u16).range(0..=4096), usize::from))]
+    pub(crate) top_capacity: usize,
+
+    /// Memory all of `/top`'s sketches may hold, descriptors' bytes included; a limit that
+    /// finds no room is not tracked until the window after (counted as untracked), e.g. 16MiB.
+    #[arg(long, default_value = "16MiB", value_parser = parse_bytes)]
+    pub(crate) top_memory_bytes: u64,
+
+    /// How long each window of `/top`'s counts lasts: they cover the current window and the
+    /// previous one (so between one and two of these).
+    #[arg(long, default_value = "60s", value_parser = parse_xds_duration)]
+    pub(crate) top_window: Duration,
+
+    /// With Redis: how often each replica publishes its `/top` view there and reads the
+    /// others' (a view expires after three of these, so a dead replica's ages out).
+    #[arg(long, default_value = "5s", value_parser = parse_xds_duration)]
+    pub(crate) top_publish_interval: Duration,
+
+    /// How `/top` shows descriptor values, at least (a limit's own `top_values` may show
+    /// less): show, hash (sha256: and 16 hex digits) or hide.
+    #[arg(long, value_enum, default_value = "show")]
+    pub(crate) top_values: TopValuesArg,
 
     /// How long in-flight calls may take to finish after SIGTERM before the process exits anyway.
     #[arg(long, default_value = "10s", value_parser = parse_grace)]

@@ -9,7 +9,7 @@ use clap::CommandFactory;
 use super::Startup;
 use super::flags::{
     AccountingArg, AlgorithmArg, BackendArg, FailureModeArg, Flags, HashTagArg, HeaderModeArg,
-    LogFormatArg, StatsdFormatArg, StatsdProtocolArg, TracingProtocolArg,
+    LogFormatArg, StatsdFormatArg, StatsdProtocolArg, TopValuesArg, TracingProtocolArg,
 };
 use crate::config::CompileOptions;
 use crate::engine::{EngineOptions, RequestLimits};
@@ -70,6 +70,17 @@ impl Flags {
                 AccountingArg::Auto => Accounting::Auto,
                 AccountingArg::Admission => Accounting::Admission,
                 AccountingArg::Report => Accounting::Report,
+            },
+            top: crate::top::TopOptions {
+                capacity: self.top_capacity,
+                memory_bytes: usize::try_from(self.top_memory_bytes).unwrap_or(usize::MAX),
+                window: self.top_window,
+                publish_every: self.top_publish_interval,
+                values: match self.top_values {
+                    TopValuesArg::Show => crate::top::Values::Show,
+                    TopValuesArg::Hash => crate::top::Values::Hash,
+                    TopValuesArg::Hide => crate::top::Values::Hide,
+                },
             },
         };
         let grpc_connections = ConnLimits {

@@ -382,6 +382,16 @@ impl RedisBackend {
         }
     }
 
+    /// Sends `cmd` to the main store within the call budget: for the few commands a task
+    /// sends every few seconds off the request path (the heavy-hitter views' exchange).
+    pub(crate) async fn command<T: redis::FromRedisValue>(
+        &self,
+        cmd: &redis::Cmd,
+    ) -> Result<T, BackendError> {
+        let conn = &self.stores[MAIN as usize].conn;
+        self.bounded(conn, conn.query(cmd, self.opts.timeout)).await
+    }
+
     /// Waits for a submitted part's reply, within what is left of the request's budget. The
     /// circuit hears of each call's outcome from the call itself, once, not from here.
     async fn answer(

@@ -1,0 +1,376 @@
+//! Who is being limited, as `/top`, the admin API and `ratelimitd top` read it: each limit's
+//! heaviest descriptors from the sketches (this replica's merged with the others'), their
+//! values shown as the limit and the server say, and how much of the limit each has left now;
+//! and the exchange of views among replicas through Redis.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::request::LimitOverride;
+use super::resolve::override_hit;
+use super::{Engine, EngineError};
+use crate::config::{NodeLimits, Unit};
+use crate::limiter::key::KeyFormat;
+use crate::limiter::redis::RedisBackend;
+use crate::limiter::{Enforcement, Hit, HitKind};
+use crate::top::sketch::decode;
+use crate::top::{LimitInfo, LimitTop, OVERRIDE, Top, Values, wire};
+
+/// Descriptors listed per limit unless asked otherwise.
+pub(crate) const DEFAULT_TOP_N: usize = 10;
+/// Most descriptors whose `remaining` one report looks up (in one backend call).
+pub(crate) const MAX_REMAINING_LOOKUPS: usize = 1024;
+
+/// What to list.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct TopQuery {
+    /// Only this domain's limits.
+    pub(crate) domain: Option<String>,
+    /// Only limits whose rule path or name this is.
+    pub(crate) limit: Option<String>,
+    /// Only descriptors starting with these entries (key, value).
+    pub(crate) prefix: Vec<(String, String)>,
+    /// Descriptors per limit (at most the sketches' capacity).
+    pub(crate) n: usize,
+}
+
+/// One listed descriptor.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct TopDescriptor {
+    /// Its entries: each key, and its value as the limit shows values (`None`: hidden).
+    /// Empty when the descriptor was counted without its entries (see `elided`).
+    pub(crate) entries: Vec<(String, Option<String>)>,
+    /// Counted without its entries (too long, or no memory left when it was first counted).
+    pub(crate) elided: bool,
+    /// Hits asked for; may overestimate by up to `error`.
+    pub(crate) hits: u64,
+    /// Hits refused (or that a shadow or soft limit would have refused); may miss up to
+    /// `error`.
+    pub(crate) over_limit: u64,
+    /// The most `hits` overestimates.
+    pub(crate) error: u64,
+    /// What is left of the limit for this descriptor now, where it could be looked up.
+    pub(crate) remaining: Option<u64>,
+}
+
+/// One limit's heaviest descriptors.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct TopLimit {
+    /// The limit.
+    pub(crate) info: LimitInfo,
+    /// How its values are shown.
+    pub(crate) values: Values,
+    /// Every hit counted for it in the window read.
+    pub(crate) hits: u64,
+    /// The most hits a descriptor not listed may have had (none above it is missing).
+    pub(crate) floor: u64,
+    /// Heaviest first: most refused, then most hits.
+    pub(crate) descriptors: Vec<TopDescriptor>,
+}
+
+/// The answer to a [`TopQuery`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct TopReport {
+    /// The counts cover between one and two of these windows.
+    pub(crate) window: Duration,
+    /// Descriptors counted per limit.
+    pub(crate) capacity: usize,
+    /// Hits of limits this replica had no memory left to track.
+    pub(crate) untracked_hits: u64,
+    /// Bytes this replica's sketches hold now.
+    pub(crate) memory_bytes: usize,
+    /// The most they may hold (`--top-memory-bytes`).
+    pub(crate) memory_limit_bytes: usize,
+    /// Limits, by domain, then rule.
+    pub(crate) limits: Vec<TopLimit>,
+}
+
+impl Engine {
+    /// Each limit's heaviest descriptors, as `query` asks.
+    pub(crate) async fn top_report(&self, query: &TopQuery) -> Result<TopReport, EngineError> {
+        let top = self.top();
+        let n = query.n.min(top.options().capacity);
+        let wanted = |l: &LimitInfo| {
+            query.domain.as_ref().is_none_or(|d| *d == l.domain)
+                && query
+                    .limit
+                    .as_ref()
+                    .is_none_or(|w| *w == l.rule || Some(w) == l.name.as_ref())
+        };
+        let mut limits = Vec::new();
+        for LimitTop { info, values, view } in top.merged(wanted) {
+            let mut view = view;
+            view.sort();
+            let descriptors: Vec<(Vec<(String, String)>, &crate::top::sketch::Counter)> = view
+                .counters
+                .iter()
+                .filter_map(|c| {
+                    let entries = match &c.item {
+                        Some(item) => decode(item)?
+                            .into_iter()
+                            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+                            .collect(),
+                        None => Vec::new(),
+                    };
+                    let prefixed = query.prefix.is_empty()
+                        || (entries.len() >= query.prefix.len()
+                            && entries[..query.prefix.len()] == query.prefix[..]);
+                    prefixed.then_some((entries, c))
+                })
+                .take(n)
+                .collect();
+            limits.push((
+                info,
+                values,
+                view.total,
+                view.floor,
+                descriptors_owned(descriptors),
+            ));
+        }
+        let remaining = self.remaining(&limits).await;
+        let mut remaining = remaining.into_iter();
+        let limits = limits
+            .into_iter()
+            .map(|(info, values, hits, floor, descriptors)| TopLimit {
+                descriptors: descriptors
+                    .into_iter()
+                    .map(|(entries, c)| TopDescriptor {
+                        elided: c.item.is_none(),
+                        entries: entries
+                            .into_iter()
+                            .map(|(k, v)| {
+                                let shown = values.apply(&v);
+                                (k, shown)
+                            })
+                            .collect(),
+                        hits: c.hits,
+                        over_limit: c.over,
+                        error: c.error,
+                        remaining: remaining.next().flatten(),
+                    })
+                    .collect(),
+                info,
+                values,
+                hits,
+                floor,
+            })
+            .filter(|l| query.prefix.is_empty() || !l.descriptors.is_empty())
+            .collect();
+        Ok(TopReport {
+            window: top.options().window,
+            capacity: top.options().capacity,
+            untracked_hits: top.untracked(),
+            memory_bytes: top.held_bytes(),
+            memory_limit_bytes: top.options().memory_bytes,
+            limits,
+        })
+    }
+
+    /// What is left now of each listed descriptor's limit, in listing order: one backend call
+    /// checking (consuming nothing) every counter that still exists in the config in force.
+    async fn remaining(&self, limits: &[Listed]) -> Vec<Option<u64>> {
+        let snapshot = self.config.load();
+        let mut hits: Vec<Hit> = Vec::new();
+        let mut at: Vec<Option<usize>> = Vec::new();
+        for (info, _, _, _, descriptors) in limits {
+            for (entries, c) in descriptors {
+                let hit = (c.item.is_some() && hits.len() < MAX_REMAINING_LOOKUPS)
+                    .then(|| self.counter_of(&snapshot, info, entries))
+                    .flatten();
+                at.push(hit.map(|h| {
+                    hits.push(h);
+                    hits.len() - 1
+                }));
+            }
+        }
+        if hits.is_empty() {
+            return at.into_iter().map(|_| None).collect();
+        }
+        let outcome = match self.backend.decide_at_once(&hits) {
+            Some(o) => Some(o),
+            None => self.backend.decide(&hits).await.ok(),
+        };
+        at.into_iter()
+            .map(|i| Some(outcome.as_ref()?.verdicts[i?].remaining))
+            .collect()
+    }
+
+    /// A check (0 hits) of the counter `info`'s limit keeps for `entries`, if the config in
+    /// force still has that limit.
+    fn counter_of(
+        &self,
+        snapshot: &crate::config::Snapshot,
+        info: &LimitInfo,
+        entries: &[(String, String)],
+    ) -> Option<Hit> {
+        let entries: Vec<(&str, &str)> = entries
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        if info.index == OVERRIDE {
+            let unit = Unit::parse(&info.unit)?;
+            let o = LimitOverride {
+                requests_per_unit: info.requests_per_unit,
+                unit,
+            };
+            return Some(override_hit(
+                &self.keys,
+                &info.domain,
+                &entries,
+                o,
+                0,
+                HitKind::Admission,
+            ));
+        }
+        let matched = snapshot
+            .domain(&info.domain)?
+            .resolve(&entries, &self.keys)?;
+        let Some(NodeLimits::Limits(rules)) = &matched.node.limits else {
+            return None;
+        };
+        let rule = rules.get(usize::from(info.index))?;
+        if *matched.node.path != info.rule
+            || rule.requests_per_unit != info.requests_per_unit
+            || rule.window_seconds() != info.window_seconds
+            || rule.algorithm.as_str() != info.algorithm
+        {
+            return None;
+        }
+        Some(Hit {
+            key: matched.key.for_identity(&rule.identity),
+            limit: rule.limit(),
+            hits: 0,
+            enforcement: Enforcement::Enforce,
+            kind: HitKind::Admission,
+        })
+    }
+}
+
+/// A limit as listed before `remaining` is known.
+type Listed = (
+    LimitInfo,
+    Values,
+    u64,
+    u64,
+    Vec<(Vec<(String, String)>, crate::top::sketch::Counter)>,
+);
+
+fn descriptors_owned(
+    d: Vec<(Vec<(String, String)>, &crate::top::sketch::Counter)>,
+) -> Vec<(Vec<(String, String)>, crate::top::sketch::Counter)> {
+    d.into_iter().map(|(e, c)| (e, c.clone())).collect()
+}
+
+/// The Redis keys of the exchange: one set of replicas, one view per replica, all under one
+/// hash tag (one slot: one MGET reads every view, on a cluster too).
+struct ExchangeKeys {
+    replicas: Vec<u8>,
+    view_prefix: Vec<u8>,
+}
+
+impl ExchangeKeys {
+    fn new(keys: &KeyFormat) -> ExchangeKeys {
+        let base = [keys.prefix(), b"{ratelimitd-top}:"].concat();
+        ExchangeKeys {
+            replicas: [&base[..], b"replicas"].concat(),
+            view_prefix: [&base[..], b"view:"].concat(),
+        }
+    }
+
+    fn view(&self, replica: &str) -> Vec<u8> {
+        [&self.view_prefix[..], replica.as_bytes()].concat()
+    }
+}
+
+/// Most other replicas whose views are read.
+pub(crate) const MAX_REPLICAS: usize = 256;
+
+/// Every `every`: publishes this replica's view (expiring after three periods, so a dead
+/// replica's ages out) and reads every other replica's into `top`, until the service stops.
+pub(crate) async fn exchange(top: Arc<Top>, redis: Arc<RedisBackend>, keys: KeyFormat) {
+    let every = top.options().publish_every;
+    let keys = ExchangeKeys::new(&keys);
+    let replica = format!(
+        "{:016x}",
+        std::hash::BuildHasher::hash_one(&std::hash::RandomState::new(), std::process::id())
+    );
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut failing = false;
+    loop {
+        tick.tick().await;
+        match exchange_once(&top, &redis, &keys, &replica, every * 3).await {
+            Ok(()) if failing => {
+                failing = false;
+                tracing::info!("heavy-hitter views: exchanging through Redis again");
+            }
+            Ok(()) => {}
+            Err(e) if !failing => {
+                failing = true;
+                tracing::warn!(error = %e, "heavy-hitter views: cannot exchange through Redis; /top shows this replica's own until it can");
+            }
+            Err(_) => {}
+        }
+    }
+}
+
+async fn exchange_once(
+    top: &Top,
+    redis: &RedisBackend,
+    keys: &ExchangeKeys,
+    replica: &str,
+    ttl: Duration,
+) -> Result<(), crate::limiter::BackendError> {
+    let capacity = top.options().capacity;
+    let view = wire::encode(top.local(|_| true), capacity);
+    let ttl_ms = ttl.as_millis().max(1) as u64;
+    redis
+        .command::<()>(
+            redis::cmd("SET")
+                .arg(keys.view(replica))
+                .arg(view)
+                .arg("PX")
+                .arg(ttl_ms),
+        )
+        .await?;
+    redis
+        .command::<()>(redis::cmd("SADD").arg(&keys.replicas).arg(replica))
+        .await?;
+    redis
+        .command::<()>(
+            redis::cmd("PEXPIRE")
+                .arg(&keys.replicas)
+                .arg(ttl_ms.saturating_mul(20)),
+        )
+        .await?;
+    let mut others: Vec<String> = redis
+        .command(redis::cmd("SMEMBERS").arg(&keys.replicas))
+        .await?;
+    others.retain(|r| r != replica);
+    others.sort();
+    others.truncate(MAX_REPLICAS);
+    let mut views = Vec::new();
+    let mut gone = Vec::new();
+    for chunk in others.chunks(16) {
+        let mut mget = redis::cmd("MGET");
+        for r in chunk {
+            mget.arg(keys.view(r));
+        }
+        let blobs: Vec<Option<Vec<u8>>> = redis.command(&mget).await?;
+        for (r, blob) in chunk.iter().zip(blobs) {
+            match blob {
+                Some(b) => views.extend(wire::decode_view(&b).unwrap_or_default()),
+                None => gone.push(r.clone()),
+            }
+        }
+        // One chunk at a time: what is held while reading stays within the merged bound.
+        views = crate::top::merge_limits(views, capacity);
+    }
+    if !gone.is_empty() {
+        redis
+            .command::<()>(redis::cmd("SREM").arg(&keys.replicas).arg(&gone))
+            .await?;
+    }
+    top.set_remote(views);
+    Ok(())
+}

@@ -1,0 +1,123 @@
+//! `GET /top` on the HTTP port (and the debug port): who is being limited, as JSON.
+//!
+//! `?domain=` keeps one domain's limits, `?limit=` the limits whose rule path or name it is,
+//! `?n=` lists that many descriptors per limit (10 unless given; at most `--top-capacity`).
+//! Values are JSON strings exactly as sent (or hashed, or `null`, as the limit and
+//! `--top-values` say): never parsed, never structure.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use axum::extract::{Query, State};
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde_json::{Value, json};
+
+use super::http::HttpState;
+use crate::engine::top::{DEFAULT_TOP_N, TopQuery, TopReport};
+use crate::top::OVERRIDE;
+
+/// `GET /top`.
+pub(crate) async fn top(
+    State(state): State<Arc<HttpState>>,
+    Query(params): Query<HashMap<String, String>>,
+) -> Response {
+    let bad = |message: String| {
+        (
+            StatusCode::BAD_REQUEST,
+            [(header::CONTENT_TYPE, "text/plain; charset=utf-8")],
+            message + "\n",
+        )
+            .into_response()
+    };
+    if let Some(other) = params
+        .keys()
+        .find(|k| !["domain", "limit", "n"].contains(&k.as_str()))
+    {
+        return bad(format!(
+            "unknown parameter '{other}' (expected domain, limit or n)"
+        ));
+    }
+    let n = match params.get("n") {
+        None => DEFAULT_TOP_N,
+        Some(n) => match n.parse::<usize>() {
+            Ok(n) if n > 0 => n,
+            _ => return bad(format!("n must be a whole number above 0, not '{n}'")),
+        },
+    };
+    let query = TopQuery {
+        domain: params.get("domain").cloned(),
+        limit: params.get("limit").cloned(),
+        prefix: Vec::new(),
+        n,
+    };
+    match state.engine.top_report(&query).await {
+        Ok(report) => (
+            [(header::CONTENT_TYPE, "application/json")],
+            report_json(&report).to_string(),
+        )
+            .into_response(),
+        Err(e) => {
+            let status = super::grpc::to_status(e);
+            (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                status.message().to_owned(),
+            )
+                .into_response()
+        }
+    }
+}
+
+/// The JSON form of `report` (the shape docs/operations.md shows).
+pub(crate) fn report_json(report: &TopReport) -> Value {
+    let limits: Vec<Value> = report
+        .limits
+        .iter()
+        .map(|l| {
+            let descriptors: Vec<Value> = l
+                .descriptors
+                .iter()
+                .map(|d| {
+                    let entries: Vec<Value> = d
+                        .entries
+                        .iter()
+                        .map(|(k, v)| json!({"key": k, "value": v}))
+                        .collect();
+                    let mut o = json!({
+                        "entries": entries,
+                        "hits": d.hits,
+                        "over_limit": d.over_limit,
+                        "error": d.error,
+                        "remaining": d.remaining,
+                    });
+                    if d.elided {
+                        o["elided"] = Value::Bool(true);
+                    }
+                    o
+                })
+                .collect();
+            json!({
+                "domain": l.info.domain,
+                "rule": l.info.rule,
+                "name": l.info.name,
+                "override": l.info.index == OVERRIDE,
+                "algorithm": l.info.algorithm,
+                "unit": l.info.unit,
+                "window_seconds": l.info.window_seconds,
+                "requests_per_unit": l.info.requests_per_unit,
+                "values": l.values.as_str(),
+                "hits": l.hits,
+                "unlisted_at_most": l.floor,
+                "descriptors": descriptors,
+            })
+        })
+        .collect();
+    json!({
+        "window_seconds": report.window.as_secs(),
+        "capacity": report.capacity,
+        "untracked_hits": report.untracked_hits,
+        "memory_bytes": report.memory_bytes,
+        "memory_limit_bytes": report.memory_limit_bytes,
+        "limits": limits,
+    })
+}

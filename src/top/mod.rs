@@ -1,0 +1,637 @@
+//! Who is being limited: per limit, the descriptors that asked for the most hits and were
+//! refused the most, in fixed memory (a [`sketch::Summary`] per limit), fed from decisions
+//! already made (no extra Redis call on the request path), and shared among replicas in
+//! [`wire`]'s form (the engine's `top` exchanges it through Redis).
+//!
+//! **Window.** Counts cover the current window of `--top-window` and the whole previous one:
+//! every `window` the current summaries become the previous ones and the previous ones are
+//! dropped, so `/top` reads between one and two windows of traffic.
+//!
+//! **Memory.** Each worker thread records into a shard of its own (no lock that every worker
+//! takes on every request). A shard holds at most its share of `--top-memory-bytes`: a limit
+//! costs [`sketch::overhead`] when first counted in a window and each descriptor kept its
+//! entries' bytes. A new limit that does not fit takes the place of the window's lightest
+//! (fewest hits of a few sampled, a request's own `limit` override before a configured
+//! limit; an override never displaces a configured limit), so a flood of one-off limits (a
+//! client's distinct overrides) churns among itself; hits that find no room are counted in
+//! `untracked`.
+//! A descriptor whose entries do not fit is still counted, listed without its entries. Other replicas' views are merged into one, capped at the same
+//! number of descriptors per limit.
+
+pub(crate) mod sketch;
+pub(crate) mod wire;
+
+use std::cell::Cell;
+use std::collections::HashMap;
+use std::hash::{BuildHasher, RandomState};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use hashbrown::HashTable;
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+
+use self::sketch::{Summary, View, hash_entries};
+
+/// How `/top` shows a limit's descriptor values (they may be API keys or addresses).
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum Values {
+    /// As sent.
+    #[default]
+    Show,
+    /// `sha256:` and the first 16 hex digits of the value's SHA-256: the same value gives the
+    /// same hash on every replica, and an operator can check a suspect with `sha256sum`.
+    Hash,
+    /// Not shown at all (`null`).
+    Hide,
+}
+
+impl Values {
+    /// Every mode, in documentation order.
+    pub(crate) const ALL: [Values; 3] = [Values::Show, Values::Hash, Values::Hide];
+
+    /// The name used in config files and flags.
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            Values::Show => "show",
+            Values::Hash => "hash",
+            Values::Hide => "hide",
+        }
+    }
+
+    /// Parses a config name, case-insensitively.
+    pub(crate) fn parse(name: &str) -> Option<Values> {
+        Values::ALL
+            .into_iter()
+            .find(|v| v.as_str().eq_ignore_ascii_case(name))
+    }
+
+    /// `value` as this mode shows it.
+    pub(crate) fn apply(self, value: &str) -> Option<String> {
+        match self {
+            Values::Show => Some(value.to_owned()),
+            Values::Hash => {
+                let digest = ring::digest::digest(&ring::digest::SHA256, value.as_bytes());
+                let hex: String = digest.as_ref()[..8]
+                    .iter()
+                    .map(|b| format!("{b:02x}"))
+                    .collect();
+                Some(format!("sha256:{hex}"))
+            }
+            Values::Hide => None,
+        }
+    }
+}
+
+/// How the sketches are sized and shared.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TopOptions {
+    /// Descriptors counted per limit (Space-Saving's counters); 0 turns the sketches off.
+    pub capacity: usize,
+    /// Memory all sketches of this replica may hold (see the module's documentation).
+    pub memory_bytes: usize,
+    /// How long each window of counts lasts.
+    pub window: Duration,
+    /// How often this replica's view is published to Redis and the others' read.
+    pub publish_every: Duration,
+    /// How values are shown, at least (a limit's own `top_values` may show less).
+    pub values: Values,
+}
+
+impl Default for TopOptions {
+    fn default() -> Self {
+        TopOptions {
+            capacity: 64,
+            memory_bytes: 16 << 20,
+            window: Duration::from_secs(60),
+            publish_every: Duration::from_secs(5),
+            values: Values::Show,
+        }
+    }
+}
+
+/// One limit as the sketches tell limits apart: a change of any field is another limit
+/// (after a reload, the old one ages out).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub(crate) struct LimitInfo {
+    /// The config domain.
+    pub(crate) domain: String,
+    /// The rule's config path (`/rlconfig`'s), or `_override` for a request's own limit on a
+    /// descriptor the config does not know.
+    pub(crate) rule: String,
+    /// The limit's place among its descriptor's limits; [`OVERRIDE`] for a request's own.
+    pub(crate) index: u16,
+    /// `rate_limit.name`, if any.
+    pub(crate) name: Option<String>,
+    /// fixed_window, sliding_window, sliding_log or token_bucket.
+    pub(crate) algorithm: String,
+    /// The unit as configured (SECOND, MINUTE, ...).
+    pub(crate) unit: String,
+    /// The window in seconds (unit × unit_multiplier).
+    pub(crate) window_seconds: u64,
+    /// Hits per window.
+    pub(crate) requests_per_unit: u64,
+}
+
+/// [`LimitInfo::index`] of a request's own `limit` override.
+pub(crate) const OVERRIDE: u16 = u16::MAX;
+
+/// A limit as the request path names it, borrowed: nothing is allocated unless the limit is
+/// new to the shard.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct LimitRef<'a> {
+    /// The config domain.
+    pub(crate) domain: &'a str,
+    /// The rule's config path.
+    pub(crate) rule: &'a str,
+    /// See [`LimitInfo::index`].
+    pub(crate) index: u16,
+    /// `rate_limit.name`.
+    pub(crate) name: Option<&'a str>,
+    /// The algorithm's name.
+    pub(crate) algorithm: &'static str,
+    /// The unit's name.
+    pub(crate) unit: &'static str,
+    /// The window in seconds.
+    pub(crate) window_seconds: u64,
+    /// Hits per window.
+    pub(crate) requests_per_unit: u64,
+    /// How the limit's values are shown.
+    pub(crate) values: Values,
+}
+
+impl LimitRef<'_> {
+    fn hash(&self, state: &RandomState) -> u64 {
+        state.hash_one((
+            self.domain,
+            self.rule,
+            self.index,
+            self.window_seconds,
+            self.requests_per_unit,
+        ))
+    }
+
+    fn is(&self, info: &LimitInfo) -> bool {
+        self.index == info.index
+            && self.requests_per_unit == info.requests_per_unit
+            && self.window_seconds == info.window_seconds
+            && self.domain == info.domain
+            && self.rule == info.rule
+            && self.algorithm == info.algorithm
+            && self.unit == info.unit
+            && self.name == info.name.as_deref()
+    }
+
+    fn info(&self) -> LimitInfo {
+        LimitInfo {
+            domain: self.domain.to_owned(),
+            rule: self.rule.to_owned(),
+            index: self.index,
+            name: self.name.map(str::to_owned),
+            algorithm: self.algorithm.to_owned(),
+            unit: self.unit.to_owned(),
+            window_seconds: self.window_seconds,
+            requests_per_unit: self.requests_per_unit,
+        }
+    }
+}
+
+/// One limit's summary in one shard and window.
+struct Tracked {
+    hash: u64,
+    info: Arc<LimitInfo>,
+    values: Values,
+    summary: Summary,
+}
+
+impl Tracked {
+    /// What it holds against the shard's budget.
+    fn bytes(&self, capacity: usize) -> usize {
+        limit_cost(&self.info, capacity) + self.summary.item_bytes()
+    }
+}
+
+fn limit_cost(info: &LimitInfo, capacity: usize) -> usize {
+    sketch::overhead(capacity)
+        + std::mem::size_of::<Tracked>()
+        + info.domain.len()
+        + info.rule.len()
+        + info.name.as_ref().map_or(0, String::len)
+}
+
+/// One worker's sketches.
+struct Shard {
+    /// This window's limits, found through `index` (positions in `current`).
+    current: Vec<Tracked>,
+    index: HashTable<u32>,
+    previous: Vec<Tracked>,
+    /// Bytes of the shard's budget not yet held.
+    room: usize,
+    /// A xorshift state, for sampling limits to evict.
+    seed: u64,
+}
+
+/// Limits sampled for the one with the fewest hits when a new limit needs room.
+const EVICTION_SAMPLE: usize = 8;
+
+impl Shard {
+    /// Makes room for `cost` more bytes by dropping this window's lightest limits (the fewest
+    /// hits of [`EVICTION_SAMPLE`] sampled, each time, a request's own `limit` override before
+    /// any configured limit). Configured limits are as many as the config says; overrides are
+    /// the clients' to multiply, so a new override never displaces a configured limit, and a
+    /// flood of one-hit overrides churns among itself. Whether the room is there now.
+    fn make_room(&mut self, cost: usize, overriding: bool, capacity: usize) -> bool {
+        while self.room < cost && !self.current.is_empty() {
+            let weight = |t: &Tracked| (t.info.index != OVERRIDE, t.summary.total());
+            let mut lightest: Option<usize> = None;
+            for _ in 0..EVICTION_SAMPLE.min(self.current.len()) {
+                self.seed ^= self.seed << 13;
+                self.seed ^= self.seed >> 7;
+                self.seed ^= self.seed << 17;
+                let i = (self.seed % self.current.len() as u64) as usize;
+                if lightest.is_none_or(|l| weight(&self.current[i]) < weight(&self.current[l])) {
+                    lightest = Some(i);
+                }
+            }
+            let i = lightest.expect("sampled at least one");
+            if overriding && self.current[i].info.index != OVERRIDE {
+                return false;
+            }
+            self.remove(i, capacity);
+        }
+        self.room >= cost
+    }
+
+    /// Drops this window's limit at `i`, giving its bytes back.
+    fn remove(&mut self, i: usize, capacity: usize) {
+        let hash = self.current[i].hash;
+        if let Ok(e) = self.index.find_entry(hash, |&j| j as usize == i) {
+            e.remove();
+        }
+        let gone = self.current.swap_remove(i);
+        self.room += gone.bytes(capacity);
+        if i < self.current.len() {
+            // The last limit moved to `i`.
+            let moved = self.current[i].hash;
+            let last = self.current.len() as u32;
+            if let Some(j) = self.index.find_mut(moved, |&j| j == last) {
+                *j = i as u32;
+            }
+        }
+    }
+}
+
+/// A shard padded to its own cache lines, so workers' locks do not share one.
+#[repr(align(128))]
+struct Padded(Mutex<Shard>);
+
+/// One limit's heaviest descriptors, merged from every shard, window and replica.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct LimitTop {
+    /// The limit.
+    pub(crate) info: LimitInfo,
+    /// How its values are shown (the stricter of the limit's and the server's).
+    pub(crate) values: Values,
+    /// Its descriptors.
+    pub(crate) view: View,
+}
+
+/// Every limit's sketches, this replica's and (with Redis) the others'.
+pub(crate) struct Top {
+    options: TopOptions,
+    shards: Box<[Padded]>,
+    hasher: RandomState,
+    /// Hits of limits that found no room in their shard.
+    untracked: AtomicU64,
+    /// The other replicas' views, merged, as last read from Redis.
+    remote: Mutex<Arc<Vec<LimitTop>>>,
+}
+
+/// Which shard the calling thread records into: threads take shards in turn on their first
+/// record, so each worker has its own until there are more workers than shards.
+fn shard_of(shards: usize) -> usize {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    thread_local!(static MINE: Cell<Option<usize>> = const { Cell::new(None) });
+    MINE.with(|mine| {
+        let i = mine
+            .get()
+            .unwrap_or_else(|| NEXT.fetch_add(1, Ordering::Relaxed));
+        mine.set(Some(i));
+        i % shards
+    })
+}
+
+impl Top {
+    /// Sketches as `options` size them, one shard per core.
+    pub(crate) fn new(options: TopOptions) -> Top {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        Top::with_shards(options, cores.clamp(1, 64))
+    }
+
+    fn with_shards(options: TopOptions, shards: usize) -> Top {
+        let room = options.memory_bytes / shards;
+        Top {
+            options,
+            shards: (0..shards)
+                .map(|_| {
+                    Padded(Mutex::new(Shard {
+                        current: Vec::new(),
+                        index: HashTable::new(),
+                        previous: Vec::new(),
+                        room,
+                        seed: 0x9E37_79B9_7F4A_7C15,
+                    }))
+                })
+                .collect(),
+            hasher: RandomState::new(),
+            untracked: AtomicU64::new(0),
+            remote: Mutex::new(Arc::new(Vec::new())),
+        }
+    }
+
+    /// Whether anything is counted (`--top-capacity` > 0).
+    pub(crate) fn is_on(&self) -> bool {
+        self.options.capacity > 0
+    }
+
+    /// The options in force.
+    pub(crate) fn options(&self) -> &TopOptions {
+        &self.options
+    }
+
+    /// Counts `hits` the descriptor `entries` asked of `limit`, refused if `over`.
+    pub(crate) fn record(
+        &self,
+        limit: &LimitRef<'_>,
+        entries: &[(&str, &str)],
+        hits: u64,
+        over: bool,
+    ) {
+        if hits == 0 || !self.is_on() {
+            return;
+        }
+        let capacity = self.options.capacity;
+        let lh = limit.hash(&self.hasher);
+        let dh = hash_entries(&self.hasher, entries);
+        let mut shard = self.shards[shard_of(self.shards.len())].0.lock();
+        let shard = &mut *shard;
+        let found = {
+            let current = &shard.current;
+            shard
+                .index
+                .find(lh, |&i| {
+                    let t = &current[i as usize];
+                    t.hash == lh && limit.is(&t.info)
+                })
+                .copied()
+        };
+        let i = match found {
+            Some(i) => i as usize,
+            None => {
+                let info = limit.info();
+                let cost = limit_cost(&info, capacity);
+                if !shard.make_room(cost, limit.index == OVERRIDE, capacity) {
+                    self.untracked.fetch_add(hits, Ordering::Relaxed);
+                    return;
+                }
+                shard.room -= cost;
+                let i = shard.current.len();
+                shard.current.push(Tracked {
+                    hash: lh,
+                    info: Arc::new(info),
+                    values: limit.values,
+                    summary: Summary::new(capacity),
+                });
+                let current = &shard.current;
+                shard
+                    .index
+                    .insert_unique(lh, i as u32, |&j| current[j as usize].hash);
+                i
+            }
+        };
+        let tracked = &mut shard.current[i];
+        tracked.values = limit.values;
+        tracked
+            .summary
+            .record(dh, entries, hits, over, &mut shard.room);
+    }
+
+    /// Ends the current window: its summaries become the previous ones, and the previous
+    /// ones' memory is given back.
+    pub(crate) fn rotate(&self) {
+        let capacity = self.options.capacity;
+        for shard in self.shards.iter() {
+            let mut shard = shard.0.lock();
+            let shard = &mut *shard;
+            for old in shard.previous.drain(..) {
+                shard.room += old.bytes(capacity);
+            }
+            shard.index.clear();
+            shard.previous.append(&mut shard.current);
+        }
+    }
+
+    /// Hits of limits no shard had room for, since the start.
+    pub(crate) fn untracked(&self) -> u64 {
+        self.untracked.load(Ordering::Relaxed)
+    }
+
+    /// Bytes the shards hold now (at most `--top-memory-bytes`).
+    pub(crate) fn held_bytes(&self) -> usize {
+        let per_shard = self.options.memory_bytes / self.shards.len();
+        self.shards
+            .iter()
+            .map(|s| per_shard - s.0.lock().room)
+            .sum()
+    }
+
+    /// This replica's view of every limit `wanted` accepts: shards and both windows merged.
+    pub(crate) fn local(&self, wanted: impl Fn(&LimitInfo) -> bool) -> Vec<LimitTop> {
+        let mut by_limit: HashMap<Arc<LimitInfo>, (Values, Vec<View>)> = HashMap::new();
+        for shard in self.shards.iter() {
+            let shard = shard.0.lock();
+            for t in shard.current.iter().chain(&shard.previous) {
+                if !wanted(&t.info) {
+                    continue;
+                }
+                let (values, views) = by_limit
+                    .entry(t.info.clone())
+                    .or_insert((t.values, Vec::new()));
+                *values = (*values).max(t.values);
+                views.push(t.summary.view());
+            }
+        }
+        by_limit
+            .into_iter()
+            .map(|(info, (values, views))| LimitTop {
+                info: (*info).clone(),
+                values,
+                view: View::merge(&views),
+            })
+            .collect()
+    }
+
+    /// Every limit `wanted` accepts, this replica's view merged with the others' last read.
+    pub(crate) fn merged(&self, wanted: impl Fn(&LimitInfo) -> bool) -> Vec<LimitTop> {
+        let remote = self.remote.lock().clone();
+        let mut all = self.local(&wanted);
+        all.extend(remote.iter().filter(|l| wanted(&l.info)).cloned());
+        let mut limits = merge_limits(all, usize::MAX);
+        for l in &mut limits {
+            l.values = l.values.max(self.options.values);
+        }
+        limits
+    }
+
+    /// Replaces the other replicas' views.
+    pub(crate) fn set_remote(&self, views: Vec<LimitTop>) {
+        *self.remote.lock() = Arc::new(views);
+    }
+}
+
+/// `limits` (several views of the same limits) merged per limit, each cut to `capacity`
+/// descriptors, in the limits' order.
+pub(crate) fn merge_limits(limits: Vec<LimitTop>, capacity: usize) -> Vec<LimitTop> {
+    let mut by_limit: HashMap<LimitInfo, (Values, Vec<View>)> = HashMap::new();
+    for l in limits {
+        let (values, views) = by_limit.entry(l.info).or_insert((l.values, Vec::new()));
+        *values = (*values).max(l.values);
+        views.push(l.view);
+    }
+    let mut out: Vec<LimitTop> = by_limit
+        .into_iter()
+        .map(|(info, (values, views))| {
+            let mut view = if views.len() == 1 {
+                views.into_iter().next().expect("one view")
+            } else {
+                View::merge(&views)
+            };
+            view.truncate(capacity);
+            LimitTop { info, values, view }
+        })
+        .collect();
+    out.sort_by(|a, b| a.info.cmp(&b.info));
+    out
+}
+
+/// Ends a window every `window` until the service stops.
+pub(crate) async fn rotate_every(top: Arc<Top>, window: Duration) {
+    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + window, window);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        top.rotate();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limit(rule: &str) -> LimitRef<'_> {
+        LimitRef {
+            domain: "d",
+            rule,
+            index: 0,
+            name: None,
+            algorithm: "fixed_window",
+            unit: "SECOND",
+            window_seconds: 1,
+            requests_per_unit: 10,
+            values: Values::Show,
+        }
+    }
+
+    #[test]
+    fn shards_and_windows_merge_and_age_out() {
+        let top = Top::with_shards(
+            TopOptions {
+                capacity: 4,
+                ..TopOptions::default()
+            },
+            3,
+        );
+        let hits = |n| {
+            std::thread::scope(|s| {
+                for _ in 0..3 {
+                    s.spawn(|| {
+                        for _ in 0..n {
+                            top.record(&limit("a"), &[("k", "x")], 1, false);
+                        }
+                        top.record(&limit("b"), &[("k", "y")], 5, true);
+                    });
+                }
+            })
+        };
+        hits(10);
+        let count = |rule: &str| {
+            top.local(|l| l.rule == rule)
+                .first()
+                .map(|l| (l.view.counters[0].hits, l.view.counters[0].over))
+        };
+        assert_eq!(count("a"), Some((30, 0)));
+        assert_eq!(count("b"), Some((15, 15)));
+        top.rotate();
+        hits(1);
+        assert_eq!(
+            count("a"),
+            Some((33, 0)),
+            "the previous window still counts"
+        );
+        top.rotate();
+        assert_eq!(count("a"), Some((3, 0)));
+        top.rotate();
+        assert_eq!(count("a"), None, "two windows later it is gone");
+        assert_eq!(top.held_bytes(), 0, "and its memory given back");
+    }
+
+    #[test]
+    fn memory_is_bounded_and_a_flood_of_limits_churns_among_itself() {
+        let top = Top::with_shards(
+            TopOptions {
+                capacity: 8,
+                memory_bytes: 64 << 10,
+                ..TopOptions::default()
+            },
+            1,
+        );
+        let rules: Vec<String> = (0..1000).map(|i| format!("r{i}")).collect();
+        let value = "v".repeat(4000);
+        for (i, rule) in rules.iter().enumerate() {
+            top.record(&limit("real"), &[("k", "heavy")], 1, false);
+            top.record(&limit(rule), &[("k", &format!("{value}{i}"))], 1, false);
+            assert!(top.held_bytes() <= 64 << 10);
+        }
+        let limits = top.local(|_| true);
+        assert!(limits.len() < 100, "{} limits held", limits.len());
+        let real = limits.iter().find(|l| l.info.rule == "real").expect("kept");
+        assert_eq!(real.view.counters[0].hits, 1000);
+        // A limit alone bigger than the budget finds no room at all.
+        let tiny = Top::with_shards(
+            TopOptions {
+                capacity: 8,
+                memory_bytes: 100,
+                ..TopOptions::default()
+            },
+            1,
+        );
+        tiny.record(&limit("a"), &[("k", "v")], 3, false);
+        assert_eq!(tiny.untracked(), 3);
+        assert_eq!(tiny.held_bytes(), 0);
+    }
+
+    #[test]
+    fn values_are_hashed_the_same_everywhere() {
+        assert_eq!(Values::Show.apply("a\"b"), Some("a\"b".to_owned()));
+        assert_eq!(
+            Values::Hash.apply("abc"),
+            Some("sha256:ba7816bf8f01cfea".to_owned())
+        );
+        assert_eq!(Values::Hide.apply("abc"), None);
+        assert_eq!(Values::parse("HASH"), Some(Values::Hash));
+    }
+}

@@ -1,0 +1,154 @@
+//! A replica's view as other replicas read it: JSON (values stay strings, whatever they hold),
+//! bounded in size, each limit cut to the sketches' capacity so the merge keeps its bound.
+
+use serde::{Deserialize, Serialize};
+
+use super::sketch::{Counter, View, decode};
+use super::{LimitInfo, LimitTop, Values};
+
+/// The largest view a replica publishes, or reads of another's: past it, the limits with the
+/// fewest hits are left out (and a larger one read is ignored).
+pub(crate) const MAX_VIEW_BYTES: usize = 1 << 20;
+
+#[derive(Serialize, Deserialize)]
+struct WireLimit {
+    limit: LimitInfo,
+    values: Values,
+    total: u64,
+    floor: u64,
+    counters: Vec<WireCounter>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct WireCounter {
+    entries: Vec<(String, String)>,
+    hits: u64,
+    over: u64,
+    error: u64,
+}
+
+/// `limits` as published: each cut to `capacity` descriptors; those the heaviest limits leave
+/// no room for under [`MAX_VIEW_BYTES`] left out. Descriptors kept without their entries are
+/// left out too (another replica could not tell them apart).
+pub(crate) fn encode(limits: Vec<LimitTop>, capacity: usize) -> Vec<u8> {
+    let mut limits = super::merge_limits(limits, capacity);
+    limits.sort_by_key(|l| std::cmp::Reverse(l.view.total));
+    let mut out = b"[".to_vec();
+    for l in limits {
+        let wire = WireLimit {
+            counters: l
+                .view
+                .counters
+                .iter()
+                .filter_map(|c| {
+                    let entries = decode(c.item.as_deref()?)?;
+                    Some(WireCounter {
+                        entries: entries
+                            .into_iter()
+                            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+                            .collect(),
+                        hits: c.hits,
+                        over: c.over,
+                        error: c.error,
+                    })
+                })
+                .collect(),
+            limit: l.info,
+            values: l.values,
+            total: l.view.total,
+            floor: l.view.floor,
+        };
+        let one = serde_json::to_vec(&wire).expect("plain data serializes");
+        if out.len() + one.len() + 2 > MAX_VIEW_BYTES {
+            continue;
+        }
+        if out.len() > 1 {
+            out.push(b',');
+        }
+        out.extend_from_slice(&one);
+    }
+    out.push(b']');
+    out
+}
+
+/// A view another replica published; `None` if it is not one (or too large).
+pub(crate) fn decode_view(bytes: &[u8]) -> Option<Vec<LimitTop>> {
+    if bytes.len() > MAX_VIEW_BYTES {
+        return None;
+    }
+    let limits: Vec<WireLimit> = serde_json::from_slice(bytes).ok()?;
+    Some(
+        limits
+            .into_iter()
+            .map(|l| LimitTop {
+                info: l.limit,
+                values: l.values,
+                view: View {
+                    counters: l
+                        .counters
+                        .into_iter()
+                        .map(|c| {
+                            let entries: Vec<(&str, &str)> = c
+                                .entries
+                                .iter()
+                                .map(|(k, v)| (k.as_str(), v.as_str()))
+                                .collect();
+                            Counter {
+                                hash: 0,
+                                item: Some(super::sketch::encode(&entries)),
+                                hits: c.hits,
+                                over: c.over,
+                                error: c.error,
+                            }
+                        })
+                        .collect(),
+                    floor: l.floor,
+                    total: l.total,
+                },
+            })
+            .collect(),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::top::sketch::Summary;
+
+    #[test]
+    fn a_view_round_trips_with_its_values_verbatim() {
+        let mut s = Summary::new(4);
+        let mut room = usize::MAX;
+        let odd = "\"}, {\"k\": [1]} \u{1F600}\n\0".repeat(200);
+        for (v, n) in [(odd.as_str(), 5), ("plain", 2)] {
+            let e = [("key", v), ("k2", "x")];
+            s.record(v.len() as u64, &e, n, n == 5, &mut room);
+        }
+        let info = LimitInfo {
+            domain: "d".into(),
+            rule: "key".into(),
+            index: 0,
+            name: Some("n".into()),
+            algorithm: "fixed_window".into(),
+            unit: "MINUTE".into(),
+            window_seconds: 60,
+            requests_per_unit: 3,
+        };
+        let top = LimitTop {
+            info: info.clone(),
+            values: Values::Hash,
+            view: s.view(),
+        };
+        let back = decode_view(&encode(vec![top], 4)).unwrap();
+        assert_eq!(back.len(), 1);
+        assert_eq!(back[0].info, info);
+        assert_eq!(back[0].values, Values::Hash);
+        let mut view = back[0].view.clone();
+        view.sort();
+        let first = decode(view.counters[0].item.as_deref().unwrap()).unwrap();
+        assert_eq!(first, [("key", odd.as_str()), ("k2", "x")]);
+        assert_eq!((view.counters[0].hits, view.counters[0].over), (5, 5));
+        assert_eq!(view.total, 7);
+        assert!(decode_view(b"{not a view").is_none());
+    }
+}
