@@ -10,6 +10,20 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
+/// The heavy-hitter families (`--top-metrics`): each limit's heaviest descriptors' hits and
+/// refusals, written at scrape time from the sketches by the HTTP port (`server::top`), beside
+/// this registry's families: their series come and go with the sketches.
+pub(crate) const TOP_FAMILIES: [(&str, &str); 2] = [
+    (
+        "ratelimit_top_hits",
+        "Hits each limit's heaviest descriptors asked for in /top's window (--top-metrics per limit).",
+    ),
+    (
+        "ratelimit_top_over_limit",
+        "Hits refused to each limit's heaviest descriptors in /top's window (--top-metrics per limit).",
+    ),
+];
+
 /// Exports each of `labels` in `family` at 0 from now on, before its first count: a dashboard
 /// shows none rather than no data, and `rate()` sees the first increment. For families whose
 /// labels are a fixed set.

@@ -169,6 +169,8 @@ fn every_feature_switched_on() {
         "--redis-tls-key=/etc/ratelimitd/redis-tls/tls.key",
         "--response-headers=draft03",
         "--calendar-timezone=America/New_York",
+        "--top-values=hash",
+        "--top-metrics=5",
         "--redis-key-prefix=ratelimit:",
         "--max-descriptors=32",
         "--grpc-max-connection-age=2h",
@@ -228,6 +230,7 @@ fn the_schema_refuses_bad_values() {
         ("backend.type=etcd", "backend/type"),
         ("responseHeaders=on", "responseHeaders"),
         ("calendarTimezone=Europe/Berlin;rm", "calendarTimezone"),
+        ("top.values=plain", "values"),
         ("backend.redis.keyPrefix=a{b}", "keyPrefix"),
         ("backend.redis.url=http://x", "url"),
         ("nonsense=1", "nonsense"),
@@ -474,7 +477,7 @@ async fn the_dashboard_and_the_alerts_ask_only_for_what_the_service_exports() {
     // of both backends carry samples, and so labels.
     let mut scrapes = Vec::new();
     for kind in [Kind::Memory, Kind::Redis] {
-        let s = start(kind, &[("d.yaml", "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: second, requests_per_unit: 1}\n")], &[]).await;
+        let s = start(kind, &[("d.yaml", "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: second, requests_per_unit: 1}\n")], &["--top-metrics", "3"]).await;
         let mut c = s.client().await;
         call(&mut c, request("d", &[&[("k", "v")]])).await;
         call(&mut c, request("d", &[&[("k", "v")]])).await;

@@ -29,6 +29,9 @@ descriptors:
     rate_limit: {unit: day, unit_multiplier: 1000, requests_per_unit: 1000000, top_values: hash}
   - key: hidden
     rate_limit: {unit: day, unit_multiplier: 1000, requests_per_unit: 1000000, top_values: hide}
+  - key: shadow
+    shadow_mode: true
+    rate_limit: {unit: day, unit_multiplier: 1000, requests_per_unit: 1}
 ";
 
 async fn daemon(kind: Kind, extra: &[&str]) -> (Daemon, tempfile::TempDir) {
@@ -269,6 +272,22 @@ fn sha256sum(v: &str) -> String {
     format!("sha256:{}", &String::from_utf8(out.stdout).unwrap()[..16])
 }
 
+/// A shadow-mode limit answers OK and counts what it would have refused.
+#[tokio::test]
+async fn a_shadow_limit_counts_what_it_would_have_refused() {
+    let (d, _dir) = daemon(Kind::Memory, &[]).await;
+    let mut c = d.client().await;
+    for _ in 0..3 {
+        assert!(is_ok(
+            &call(&mut c, request("top", &[&[("shadow", "s")]])).await
+        ));
+    }
+    let report = top(&d, "?limit=shadow").await;
+    let l = limit(&report, "top", "shadow").unwrap();
+    assert_eq!(l["descriptors"][0]["hits"], 3, "{l}");
+    assert_eq!(l["descriptors"][0]["over_limit"], 2, "{l}");
+}
+
 /// `--top-values hash` hashes every limit's values, whatever the limit says (`show` included).
 #[tokio::test]
 async fn the_server_wide_setting_hashes_every_value() {
@@ -502,4 +521,47 @@ async fn the_admin_api_and_the_terminal_table_list_it_too() {
         rows[0].contains("acme") && rows[0].split_whitespace().nth(1) == Some("5"),
         "{table}"
     );
+}
+
+/// `ratelimit_top_*` on /metrics: absent unless `--top-metrics N`; then N series per limit,
+/// the heaviest, values escaped as OpenMetrics label values and shown as the limit says.
+#[tokio::test]
+async fn the_metrics_family_is_off_by_default_and_bounded_per_limit() {
+    for (flags, per_limit) in [(vec![], 0), (vec!["--top-metrics", "1"], 1)] {
+        let (d, _dir) = daemon(Kind::Memory, &flags).await;
+        let mut c = d.client().await;
+        for (key, v, n) in [
+            ("tenant", "a\"b\\c", 3),
+            ("tenant", "light", 1),
+            ("secret", "abc", 2),
+        ] {
+            for _ in 0..n {
+                call(&mut c, request("top", &[&[(key, v)]])).await;
+            }
+        }
+        let (_, text) = http_get(d.http, "/metrics").await;
+        let series: Vec<&str> = text
+            .lines()
+            .filter(|l| l.starts_with("ratelimit_top_hits{"))
+            .collect();
+        assert_eq!(series.len(), 2 * per_limit, "{series:?}");
+        if per_limit == 1 {
+            assert!(
+                series.contains(
+                    &"ratelimit_top_hits{domain=\"top\",rule=\"tenant\",limit=\"tenants\",descriptor=\"tenant=a\\\"b\\\\c\"} 3"
+                ),
+                "{series:?}"
+            );
+            assert!(
+                series
+                    .iter()
+                    .any(|s| s.contains("descriptor=\"secret=sha256:ba7816bf8f01cfea\"")),
+                "{series:?}"
+            );
+            assert!(
+                text.trim_end().ends_with("# EOF"),
+                "still ends as OpenMetrics does"
+            );
+        }
+    }
 }

@@ -13,7 +13,7 @@ use crate::config::{NodeLimits, Unit};
 use crate::limiter::key::KeyFormat;
 use crate::limiter::redis::RedisBackend;
 use crate::limiter::{Enforcement, Hit, HitKind};
-use crate::top::sketch::decode;
+use crate::top::sketch::{Counter, decode};
 use crate::top::{LimitInfo, LimitTop, OVERRIDE, Top, Values, wire};
 
 /// Descriptors listed per limit unless asked otherwise.
@@ -62,7 +62,7 @@ pub(crate) struct TopLimit {
     pub(crate) values: Values,
     /// Every hit counted for it in the window read.
     pub(crate) hits: u64,
-    /// The most hits a descriptor not listed may have had (none above it is missing).
+    /// The most hits a descriptor the sketch does not hold may have had.
     pub(crate) floor: u64,
     /// Heaviest first: most refused, then most hits.
     pub(crate) descriptors: Vec<TopDescriptor>,
@@ -85,6 +85,13 @@ pub(crate) struct TopReport {
     pub(crate) limits: Vec<TopLimit>,
 }
 
+/// A limit as listed before `remaining` is known: its descriptors' entries (as sent) and
+/// counts.
+struct Listed {
+    top: LimitTop,
+    descriptors: Vec<(Vec<(String, String)>, Counter)>,
+}
+
 impl Engine {
     /// Each limit's heaviest descriptors, as `query` asks.
     pub(crate) async fn top_report(&self, query: &TopQuery) -> Result<TopReport, EngineError> {
@@ -97,41 +104,33 @@ impl Engine {
                     .as_ref()
                     .is_none_or(|w| *w == l.rule || Some(w) == l.name.as_ref())
         };
-        let mut limits = Vec::new();
-        for LimitTop { info, values, view } in top.merged(wanted) {
-            let mut view = view;
-            view.sort();
-            let descriptors: Vec<(Vec<(String, String)>, &crate::top::sketch::Counter)> = view
-                .counters
-                .iter()
-                .filter_map(|c| {
-                    let entries = match &c.item {
-                        Some(item) => decode(item)?
-                            .into_iter()
-                            .map(|(k, v)| (k.to_owned(), v.to_owned()))
-                            .collect(),
-                        None => Vec::new(),
-                    };
-                    let prefixed = query.prefix.is_empty()
-                        || (entries.len() >= query.prefix.len()
-                            && entries[..query.prefix.len()] == query.prefix[..]);
-                    prefixed.then_some((entries, c))
-                })
-                .take(n)
-                .collect();
-            limits.push((
-                info,
-                values,
-                view.total,
-                view.floor,
-                descriptors_owned(descriptors),
-            ));
-        }
-        let remaining = self.remaining(&limits).await;
-        let mut remaining = remaining.into_iter();
-        let limits = limits
+        let listed: Vec<Listed> = top
+            .merged(wanted)
             .into_iter()
-            .map(|(info, values, hits, floor, descriptors)| TopLimit {
+            .map(|mut top| {
+                top.view.sort();
+                let descriptors = std::mem::take(&mut top.view.counters)
+                    .into_iter()
+                    .filter_map(|c| {
+                        let entries: Vec<(String, String)> = match &c.item {
+                            Some(item) => decode(item)?
+                                .into_iter()
+                                .map(|(k, v)| (k.to_owned(), v.to_owned()))
+                                .collect(),
+                            None => Vec::new(),
+                        };
+                        entries.starts_with(&query.prefix).then_some((entries, c))
+                    })
+                    .take(n)
+                    .collect();
+                Listed { top, descriptors }
+            })
+            .filter(|l| query.prefix.is_empty() || !l.descriptors.is_empty())
+            .collect();
+        let mut remaining = self.remaining(&listed).await.into_iter();
+        let limits = listed
+            .into_iter()
+            .map(|Listed { top, descriptors }| TopLimit {
                 descriptors: descriptors
                     .into_iter()
                     .map(|(entries, c)| TopDescriptor {
@@ -139,7 +138,7 @@ impl Engine {
                         entries: entries
                             .into_iter()
                             .map(|(k, v)| {
-                                let shown = values.apply(&v);
+                                let shown = top.values.apply(&v);
                                 (k, shown)
                             })
                             .collect(),
@@ -149,12 +148,11 @@ impl Engine {
                         remaining: remaining.next().flatten(),
                     })
                     .collect(),
-                info,
-                values,
-                hits,
-                floor,
+                hits: top.view.total,
+                floor: top.view.floor,
+                info: top.info,
+                values: top.values,
             })
-            .filter(|l| query.prefix.is_empty() || !l.descriptors.is_empty())
             .collect();
         Ok(TopReport {
             window: top.options().window,
@@ -168,14 +166,14 @@ impl Engine {
 
     /// What is left now of each listed descriptor's limit, in listing order: one backend call
     /// checking (consuming nothing) every counter that still exists in the config in force.
-    async fn remaining(&self, limits: &[Listed]) -> Vec<Option<u64>> {
+    async fn remaining(&self, listed: &[Listed]) -> Vec<Option<u64>> {
         let snapshot = self.config.load();
         let mut hits: Vec<Hit> = Vec::new();
         let mut at: Vec<Option<usize>> = Vec::new();
-        for (info, _, _, _, descriptors) in limits {
-            for (entries, c) in descriptors {
+        for l in listed {
+            for (entries, c) in &l.descriptors {
                 let hit = (c.item.is_some() && hits.len() < MAX_REMAINING_LOOKUPS)
-                    .then(|| self.counter_of(&snapshot, info, entries))
+                    .then(|| self.counter_of(&snapshot, &l.top.info, entries))
                     .flatten();
                 at.push(hit.map(|h| {
                     hits.push(h);
@@ -244,21 +242,6 @@ impl Engine {
             kind: HitKind::Admission,
         })
     }
-}
-
-/// A limit as listed before `remaining` is known.
-type Listed = (
-    LimitInfo,
-    Values,
-    u64,
-    u64,
-    Vec<(Vec<(String, String)>, crate::top::sketch::Counter)>,
-);
-
-fn descriptors_owned(
-    d: Vec<(Vec<(String, String)>, &crate::top::sketch::Counter)>,
-) -> Vec<(Vec<(String, String)>, crate::top::sketch::Counter)> {
-    d.into_iter().map(|(e, c)| (e, c.clone())).collect()
 }
 
 /// The Redis keys of the exchange: one set of replicas, one view per replica, all under one

@@ -114,7 +114,7 @@ impl pb::admin_server::Admin for Admin {
                     requests_per_unit: l.info.requests_per_unit,
                     values: l.values.as_str().to_owned(),
                     hits: l.hits,
-                    unlisted_at_most: l.floor,
+                    absent_at_most: l.floor,
                     descriptors: l
                         .descriptors
                         .into_iter()

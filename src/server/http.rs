@@ -114,12 +114,19 @@ async fn healthcheck(State(state): State<Arc<HttpState>>) -> impl IntoResponse {
 }
 
 async fn metrics(State(state): State<Arc<HttpState>>) -> impl IntoResponse {
+    let mut text = state.metrics.encode();
+    let top = state.engine.top();
+    if top.options().metrics > 0 {
+        // OpenMetrics ends with `# EOF`: the heavy-hitter families go before it.
+        let end = text.rfind("# EOF").unwrap_or(text.len());
+        text.insert_str(end, &super::top::metrics_text(top));
+    }
     (
         [(
             header::CONTENT_TYPE,
             "application/openmetrics-text; version=1.0.0; charset=utf-8",
         )],
-        state.metrics.encode(),
+        text,
     )
 }
 

@@ -15,7 +15,7 @@ use serde_json::{Value, json};
 
 use super::http::HttpState;
 use crate::engine::top::{DEFAULT_TOP_N, TopQuery, TopReport};
-use crate::top::OVERRIDE;
+use crate::top::{OVERRIDE, Top};
 
 /// `GET /top`.
 pub(crate) async fn top(
@@ -107,7 +107,7 @@ pub(crate) fn report_json(report: &TopReport) -> Value {
                 "requests_per_unit": l.info.requests_per_unit,
                 "values": l.values.as_str(),
                 "hits": l.hits,
-                "unlisted_at_most": l.floor,
+                "absent_at_most": l.floor,
                 "descriptors": descriptors,
             })
         })
@@ -120,4 +120,77 @@ pub(crate) fn report_json(report: &TopReport) -> Value {
         "memory_limit_bytes": report.memory_limit_bytes,
         "limits": limits,
     })
+}
+
+/// Most series each `ratelimit_top_*` family exports, whatever the number of limits.
+pub(crate) const MAX_TOP_SERIES: usize = 1000;
+/// Longest label value, in characters: a longer value is cut (and marked with `…`).
+const LABEL_CHARS: usize = 128;
+
+/// `ratelimit_top_hits` and `ratelimit_top_over_limit`: each limit's `--top-metrics`
+/// heaviest descriptors, in OpenMetrics text (gauges over `/top`'s window).
+pub(crate) fn metrics_text(top: &Top) -> String {
+    use std::fmt::Write as _;
+    let n = top.options().metrics;
+    let mut series: Vec<(String, u64, u64)> = Vec::new();
+    for l in top.merged(|_| true) {
+        let mut view = l.view;
+        view.sort();
+        let limit = match (&l.info.name, l.info.index) {
+            (Some(name), _) => name.clone(),
+            (None, OVERRIDE) => format!("override {}/{}", l.info.requests_per_unit, l.info.unit),
+            (None, i) => i.to_string(),
+        };
+        for c in view.counters.iter().take(n) {
+            if series.len() == MAX_TOP_SERIES {
+                break;
+            }
+            let descriptor = match c.item.as_deref().and_then(crate::top::sketch::decode) {
+                Some(entries) => entries
+                    .iter()
+                    .map(|(k, v)| {
+                        format!("{k}={}", l.values.apply(v).unwrap_or_else(|| "-".into()))
+                    })
+                    .collect::<Vec<_>>()
+                    .join(","),
+                None => "(entries not kept)".to_owned(),
+            };
+            let labels = format!(
+                "domain=\"{}\",rule=\"{}\",limit=\"{}\",descriptor=\"{}\"",
+                label(&l.info.domain),
+                label(&l.info.rule),
+                label(&limit),
+                label(&descriptor)
+            );
+            series.push((labels, c.hits, c.over));
+        }
+    }
+    let mut out = String::new();
+    for (pick, (family, help)) in crate::metrics::TOP_FAMILIES.into_iter().enumerate() {
+        let _ = writeln!(out, "# HELP {family} {help}");
+        let _ = writeln!(out, "# TYPE {family} gauge");
+        for (labels, hits, over) in &series {
+            let v = if pick == 0 { hits } else { over };
+            let _ = writeln!(out, "{family}{{{labels}}} {v}");
+        }
+    }
+    out
+}
+
+/// `s` as an OpenMetrics label value: escaped, cut to [`LABEL_CHARS`] characters.
+fn label(s: &str) -> String {
+    let mut out = String::new();
+    for (i, ch) in s.chars().enumerate() {
+        if i == LABEL_CHARS {
+            out.push('…');
+            break;
+        }
+        match ch {
+            '\\' => out.push_str("\\\\"),
+            '"' => out.push_str("\\\""),
+            '\n' => out.push_str("\\n"),
+            c => out.push(c),
+        }
+    }
+    out
 }

@@ -683,6 +683,14 @@ pub(crate) struct Flags {
     #[arg(long, value_enum, default_value = "show")]
     pub(crate) top_values: TopValuesArg,
 
+    /// Export each limit's N heaviest descriptors on /metrics as `ratelimit_top_hits` and
+    /// `ratelimit_top_over_limit` (values as `--top-values` and the limit's `top_values` show
+    /// them, cut to 128 characters; at most 1,000 series per family), for a dashboard panel.
+    /// 0 (the default): not exported; `/top` answers either way.
+    #[arg(long, value_name = "N", default_value_t = 0,
+        value_parser = clap::builder::TypedValueParser::map(clap::value_parser!(u16).range(0..=100), usize::from))]
+    pub(crate) top_metrics: usize,
+
     /// How long in-flight calls may take to finish after SIGTERM before the process exits anyway.
     #[arg(long, default_value = "10s", value_parser = parse_grace)]
     pub(crate) shutdown_grace: Duration,

@@ -76,6 +76,7 @@ impl Flags {
                 memory_bytes: usize::try_from(self.top_memory_bytes).unwrap_or(usize::MAX),
                 window: self.top_window,
                 publish_every: self.top_publish_interval,
+                metrics: self.top_metrics,
                 values: match self.top_values {
                     TopValuesArg::Show => crate::top::Values::Show,
                     TopValuesArg::Hash => crate::top::Values::Hash,

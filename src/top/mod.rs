@@ -18,12 +18,13 @@
 //! A descriptor whose entries do not fit is still counted, listed without its entries. Other replicas' views are merged into one, capped at the same
 //! number of descriptors per limit.
 
+mod hash;
 pub(crate) mod sketch;
 pub(crate) mod wire;
 
 use std::cell::Cell;
 use std::collections::HashMap;
-use std::hash::{BuildHasher, RandomState};
+use std::hash::BuildHasher;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
@@ -32,6 +33,7 @@ use hashbrown::HashTable;
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
+use self::hash::FoldState;
 use self::sketch::{Summary, View, hash_entries};
 
 /// How `/top` shows a limit's descriptor values (they may be API keys or addresses).
@@ -100,6 +102,8 @@ pub struct TopOptions {
     pub publish_every: Duration,
     /// How values are shown, at least (a limit's own `top_values` may show less).
     pub values: Values,
+    /// Descriptors per limit exported on `/metrics` (`ratelimit_top_*`); 0: none.
+    pub metrics: usize,
 }
 
 impl Default for TopOptions {
@@ -110,6 +114,7 @@ impl Default for TopOptions {
             window: Duration::from_secs(60),
             publish_every: Duration::from_secs(5),
             values: Values::Show,
+            metrics: 0,
         }
     }
 }
@@ -165,7 +170,7 @@ pub(crate) struct LimitRef<'a> {
 }
 
 impl LimitRef<'_> {
-    fn hash(&self, state: &RandomState) -> u64 {
+    fn hash(&self, state: &FoldState) -> u64 {
         state.hash_one((
             self.domain,
             self.rule,
@@ -304,7 +309,7 @@ pub(crate) struct LimitTop {
 pub(crate) struct Top {
     options: TopOptions,
     shards: Box<[Padded]>,
-    hasher: RandomState,
+    hasher: FoldState,
     /// Hits of limits that found no room in their shard.
     untracked: AtomicU64,
     /// The other replicas' views, merged, as last read from Redis.
@@ -347,7 +352,7 @@ impl Top {
                     }))
                 })
                 .collect(),
-            hasher: RandomState::new(),
+            hasher: FoldState::new(),
             untracked: AtomicU64::new(0),
             remote: Mutex::new(Arc::new(Vec::new())),
         }
