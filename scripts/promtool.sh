@@ -17,6 +17,6 @@ if [ ! -e "$policy" ]; then
 fi
 trap '[ -n "$added" ] && $sudo rm -f "$policy"' EXIT
 echo "promtool: installing Debian's prometheus package"
-$sudo apt-get update -qq
-DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+$sudo apt-get -o DPkg::Lock::Timeout=600 update -qq
+DEBIAN_FRONTEND=noninteractive $sudo apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends prometheus >/dev/null
 promtool --version | head -1

@@ -24,6 +24,6 @@ printf 'Types: deb\nURIs: %s\nSuites: %s-backports\nComponents: main\nSigned-By:
   "$uri" "$codename" "${key:-/usr/share/keyrings/debian-archive-keyring.gpg}" |
   $sudo tee /etc/apt/sources.list.d/ratelimitd-backports.sources >/dev/null
 echo "valkey: installing valkey-server from ${codename}-backports"
-$sudo apt-get update -qq
-DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq valkey-server >/dev/null
+$sudo apt-get -o DPkg::Lock::Timeout=600 update -qq
+DEBIAN_FRONTEND=noninteractive $sudo apt-get -o DPkg::Lock::Timeout=600 install -y -qq valkey-server >/dev/null
 valkey-server --version

@@ -346,8 +346,13 @@ async fn exchange_once(
                 None => gone.push(r.clone()),
             }
         }
-        // One chunk at a time: what is held while reading stays within the merged bound.
-        views = crate::top::merge_limits(views, capacity);
+        // One chunk at a time: what is held while reading is the merged view (within
+        // --top-memory-bytes) and at most 16 views of 1 MiB.
+        views = crate::top::within_bytes(
+            crate::top::merge_limits(views, capacity),
+            capacity,
+            top.options().memory_bytes,
+        );
     }
     if !gone.is_empty() {
         redis

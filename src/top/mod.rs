@@ -498,6 +498,33 @@ impl Top {
     }
 }
 
+/// `limits` cut to what `budget` bytes hold, counted as the shards count them: the limits with
+/// the most hits are kept, those past the budget left out (the other replicas' merged view is
+/// held to `--top-memory-bytes` this way, however many replicas and limits there are).
+pub(crate) fn within_bytes(
+    mut limits: Vec<LimitTop>,
+    capacity: usize,
+    budget: usize,
+) -> Vec<LimitTop> {
+    limits.sort_by_key(|l| std::cmp::Reverse(l.view.total));
+    let mut left = budget;
+    limits.retain(|l| {
+        let bytes = limit_cost(&l.info, capacity)
+            + l.view
+                .counters
+                .iter()
+                .map(|c| c.item.as_ref().map_or(0, |i| i.len()))
+                .sum::<usize>();
+        let fits = bytes <= left;
+        if fits {
+            left -= bytes;
+        }
+        fits
+    });
+    limits.sort_by(|a, b| a.info.cmp(&b.info));
+    limits
+}
+
 /// `limits` (several views of the same limits) merged per limit, each cut to `capacity`
 /// descriptors, in the limits' order.
 pub(crate) fn merge_limits(limits: Vec<LimitTop>, capacity: usize) -> Vec<LimitTop> {
@@ -627,6 +654,22 @@ mod tests {
         tiny.record(&limit("a"), &[("k", "v")], 3, false);
         assert_eq!(tiny.untracked(), 3);
         assert_eq!(tiny.held_bytes(), 0);
+    }
+
+    #[test]
+    fn a_view_is_cut_to_its_budget_keeping_the_heaviest_limits() {
+        let top = Top::with_shards(TopOptions::default(), 1);
+        for (rule, n) in [("a", 5), ("b", 50), ("c", 1)] {
+            for i in 0..n {
+                top.record(&limit(rule), &[("k", &format!("v{i}"))], 1, false);
+            }
+        }
+        let all = top.local(|_| true);
+        let one = limit_cost(&all[0].info, 64) + 64 * 14;
+        let kept = within_bytes(all.clone(), 64, one);
+        assert_eq!(kept.len(), 1);
+        assert_eq!(kept[0].info.rule, "b");
+        assert_eq!(within_bytes(all, 64, usize::MAX).len(), 3);
     }
 
     #[test]
