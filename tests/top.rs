@@ -360,6 +360,19 @@ async fn two_replicas_on_one_redis_merge_within_15_seconds() {
         })
         .await;
     }
+    // The views and the set of replicas are keys of their own, under the prefix, all expiring.
+    let redis = common::redis::shared_standalone();
+    let exchange = redis.cli(&[
+        "--scan",
+        "--pattern",
+        &format!("{prefix}{{ratelimitd-top}}*"),
+    ]);
+    let exchange: Vec<&str> = exchange.lines().filter(|k| !k.is_empty()).collect();
+    assert_eq!(exchange.len(), 3, "two views and the set: {exchange:?}");
+    for k in exchange {
+        let ttl: i64 = redis.cli(&["PTTL", k]).parse().unwrap();
+        assert!(ttl > 0, "{k} expires: {ttl}");
+    }
     drop(b);
     poll(Duration::from_secs(25), || async {
         (counts(top(&a, "?domain=top").await) == [("a".to_owned(), 30)]).then_some(())
