@@ -664,8 +664,9 @@ pub(crate) struct Flags {
     pub(crate) top_capacity: usize,
 
     /// Memory all of `/top`'s sketches may hold, descriptors' bytes included; a limit that
-    /// finds no room is not tracked until the window after (counted as untracked), e.g. 16MiB.
-    #[arg(long, default_value = "16MiB", value_parser = parse_bytes)]
+    /// finds no room takes the place of the lightest (a request's override never displaces a
+    /// configured limit), e.g. 4MiB.
+    #[arg(long, default_value = "4MiB", value_parser = parse_bytes)]
     pub(crate) top_memory_bytes: u64,
 
     /// How long each window of `/top`'s counts lasts: they cover the current window and the

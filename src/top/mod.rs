@@ -110,7 +110,7 @@ impl Default for TopOptions {
     fn default() -> Self {
         TopOptions {
             capacity: 64,
-            memory_bytes: 16 << 20,
+            memory_bytes: 4 << 20,
             window: Duration::from_secs(60),
             publish_every: Duration::from_secs(5),
             values: Values::Show,
