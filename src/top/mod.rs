@@ -10,13 +10,13 @@
 //! **Memory.** Each worker thread records into a shard of its own (no lock that every worker
 //! takes on every request). A shard holds at most its share of `--top-memory-bytes`: a limit
 //! costs [`sketch::overhead`] when first counted in a window and each descriptor kept its
-//! entries' bytes. A new limit that does not fit takes the place of the window's lightest
-//! (fewest hits of a few sampled, a request's own `limit` override before a configured
-//! limit; an override never displaces a configured limit), so a flood of one-off limits (a
-//! client's distinct overrides) churns among itself; hits that find no room are counted in
-//! `untracked`.
-//! A descriptor whose entries do not fit is still counted, listed without its entries. Other replicas' views are merged into one, capped at the same
-//! number of descriptors per limit.
+//! entries' bytes. A new limit that does not fit takes the place of the lightest (the previous
+//! window's first; fewest hits of a few sampled, a request's own `limit` override before a
+//! configured limit; an override never displaces a configured limit), so a flood of one-off
+//! limits (a client's distinct overrides) churns among itself; hits that find no room are
+//! counted in `untracked`. A descriptor whose entries do not fit is still counted, listed
+//! without its entries. Other replicas' views are merged into one, each limit cut to the same
+//! number of descriptors and the whole to the same memory bound ([`within_bytes`]).
 
 mod hash;
 pub(crate) mod sketch;
@@ -243,32 +243,47 @@ struct Shard {
 /// Limits sampled for the one with the fewest hits when a new limit needs room.
 const EVICTION_SAMPLE: usize = 8;
 
+/// The lightest of [`EVICTION_SAMPLE`] limits of `limits` drawn at random (xorshift on
+/// `seed`): an override before a configured limit, then the fewest hits. `None` if empty.
+fn lightest(limits: &[Tracked], seed: &mut u64) -> Option<usize> {
+    let weight = |t: &Tracked| (t.info.index != OVERRIDE, t.summary.total());
+    let mut found: Option<usize> = None;
+    for _ in 0..EVICTION_SAMPLE.min(limits.len()) {
+        *seed ^= *seed << 13;
+        *seed ^= *seed >> 7;
+        *seed ^= *seed << 17;
+        let i = (*seed % limits.len() as u64) as usize;
+        if found.is_none_or(|l| weight(&limits[i]) < weight(&limits[l])) {
+            found = Some(i);
+        }
+    }
+    found
+}
+
 impl Shard {
-    /// Makes room for `cost` more bytes by dropping this window's lightest limits (the fewest
-    /// hits of [`EVICTION_SAMPLE`] sampled, each time, a request's own `limit` override before
-    /// any configured limit). Configured limits are as many as the config says; overrides are
-    /// the clients' to multiply, so a new override never displaces a configured limit, and a
-    /// flood of one-hit overrides churns among itself. Whether the room is there now.
+    /// Makes room for `cost` more bytes by dropping limits: the previous window's first, then
+    /// this window's, each time the lightest of [`EVICTION_SAMPLE`] sampled (a request's own
+    /// `limit` override before any configured limit, then the fewest hits). Configured limits
+    /// are as many as the config says; overrides are the clients' to multiply, so a new
+    /// override never displaces a configured limit, and a flood of one-hit overrides churns
+    /// among itself. Whether the room is there now.
     fn make_room(&mut self, cost: usize, overriding: bool, capacity: usize) -> bool {
-        while self.room < cost && !self.current.is_empty() {
-            let weight = |t: &Tracked| (t.info.index != OVERRIDE, t.summary.total());
-            let mut lightest: Option<usize> = None;
-            for _ in 0..EVICTION_SAMPLE.min(self.current.len()) {
-                self.seed ^= self.seed << 13;
-                self.seed ^= self.seed >> 7;
-                self.seed ^= self.seed << 17;
-                let i = (self.seed % self.current.len() as u64) as usize;
-                if lightest.is_none_or(|l| weight(&self.current[i]) < weight(&self.current[l])) {
-                    lightest = Some(i);
-                }
-            }
-            let i = lightest.expect("sampled at least one");
-            if overriding && self.current[i].info.index != OVERRIDE {
+        let displaceable = |t: &Tracked| !overriding || t.info.index == OVERRIDE;
+        while self.room < cost {
+            if let Some(i) = lightest(&self.previous, &mut self.seed)
+                && displaceable(&self.previous[i])
+            {
+                let gone = self.previous.swap_remove(i);
+                self.room += gone.bytes(capacity);
+            } else if let Some(i) = lightest(&self.current, &mut self.seed)
+                && displaceable(&self.current[i])
+            {
+                self.remove(i, capacity);
+            } else {
                 return false;
             }
-            self.remove(i, capacity);
         }
-        self.room >= cost
+        true
     }
 
     /// Drops this window's limit at `i`, giving its bytes back.
@@ -578,6 +593,13 @@ mod tests {
         }
     }
 
+    fn override_limit(rule: &str) -> LimitRef<'_> {
+        LimitRef {
+            index: OVERRIDE,
+            ..limit(rule)
+        }
+    }
+
     #[test]
     fn shards_and_windows_merge_and_age_out() {
         let top = Top::with_shards(
@@ -642,6 +664,26 @@ mod tests {
         assert!(limits.len() < 100, "{} limits held", limits.len());
         let real = limits.iter().find(|l| l.info.rule == "real").expect("kept");
         assert_eq!(real.view.counters[0].hits, 1000);
+        // A new window whose previous one holds the whole budget: the configured limit is
+        // counted again at once (the previous window's overrides give way), and a flood of
+        // overrides still cannot displace it.
+        top.rotate();
+        for (i, rule) in rules.iter().enumerate() {
+            top.record(
+                &override_limit(rule),
+                &[("k", &format!("{value}{i}"))],
+                1,
+                false,
+            );
+            top.record(&limit("real"), &[("k", "heavy")], 1, false);
+            assert!(top.held_bytes() <= 64 << 10);
+        }
+        let real: u64 = top
+            .local(|l| l.rule == "real")
+            .iter()
+            .map(|l| l.view.counters[0].hits)
+            .sum();
+        assert_eq!(real, 2000, "both windows, every hit");
         // A limit alone bigger than the budget finds no room at all.
         let tiny = Top::with_shards(
             TopOptions {
