@@ -471,28 +471,23 @@ impl Top {
 
     /// This replica's view of every limit `wanted` accepts: shards and both windows merged.
     pub(crate) fn local(&self, wanted: impl Fn(&LimitInfo) -> bool) -> Vec<LimitTop> {
-        let mut by_limit: HashMap<Arc<LimitInfo>, (Values, Vec<View>)> = HashMap::new();
+        let mut all = Vec::new();
         for shard in self.shards.iter() {
             let shard = shard.0.lock();
-            for t in shard.current.iter().chain(&shard.previous) {
-                if !wanted(&t.info) {
-                    continue;
-                }
-                let (values, views) = by_limit
-                    .entry(t.info.clone())
-                    .or_insert((t.values, Vec::new()));
-                *values = (*values).max(t.values);
-                views.push(t.summary.view());
-            }
+            all.extend(
+                shard
+                    .current
+                    .iter()
+                    .chain(&shard.previous)
+                    .filter(|t| wanted(&t.info))
+                    .map(|t| LimitTop {
+                        info: (*t.info).clone(),
+                        values: t.values,
+                        view: t.summary.view(),
+                    }),
+            );
         }
-        by_limit
-            .into_iter()
-            .map(|(info, (values, views))| LimitTop {
-                info: (*info).clone(),
-                values,
-                view: View::merge(&views),
-            })
-            .collect()
+        merge_limits(all, usize::MAX)
     }
 
     /// Every limit `wanted` accepts, this replica's view merged with the others' last read.
