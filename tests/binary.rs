@@ -542,6 +542,102 @@ async fn grpc_on_a_unix_socket() {
     );
 }
 
+/// `--grpc-uds` never takes a socket a live process listens on: a second service on the
+/// same path, or ratelimitd started twice, is refused with the path named, and the first keeps
+/// its socket and its clients. (Before, the file was unlinked and replaced, silently, and the
+/// first process stayed up unreachable.)
+#[tokio::test]
+async fn grpc_uds_refuses_a_socket_a_live_process_listens_on() {
+    use std::io::{Read, Write};
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("l.yaml"), LIMITS).unwrap();
+    let sockets = tempfile::tempdir().unwrap();
+    let refused = |sock: &std::path::Path| {
+        let mut child = ratelimitd(dir.path(), &["--grpc-uds", sock.to_str().unwrap()])
+            .env("RATELIMITD_HTTP_ADDR", "127.0.0.1:0")
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        common::redis::watchdog(child.id());
+        let started = tokio::time::Instant::now();
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break status;
+            }
+            if started.elapsed() > Duration::from_secs(20) {
+                let _ = child.kill();
+                panic!("started on {} and took it", sock.display());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let mut stderr = String::new();
+        child
+            .stderr
+            .take()
+            .unwrap()
+            .read_to_string(&mut stderr)
+            .unwrap();
+        assert!(!status.success(), "{stderr}");
+        assert!(
+            stderr.contains(&sock.display().to_string()) && stderr.contains("another process"),
+            "{stderr}"
+        );
+    };
+
+    // Another service's socket.
+    let theirs = sockets.path().join("theirs.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&theirs).unwrap();
+    refused(&theirs);
+    let mut client = std::os::unix::net::UnixStream::connect(&theirs).unwrap();
+    client.write_all(b"still theirs").unwrap();
+    drop(client);
+    // ratelimitd's own look (connected, closed at once) came first.
+    let mut got = Vec::new();
+    while got.is_empty() {
+        let (mut served, _) = listener.accept().unwrap();
+        served.read_to_end(&mut got).unwrap();
+    }
+    assert_eq!(got, b"still theirs");
+
+    // ratelimitd started twice on one path.
+    let ours = sockets.path().join("rl.sock");
+    let first = Daemon::start(ratelimitd(
+        dir.path(),
+        &["--grpc-uds", ours.to_str().unwrap()],
+    ))
+    .await;
+    refused(&ours);
+    let path = ours.clone();
+    let channel = tonic::transport::Endpoint::try_from("http://localhost")
+        .unwrap()
+        .connect_with_connector(tower::service_fn(move |_: http::Uri| {
+            let path = path.clone();
+            async move {
+                let stream = tokio::net::UnixStream::connect(path).await?;
+                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(stream))
+            }
+        }))
+        .await
+        .unwrap();
+    let mut c = Client::new(channel);
+    assert!(is_ok(&call(&mut c, request("d", &[&[("k", "v")]])).await));
+    drop(first);
+    // Nothing listens now: the socket it left is replaced at the next start.
+    let again = Daemon::start(ratelimitd(
+        dir.path(),
+        &["--grpc-uds", ours.to_str().unwrap()],
+    ))
+    .await;
+    assert!(std::os::unix::net::UnixStream::connect(&ours).is_ok());
+    drop(again);
+    // Nothing else was left beside the socket (the directory it is made in is removed).
+    let left: Vec<_> = std::fs::read_dir(sockets.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(left.len(), 2, "{left:?}");
+}
+
 /// envoyproxy/ratelimit's `REDIS_PERSECOND`: its limits whose unit is a second are counted in
 /// the Redis `REDIS_PERSECOND_URL` names, the others in `REDIS_URL`'s, as that service splits
 /// them.

@@ -563,3 +563,101 @@ async fn streams_in_flight_at_the_age_finish_within_the_grace_then_the_connectio
         "closed after {closed:?}"
     );
 }
+
+/// The next frame as it comes, PINGs and SETTINGS included (SETTINGS are acknowledged).
+async fn next_frame_raw(socket: &mut TcpStream) -> Option<(u8, u8, u32, Vec<u8>)> {
+    loop {
+        let mut head = [0u8; 9];
+        socket.read_exact(&mut head).await.ok()?;
+        let len = usize::from(head[0]) << 16 | usize::from(head[1]) << 8 | usize::from(head[2]);
+        let mut payload = vec![0; len];
+        socket.read_exact(&mut payload).await.ok()?;
+        let (kind, flags) = (head[3], head[4]);
+        let stream = u32::from_be_bytes([head[5] & 0x7f, head[6], head[7], head[8]]);
+        if kind == 4 {
+            if flags & 1 == 0 {
+                let _ = send(socket, &frame(4, 1, 0, &[])).await;
+            }
+            continue;
+        }
+        return Some((kind, flags, stream, payload));
+    }
+}
+
+/// A call in flight when its connection's age comes is answered even when the client sends
+/// what grpc-core (C++, Python, Ruby, PHP) sends across the two GOAWAYs: its answer to the
+/// server's PING first, then a call it had queued (HEADERS, DATA) with a WINDOW_UPDATE for
+/// it. h2 0.4 takes that WINDOW_UPDATE, on a stream above the last GOAWAY's, for a frame on
+/// a stream never opened and ends the connection (GOAWAY PROTOCOL_ERROR), failing every call
+/// in flight: see `src/server/h2guard.rs`.
+#[tokio::test]
+async fn a_call_in_flight_survives_grpc_cores_frames_across_the_goaways() {
+    let (d, _dir) = daemon(&[
+        "--grpc-max-connection-age",
+        "1s",
+        "--grpc-max-connection-age-grace",
+        "30s",
+        "--request-timeout",
+        "60s",
+    ])
+    .await;
+    let message = grpc_message(&request("d", &[&[("k", "in-flight")]]).encode_to_vec());
+    let (head, tail) = message.split_at(message.len() / 2);
+    let mut socket = h2_connection(d.grpc).await;
+    let mut opening = frame(1, 4, 1, &headers(&CALL)); // HEADERS, END_HEADERS
+    opening.extend(frame(0, 0, 1, head)); // half the message: in flight
+    assert!(send(&mut socket, &opening).await);
+
+    // GOAWAY(2^31-1) and the shutdown PING, within the age (and a loaded machine's delay).
+    let mut goaways = Vec::new();
+    let ping = tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            match next_frame_raw(&mut socket).await {
+                Some((7, _, _, payload)) => goaways.push(payload),
+                Some((6, 0, _, payload)) if !goaways.is_empty() => return payload,
+                Some(_) => {}
+                None => panic!("closed before the shutdown PING"),
+            }
+        }
+    })
+    .await
+    .expect("GOAWAY and PING within 30 s");
+    assert_eq!(
+        goaways[0][..4],
+        0x7fff_ffffu32.to_be_bytes(),
+        "the first GOAWAY"
+    );
+
+    // grpc-core's order: the PING's answer, then a queued call with its WINDOW_UPDATE.
+    let mut late = frame(6, 1, 0, &ping); // PING, ACK
+    late.extend(frame(1, 4, 3, &headers(&CALL)));
+    late.extend(frame(8, 0, 3, &65_535u32.to_be_bytes())); // WINDOW_UPDATE on stream 3
+    late.extend(frame(0, 1, 3, &message)); // DATA, END_STREAM
+    assert!(send(&mut socket, &late).await);
+    assert!(send(&mut socket, &frame(0, 1, 1, tail)).await); // stream 1's end
+
+    let mut body = Vec::new();
+    let answered = tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            match next_frame_raw(&mut socket).await {
+                Some((0, _, 1, data)) => body.extend(data),
+                Some((1, flags, 1, _)) if flags & 1 == 1 => return, // trailers
+                Some((7, _, _, payload)) => {
+                    let error = u32::from_be_bytes(payload[4..8].try_into().unwrap());
+                    assert_eq!(error, 0, "GOAWAY with error code {error}: stream 1 is lost");
+                    let last = u32::from_be_bytes(payload[..4].try_into().unwrap());
+                    assert_eq!(last, 1, "the last GOAWAY names the last stream taken");
+                }
+                Some((3, _, 1, payload)) => panic!("stream 1 reset: {payload:?}"),
+                Some(_) => {}
+                None => panic!("closed before stream 1 was answered"),
+            }
+        }
+    })
+    .await;
+    assert!(answered.is_ok(), "stream 1 answered within 30 s");
+    let answer =
+        envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse::decode(&body[5..])
+            .unwrap();
+    assert!(is_ok(&answer), "{answer:?}");
+}

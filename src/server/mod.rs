@@ -5,6 +5,7 @@ pub(crate) mod admin;
 pub(crate) mod conn;
 pub(crate) mod debug;
 pub(crate) mod grpc;
+pub(crate) mod h2guard;
 pub(crate) mod headers;
 pub(crate) mod http;
 pub(crate) mod json;

@@ -12,6 +12,7 @@ use tonic::transport::server::TcpIncoming;
 use super::admin::{Admin, AdminServer};
 use super::conn::{AGE_JITTER, AGE_LANES, BudgetLayer, ConnLimits, InLane, Tracked, Tracker};
 use super::grpc::GrpcService;
+use super::h2guard::H2Guard;
 use super::headers::HeaderMode;
 use super::http::HttpState;
 use super::rlqs::RlqsService;
@@ -119,33 +120,78 @@ fn listen(socket: TcpSocket) -> Result<TcpListener, ListenError> {
         .map_err(|source| ListenError { addr, source })
 }
 
-/// A Unix socket at `path` with permissions `mode`, listening, replacing a socket file an
-/// earlier run left there.
+/// A Unix socket at `path` with permissions `mode`, listening.
+///
+/// A socket file already there is replaced only when nothing answers on it (an earlier run
+/// left it); one a live process listens on is that process's, and the service refuses to
+/// start rather than take it. The socket is made and given its mode in a directory of the
+/// service's own beside `path` (mode 0700), then linked at `path`, which fails if anything
+/// appeared there meanwhile: no moment where it is reachable with other permissions, and no
+/// `chmod` through a path someone else could have turned into a symlink.
 fn listen_unix(path: &std::path::Path, mode: u32) -> Result<UnixListener, ListenError> {
-    use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+    use std::os::unix::fs::{DirBuilderExt, FileTypeExt, PermissionsExt};
     let failed = |source| ListenError {
         addr: path.display().to_string(),
         source,
     };
+    let refuse = |kind, message: &str| failed(std::io::Error::new(kind, message.to_owned()));
     match std::fs::symlink_metadata(path) {
-        Ok(m) if m.file_type().is_socket() => std::fs::remove_file(path).map_err(failed)?,
+        Ok(m) if m.file_type().is_socket() => {
+            match std::os::unix::net::UnixStream::connect(path) {
+                Ok(_) => {
+                    return Err(refuse(
+                        std::io::ErrorKind::AddrInUse,
+                        "another process is listening on this socket",
+                    ));
+                }
+                // Nothing listens: a socket an earlier run left.
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
+                    std::fs::remove_file(path).map_err(failed)?;
+                }
+                Err(e) => return Err(failed(e)),
+            }
+        }
         Ok(_) => {
-            return Err(failed(std::io::Error::new(
+            return Err(refuse(
                 std::io::ErrorKind::AlreadyExists,
                 "a file that is not a socket is there",
-            )));
+            ));
         }
         Err(_) => {}
     }
-    let listener = UnixListener::bind(path).map_err(failed)?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).map_err(failed)?;
-    Ok(listener)
+    let parent = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => std::path::Path::new("."),
+    };
+    let private = parent.join(format!(
+        ".ratelimitd-{}-{:x}",
+        std::process::id(),
+        std::hash::BuildHasher::hash_one(&std::collections::hash_map::RandomState::new(), 0u8)
+    ));
+    std::fs::DirBuilder::new()
+        .mode(0o700)
+        .create(&private)
+        .map_err(failed)?;
+    let made = private.join("grpc.sock");
+    let listening = (|| {
+        let listener = UnixListener::bind(&made)?;
+        std::fs::set_permissions(&made, std::fs::Permissions::from_mode(mode))?;
+        std::fs::hard_link(&made, path)?;
+        Ok(listener)
+    })();
+    let _ = std::fs::remove_file(&made);
+    let _ = std::fs::remove_dir(&private);
+    listening.map_err(failed)
 }
 
 /// The gRPC listener, listening.
 enum GrpcListener {
     Tcp(TcpListener),
-    Unix(UnixListener),
+    Unix {
+        listener: UnixListener,
+        /// Where it is linked (the listener was bound elsewhere: see [`listen_unix`]).
+        path: std::path::PathBuf,
+    },
 }
 
 /// The listeners, listening.
@@ -162,7 +208,10 @@ impl Listeners {
         Ok(Listening {
             grpc: match self.grpc {
                 GrpcSocket::Tcp(socket) => GrpcListener::Tcp(listen(socket)?),
-                GrpcSocket::Unix { path, mode } => GrpcListener::Unix(listen_unix(&path, mode)?),
+                GrpcSocket::Unix { path, mode } => GrpcListener::Unix {
+                    listener: listen_unix(&path, mode)?,
+                    path,
+                },
             },
             http: listen(self.http)?,
             extra_http: self
@@ -198,10 +247,7 @@ pub(crate) fn serve<H: tonic_health::pb::health_server::Health>(
 ) -> (Serving<tonic::transport::Error>, Serving<std::io::Error>) {
     let grpc_addr = match &listening.grpc {
         GrpcListener::Tcp(l) => l.local_addr().ok().map(|a| a.to_string()),
-        GrpcListener::Unix(l) => l
-            .local_addr()
-            .ok()
-            .and_then(|a| a.as_pathname().map(|p| format!("unix:{}", p.display()))),
+        GrpcListener::Unix { path, .. } => Some(format!("unix:{}", path.display())),
     };
     let http_addr = listening.http.local_addr().ok();
     let state = Arc::new(HttpState {
@@ -293,16 +339,16 @@ fn serve_grpc<H: tonic_health::pb::health_server::Health>(
     let tracker = Tracker::new(conns);
     match (listener, &options.grpc_tls) {
         // Plain text only (settings refuse TLS with a Unix socket).
-        (GrpcListener::Unix(listener), _) => {
+        (GrpcListener::Unix { listener, .. }, _) => {
             let accepted = futures_util::stream::unfold(listener, |l| async move {
                 let accepted = l.accept().await.map(|(stream, _)| stream);
                 Some((accepted, l))
             });
-            serve_lanes(lanes, admitted(accepted, tracker), stop)
+            serve_lanes(lanes, guarded(admitted(accepted, tracker), true), stop)
         }
         (GrpcListener::Tcp(listener), None) => {
             let accepted = TcpIncoming::from(listener).with_nodelay(Some(true));
-            serve_lanes(lanes, admitted(accepted, tracker), stop)
+            serve_lanes(lanes, guarded(admitted(accepted, tracker), false), stop)
         }
         (GrpcListener::Tcp(listener), Some(GrpcTls { files, config })) => {
             tracing::info!(mutual = files.client_ca.is_some(), "gRPC over TLS");
@@ -316,9 +362,19 @@ fn serve_grpc<H: tonic_health::pb::health_server::Health>(
             for task in tls_tasks {
                 tasks.push(task);
             }
-            serve_lanes(lanes, incoming, stop)
+            serve_lanes(lanes, guarded(incoming, false), stop)
         }
     }
+}
+
+/// The connections `accepted` yields, their frames read through [`H2Guard`] (`unix`: they
+/// came over the Unix socket).
+fn guarded<IO>(
+    accepted: impl futures_util::Stream<Item = std::io::Result<IO>>,
+    unix: bool,
+) -> impl futures_util::Stream<Item = std::io::Result<H2Guard<IO>>> {
+    use futures_util::StreamExt;
+    accepted.map(move |io| io.map(|io| H2Guard::new(io, unix)))
 }
 
 /// The gRPC server, as one lane of connection ages sees it.
