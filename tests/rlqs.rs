@@ -1067,6 +1067,8 @@ async fn hostile_reports_are_skipped_or_refused() {
         domain: "q".into(),
         bucket_quota_usages: vec![
             usage(None),
+            // Present but empty: as absent (it was given an action, allow for 4 s).
+            usage(Some(vec![])),
             usage(Some(vec![("name", "")])),
             usage(Some(vec![("", "api")])),
             usage(Some(vec![
@@ -1084,7 +1086,7 @@ async fn hostile_reports_are_skipped_or_refused() {
     e.until(API, |t| t.tokens().is_some()).await;
     let (_, m) = s.http_get("/metrics").await;
     for (kind, n) in [
-        ("no_bucket_id", 1.0),
+        ("no_bucket_id", 2.0),
         ("empty_key_or_value", 2.0),
         ("too_many_pairs", 1.0),
         ("too_long", 1.0),
@@ -1092,6 +1094,7 @@ async fn hostile_reports_are_skipped_or_refused() {
         let series = format!("ratelimit_rlqs_skipped_entries_total{{kind=\"{kind}\"}}");
         assert_eq!(metric(&m, &series), n, "{kind}\n{m}");
     }
+    assert_eq!(e.told(&[]), None, "no action for an empty bucket id");
     // The absurd counters: a second client gets what it would beside an honest greedy one.
     let honest = Envoy::connect(&s, 1, "q", &board).await;
     honest.report(&[(API, 0, 0)], Duration::ZERO).await;

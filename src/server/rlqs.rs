@@ -336,7 +336,8 @@ struct RlqsStream {
 /// taken, not copied: decoded at their length, they become the pairs as they are, so a
 /// bucket held keeps the very bytes decoded and leaves no freed copy behind.
 fn fault(usage: &mut BucketQuotaUsage, limits: &RequestLimits) -> Result<Vec<Pair>, &'static str> {
-    let Some(id) = usage.bucket_id.take() else {
+    // A bucket id with no pairs names no bucket, as an absent one.
+    let Some(id) = usage.bucket_id.take().filter(|id| !id.bucket.is_empty()) else {
         return Err("no_bucket_id");
     };
     if id.bucket.len() > limits.max_entries {
