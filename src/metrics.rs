@@ -579,6 +579,8 @@ pub struct Metrics {
     config_last_load: Gauge,
     /// `ratelimit_statsd_flushes_total{result}`: the statsd sink's flushes.
     statsd_flushes: Family<LoadLabels, Counter>,
+    /// `ratelimit_statsd_lines_lost_total`: lines the collector may not have had.
+    statsd_lines_lost: Counter,
     /// `ratelimit_request_duration_seconds`: ShouldRateLimit handling time.
     pub request_duration: Histogram,
     /// `ratelimit_grpc_errors_total{code}`: requests answered with a gRPC error.
@@ -692,6 +694,12 @@ impl Metrics {
             "Flushes to the statsd collector (--statsd-addr) by result; a failed one's stats wait for the next (TCP) or are dropped (UDP)",
             statsd_flushes.clone(),
         );
+        let statsd_lines_lost = Counter::default();
+        registry.register(
+            "ratelimit_statsd_lines_lost",
+            "Stat lines the statsd collector may not have had: UDP datagrams that could not be sent, TCP lines written to a connection the collector then reset, and a line cut by a connection given up (each line is sent at most once)",
+            statsd_lines_lost.clone(),
+        );
         let config_last_load = Gauge::default();
         registry.register(
             "ratelimit_config_last_load_success",
@@ -789,6 +797,7 @@ impl Metrics {
             config_rules,
             config_last_load,
             statsd_flushes,
+            statsd_lines_lost,
             request_duration,
             grpc_errors,
         }
@@ -801,6 +810,13 @@ impl Metrics {
         self.config_loads
             .get_or_create(&LoadLabels { result })
             .inc();
+    }
+
+    /// Counts stat lines the statsd collector may not have had.
+    pub(crate) fn statsd_lines_lost(&self, lines: u64) {
+        if lines > 0 {
+            self.statsd_lines_lost.inc_by(lines);
+        }
     }
 
     /// Counts a flush to the statsd collector.

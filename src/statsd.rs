@@ -12,7 +12,15 @@
 //!   cumulative and the sink keeps only the value it last sent of each stat (one per rule and
 //!   count), so the first flush that gets through over TCP carries the whole difference; over
 //!   UDP a datagram that cannot be sent is dropped, as statsd over UDP always may be;
-//! - one flush sends at most [`MAX_FLUSH_BYTES`]; stats past it wait for the next flush.
+//! - one flush sends at most [`MAX_FLUSH_BYTES`]; stats past it wait for the next flush;
+//! - over TCP each line is sent at most once and never cut: a line is counted sent as soon as
+//!   its first byte is written, and the rest of a line a timed-out flush cut goes first on the
+//!   same connection at the next flush (a slow collector is kept while it reads; one that
+//!   takes no byte for [`STALLED_FLUSHES`] flushes in a row is given up). A flush counts as
+//!   `success` once the next flush finds its connection still up; one whose connection the
+//!   collector then reset counts `error`, and its lines, with a line cut by a connection given
+//!   up and UDP datagrams that could not be sent, are counted in
+//!   `ratelimit_statsd_lines_lost_total` (lines the collector may not have had).
 //!
 //! Names (with `--statsd-tags` as the library serializes tags into a name, `.__key=value`, or
 //! as DogStatsD tags, `|#key:value`):
@@ -48,6 +56,9 @@ pub(crate) const IO_TIMEOUT: Duration = Duration::from_secs(1);
 pub(crate) const MAX_FLUSH_BYTES: usize = 1 << 20;
 /// Largest UDP datagram: what fits in a common MTU, as the statsd libraries send.
 const DATAGRAM_BYTES: usize = 1432;
+/// A TCP connection to a collector that took no byte in this many flushes in a row is given
+/// up (a line it cut is then lost): a collector that reads slowly is kept.
+pub(crate) const STALLED_FLUSHES: u32 = 10;
 
 /// How stats are sent.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -94,8 +105,26 @@ pub(crate) struct Sink {
 }
 
 enum Conn {
-    Tcp(TcpStream),
+    Tcp(TcpConn),
     Udp(UdpSocket),
+}
+
+/// A TCP connection to the collector and what is owed on it.
+struct TcpConn {
+    stream: TcpStream,
+    /// The unwritten end of a line a timed-out flush cut: written first by the next flush.
+    rest: Vec<u8>,
+    /// Flushes in a row that got no byte through.
+    stalled: u32,
+    /// Lines of the last flush written whole, not yet known to be taken (see `check`).
+    unconfirmed: u64,
+}
+
+/// A line of a flush's payload: where it ends, the stat and the value it brings it to.
+struct Line {
+    end: usize,
+    key: String,
+    value: u64,
 }
 
 impl Sink {
@@ -112,78 +141,203 @@ impl Sink {
 
     /// Sends what grew since the last flush that got through; returns the bytes sent.
     pub(crate) async fn flush(&mut self) -> usize {
-        let (payload, values) = self.payload();
-        if payload.is_empty() {
+        self.check();
+        let (payload, lines) = self.payload();
+        let owed = matches!(&self.conn, Some(Conn::Tcp(c)) if !c.rest.is_empty());
+        if payload.is_empty() && !owed {
             return 0;
         }
-        match tokio::time::timeout(IO_TIMEOUT, self.send(&payload)).await {
-            Ok(Ok(())) => {
-                self.metrics.statsd_flush(LoadResult::success);
-                if std::mem::take(&mut self.failing) {
-                    tracing::info!(addr = %self.options.addr, "statsd collector reachable again");
+        match self.options.protocol {
+            Transport::Tcp => self.flush_tcp(&payload, lines).await,
+            Transport::Udp => match tokio::time::timeout(IO_TIMEOUT, self.send_udp(&payload)).await
+            {
+                Ok(Ok(())) => {
+                    self.succeeded();
+                    self.sent
+                        .extend(lines.into_iter().map(|l| (l.key, l.value)));
+                    payload.len()
                 }
-                self.sent.extend(values);
-                payload.len()
-            }
-            Ok(Err(e)) => self.failed(&e.to_string(), values),
-            Err(_) => self.failed("timed out", values),
+                failed => {
+                    let why = match failed {
+                        Ok(Err(e)) => e.to_string(),
+                        _ => "timed out".to_owned(),
+                    };
+                    // Dropped, as statsd over UDP may always be.
+                    self.metrics.statsd_lines_lost(lines.len() as u64);
+                    self.sent
+                        .extend(lines.into_iter().map(|l| (l.key, l.value)));
+                    self.conn = None;
+                    self.failed(&why);
+                    0
+                }
+            },
         }
     }
 
-    fn failed(&mut self, why: &str, values: Vec<(String, u64)>) -> usize {
+    /// Whether the TCP connection is still up: the last flush it took whole then counts as a
+    /// success; one the collector closed or reset is dropped, and if reset, the lines of that
+    /// flush may never have been read: counted lost, the flush an error.
+    fn check(&mut self) {
+        let Some(Conn::Tcp(conn)) = &mut self.conn else {
+            return;
+        };
+        let mut scratch = [0u8; 256];
+        let reset = match conn.stream.try_read(&mut scratch) {
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => None,
+            // The collector sent something (statsd collectors do not): still up.
+            Ok(n) if n > 0 => None,
+            // Closed in order: it read what it was sent (a close with bytes unread resets).
+            Ok(_) => Some(false),
+            Err(_) => Some(true),
+        };
+        let unconfirmed = std::mem::take(&mut conn.unconfirmed);
+        let cut = u64::from(!conn.rest.is_empty());
+        match reset {
+            None | Some(false) if unconfirmed > 0 => self.succeeded(),
+            Some(true) if unconfirmed + cut > 0 => {
+                self.metrics.statsd_lines_lost(unconfirmed + cut);
+                self.failed("the collector reset the connection");
+            }
+            _ => {}
+        }
+        if reset.is_some() {
+            self.conn = None;
+        }
+    }
+
+    /// One flush over TCP: the rest of a line the last one cut, then `payload`, each line
+    /// counted sent from its first byte written.
+    async fn flush_tcp(&mut self, payload: &[u8], lines: Vec<Line>) -> usize {
+        let deadline = tokio::time::Instant::now() + IO_TIMEOUT;
+        if self.conn.is_none() {
+            let connected = tokio::time::timeout_at(deadline, async {
+                let s = TcpStream::connect(&self.options.addr).await?;
+                s.set_nodelay(true)?;
+                Ok::<_, std::io::Error>(s)
+            })
+            .await;
+            match connected {
+                Ok(Ok(stream)) => {
+                    self.conn = Some(Conn::Tcp(TcpConn {
+                        stream,
+                        rest: Vec::new(),
+                        stalled: 0,
+                        unconfirmed: 0,
+                    }));
+                }
+                Ok(Err(e)) => {
+                    self.failed(&e.to_string());
+                    return 0;
+                }
+                Err(_) => {
+                    self.failed("connect timed out");
+                    return 0;
+                }
+            }
+        }
+        let Some(Conn::Tcp(conn)) = &mut self.conn else {
+            return 0;
+        };
+        let mut progressed = false;
+        // The end of a cut line first: nothing else may come between its two parts.
+        let mut outcome = write_within(&mut conn.stream, &conn.rest, deadline).await;
+        let (Ok(n) | Err((n, _))) = &outcome;
+        progressed |= *n > 0;
+        conn.rest.drain(..*n);
+        let mut written = 0;
+        if outcome.is_ok() {
+            outcome = write_within(&mut conn.stream, payload, deadline).await;
+            written = match &outcome {
+                Ok(n) | Err((n, _)) => *n,
+            };
+            progressed |= written > 0;
+        }
+        // Every line begun is sent: a cut one is finished on this connection.
+        let (mut begun, mut cut, mut start) = (0, false, 0);
+        for line in &lines {
+            if start >= written {
+                break;
+            }
+            if line.end > written {
+                conn.rest.extend_from_slice(&payload[written..line.end]);
+                cut = true;
+            }
+            begun += 1;
+            start = line.end;
+        }
+        let whole = (begun - usize::from(cut)) as u64;
+        self.sent
+            .extend(lines.into_iter().take(begun).map(|l| (l.key, l.value)));
+        conn.unconfirmed += whole;
+        match outcome {
+            Ok(_) => {
+                conn.stalled = 0;
+                written
+            }
+            Err((_, why)) => {
+                let give_up = match &why {
+                    // A timeout: the connection is kept while the collector takes bytes.
+                    None => {
+                        conn.stalled = if progressed { 0 } else { conn.stalled + 1 };
+                        conn.stalled >= STALLED_FLUSHES
+                    }
+                    Some(_) => true,
+                };
+                if give_up {
+                    let lost = conn.unconfirmed + u64::from(!conn.rest.is_empty());
+                    self.metrics.statsd_lines_lost(lost);
+                    self.conn = None;
+                }
+                let why = why.map_or_else(|| "timed out".to_owned(), |e| e.to_string());
+                self.failed(&why);
+                written
+            }
+        }
+    }
+
+    fn succeeded(&mut self) {
+        self.metrics.statsd_flush(LoadResult::success);
+        if std::mem::take(&mut self.failing) {
+            tracing::info!(addr = %self.options.addr, "statsd collector reachable again");
+        }
+    }
+
+    fn failed(&mut self, why: &str) {
         self.metrics.statsd_flush(LoadResult::error);
         if !self.failing {
             tracing::warn!(addr = %self.options.addr, error = why, "statsd flush failed; stats wait for the next flush (TCP) or are dropped (UDP)");
             self.failing = true;
         }
-        self.conn = None;
-        if self.options.protocol == Transport::Udp {
-            self.sent.extend(values);
-        }
-        0
     }
 
-    async fn send(&mut self, payload: &[u8]) -> std::io::Result<()> {
+    async fn send_udp(&mut self, payload: &[u8]) -> std::io::Result<()> {
         if self.conn.is_none() {
-            self.conn = Some(match self.options.protocol {
-                Transport::Tcp => {
-                    let s = TcpStream::connect(&self.options.addr).await?;
-                    s.set_nodelay(true)?;
-                    Conn::Tcp(s)
-                }
-                Transport::Udp => {
-                    let target = tokio::net::lookup_host(&self.options.addr)
-                        .await?
-                        .next()
-                        .ok_or_else(|| std::io::Error::other("no address"))?;
-                    let local = if target.is_ipv4() {
-                        "0.0.0.0:0"
-                    } else {
-                        "[::]:0"
-                    };
-                    let s = UdpSocket::bind(local).await?;
-                    s.connect(target).await?;
-                    Conn::Udp(s)
-                }
-            });
+            let target = tokio::net::lookup_host(&self.options.addr)
+                .await?
+                .next()
+                .ok_or_else(|| std::io::Error::other("no address"))?;
+            let local = if target.is_ipv4() {
+                "0.0.0.0:0"
+            } else {
+                "[::]:0"
+            };
+            let s = UdpSocket::bind(local).await?;
+            s.connect(target).await?;
+            self.conn = Some(Conn::Udp(s));
         }
-        match self.conn.as_mut() {
-            Some(Conn::Tcp(s)) => s.write_all(payload).await,
-            Some(Conn::Udp(s)) => {
-                for datagram in datagrams(payload) {
-                    s.send(datagram).await?;
-                }
-                Ok(())
+        if let Some(Conn::Udp(s)) = &self.conn {
+            for datagram in datagrams(payload) {
+                s.send(datagram).await?;
             }
-            None => Ok(()),
         }
+        Ok(())
     }
 
     /// The lines of every stat that grew, at most [`MAX_FLUSH_BYTES`] of them, and the values
     /// they bring the stats to.
-    fn payload(&self) -> (Vec<u8>, Vec<(String, u64)>) {
+    fn payload(&self) -> (Vec<u8>, Vec<Line>) {
         let mut out = String::new();
-        let mut values = Vec::new();
+        let mut lines = Vec::new();
         for Stat { key, value, timer } in reference_stats(&self.metrics) {
             let before = self.sent.get(&key).copied().unwrap_or(0);
             if value <= before {
@@ -195,9 +349,13 @@ impl Sink {
                 break;
             }
             out.push_str(&line);
-            values.push((key, value));
+            lines.push(Line {
+                end: out.len(),
+                key,
+                value,
+            });
         }
-        (out.into_bytes(), values)
+        (out.into_bytes(), lines)
     }
 
     /// One line: a counter's `delta`, or `delta` samples of a timer's value (ms) as one line
@@ -428,6 +586,25 @@ fn datagrams(payload: &[u8]) -> Vec<&[u8]> {
         out.push(&payload[start..end]);
     }
     out
+}
+
+/// Writes `bytes` within `deadline`: how many were written, and on failure why (`None`: the
+/// deadline passed).
+async fn write_within(
+    stream: &mut TcpStream,
+    bytes: &[u8],
+    deadline: tokio::time::Instant,
+) -> Result<usize, (usize, Option<std::io::Error>)> {
+    let mut written = 0;
+    while written < bytes.len() {
+        match tokio::time::timeout_at(deadline, stream.write(&bytes[written..])).await {
+            Ok(Ok(0)) => return Err((written, Some(std::io::ErrorKind::WriteZero.into()))),
+            Ok(Ok(n)) => written += n,
+            Ok(Err(e)) => return Err((written, Some(e))),
+            Err(_) => return Err((written, None)),
+        }
+    }
+    Ok(written)
 }
 
 /// Flushes `sink` every flush interval until `stopped`, then once more.

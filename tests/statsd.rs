@@ -255,3 +255,188 @@ async fn a_collector_that_never_reads_slows_no_decision_and_grows_nothing() {
     assert!(is_ok(&answers[0]) && is_ok(&answers[1]) && is_over(&answers[2]));
     drop(listener);
 }
+
+/// What a TCP collector got: totals of whole lines, and any line a connection ended inside.
+#[derive(Default)]
+struct Collected {
+    totals: HashMap<String, u64>,
+    cut: Vec<String>,
+    connections: usize,
+}
+
+/// A collector on `listener` reading each connection at `bytes_per_100ms` (0: as fast as it
+/// can) until it is told otherwise.
+fn slow_collector(
+    listener: TcpListener,
+    bytes_per_100ms: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+) -> std::sync::Arc<std::sync::Mutex<Collected>> {
+    use std::sync::atomic::Ordering;
+    let got = std::sync::Arc::new(std::sync::Mutex::new(Collected::default()));
+    let shared = got.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut conn, _)) = listener.accept().await else {
+                return;
+            };
+            shared.lock().unwrap().connections += 1;
+            let (got, rate) = (shared.clone(), bytes_per_100ms.clone());
+            tokio::spawn(async move {
+                let mut pending = Vec::new();
+                let mut buf = vec![0u8; 1 << 16];
+                loop {
+                    let cap = match rate.load(Ordering::Relaxed) {
+                        0 => buf.len(),
+                        n => {
+                            tokio::time::sleep(Duration::from_millis(100)).await;
+                            n
+                        }
+                    };
+                    let n = match conn.read(&mut buf[..cap]).await {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => n,
+                    };
+                    pending.extend_from_slice(&buf[..n]);
+                    if let Some(end) = pending.iter().rposition(|b| *b == b'\n') {
+                        let text = String::from_utf8(pending.drain(..=end).collect()).unwrap();
+                        add_lines(&mut got.lock().unwrap().totals, &text);
+                    }
+                }
+                if !pending.is_empty() {
+                    got.lock()
+                        .unwrap()
+                        .cut
+                        .push(String::from_utf8_lossy(&pending).into());
+                }
+            });
+        }
+    });
+    got
+}
+
+/// A collector that reads slowly (20 KB/s, with a small receive window) while 64 rules with
+/// 1 KB descriptor values grow every flush: flushes time out part-way, and still each hit is
+/// counted once (before: a timed-out flush was sent again whole on the next connection, 11 to
+/// 49 of the 64 rules arriving 40-80 over their true total), no line arrives cut, and nothing
+/// is counted lost, the slow connection being kept while it reads.
+#[tokio::test]
+async fn a_slow_tcp_collector_gets_each_hit_once_and_no_line_cut() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let listener = socket.listen(4).unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let rate = std::sync::Arc::new(AtomicUsize::new(2048));
+    let got = slow_collector(listener, rate.clone());
+    let (d, _dir) = daemon(&[
+        "--statsd-addr",
+        &addr,
+        "--statsd-protocol",
+        "tcp",
+        "--statsd-flush-interval",
+        "100ms",
+    ])
+    .await;
+    let values: Vec<String> = (0..64)
+        .map(|i| format!("{i:02}{}", "v".repeat(1022)))
+        .collect();
+    let mut c = d.client().await;
+    let mut sent = 0u64;
+    let started = tokio::time::Instant::now();
+    let (_, m) = http_get(d.http, "/metrics").await;
+    let errors_before = metric(&m, r#"ratelimit_statsd_flushes_total{result="error"}"#);
+    // Until flushes have timed out a few times (the buffers towards the collector full).
+    loop {
+        for v in &values {
+            assert!(is_ok(&call(&mut c, request("d", &[&[("ip", v)]])).await));
+        }
+        sent += 1;
+        let (_, m) = http_get(d.http, "/metrics").await;
+        let errors = metric(&m, r#"ratelimit_statsd_flushes_total{result="error"}"#);
+        if errors >= errors_before + 3.0 {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(90),
+            "no flush timed out: {m}"
+        );
+    }
+    // The collector reads at full speed from here: everything owed arrives.
+    rate.store(0, Ordering::Relaxed);
+    let name = |v: &str, stat: &str| format!("ratelimit.service.rate_limit.d.ip_{v}.{stat}");
+    let complete = |totals: &HashMap<String, u64>| {
+        values.iter().all(|v| {
+            ["total_hits", "within_limit"]
+                .iter()
+                .all(|stat| totals.get(&name(v, stat)).copied().unwrap_or(0) >= sent)
+        })
+    };
+    poll(Duration::from_secs(60), || {
+        let done = complete(&got.lock().unwrap().totals);
+        async move { done.then_some(()) }
+    })
+    .await;
+    // A few more flushes: nothing more arrives for these rules.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let (_, m) = http_get(d.http, "/metrics").await;
+    assert_eq!(metric(&m, "ratelimit_statsd_lines_lost_total"), 0.0, "{m}");
+    let got = got.lock().unwrap();
+    for v in &values {
+        for stat in ["total_hits", "within_limit"] {
+            assert_eq!(
+                got.totals.get(&name(v, stat)),
+                Some(&sent),
+                "{stat} of {v:.4}…"
+            );
+        }
+    }
+    assert!(got.cut.is_empty(), "lines cut: {:?}", got.cut);
+    eprintln!(
+        "slow collector: {sent} rounds, {} connection(s)",
+        got.connections
+    );
+}
+
+/// A collector that resets every connection it takes: no flush is counted a success, and the
+/// lines written to it are counted lost (before: every other flush counted `success`).
+#[tokio::test]
+async fn a_resetting_collectors_flushes_are_failures_and_their_lines_lost() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    tokio::spawn(async move {
+        while let Ok((conn, _)) = listener.accept().await {
+            // Let the first flush arrive, then reset (close with bytes unread).
+            tokio::time::sleep(Duration::from_millis(30)).await;
+            conn.set_zero_linger().unwrap();
+            drop(conn);
+        }
+    });
+    let (d, _dir) = daemon(&[
+        "--statsd-addr",
+        &addr,
+        "--statsd-protocol",
+        "tcp",
+        "--statsd-flush-interval",
+        "100ms",
+    ])
+    .await;
+    let mut c = d.client().await;
+    poll(Duration::from_secs(30), || {
+        let mut c = c.clone();
+        async move {
+            call(&mut c, request("d", &[&[("ip", "10.0.0.1")]])).await;
+            let (_, m) = http_get(d.http, "/metrics").await;
+            let errors = metric(&m, r#"ratelimit_statsd_flushes_total{result="error"}"#);
+            let lost = metric(&m, "ratelimit_statsd_lines_lost_total");
+            (errors >= 5.0 && lost >= 5.0).then_some(m)
+        }
+    })
+    .await;
+    let _ = call(&mut c, request("d", &[&[("ip", "10.0.0.1")]])).await;
+    let (_, m) = http_get(d.http, "/metrics").await;
+    assert_eq!(
+        metric(&m, r#"ratelimit_statsd_flushes_total{result="success"}"#),
+        0.0,
+        "{m}"
+    );
+}
