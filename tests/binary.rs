@@ -702,6 +702,86 @@ async fn redis_persecond_counts_second_limits_in_their_own_redis() {
     assert!(status.success(), "{log}");
 }
 
+/// With the per-second Redis down and `--redis-failure-mode local`, only its limits fall
+/// back: an hourly budget spent in the healthy main Redis still refuses requests that carry
+/// both descriptors (before: 10 of 30 admitted, both decided in memory), and a refused request
+/// takes nothing from the per-second limit decided in memory.
+#[tokio::test]
+async fn a_per_second_redis_down_leaves_the_main_stores_budgets_in_force() {
+    let main = common::redis::RedisProc::start(&[]);
+    let mut fast = common::redis::RedisProc::start(&[]);
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("limits.yaml"),
+        "domain: ps\ndescriptors:\n  - key: rps\n    rate_limit: {unit: second, requests_per_unit: 10}\n  - key: rph\n    rate_limit: {unit: hour, requests_per_unit: 5}\n",
+    )
+    .unwrap();
+    let (main_url, fast_url) = (main.url(), fast.url());
+    let d = Daemon::start(ratelimitd(
+        dir.path(),
+        &[
+            "--backend",
+            "redis",
+            "--redis-url",
+            &main_url,
+            "--redis-per-second-url",
+            &fast_url,
+            "--redis-failure-mode",
+            "local",
+            "--redis-timeout",
+            "2s",
+        ],
+    ))
+    .await;
+    let mut c = d.client().await;
+    let both = || request("ps", &[&[("rps", "a")], &[("rph", "a")]]);
+    for _ in 0..5 {
+        assert!(is_ok(&call(&mut c, both()).await));
+    }
+    assert!(
+        is_over(&call(&mut c, both()).await),
+        "the hourly budget is spent"
+    );
+    fast.kill();
+    let mut admitted = 0;
+    for _ in 0..30 {
+        let r = call(&mut c, both()).await;
+        assert!(r.statuses.len() == 2, "{r:?}");
+        admitted += usize::from(is_ok(&r));
+    }
+    assert_eq!(
+        admitted, 0,
+        "requests admitted past the main store's spent budget"
+    );
+    assert!(is_over(
+        &call(&mut c, request("ps", &[&[("rph", "a")]])).await
+    ));
+    // The per-second limit alone is decided in memory, and the 30 refused took none of it.
+    let mut alone = 0;
+    for _ in 0..12 {
+        alone += usize::from(is_ok(
+            &call(&mut c, request("ps", &[&[("rps", "b")]])).await,
+        ));
+    }
+    assert!(
+        (10..=12).contains(&alone),
+        "{alone} of 12 within a limit of 10/s"
+    );
+    let r = call(&mut c, request("ps", &[&[("rps", "a")]])).await;
+    assert!(
+        is_ok(&r),
+        "the refused requests took nothing from rps=a: {r:?}"
+    );
+    let (_, m) = http_get(d.http, "/metrics").await;
+    assert!(
+        metric(
+            &m,
+            r#"ratelimit_failure_mode_decisions_total{mode="local"}"#
+        ) >= 30.0,
+        "{m}"
+    );
+}
+
 /// A GET answered with a body of known length (binary allowed): status and body bytes.
 async fn get_bytes(addr: SocketAddr, path: &str) -> (u16, Vec<u8>) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};

@@ -85,7 +85,16 @@ impl Fallback {
 impl Backend for Fallback {
     fn decide<'a>(&'a self, hits: &'a [Hit]) -> BoxFuture<'a, Result<Outcome, BackendError>> {
         Box::pin(async move {
-            match self.primary.decide(hits).await {
+            // A store that failed beside others that answered falls back alone: its limits
+            // are decided by the mode, the others where they live.
+            let decided = match self.mode {
+                FailureMode::Error => self.primary.decide(hits).await,
+                _ => {
+                    let degrade = |hits: &[Hit], err| self.degrade(hits, err);
+                    self.primary.decide_degrading(hits, &degrade).await
+                }
+            };
+            match decided {
                 Ok(outcome) => Ok(outcome),
                 // Only an unreachable store is a failure mode's business; a permanent error
                 // (a bug) is reported as such rather than hidden behind `allow` or `local`.

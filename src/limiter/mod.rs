@@ -212,6 +212,10 @@ impl BackendError {
     }
 }
 
+/// Decides hits whose store failed (the failure mode), given the failure.
+pub(crate) type Degrade<'d> =
+    dyn Fn(&[Hit], BackendError) -> Result<Outcome, BackendError> + Send + Sync + 'd;
+
 /// A boxed future, so backends can be chosen at run time.
 pub(crate) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
@@ -229,6 +233,19 @@ pub trait Backend: Send + Sync + 'static {
     /// default): call `decide`.
     fn decide_at_once(&self, _hits: &[Hit]) -> Option<Outcome> {
         None
+    }
+
+    /// [`Backend::decide`], where `degrade` decides the hits of a store that failed when the
+    /// request's other stores answered (a backend with several stores: each store's limits
+    /// are decided where they live, and only the failed store's fall back). The default, for
+    /// a backend of one store: `decide`.
+    fn decide_degrading<'a>(
+        &'a self,
+        hits: &'a [Hit],
+        degrade: &'a Degrade<'a>,
+    ) -> BoxFuture<'a, Result<Outcome, BackendError>> {
+        let _ = degrade;
+        self.decide(hits)
     }
 
     /// Forgets the counters of `hits` (each limit is fully available again); returns how

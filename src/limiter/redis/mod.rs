@@ -47,8 +47,8 @@ use self::error::ErrorKind;
 pub use self::wire::SCRIPT;
 use self::wire::{Args, Decided, Mode};
 use super::{
-    Backend, BackendError, BoxFuture, Clock, Enforcement, Hit, HitKind, Outcome, SystemClock,
-    Verdict, admits,
+    Backend, BackendError, BoxFuture, Clock, Degrade, Enforcement, Hit, HitKind, Outcome,
+    SystemClock, Verdict, admits,
 };
 use crate::metrics::{BackendMetrics, KindLabels};
 
@@ -425,6 +425,16 @@ impl RedisBackend {
         (buf, len as u8)
     }
 
+    /// Whether calls may go to `group`'s store now: `None`, or its open circuit as a counted
+    /// error.
+    fn circuit(&self, group: &Group) -> Option<BackendError> {
+        let health = &self.stores[group.store as usize].health;
+        (!health.allow()).then(|| {
+            let detail = format!("{} circuit open after repeated failures", health.name());
+            self.error(ErrorKind::CircuitOpen, detail)
+        })
+    }
+
     /// Whether calls may go to every store `groups` name now; an open circuit is a counted
     /// error.
     fn circuits_closed(&self, groups: &[Group]) -> Result<(), BackendError> {
@@ -443,17 +453,37 @@ impl RedisBackend {
         Ok(())
     }
 
-    async fn decide_remote(&self, hits: &[Hit]) -> Result<Outcome, BackendError> {
+    /// Decides `hits` in the stores they live in. With `degrade`, the groups of a store that
+    /// failed (its circuit open, or its call) while others answered are decided by it.
+    async fn decide_remote(
+        &self,
+        hits: &[Hit],
+        degrade: Option<&Degrade<'_>>,
+    ) -> Result<Outcome, BackendError> {
         let groups = self.groups(hits);
-        self.circuits_closed(&groups)?;
+        // A group whose store's circuit is open is failed up front; without a way to decide
+        // it apart, so is the request.
+        let open: SmallVec<[Option<BackendError>; 2]> = match degrade {
+            Some(_) if self.stores.len() > 1 => groups.iter().map(|g| self.circuit(g)).collect(),
+            _ => {
+                self.circuits_closed(&groups)?;
+                groups.iter().map(|_| None).collect()
+            }
+        };
+        if open.iter().all(Option::is_some) {
+            let first = open.into_iter().flatten().next();
+            return Err(first.expect("at least one group"));
+        }
         let deadline = tokio::time::Instant::now() + self.opts.timeout;
         let nonce = self.next_nonce();
         let soft_split = groups.len() > 1;
         let answers: SmallVec<[_; 2]> = groups
             .iter()
-            .map(|g| self.submit(hits, g, Mode::Decide, nonce, 0, soft_split, None))
+            .zip(&open)
+            .filter(|(_, open)| open.is_none())
+            .map(|(g, _)| self.submit(hits, g, Mode::Decide, nonce, 0, soft_split, None))
             .collect();
-        let mut results: SmallVec<[_; 2]> = if answers.len() == 1 {
+        let answered: SmallVec<[_; 2]> = if answers.len() == 1 {
             let only = answers.into_iter().next().expect("one group");
             let mut results = SmallVec::new();
             results.push(self.answer(only, deadline).await);
@@ -464,6 +494,14 @@ impl RedisBackend {
                 .into_iter()
                 .collect()
         };
+        let mut answered = answered.into_iter();
+        let mut results: SmallVec<[Result<Reply, BackendError>; 2]> = open
+            .into_iter()
+            .map(|open| match open {
+                Some(e) => Err(e),
+                None => answered.next().expect("an answer per group submitted"),
+            })
+            .collect();
         // A calendar window whose boundaries missed Redis' clock (this service's idea of it was
         // off by more than a window: at start, or after either clock jumped): nothing was
         // written for that group. Once more, around the time its reply carried. Only requests
@@ -489,16 +527,25 @@ impl RedisBackend {
         ];
         let mut committed: SmallVec<[(usize, i64); 2]> = SmallVec::new(); // (group, time)
         let mut first_error = None;
+        // Groups whose store could not be reached: the failure mode may decide them apart.
+        let mut unreachable: SmallVec<[usize; 2]> = SmallVec::new();
+        let mut degradable = true;
         for (g, result) in results.into_iter().enumerate() {
             let reply = match result {
                 Ok(reply) => reply,
                 Err(e) => {
+                    if e.is_transient() {
+                        unreachable.push(g);
+                    } else {
+                        degradable = false;
+                    }
                     first_error.get_or_insert(e);
                     continue;
                 }
             };
             match Decided::parse(reply.values(), reply.at()) {
                 Decided::Stale => {
+                    degradable = false;
                     first_error.get_or_insert(self.error(
                         ErrorKind::Clock,
                         "redis' clock left a calendar window between two calls of one request",
@@ -506,6 +553,7 @@ impl RedisBackend {
                 }
                 Decided::ForeignData => {
                     // This request alone could not be decided; the others in its call were.
+                    degradable = false;
                     first_error.get_or_insert(self.error(
                         ErrorKind::ForeignData,
                         "a counter key holds data this service did not write",
@@ -523,6 +571,39 @@ impl RedisBackend {
                         verdicts[i] = verdict;
                     }
                 }
+            }
+        }
+        let mut degraded: SmallVec<[usize; 8]> = SmallVec::new();
+        if let Some(degrade) = degrade
+            && degradable
+            && !unreachable.is_empty()
+            && unreachable.len() < groups.len()
+            && let Some(err) = first_error.take()
+        {
+            degraded = unreachable
+                .iter()
+                .flat_map(|&g| groups[g].hits.iter().copied())
+                .collect();
+            // When the stores that answered already refuse, the others' admissions are only
+            // looked at (0 hits): a refused request takes nothing anywhere.
+            let refused = !admits(hits, |i| !degraded.contains(&i) && verdicts[i].over);
+            let apart: Vec<Hit> = degraded
+                .iter()
+                .map(|&i| {
+                    let mut hit = hits[i].clone();
+                    if refused && hit.kind == HitKind::Admission {
+                        hit.hits = 0;
+                    }
+                    hit
+                })
+                .collect();
+            match degrade(&apart, err) {
+                Ok(outcome) => {
+                    for (&i, verdict) in degraded.iter().zip(outcome.verdicts) {
+                        verdicts[i] = verdict;
+                    }
+                }
+                Err(e) => first_error = Some(e),
             }
         }
         let admitted = first_error.is_none() && admits(hits, |i| verdicts[i].over);
@@ -562,7 +643,10 @@ impl RedisBackend {
         }
         if let Some(cache) = &self.cache {
             let now = Instant::now();
-            for (hit, v) in hits.iter().zip(&verdicts) {
+            for (i, (hit, v)) in hits.iter().zip(&verdicts).enumerate() {
+                if degraded.contains(&i) {
+                    continue; // decided apart, not by Redis
+                }
                 if hit.kind == HitKind::Refund {
                     // What was known over may fit again.
                     cache.remove(hit.key.as_bytes());
@@ -637,9 +721,34 @@ impl Backend for RedisBackend {
                     "redis",
                     counters = hits.len()
                 );
-                return self.decide_remote(hits).instrument(span).await;
+                return self.decide_remote(hits, None).instrument(span).await;
             }
-            self.decide_remote(hits).await
+            self.decide_remote(hits, None).await
+        })
+    }
+
+    fn decide_degrading<'a>(
+        &'a self,
+        hits: &'a [Hit],
+        degrade: &'a Degrade<'a>,
+    ) -> BoxFuture<'a, Result<Outcome, BackendError>> {
+        Box::pin(async move {
+            if let Some(outcome) = self.decide_cached(hits) {
+                return Ok(outcome);
+            }
+            if crate::trace::enabled() {
+                use tracing::Instrument;
+                let span = tracing::info_span!(
+                    target: crate::trace::SPAN_TARGET,
+                    "redis",
+                    counters = hits.len()
+                );
+                return self
+                    .decide_remote(hits, Some(degrade))
+                    .instrument(span)
+                    .await;
+            }
+            self.decide_remote(hits, Some(degrade)).await
         })
     }
 
