@@ -782,6 +782,86 @@ async fn a_per_second_redis_down_leaves_the_main_stores_budgets_in_force() {
     );
 }
 
+/// After a Redis restart, the first call is decided by Redis (its connection, found closed,
+/// is made afresh: before, it failed with a broken pipe), and health says up only once calls
+/// will work: with nobody calling, the probe finds the calls' connection closed and makes it afresh (before,
+/// only its own PING connection came back, and the first call after, minutes later for an
+/// idle replica, failed with a broken pipe); a burst of 16 right after health says up gets
+/// no error (before: one UNAVAILABLE).
+#[tokio::test]
+async fn after_a_redis_restart_health_says_up_only_when_calls_work() {
+    let mut redis = common::redis::RedisProc::start(&[]);
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("l.yaml"), LIMITS).unwrap();
+    let url = redis.url();
+    let d = Daemon::start(ratelimitd(
+        dir.path(),
+        &[
+            "--backend",
+            "redis",
+            "--redis-url",
+            &url,
+            // No other use of the main connection than the calls and the probe.
+            "--top-publish-interval",
+            "1h",
+        ],
+    ))
+    .await;
+    let mut c = d.client().await;
+    assert!(is_ok(&call(&mut c, request("d", &[&[("k", "v")]])).await));
+    let clients = |redis: &common::redis::RedisProc| -> u64 {
+        redis
+            .cli(&["INFO", "clients"])
+            .lines()
+            .find_map(|l| l.strip_prefix("connected_clients:"))
+            .and_then(|n| n.trim().parse().ok())
+            .expect("INFO clients")
+    };
+    // The probe's, the calls' and redis-cli's.
+    let before = poll(Duration::from_secs(15), || {
+        let n = clients(&redis);
+        async move { (n >= 3).then_some(n) }
+    })
+    .await;
+    // A call right after a restart (the probe runs every second and has likely not run yet)
+    // finds its connection closed, never written: it is sent again on a fresh one.
+    redis.restart();
+    let r = c
+        .should_rate_limit(request("d", &[&[("k", "first")]]))
+        .await;
+    assert!(is_ok(&r.expect("decided by Redis").into_inner()));
+
+    redis.restart();
+    // Nobody calls: the probe alone brings the calls' connection back.
+    poll(Duration::from_secs(15), || {
+        let n = clients(&redis);
+        async move { (n >= before).then_some(()) }
+    })
+    .await;
+    poll(Duration::from_secs(15), || async {
+        let (_, m) = http_get(d.http, "/metrics").await;
+        (metric(&m, "ratelimit_backend_up") == 1.0).then_some(())
+    })
+    .await;
+    let burst = (0..16).map(|i| {
+        let mut c = c.clone();
+        async move {
+            let value = format!("burst-{i}");
+            c.should_rate_limit(request("d", &[&[("k", &value)]])).await
+        }
+    });
+    for r in futures_util::future::join_all(burst).await {
+        let r = r.expect("every call of the burst decided by Redis");
+        assert!(is_ok(&r.into_inner()));
+    }
+    let (_, m) = http_get(d.http, "/metrics").await;
+    assert_eq!(
+        metric(&m, r#"ratelimit_grpc_errors_total{code="unavailable"}"#),
+        0.0,
+        "{m}"
+    );
+}
+
 /// A GET answered with a body of known length (binary allowed): status and body bytes.
 async fn get_bytes(addr: SocketAddr, path: &str) -> (u16, Vec<u8>) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};

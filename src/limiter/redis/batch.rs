@@ -342,6 +342,7 @@ async fn send(shared: WorkerState, parts: Vec<Part>) -> Done {
         Call::Hash
     };
     let mut loaded = false;
+    let mut reconnected = false;
     let result = loop {
         let cmd = wire::command(&args, how, options.max_debt);
         let r = attempt::<Vec<u8>>(&conn, cmd, timeout, deadline, &mut unanswered).await;
@@ -366,6 +367,12 @@ async fn send(shared: WorkerState, parts: Vec<Part>) -> Done {
                 if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) =>
             {
                 how = Call::Source;
+            }
+            // The connection was found closed (Redis restarted since the last call): the
+            // call was never written. Once more, on a fresh connection.
+            _ if !reconnected && never_written(e) => {
+                reconnected = true;
+                conn.on_error(e).await;
             }
             _ => break r,
         }
@@ -422,6 +429,16 @@ async fn send(shared: WorkerState, parts: Vec<Part>) -> Done {
         })),
         None => Done::Answered,
     }
+}
+
+/// Whether a call failed because its connection was closed before it could be written: the
+/// client's "broken pipe", which it gives for a connection whose reader had already seen Redis
+/// go (a write that fails gives it too, and writes nothing whole). The reply to a call written
+/// before Redis closed its connection is lost the same way, but Redis only closes one between
+/// calls or when it dies, when what it did dies with it (without persistence).
+fn never_written(e: &redis::RedisError) -> bool {
+    // The client keeps the I/O error's kind to itself; its text names it.
+    e.is_io_error() && e.to_string().to_ascii_lowercase().contains("broken pipe")
 }
 
 /// A call not answered yet, kept until Redis answers it (see [`send`]).

@@ -209,6 +209,33 @@ impl Health {
         }
     }
 
+    /// The health probe: a [`Health::ping`], then a PING on `calls`, the connection the script
+    /// calls go on, which is what requests will see: one found closed (Redis restarted while
+    /// nobody called) is made afresh and PINGed once more, so that the next call finds it
+    /// open, and health says up only once it is.
+    pub(super) async fn probe(&self, calls: &Conn, call_budget: Duration) -> Result<(), String> {
+        self.ping(call_budget).await?;
+        let budget = ping_budget(call_budget);
+        let mut fresh = false;
+        loop {
+            match tokio::time::timeout(budget, calls.ping(budget)).await {
+                Ok(Ok(())) => return Ok(()),
+                Ok(Err(e)) => {
+                    calls.on_error(&e).await;
+                    if fresh || !e.is_connection_dropped() {
+                        return Err(format!("PING on the calls' connection: {e}"));
+                    }
+                    fresh = true;
+                }
+                Err(_) => {
+                    return Err(format!(
+                        "PING on the calls' connection: no answer in {budget:?}"
+                    ));
+                }
+            }
+        }
+    }
+
     /// A call timed out: opens the circuit only if a [`Health::ping`] fails too. One
     /// confirmation at a time; the calls timing out meanwhile add nothing.
     pub(super) fn on_timeout(self: &std::sync::Arc<Self>, call_budget: Duration) {

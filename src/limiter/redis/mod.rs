@@ -238,7 +238,7 @@ impl RedisBackend {
                         let health = &b.stores[store].health;
                         // As long as a timed-out call's confirming PING: a Redis slow under one
                         // client's load is not down.
-                        match health.ping(b.opts.timeout).await {
+                        match health.probe(&b.stores[store].conn, b.opts.timeout).await {
                             Ok(()) => {
                                 if !health.is_up() {
                                     tracing::info!("{} reachable again", health.name());
