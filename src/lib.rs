@@ -8,6 +8,7 @@ pub mod cli;
 mod config;
 mod engine;
 mod limiter;
+mod logs;
 mod metrics;
 mod rlqs;
 pub mod runtime;

@@ -47,6 +47,7 @@ use std::time::Duration;
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpStream, UdpSocket};
 
+use crate::logs::{self, Throttle};
 use crate::metrics::{LoadResult, Metrics};
 
 /// Longest a connect or one flush's write may take: past it the flush is given up (TCP: the
@@ -297,16 +298,23 @@ impl Sink {
 
     fn succeeded(&mut self) {
         self.metrics.statsd_flush(LoadResult::success);
-        if std::mem::take(&mut self.failing) {
-            tracing::info!(addr = %self.options.addr, "statsd collector reachable again");
+        // A collector that comes and goes every flush (UDP to a port nothing listens on
+        // refuses every other datagram) is in the log once per interval, not every flush.
+        static LOG: Throttle = Throttle::new(logs::EVERY);
+        if std::mem::take(&mut self.failing)
+            && let Some(held_back) = LOG.pass()
+        {
+            tracing::info!(addr = %self.options.addr, held_back, "statsd collector reachable again");
         }
     }
 
     fn failed(&mut self, why: &str) {
         self.metrics.statsd_flush(LoadResult::error);
-        if !self.failing {
-            tracing::warn!(addr = %self.options.addr, error = why, "statsd flush failed; stats wait for the next flush (TCP) or are dropped (UDP)");
-            self.failing = true;
+        static LOG: Throttle = Throttle::new(logs::EVERY);
+        if !std::mem::replace(&mut self.failing, true)
+            && let Some(held_back) = LOG.pass()
+        {
+            tracing::warn!(addr = %self.options.addr, error = why, held_back, "statsd flush failed; stats wait for the next flush (TCP) or are dropped (UDP)");
         }
     }
 

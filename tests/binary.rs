@@ -79,9 +79,11 @@ fn files_of_one_domain_merge_only_when_asked() {
         stderr.contains("duplicate domain 'd'") && stderr.contains(&a.display().to_string()),
         "{stderr}"
     );
+    // The place named is the descriptor defined twice, in the file that repeats it (it was
+    // 1:1 whatever the file held).
     std::fs::write(
         &b,
-        "domain: d\ndescriptors:\n  - key: k\n    value: one\n    rate_limit: {unit: hour, requests_per_unit: 9}\n",
+        "# b\ndomain: d\ndescriptors:\n  - key: x\n    rate_limit: {unit: hour, requests_per_unit: 1}\n  - key: k\n    value: one\n    rate_limit: {unit: hour, requests_per_unit: 9}\n",
     )
     .unwrap();
     let out = ratelimitd(dir.path(), &["--check", "--merge-domain-config"])
@@ -92,9 +94,13 @@ fn files_of_one_domain_merge_only_when_asked() {
     assert!(
         stderr.contains("duplicate descriptor 'k_one'")
             && stderr.contains(&a.display().to_string())
-            && stderr.contains(&b.display().to_string()),
+            && stderr.contains(&format!("{}:6:", b.display())),
         "{stderr}"
     );
+    // A duplicate domain is named at its `domain` line.
+    let out = ratelimitd(dir.path(), &["--check"]).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains(&format!("{}:2:", b.display())), "{stderr}");
 }
 
 #[test]
@@ -338,6 +344,16 @@ fn bad_flags_exit_2_with_a_message_never_a_panic() {
         &["--redis-timeout", "0"],
         &["--memory-max-bytes", "lots"],
         &["--reference-limit-header", "Rate Limit"],
+        // Hop-by-hop and framing headers: Envoy would add them to the client's response.
+        &["--reference-limit-header", "Content-Length"],
+        &["--reference-remaining-header", "transfer-encoding"],
+        &["--reference-reset-header", "Connection"],
+        &["--reference-reset-header", "host"],
+        // Checked at start, not at each flush.
+        &["--statsd-addr", "nohostport"],
+        &["--statsd-addr", "statsd:port"],
+        &["--statsd-addr", ":8125"],
+        &["--statsd-addr", "::1:8125"],
         &["--grpc-uds-mode", "999"],
         &["--backend", "redis"],
         &[
@@ -539,6 +555,11 @@ async fn grpc_on_a_unix_socket() {
     assert!(
         stderr.contains(&file.display().to_string()) && stderr.contains("not a socket"),
         "{stderr}"
+    );
+    assert_eq!(
+        stderr.matches("not a socket").count(),
+        1,
+        "said once: {stderr}"
     );
 }
 
@@ -860,6 +881,62 @@ async fn after_a_redis_restart_health_says_up_only_when_calls_work() {
         0.0,
         "{m}"
     );
+}
+
+/// An outage is in the log once per interval, not once per request, probe or flush: with
+/// Redis down and the failure mode `error`, three seconds of calls log "backend unavailable"
+/// and "circuit open" a line or two (before: a line per request, and "circuit open" every
+/// ~100 ms), and statsd over UDP to a port nothing listens on says so once (before: "failed"
+/// and "reachable again" by turns, every flush).
+#[tokio::test]
+async fn an_outage_is_in_the_log_once_per_interval() {
+    let mut redis = common::redis::RedisProc::start(&[]);
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("l.yaml"), LIMITS).unwrap();
+    let log = dir.path().join("stderr.log");
+    let url = redis.url();
+    let statsd = format!("127.0.0.1:{}", free_port());
+    let cmd = ratelimitd(
+        dir.path(),
+        &[
+            "--backend",
+            "redis",
+            "--redis-url",
+            &url,
+            "--statsd-addr",
+            &statsd,
+            "--statsd-protocol",
+            "udp",
+            "--statsd-flush-interval",
+            "100ms",
+        ],
+    );
+    let d = Daemon::start_with(
+        cmd,
+        std::process::Stdio::from(std::fs::File::create(&log).unwrap()),
+    )
+    .await;
+    let mut c = d.client().await;
+    assert!(is_ok(&call(&mut c, request("d", &[&[("k", "v")]])).await));
+    redis.kill();
+    let (mut calls, until) = (0, tokio::time::Instant::now() + Duration::from_secs(3));
+    while tokio::time::Instant::now() < until {
+        let r = c.should_rate_limit(request("d", &[&[("k", "v")]])).await;
+        calls += usize::from(r.is_err());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(calls >= 20, "{calls} calls failed");
+    drop(d);
+    let text = std::fs::read_to_string(&log).unwrap();
+    for (line, most) in [
+        ("grpc: backend unavailable", 1),
+        ("circuit open", 1),
+        ("statsd: statsd flush failed", 1),
+        ("statsd: statsd collector reachable again", 1),
+    ] {
+        let n = text.lines().filter(|l| l.contains(line)).count();
+        assert!(n <= most, "{n} lines of '{line}' in 3 s:\n{text}");
+    }
 }
 
 /// A GET answered with a body of known length (binary allowed): status and body bytes.

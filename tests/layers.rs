@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 /// The floors, from the ground up: a module may import from the floors below its own.
 /// "root" is `lib.rs` and what it defines; `main.rs` uses the crate as any user does.
 const FLOORS: &[&[&str]] = &[
-    &["runtime"],
+    &["logs", "runtime"],
     &["cli", "metrics", "shutdown", "trace"],
     &["limiter", "statsd", "telemetry", "top"],
     &["config"],

@@ -649,6 +649,7 @@ impl Compiler<'_> {
             metadata: raw.metadata.map(Box::new),
             children,
             path: Arc::new(path),
+            line: at.line(),
             counters: Default::default(),
         };
         Ok((key.into_boxed_str(), node))

@@ -96,9 +96,10 @@ pub(crate) fn load_paths_with(
                     first.display()
                 ),
             ),
-            Refused::Descriptor(first, path) => ConfigError::at(
+            // At the descriptor defined twice, in the file that repeats it.
+            Refused::Descriptor(first, path, at) => ConfigError::at(
                 file,
-                Some((line, 1)),
+                Some((if at > 0 { at } else { line }, 1)),
                 "descriptors",
                 format!(
                     "duplicate descriptor '{path}' in domain '{name}' (also in {}): merged files may not define one descriptor twice",

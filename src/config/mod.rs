@@ -209,6 +209,8 @@ pub struct Node {
     pub children: Level,
     /// The rule's config path for metrics and `/rlconfig`, e.g. `key1_value1.subkey1`.
     pub path: Arc<String>,
+    /// The line of its file it is defined on (0: not from a file), for errors found later.
+    pub line: u64,
     /// Its decision counters, looked up on first use (for labels without request values).
     pub counters: crate::metrics::RuleCounters,
 }
@@ -394,7 +396,7 @@ pub struct Domain {
 impl Domain {
     /// Adds `other`'s descriptors (the same domain, from another file or config), as
     /// `MERGE_DOMAIN_CONFIG` does; a descriptor both define is an error naming its path.
-    pub(crate) fn merge(&mut self, other: Domain) -> Result<(), String> {
+    pub(crate) fn merge(&mut self, other: Domain) -> Result<(), (String, u64)> {
         self.root.merge(other.root)
     }
 
@@ -423,8 +425,8 @@ pub(crate) struct Domains<O> {
 pub(crate) enum Refused<'a, O> {
     /// The name again, without `merge`.
     Domain(&'a O),
-    /// A descriptor both define (its path), with `merge`.
-    Descriptor(&'a O, String),
+    /// A descriptor both define (its path, and its line in the domain refused), with `merge`.
+    Descriptor(&'a O, String, u64),
 }
 
 impl<O> Domains<O> {
@@ -451,7 +453,7 @@ impl<O> Domains<O> {
         }
         self.domains[*at]
             .merge(domain)
-            .map_err(|path| Refused::Descriptor(first, path))
+            .map_err(|(path, line)| Refused::Descriptor(first, path, line))
     }
 
     /// The snapshot of every domain added.
@@ -585,7 +587,7 @@ impl Level {
     /// files: a key new here keeps its nodes, a known key gains the other's values. A
     /// descriptor present in both (same key and value, or both value-less) is an error naming
     /// it, and nothing is moved then.
-    fn merge(&mut self, other: Level) -> Result<(), String> {
+    fn merge(&mut self, other: Level) -> Result<(), (String, u64)> {
         let other = other.keys.into_entries();
         for (key, theirs) in &other {
             let Some(ours) = self.keys.get(key) else {
@@ -604,7 +606,7 @@ impl Level {
                 })
                 .or_else(|| theirs.any.as_deref().filter(|_| ours.any.is_some()));
             if let Some(node) = twice {
-                return Err(node.path.to_string());
+                return Err((node.path.to_string(), node.line));
             }
         }
         let after = self

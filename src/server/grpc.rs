@@ -23,6 +23,7 @@ use super::headers::{self, HeaderMode};
 
 use crate::config::Unit;
 use crate::engine::{self, Code, Descriptor, Engine, EngineError, LimitOverride};
+use crate::logs::{self, Throttle};
 use crate::metrics::{ErrorLabels, Metrics};
 
 /// The gRPC front end of an [`Engine`].
@@ -57,11 +58,18 @@ pub(crate) fn to_status(e: EngineError) -> Status {
         // envoyproxy/ratelimit's answer before its first config.
         EngineError::NoConfig => Status::unknown(EngineError::NoConfig.to_string()),
         EngineError::Backend(e) if e.is_transient() => {
-            tracing::warn!(error = %e, "backend unavailable");
+            // Every request while the store is away: once per interval in the log.
+            static LOG: Throttle = Throttle::new(logs::EVERY);
+            if let Some(held_back) = LOG.pass() {
+                tracing::warn!(error = %e, held_back, "backend unavailable");
+            }
             Status::unavailable("rate limit backend unavailable")
         }
         EngineError::Backend(e) => {
-            tracing::error!(error = %e, "backend failed");
+            static LOG: Throttle = Throttle::new(logs::EVERY);
+            if let Some(held_back) = LOG.pass() {
+                tracing::error!(error = %e, held_back, "backend failed");
+            }
             Status::internal("rate limit backend error")
         }
     }

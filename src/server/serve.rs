@@ -101,8 +101,9 @@ pub fn bind(addr: std::net::SocketAddr) -> std::io::Result<TcpSocket> {
 }
 
 /// A bound socket that could not listen.
+/// Its text names the address; the reason is its source (`{:#}` prints both, once each).
 #[derive(Debug, thiserror::Error)]
-#[error("cannot listen on {addr}: {source}")]
+#[error("cannot listen on {addr}")]
 pub struct ListenError {
     /// The socket's address, if it has one.
     pub addr: String,

@@ -340,7 +340,7 @@ pub(crate) struct Flags {
     /// Also send envoyproxy/ratelimit's stats, as it names them, to this statsd collector
     /// (host:port) every --statsd-flush-interval; off when unset. Set by USE_STATSD and
     /// USE_DOG_STATSD with STATSD_HOST and STATSD_PORT.
-    #[arg(long)]
+    #[arg(long, value_parser = parse_host_port)]
     pub(crate) statsd_addr: Option<String>,
 
     /// udp or tcp (envoyproxy/ratelimit's STATSD_PROTOCOL, whose default is tcp).
@@ -755,7 +755,6 @@ pub(crate) struct Flags {
     pub(crate) rlqs_max_bytes: u64,
 }
 
-/// `--rlqs-assignment-ttl`: whole seconds, at least one, at most an hour.
 /// Permission bits in octal (`660`), at most `777`.
 fn parse_mode(s: &str) -> Result<u32, String> {
     u32::from_str_radix(s.trim_start_matches("0o"), 8)
@@ -764,15 +763,56 @@ fn parse_mode(s: &str) -> Result<u32, String> {
         .ok_or_else(|| format!("'{s}' is not an octal file mode such as 660"))
 }
 
-/// An HTTP header name (RFC 9110 token characters), at most 256 bytes.
+/// Names a response header may not take: HTTP/1.1's hop-by-hop and framing headers, which
+/// Envoy would add to the client's response and which there say how the message is carried
+/// (HTTP/2 refuses most of them outright).
+const NOT_RESPONSE_HEADERS: [&str; 10] = [
+    "connection",
+    "content-length",
+    "host",
+    "keep-alive",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "proxy-authenticate",
+];
+
+/// The name of a header added to the client's response (RFC 9110 token characters, at most
+/// 256 bytes), not one of [`NOT_RESPONSE_HEADERS`].
 fn parse_header_name(s: &str) -> Result<String, String> {
     let token = |c: char| c.is_ascii_alphanumeric() || "!#$%&'*+-.^_`|~".contains(c);
     if s.is_empty() || s.len() > 256 || !s.chars().all(token) {
         return Err(format!("'{s}' is not an HTTP header name"));
     }
+    if NOT_RESPONSE_HEADERS
+        .iter()
+        .any(|n| n.eq_ignore_ascii_case(s))
+    {
+        return Err(format!(
+            "'{s}' says how a message is carried, not what it means: Envoy would add it to the client's response"
+        ));
+    }
     Ok(s.to_owned())
 }
 
+/// `host:port` (`[v6]:port`), the port 1 to 65535; the host is resolved at each connect.
+fn parse_host_port(s: &str) -> Result<String, String> {
+    let bad = || format!("'{s}' is not host:port (e.g. statsd.monitoring:8125 or 127.0.0.1:8125)");
+    let (host, port) = s.rsplit_once(':').ok_or_else(bad)?;
+    let bracketed = host.starts_with('[') == host.ends_with(']');
+    let port_ok = port.parse::<u16>().is_ok_and(|p| p > 0);
+    if host.is_empty() || host.contains(char::is_whitespace) || !bracketed || !port_ok {
+        return Err(bad());
+    }
+    if !host.starts_with('[') && host.contains(':') {
+        return Err(bad());
+    }
+    Ok(s.to_owned())
+}
+
+/// `--rlqs-assignment-ttl`: whole seconds, at least one, at most an hour.
 fn parse_ttl(s: &str) -> Result<Duration, String> {
     let d = parse_duration_within(s, Duration::from_secs(3_600))?;
     if d.subsec_nanos() != 0 || d.is_zero() {

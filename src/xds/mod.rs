@@ -382,7 +382,7 @@ fn snapshot_of(response: &DiscoveryResponse, compile: CompileOptions) -> Result<
                 Refused::Domain(other) => format!(
                     "config '{name}': duplicate domain '{domain_name}' (also in config '{other}')"
                 ),
-                Refused::Descriptor(other, path) => format!(
+                Refused::Descriptor(other, path, _) => format!(
                     "config '{name}': duplicate descriptor '{path}' in domain '{domain_name}' (also in config '{other}')"
                 ),
             })?;

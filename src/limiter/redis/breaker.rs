@@ -76,21 +76,27 @@ impl Breaker {
         self.probing.store(false, Ordering::Release);
     }
 
-    /// Opens the circuit now, whatever the count.
-    pub(super) fn trip(&self) {
-        *self.open_until.lock() = Some(Instant::now() + COOL_DOWN);
+    /// Opens the circuit now, whatever the count; whether it was closed (a new outage, worth
+    /// a line in the log: one that stays open re-opens every cool-down, silently).
+    pub(super) fn trip(&self) -> bool {
+        let was_closed = self
+            .open_until
+            .lock()
+            .replace(Instant::now() + COOL_DOWN)
+            .is_none();
         self.probing.store(false, Ordering::Release);
+        was_closed
     }
 
-    /// Records a failed call; whether it opened the circuit.
+    /// Records a failed call; whether it opened a closed circuit (a failed probe re-opens an
+    /// open one, and says no).
     pub(super) fn on_failure(&self) -> bool {
         let failures = self.failures.fetch_add(1, Ordering::AcqRel) + 1;
         let opens = failures >= THRESHOLD || self.probing.load(Ordering::Acquire);
-        if opens {
-            *self.open_until.lock() = Some(Instant::now() + COOL_DOWN);
-            self.probing.store(false, Ordering::Release);
+        if !opens {
+            return false;
         }
-        opens
+        self.trip()
     }
 }
 
@@ -247,11 +253,12 @@ impl Health {
             match health.ping(call_budget).await {
                 Ok(()) => health.on_answer(),
                 Err(why) => {
-                    tracing::warn!(
-                        "{} circuit open: a script call timed out, and {why}",
-                        health.name
-                    );
-                    health.breaker.trip();
+                    if health.breaker.trip() {
+                        tracing::warn!(
+                            "{} circuit open: a script call timed out, and {why}",
+                            health.name
+                        );
+                    }
                     health.set_up(false);
                 }
             }
@@ -277,7 +284,7 @@ mod tests {
         tokio::time::advance(Duration::from_millis(1)).await;
         assert!(b.allow(), "one probe");
         assert!(!b.allow(), "only one");
-        assert!(b.on_failure(), "a failed probe re-opens");
+        assert!(!b.on_failure(), "a failed probe re-opens, as no new outage");
         assert!(!b.allow());
         tokio::time::advance(COOL_DOWN).await;
         assert!(b.allow());
@@ -288,7 +295,8 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_trip_opens_at_once_for_a_cool_down() {
         let b = Breaker::new();
-        b.trip();
+        assert!(b.trip(), "a closed circuit opened");
+        assert!(!b.trip(), "open already");
         assert!(!b.allow());
         tokio::time::advance(COOL_DOWN).await;
         assert!(b.allow(), "one probe after the cool-down");

@@ -50,6 +50,7 @@ use super::{
     Backend, BackendError, BoxFuture, Clock, Degrade, Enforcement, Hit, HitKind, Outcome,
     SystemClock, Verdict, admits,
 };
+use crate::logs::{self, Throttle};
 use crate::metrics::{BackendMetrics, KindLabels};
 
 /// Everything the Redis backend needs (keys come built: see [`crate::limiter::key`]).
@@ -633,8 +634,11 @@ impl RedisBackend {
                     self.answer(answer, deadline)
                 });
             for result in join_all(undos).await {
-                if let Err(e) = result {
-                    tracing::warn!(error = %e, "undo failed; the hits stay counted until their window ends");
+                static LOG: Throttle = Throttle::new(logs::EVERY);
+                if let Err(e) = result
+                    && let Some(held_back) = LOG.pass()
+                {
+                    tracing::warn!(error = %e, held_back, "undo failed; the hits stay counted until their window ends");
                 }
             }
         }
