@@ -8,6 +8,8 @@ cd "$(dirname "$0")/.."
 # shellcheck source=scripts/common.sh
 source scripts/common.sh
 DURATION=${DURATION:-10}
+# The server measured: this checkout's release build, or RATELIMITD_BIN (another build, for an A/B).
+BIN=${RATELIMITD_BIN:-target/release/ratelimitd}
 GRPC=$(free_port)
 HTTP=$(free_port)
 REDIS_PORT=$(free_port)
@@ -24,7 +26,7 @@ trap cleanup EXIT
 redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save "" --appendonly no >/dev/null &
 rpid=$!; pids+=("$rpid")
 until redis-cli -p "$REDIS_PORT" PING >/dev/null 2>&1; do sleep 0.05; done
-target/release/ratelimitd --config benches/limits.yaml --backend redis \
+"$BIN" --config benches/limits.yaml --backend redis \
   --redis-url "redis://127.0.0.1:$REDIS_PORT" --grpc-addr "127.0.0.1:$GRPC" \
   --http-addr "127.0.0.1:$HTTP" --log-level error &
 spid=$!; pids+=("$spid")
@@ -39,7 +41,7 @@ n=$(echo "$out" | awk '/^requests:/ {print $2}')
 echo "== one worst-case request at a time"
 echo "$out" | sed -n 2,3p
 echo "server $(echo "scale=2; ($s1-$s0)*1000/$HZ/$n" | bc) ms CPU/request, redis $(echo "scale=2; ($r1-$r0)*1000/$HZ/$n" | bc) ms CPU/request (warmup included)"
-redis-cli -p "$REDIS_PORT" INFO commandstats | grep evalsha
+redis-cli -p "$REDIS_PORT" INFO commandstats | grep -E "evalsha|fcall" || true
 echo "== victim alone (200/s, 2 descriptors)"
 load --concurrency 4 --rate 200 --duration "$DURATION" | sed -n 2,3p
 echo "== victim beside a client keeping 8 worst-case requests in flight"
@@ -49,3 +51,6 @@ apid=$!
 load --concurrency 4 --rate 200 --duration "$DURATION" --allow-errors | sed -n 2,3p
 wait "$apid" || true
 curl -s "127.0.0.1:$HTTP/metrics" | grep -E '^ratelimit_backend_errors_total' || true
+
+# The same beside a light load, with the worker gate on and off.
+./scripts/costly.sh

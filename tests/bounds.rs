@@ -438,13 +438,7 @@ async fn silent_connections_on_the_grpc_port_are_cut_off() {
 /// client does: (type, flags, stream, payload), or `None` once the server has closed.
 async fn next_frame(socket: &mut TcpStream) -> Option<(u8, u8, u32, Vec<u8>)> {
     loop {
-        let mut head = [0u8; 9];
-        socket.read_exact(&mut head).await.ok()?;
-        let len = usize::from(head[0]) << 16 | usize::from(head[1]) << 8 | usize::from(head[2]);
-        let mut payload = vec![0; len];
-        socket.read_exact(&mut payload).await.ok()?;
-        let (kind, flags) = (head[3], head[4]);
-        let stream = u32::from_be_bytes([head[5] & 0x7f, head[6], head[7], head[8]]);
+        let (kind, flags, stream, payload) = read_frame(socket).await?;
         match (kind, flags & 1) {
             (4, 0) => {
                 let _ = send(socket, &frame(4, 1, 0, &[])).await;
@@ -456,6 +450,17 @@ async fn next_frame(socket: &mut TcpStream) -> Option<(u8, u8, u32, Vec<u8>)> {
             _ => return Some((kind, flags, stream, payload)),
         }
     }
+}
+
+/// One frame: its type, flags, stream and payload.
+async fn read_frame(socket: &mut TcpStream) -> Option<(u8, u8, u32, Vec<u8>)> {
+    let mut head = [0u8; 9];
+    socket.read_exact(&mut head).await.ok()?;
+    let len = usize::from(head[0]) << 16 | usize::from(head[1]) << 8 | usize::from(head[2]);
+    let mut payload = vec![0; len];
+    socket.read_exact(&mut payload).await.ok()?;
+    let stream = u32::from_be_bytes([head[5] & 0x7f, head[6], head[7], head[8]]);
+    Some((head[3], head[4], stream, payload))
 }
 
 /// An HTTP/2 connection to the gRPC port, greeted.
@@ -564,23 +569,17 @@ async fn streams_in_flight_at_the_age_finish_within_the_grace_then_the_connectio
     );
 }
 
-/// The next frame as it comes, PINGs and SETTINGS included (SETTINGS are acknowledged).
+/// The next frame as it comes, PINGs included (SETTINGS are acknowledged and skipped).
 async fn next_frame_raw(socket: &mut TcpStream) -> Option<(u8, u8, u32, Vec<u8>)> {
     loop {
-        let mut head = [0u8; 9];
-        socket.read_exact(&mut head).await.ok()?;
-        let len = usize::from(head[0]) << 16 | usize::from(head[1]) << 8 | usize::from(head[2]);
-        let mut payload = vec![0; len];
-        socket.read_exact(&mut payload).await.ok()?;
-        let (kind, flags) = (head[3], head[4]);
-        let stream = u32::from_be_bytes([head[5] & 0x7f, head[6], head[7], head[8]]);
-        if kind == 4 {
-            if flags & 1 == 0 {
+        let got = read_frame(socket).await?;
+        if got.0 == 4 {
+            if got.1 & 1 == 0 {
                 let _ = send(socket, &frame(4, 1, 0, &[])).await;
             }
             continue;
         }
-        return Some((kind, flags, stream, payload));
+        return Some(got);
     }
 }
 

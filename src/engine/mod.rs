@@ -137,6 +137,9 @@ impl Engine {
         if !snapshot.is_loaded() {
             return Err(EngineError::NoConfig);
         }
+        // A request this large is costly from its first step: the worker gate lets every
+        // worker take tasks while it is handled.
+        let costly = crate::runtime::Costly::of(req.descriptors.len());
         let Resolved {
             domain,
             applied,
@@ -150,6 +153,7 @@ impl Engine {
             self.options.global_quota_mode,
         );
         request::validate_counters(&hits, &self.options.request_limits)?;
+        let _costly = costly.or_else(|| crate::runtime::Costly::of(hits.len()));
         let Some(domain) = domain.filter(|_| !hits.is_empty()) else {
             return Ok(Response {
                 overall: Code::Ok,

@@ -663,6 +663,30 @@ impl RedisBackend {
         Ok(Outcome { admitted, verdicts })
     }
 
+    /// A decision: from the over-limit cache, else in Redis (`degrade` as in
+    /// [`RedisBackend::decide_remote`]).
+    async fn decide_with(
+        &self,
+        hits: &[Hit],
+        degrade: Option<&Degrade<'_>>,
+    ) -> Result<Outcome, BackendError> {
+        if let Some(outcome) = self.decide_cached(hits) {
+            return Ok(outcome);
+        }
+        if crate::trace::enabled() {
+            use tracing::Instrument;
+            // A child of the request's span: this request's wait for Redis (its script call
+            // may carry other requests too).
+            let span = tracing::info_span!(
+                target: crate::trace::SPAN_TARGET,
+                "redis",
+                counters = hits.len()
+            );
+            return self.decide_remote(hits, degrade).instrument(span).await;
+        }
+        self.decide_remote(hits, degrade).await
+    }
+
     /// Answers from the over-limit cache when an enforced hit is known to be over. Never for a
     /// request carrying a cost report or a refund: those must reach Redis, over or not.
     fn decide_cached(&self, hits: &[Hit]) -> Option<Outcome> {
@@ -712,23 +736,7 @@ impl RedisBackend {
 
 impl Backend for RedisBackend {
     fn decide<'a>(&'a self, hits: &'a [Hit]) -> BoxFuture<'a, Result<Outcome, BackendError>> {
-        Box::pin(async move {
-            if let Some(outcome) = self.decide_cached(hits) {
-                return Ok(outcome);
-            }
-            if crate::trace::enabled() {
-                use tracing::Instrument;
-                // A child of the request's span: this request's wait for Redis (its script
-                // call may carry other requests too).
-                let span = tracing::info_span!(
-                    target: crate::trace::SPAN_TARGET,
-                    "redis",
-                    counters = hits.len()
-                );
-                return self.decide_remote(hits, None).instrument(span).await;
-            }
-            self.decide_remote(hits, None).await
-        })
+        Box::pin(self.decide_with(hits, None))
     }
 
     fn decide_degrading<'a>(
@@ -736,24 +744,7 @@ impl Backend for RedisBackend {
         hits: &'a [Hit],
         degrade: &'a Degrade<'a>,
     ) -> BoxFuture<'a, Result<Outcome, BackendError>> {
-        Box::pin(async move {
-            if let Some(outcome) = self.decide_cached(hits) {
-                return Ok(outcome);
-            }
-            if crate::trace::enabled() {
-                use tracing::Instrument;
-                let span = tracing::info_span!(
-                    target: crate::trace::SPAN_TARGET,
-                    "redis",
-                    counters = hits.len()
-                );
-                return self
-                    .decide_remote(hits, Some(degrade))
-                    .instrument(span)
-                    .await;
-            }
-            self.decide_remote(hits, Some(degrade)).await
-        })
+        Box::pin(self.decide_with(hits, Some(degrade)))
     }
 
     fn reset<'a>(&'a self, hits: &'a [Hit]) -> BoxFuture<'a, Result<usize, BackendError>> {
