@@ -939,6 +939,136 @@ async fn an_outage_is_in_the_log_once_per_interval() {
     }
 }
 
+/// RLQS: a bucket id present but with no pairs is skipped and counted as an absent one, and
+/// gets no action (before: allow, TTL 4 s, for a bucket Envoy cannot have).
+#[tokio::test]
+async fn rlqs_skips_an_empty_bucket_id_as_an_absent_one() {
+    use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_client::RateLimitQuotaServiceClient;
+    use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_usage_reports::BucketQuotaUsage;
+    use envoy_types::pb::envoy::service::rate_limit_quota::v3::{
+        BucketId, RateLimitQuotaUsageReports,
+    };
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("q.yaml"),
+        "domain: q\ndescriptors:\n  - key: name\n    value: api\n    rate_limit: {unit: minute, requests_per_unit: 600}\n",
+    )
+    .unwrap();
+    let d = Daemon::start(ratelimitd(dir.path(), &[])).await;
+    let mut client = RateLimitQuotaServiceClient::connect(format!("http://127.0.0.1:{}", d.grpc))
+        .await
+        .unwrap();
+    let usage = |pairs: &[(&str, &str)]| BucketQuotaUsage {
+        bucket_id: Some(BucketId {
+            bucket: pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        }),
+        time_elapsed: None,
+        num_requests_allowed: 1,
+        num_requests_denied: 0,
+    };
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    tx.send(RateLimitQuotaUsageReports {
+        domain: "q".into(),
+        bucket_quota_usages: vec![usage(&[]), usage(&[("name", "api")])],
+    })
+    .await
+    .unwrap();
+    let mut answers = client
+        .stream_rate_limit_quotas(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    let answer = tokio::time::timeout(Duration::from_secs(10), answers.message())
+        .await
+        .expect("an answer within 10 s")
+        .unwrap()
+        .expect("an answer");
+    let ids: Vec<usize> = answer
+        .bucket_action
+        .iter()
+        .map(|a| a.bucket_id.as_ref().map_or(0, |id| id.bucket.len()))
+        .collect();
+    assert_eq!(ids, [1], "one action, for name=api: {answer:?}");
+    let (_, m) = http_get(d.http, "/metrics").await;
+    assert_eq!(
+        metric(
+            &m,
+            r#"ratelimit_rlqs_skipped_entries_total{kind="no_bucket_id"}"#
+        ),
+        1.0,
+        "{m}"
+    );
+    drop(tx);
+}
+
+/// While a costly request (more than 64 counters) is handled, the worker gate holds no worker:
+/// one waiting on a stalled Redis brings every worker in at once (before: the gate, seeing no
+/// worker saturated, kept one worker for it and everything queued behind its steps), and once
+/// it is answered one is held again.
+#[tokio::test]
+async fn the_worker_gate_holds_no_worker_while_a_costly_request_is_handled() {
+    if std::thread::available_parallelism().map_or(1, |n| n.get()) < 2 {
+        eprintln!("skipped: one core, no worker to hold");
+        return;
+    }
+    let redis = common::redis::RedisProc::start(&[]);
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("l.yaml"),
+        "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: hour, requests_per_unit: 1000}\n",
+    )
+    .unwrap();
+    let url = redis.url();
+    let d = Daemon::start(ratelimitd(
+        dir.path(),
+        &[
+            "--backend",
+            "redis",
+            "--redis-url",
+            &url,
+            "--redis-timeout",
+            "20s",
+            "--request-timeout",
+            "30s",
+            "--max-descriptors",
+            "100",
+        ],
+    ))
+    .await;
+    // Read every 100 ms: a scrape is work too, and scraping without a pause would keep a
+    // worker busy enough to bring the other in.
+    let active = || async {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let (_, m) = http_get(d.http, "/metrics").await;
+        metric(&m, "ratelimit_worker_threads_active")
+    };
+    poll(Duration::from_secs(30), || async {
+        (active().await == 1.0).then_some(())
+    })
+    .await;
+    // In force once the command returns: every other client's commands wait 3 s.
+    assert_eq!(redis.cli(&["CLIENT", "PAUSE", "3000", "ALL"]).trim(), "OK");
+    let values: Vec<String> = (0..70).map(|i| format!("v{i}")).collect();
+    let descriptors: Vec<[(&str, &str); 1]> = values.iter().map(|v| [("k", v.as_str())]).collect();
+    let descriptors: Vec<&[(&str, &str)]> = descriptors.iter().map(|d| &d[..]).collect();
+    let costly = request("d", &descriptors);
+    let mut c = d.client().await;
+    let call = tokio::spawn(async move { c.should_rate_limit(costly).await });
+    poll(Duration::from_secs(3), || async {
+        (active().await == 2.0).then_some(())
+    })
+    .await;
+    let answer = call.await.unwrap().expect("answered once Redis is back");
+    assert!(is_ok(&answer.into_inner()));
+    poll(Duration::from_secs(30), || async {
+        (active().await == 1.0).then_some(())
+    })
+    .await;
+}
+
 /// A GET answered with a body of known length (binary allowed): status and body bytes.
 async fn get_bytes(addr: SocketAddr, path: &str) -> (u16, Vec<u8>) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
