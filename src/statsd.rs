@@ -117,8 +117,11 @@ struct TcpConn {
     rest: Vec<u8>,
     /// Flushes in a row that got no byte through.
     stalled: u32,
-    /// Lines of the last flush written whole, not yet known to be taken (see `check`).
+    /// Lines written whole since the connection was last seen up, not yet known to be taken
+    /// (see `check`).
     unconfirmed: u64,
+    /// The last flush was written whole: a success once the connection is seen up.
+    awaiting: bool,
 }
 
 /// A line of a flush's payload: where it ends, the stat and the value it brings it to.
@@ -192,14 +195,24 @@ impl Sink {
             Err(_) => Some(true),
         };
         let unconfirmed = std::mem::take(&mut conn.unconfirmed);
+        let awaiting = std::mem::take(&mut conn.awaiting);
         let cut = u64::from(!conn.rest.is_empty());
         match reset {
-            None | Some(false) if unconfirmed > 0 => self.succeeded(),
-            Some(true) if unconfirmed + cut > 0 => {
-                self.metrics.statsd_lines_lost(unconfirmed + cut);
-                self.failed("the collector reset the connection");
+            None | Some(false) => {
+                if awaiting {
+                    self.succeeded();
+                }
+                if reset.is_some() {
+                    // A line cut before the collector closed cannot be finished.
+                    self.metrics.statsd_lines_lost(cut);
+                }
             }
-            _ => {}
+            Some(true) => {
+                self.metrics.statsd_lines_lost(unconfirmed + cut);
+                if awaiting {
+                    self.failed("the collector reset the connection");
+                }
+            }
         }
         if reset.is_some() {
             self.conn = None;
@@ -224,6 +237,7 @@ impl Sink {
                         rest: Vec::new(),
                         stalled: 0,
                         unconfirmed: 0,
+                        awaiting: false,
                     }));
                 }
                 Ok(Err(e)) => {
@@ -273,6 +287,7 @@ impl Sink {
         match outcome {
             Ok(_) => {
                 conn.stalled = 0;
+                conn.awaiting = true;
                 written
             }
             Err((_, why)) => {
