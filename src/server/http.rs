@@ -1,13 +1,14 @@
 //! The HTTP side port: `/healthcheck`, `/metrics` (Prometheus text), `/rlconfig` and
 //! `POST /json` (the RateLimitService in proto3 JSON, as envoyproxy/ratelimit serves it).
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use axum::Router;
 use axum::body::Bytes;
-use axum::extract::{DefaultBodyLimit, State};
+use axum::extract::{DefaultBodyLimit, Query, State};
 use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::{get, post};
@@ -49,7 +50,7 @@ pub(crate) fn router(state: Arc<HttpState>, request_timeout: Duration) -> Router
         .route("/metrics", get(metrics))
         .route("/rlconfig", get(rlconfig))
         .route("/json", post(json_decide))
-        .route("/top", get(super::top::top))
+        .route("/top", get(top))
         .with_state(state)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(axum::middleware::from_fn(
@@ -128,6 +129,13 @@ async fn metrics(State(state): State<Arc<HttpState>>) -> impl IntoResponse {
         )],
         text,
     )
+}
+
+async fn top(
+    State(state): State<Arc<HttpState>>,
+    Query(params): Query<HashMap<String, String>>,
+) -> axum::response::Response {
+    super::top::top(&state.engine, params).await
 }
 
 async fn rlconfig(State(state): State<Arc<HttpState>>) -> impl IntoResponse {

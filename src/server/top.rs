@@ -6,22 +6,17 @@
 //! `--top-values` say): never parsed, never structure.
 
 use std::collections::HashMap;
-use std::sync::Arc;
 
-use axum::extract::{Query, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
 
-use super::http::HttpState;
+use crate::engine::Engine;
 use crate::engine::top::{DEFAULT_TOP_N, TopQuery, TopReport};
 use crate::top::{OVERRIDE, Top};
 
-/// `GET /top`.
-pub(crate) async fn top(
-    State(state): State<Arc<HttpState>>,
-    Query(params): Query<HashMap<String, String>>,
-) -> Response {
+/// `GET /top` on `engine`, with the query's `params` (`http.rs` routes it).
+pub(crate) async fn top(engine: &Engine, params: HashMap<String, String>) -> Response {
     let bad = |message: String| {
         (
             StatusCode::BAD_REQUEST,
@@ -51,7 +46,7 @@ pub(crate) async fn top(
         prefix: Vec::new(),
         n,
     };
-    match state.engine.top_report(&query).await {
+    match engine.top_report(&query).await {
         Ok(report) => (
             [(header::CONTENT_TYPE, "application/json")],
             report_json(&report).to_string(),
