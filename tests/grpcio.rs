@@ -129,11 +129,14 @@ async fn calls_in_flight_finish_across_connection_ages_with_grpc_core_on_redis()
             "--grpc-max-connection-age-grace",
             "30s",
             // A loaded machine's stalls are not what this test is about: a late Redis
-            // answers "allow", so that every UNAVAILABLE is the connection's.
+            // answers "allow", and calls get 30 s (server and client), so that every error
+            // is the connection's.
             "--redis-timeout",
             "5s",
             "--redis-failure-mode",
             "allow",
+            "--request-timeout",
+            "30s",
         ],
     )
     .await;
@@ -143,7 +146,9 @@ async fn calls_in_flight_finish_across_connection_ages_with_grpc_core_on_redis()
         grpcio(
             &python,
             &req,
-            serde_json::json!({"target": target, "channels": 6, "in_flight": 4, "seconds": 15}),
+            serde_json::json!({
+                "target": target, "channels": 6, "in_flight": 4, "seconds": 15, "timeout": 30
+            }),
         )
     })
     .await

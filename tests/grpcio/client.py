@@ -8,6 +8,7 @@ Reads one JSON object on stdin:
   channels   channels, each its own connection (default 1)
   in_flight  calls each channel keeps in flight (default 1)
   seconds    how long to keep calling (default: one call per slot)
+  timeout    each call's deadline, seconds (default 10)
   options    channel options, e.g. [["grpc.default_authority", "localhost"]]
 and prints one JSON object: {"ok": n, "codes": {"UNAVAILABLE": n, ...},
 "details": [first few error details], "response": hex of the last answer}.
@@ -26,6 +27,7 @@ def main():
     request = bytes.fromhex(spec["request"])
     options = [tuple(o) for o in spec.get("options", [])]
     seconds = spec.get("seconds")
+    timeout = spec.get("timeout", 10)
     deadline = time.monotonic() + seconds if seconds else None
     lock = threading.Lock()
     out = {"ok": 0, "codes": {}, "details": [], "response": ""}
@@ -34,7 +36,7 @@ def main():
         call = channel.unary_unary(spec["method"])
         while True:
             try:
-                answer = call(request, timeout=10)
+                answer = call(request, timeout=timeout)
                 with lock:
                     out["ok"] += 1
                     out["response"] = answer.hex()
