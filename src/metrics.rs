@@ -417,7 +417,7 @@ pub struct KindLabels {
     pub kind: &'static str,
 }
 
-/// Labels of `ratelimit_failure_mode_decisions_total`.
+/// Labels of `ratelimit_failure_mode_decisions_total` and `ratelimit_rlqs_failure_mode_total`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ModeLabels {
     /// error, allow, deny or local.
@@ -498,7 +498,7 @@ pub struct RlqsMetrics {
     pub streams: Gauge,
     /// `ratelimit_rlqs_buckets`: buckets the open streams hold.
     pub buckets: Gauge,
-    /// `ratelimit_rlqs_pools`: quota pools held in this process (leases of closed streams
+    /// `ratelimit_rlqs_pools`: RLQS pools held in this process (leases of closed streams
     /// included; with Redis, only those the `local` failure mode used).
     pub pools: Gauge,
     /// `ratelimit_rlqs_bytes`: the open streams' buckets, as charged to `--rlqs-max-bytes`.
@@ -509,9 +509,10 @@ pub struct RlqsMetrics {
     pub skipped: Family<NameLabels, Counter>,
     /// `ratelimit_rlqs_abandons_total`: idle buckets abandoned.
     pub abandons: Counter,
-    /// `ratelimit_rlqs_failure_mode_total{kind}`: assignments the failure mode decided while
-    /// Redis could not answer, by mode (`error`: none was sent).
-    pub fallbacks: Family<NameLabels, Counter>,
+    /// `ratelimit_rlqs_failure_mode_total{mode}`: assignments the failure mode decided while
+    /// Redis could not answer, by mode (`error`: none was sent); the label is
+    /// `ratelimit_failure_mode_decisions_total`'s.
+    pub failure_mode_decisions: Family<ModeLabels, Counter>,
 }
 
 impl RlqsMetrics {
@@ -528,7 +529,7 @@ impl RlqsMetrics {
         );
         registry.register(
             "ratelimit_rlqs_pools",
-            "Quota pools held in this process, leases of closed streams included",
+            "RLQS pools held in this process, leases of closed streams included",
             self.pools.clone(),
         );
         registry.register(
@@ -554,7 +555,7 @@ impl RlqsMetrics {
         registry.register(
             "ratelimit_rlqs_failure_mode",
             "RLQS assignments decided by the failure mode while Redis could not answer, by mode",
-            self.fallbacks.clone(),
+            self.failure_mode_decisions.clone(),
         );
     }
 }

@@ -107,7 +107,7 @@ pub fn active_workers() -> Option<usize> {
 /// Shared by the controller, the held workers and the owner.
 #[derive(Debug)]
 struct Shared {
-    state: Mutex<State>,
+    state: Mutex<GateState>,
     /// Held workers wait on this to be let go.
     wake: Condvar,
     /// The controller waits on this between ticks: a hold began, or the gate stopped.
@@ -116,7 +116,7 @@ struct Shared {
 }
 
 #[derive(Debug, Default)]
-struct State {
+struct GateState {
     /// Workers the controller wants held.
     target: usize,
     /// Workers held now.
@@ -141,7 +141,7 @@ impl WorkerGate {
     pub fn start(runtime: &Handle) -> WorkerGate {
         let workers = runtime.metrics().num_workers();
         let shared = Arc::new(Shared {
-            state: Mutex::new(State::default()),
+            state: Mutex::new(GateState::default()),
             wake: Condvar::new(),
             changed: Condvar::new(),
             workers,
@@ -176,7 +176,7 @@ impl Drop for WorkerGate {
     }
 }
 
-fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
+fn lock(m: &Mutex<GateState>) -> MutexGuard<'_, GateState> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
@@ -431,9 +431,9 @@ mod tests {
             }
         });
         let shared = Arc::new(Shared {
-            state: Mutex::new(State {
+            state: Mutex::new(GateState {
                 target: 1,
-                ..State::default()
+                ..GateState::default()
             }),
             wake: Condvar::new(),
             changed: Condvar::new(),

@@ -100,12 +100,12 @@ pub(crate) struct Sink {
     metrics: Arc<Metrics>,
     /// The value last sent of each stat (by key: a counter's name, or a timer's name and bucket).
     sent: HashMap<String, u64>,
-    conn: Option<Conn>,
+    conn: Option<Socket>,
     /// Whether the last flush failed (to log an outage once, not every flush).
     failing: bool,
 }
 
-enum Conn {
+enum Socket {
     Tcp(TcpConn),
     Udp(UdpSocket),
 }
@@ -147,7 +147,7 @@ impl Sink {
     pub(crate) async fn flush(&mut self) -> usize {
         self.check();
         let (payload, lines) = self.payload();
-        let owed = matches!(&self.conn, Some(Conn::Tcp(c)) if !c.rest.is_empty());
+        let owed = matches!(&self.conn, Some(Socket::Tcp(c)) if !c.rest.is_empty());
         if payload.is_empty() && !owed {
             return 0;
         }
@@ -182,7 +182,7 @@ impl Sink {
     /// success; one the collector closed or reset is dropped, and if reset, the lines of that
     /// flush may never have been read: counted lost, the flush an error.
     fn check(&mut self) {
-        let Some(Conn::Tcp(conn)) = &mut self.conn else {
+        let Some(Socket::Tcp(conn)) = &mut self.conn else {
             return;
         };
         let mut scratch = [0u8; 256];
@@ -232,7 +232,7 @@ impl Sink {
             .await;
             match connected {
                 Ok(Ok(stream)) => {
-                    self.conn = Some(Conn::Tcp(TcpConn {
+                    self.conn = Some(Socket::Tcp(TcpConn {
                         stream,
                         rest: Vec::new(),
                         stalled: 0,
@@ -250,7 +250,7 @@ impl Sink {
                 }
             }
         }
-        let Some(Conn::Tcp(conn)) = &mut self.conn else {
+        let Some(Socket::Tcp(conn)) = &mut self.conn else {
             return 0;
         };
         let mut progressed = false;
@@ -346,9 +346,9 @@ impl Sink {
             };
             let s = UdpSocket::bind(local).await?;
             s.connect(target).await?;
-            self.conn = Some(Conn::Udp(s));
+            self.conn = Some(Socket::Udp(s));
         }
-        if let Some(Conn::Udp(s)) = &self.conn {
+        if let Some(Socket::Udp(s)) = &self.conn {
             for datagram in datagrams(payload) {
                 s.send(datagram).await?;
             }

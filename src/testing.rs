@@ -17,7 +17,7 @@ pub use crate::xds::pb as rls_conf;
 
 pub use crate::rlqs::fair_share::fair_shares;
 
-/// The quota script's fair shares (`rlqs.lua`), run on the standalone Redis at `url`, for
+/// The pool script's fair shares (`rlqs.lua`), run on the standalone Redis at `url`, for
 /// the test that holds them against [`fair_shares`].
 pub async fn script_fair_shares(
     url: &str,

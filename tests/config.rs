@@ -23,14 +23,14 @@ fn yaml(text: &str) -> Result<Domain, ConfigError> {
 /// The counter key (default format) a descriptor resolves to; it must resolve.
 fn counter_key(domain: &Domain, entries: &[(&str, &str)]) -> CounterKey {
     domain
-        .resolve(entries, &KeyFormat::default())
+        .lookup(entries, &KeyFormat::default())
         .expect("the descriptor resolves")
         .key
 }
 
 /// (rule label, first limit's rpu, unit) for a descriptor, or None when no limit applies.
 fn limit_of(domain: &Domain, entries: &[(&str, &str)]) -> Option<(String, u64, Unit)> {
-    let m = domain.resolve(entries, &KeyFormat::default())?;
+    let m = domain.lookup(entries, &KeyFormat::default())?;
     match m.node.limits.as_ref()? {
         NodeLimits::Unlimited => Some((m.rule.to_string(), u64::MAX, Unit::Second)),
         NodeLimits::Limits(l) => Some((m.rule.to_string(), l[0].requests_per_unit, l[0].unit)),
@@ -81,7 +81,7 @@ fn basic_config_behaves_as_its_comments_say() {
         limit_of(&d, &[("key3", "x")]).map(|l| l.2),
         Some(Unit::Hour)
     );
-    let m = d.resolve(&[("key4", "x")], &KeyFormat::default()).unwrap();
+    let m = d.lookup(&[("key4", "x")], &KeyFormat::default()).unwrap();
     let Some(NodeLimits::Limits(l)) = &m.node.limits else {
         panic!()
     };
@@ -349,13 +349,13 @@ fn shadow_quota_and_replaces_are_read() {
         return;
     };
     assert!(
-        d.resolve(&[("key2", "x")], &KeyFormat::default())
+        d.lookup(&[("key2", "x")], &KeyFormat::default())
             .unwrap()
             .node
             .shadow_mode
     );
     assert!(
-        !d.resolve(&[("key2", "value2")], &KeyFormat::default())
+        !d.lookup(&[("key2", "value2")], &KeyFormat::default())
             .unwrap()
             .node
             .shadow_mode
@@ -364,12 +364,12 @@ fn shadow_quota_and_replaces_are_read() {
         return;
     };
     let m = d
-        .resolve(&[("service", "service_1")], &KeyFormat::default())
+        .lookup(&[("service", "service_1")], &KeyFormat::default())
         .unwrap();
     assert!(m.node.soft);
     assert!(m.node.metadata.is_some());
     let m = d
-        .resolve(&[("category", "account")], &KeyFormat::default())
+        .lookup(&[("category", "account")], &KeyFormat::default())
         .unwrap();
     let Some(NodeLimits::Limits(l)) = &m.node.limits else {
         panic!()
@@ -474,14 +474,14 @@ fn extensions_parse_and_dump() {
         "domain: ext\ndescriptors:\n  - key: api\n    rate_limits:\n      - {unit: second, requests_per_unit: 10, algorithm: token_bucket, burst: 20}\n      - {unit: Day, requests_per_unit: 1000, name: daily}\n  - key: slow\n    rate_limit: {unit: second, unit_multiplier: 30, requests_per_unit: 5, algorithm: SLIDING_LOG}\n",
     )
     .unwrap();
-    let m = d.resolve(&[("api", "k")], &KeyFormat::default()).unwrap();
+    let m = d.lookup(&[("api", "k")], &KeyFormat::default()).unwrap();
     let Some(NodeLimits::Limits(l)) = &m.node.limits else {
         panic!()
     };
     assert_eq!(l.len(), 2);
     assert_eq!((l[0].algorithm, l[0].burst), (Algorithm::TokenBucket, 20));
     assert_eq!((l[1].unit, l[1].burst), (Unit::Day, 1000));
-    let m = d.resolve(&[("slow", "k")], &KeyFormat::default()).unwrap();
+    let m = d.lookup(&[("slow", "k")], &KeyFormat::default()).unwrap();
     let Some(NodeLimits::Limits(l)) = &m.node.limits else {
         panic!()
     };

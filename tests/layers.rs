@@ -6,7 +6,8 @@
 //! and paths inside macro calls; only items marked `#[cfg(test)]` are left out, wherever they sit
 //! in a file. Two more rules keep the protocol at the edge, as docs/architecture.md states:
 //! envoy-types (Envoy's protos) only in `server` and `xds`, and `config` and `limiter` know
-//! nothing of gRPC. A failure names file and line. Run by `make lint` and `make test`;
+//! nothing of gRPC. And one name, one thing: no two types of the crate share a name. A failure
+//! names file and line. Run by `make lint` and `make test`;
 //! docs/architecture.md draws the same floors.
 
 use std::collections::BTreeSet;
@@ -95,6 +96,8 @@ struct Walk<'m> {
     /// The module the walk is in: the file's, then each inline `mod` entered.
     here: Vec<String>,
     found: Vec<Named>,
+    /// The types the file defines (structs, enums, unions, traits, aliases), with their lines.
+    types: Vec<(String, usize)>,
 }
 
 /// `#[cfg(test)]` and `#[cfg(all(test, ...))]`: the item exists only in unit tests.
@@ -238,9 +241,23 @@ impl<'ast> Visit<'ast> for Walk<'_> {
             syn::Item::Use(i) => &i.attrs,
             _ => return visit::visit_item(self, item),
         };
-        if !test_only(attrs) {
-            visit::visit_item(self, item);
+        if test_only(attrs) {
+            return;
         }
+        let defined = match item {
+            syn::Item::Enum(i) => Some(&i.ident),
+            syn::Item::Struct(i) => Some(&i.ident),
+            syn::Item::Trait(i) => Some(&i.ident),
+            syn::Item::TraitAlias(i) => Some(&i.ident),
+            syn::Item::Type(i) => Some(&i.ident),
+            syn::Item::Union(i) => Some(&i.ident),
+            _ => None,
+        };
+        if let Some(ident) = defined {
+            self.types
+                .push((ident.to_string(), ident.span().start().line));
+        }
+        visit::visit_item(self, item);
     }
 
     fn visit_item_mod(&mut self, item: &'ast syn::ItemMod) {
@@ -334,6 +351,22 @@ impl<'ast> Visit<'ast> for Walk<'_> {
     }
 }
 
+/// The file at `rel` (relative to `src/`) walked: what its paths name and the types it defines.
+fn walk<'m>(rel: &Path, text: &str, modules: &'m BTreeSet<String>) -> Result<Walk<'m>, String> {
+    let syntax = syn::parse_file(text).map_err(|e| {
+        let at = e.span().start();
+        format!("src/{}:{}: does not parse: {e}", rel.display(), at.line)
+    })?;
+    let mut walk = Walk {
+        modules,
+        here: module_path(rel),
+        found: Vec::new(),
+        types: Vec::new(),
+    };
+    walk.visit_file(&syntax);
+    Ok(walk)
+}
+
 /// Every rule the file at `rel` (relative to `src/`) breaks, as "src/file:line: what".
 fn check(rel: &Path, text: &str, modules: &BTreeSet<String>) -> Vec<String> {
     let here = module_path(rel);
@@ -344,19 +377,10 @@ fn check(rel: &Path, text: &str, modules: &BTreeSet<String>) -> Vec<String> {
             "{file}: module `{module}` is on no floor of tests/layers.rs"
         )];
     };
-    let syntax = match syn::parse_file(text) {
-        Ok(syntax) => syntax,
-        Err(e) => {
-            let at = e.span().start();
-            return vec![format!("{file}:{}: does not parse: {e}", at.line)];
-        }
+    let walk = match walk(rel, text, modules) {
+        Ok(walk) => walk,
+        Err(e) => return vec![e],
     };
-    let mut walk = Walk {
-        modules,
-        here,
-        found: Vec::new(),
-    };
-    walk.visit_file(&syntax);
     let mut wrong = Vec::new();
     for Named { line, target } in walk.found {
         match target {
@@ -522,7 +546,7 @@ fn envoy_types_outside_server_and_xds_is_seen() {
 #[test]
 fn grpc_in_config_or_limiter_is_seen() {
     let wrong = planted(
-        "limiter/fallback.rs",
+        "limiter/failure_mode.rs",
         "fn planted(s: tonic::Status) -> tonic::Code { s.code() }",
     );
     assert!(
@@ -539,4 +563,67 @@ fn grpc_in_config_or_limiter_is_seen() {
     );
     // The same names are the server's to use.
     assert!(planted("server/conn.rs", "fn planted(s: tonic::Status) {}").is_empty());
+}
+
+/// Type names defined twice in `files` (path relative to `src/`, text): "Name: src/a.rs:1,
+/// src/b.rs:2" for each.
+fn twice_named(files: &[(PathBuf, String)], modules: &BTreeSet<String>) -> Vec<String> {
+    let mut places: std::collections::BTreeMap<String, Vec<String>> = Default::default();
+    for (rel, text) in files {
+        let walk = walk(rel, text, modules).unwrap_or_else(|e| panic!("{e}"));
+        for (name, line) in walk.types {
+            places
+                .entry(name)
+                .or_default()
+                .push(format!("src/{}:{line}", rel.display()));
+        }
+    }
+    places
+        .into_iter()
+        .filter(|(_, at)| at.len() > 1)
+        .map(|(name, at)| format!("{name}: {}", at.join(", ")))
+        .collect()
+}
+
+fn tree() -> (Vec<(PathBuf, String)>, BTreeSet<String>) {
+    let (files, modules) = crate_files();
+    let mut texts: Vec<(PathBuf, String)> = files
+        .into_iter()
+        .map(|rel| {
+            let text = std::fs::read_to_string(src().join(&rel)).unwrap();
+            (rel, text)
+        })
+        .collect();
+    let main = std::fs::read_to_string(src().join("main.rs")).unwrap();
+    texts.push(("main.rs".into(), main));
+    (texts, modules)
+}
+
+/// One name, one thing (docs/architecture.md, "Words"): no two types of the crate share a name,
+/// wherever they sit (unit tests left out).
+#[test]
+fn no_two_types_share_a_name() {
+    let (files, modules) = tree();
+    let twice = twice_named(&files, &modules);
+    assert!(
+        twice.is_empty(),
+        "type names defined more than once:\n{}",
+        twice.join("\n")
+    );
+}
+
+#[test]
+fn a_second_type_of_one_name_is_seen() {
+    let (mut files, modules) = tree();
+    let (_, statsd) = files
+        .iter_mut()
+        .find(|(rel, _)| rel == Path::new("statsd.rs"))
+        .unwrap();
+    statsd.push_str("\nenum Conn { Udp }\n#[cfg(test)]\nstruct Store;\n");
+    let twice = twice_named(&files, &modules);
+    assert_eq!(twice.len(), 1, "{twice:?}");
+    assert!(
+        twice[0].starts_with("Conn: ") && twice[0].contains("src/statsd.rs:"),
+        "{twice:?}"
+    );
 }

@@ -882,7 +882,7 @@ async fn while_redis_is_down_the_failure_mode_decides() {
     .await;
     poll(Duration::from_secs(10), || async {
         let (_, m) = servers[2].http_get("/metrics").await;
-        (metric(&m, "ratelimit_rlqs_failure_mode_total{kind=\"error\"}") >= 1.0).then_some(())
+        (metric(&m, "ratelimit_rlqs_failure_mode_total{mode=\"error\"}") >= 1.0).then_some(())
     })
     .await;
     let kept = envoys[2].told(API);
@@ -1534,8 +1534,8 @@ async fn a_report_that_does_not_decode_ends_the_stream_saying_why() {
     connection.abort();
 }
 
-/// The quota pools' calls to Redis go their own way: their connection failing over and over
-/// (every connection whose last command was the quota script is killed, as a proxy or a
+/// The RLQS pools' calls to Redis go their own way: their connection failing over and over
+/// (every connection whose last command was the pool script is killed, as a proxy or a
 /// flaky network path would) opens only their circuit. They shared the RLS connection and
 /// breaker, so the same kills failed RLS requests beside them.
 #[tokio::test]

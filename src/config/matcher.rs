@@ -76,12 +76,8 @@ impl Domain {
         Some(ordered)
     }
 
-    /// Resolves a descriptor's entries to the node whose limits apply, if any.
-    pub fn resolve<'s>(
-        &'s self,
-        entries: &[(&str, &str)],
-        keys: &KeyFormat,
-    ) -> Option<Matched<'s>> {
+    /// Looks a descriptor's entries up: the node whose limits apply, if any.
+    pub fn lookup<'s>(&'s self, entries: &[(&str, &str)], keys: &KeyFormat) -> Option<Matched<'s>> {
         let mut level = &self.root;
         // Trees deeper than 8 are rare: no allocation for the walk itself.
         let mut path: SmallVec<[&'s Node; 8]> = SmallVec::new();

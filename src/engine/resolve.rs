@@ -113,7 +113,7 @@ pub(crate) fn resolve<'s>(
         if let Some(o) = d.limit_override {
             // The metric label comes from the config, never from the request's entries: the
             // node the descriptor matches, else a constant.
-            let (rule, rule_has_values, counters, path) = match domain.resolve(&d.entries, keys) {
+            let (rule, rule_has_values, counters, path) = match domain.lookup(&d.entries, keys) {
                 Some(m) => (
                     m.rule,
                     m.rule_has_values,
@@ -146,7 +146,7 @@ pub(crate) fn resolve<'s>(
             });
             continue;
         }
-        let Some(matched) = domain.resolve(&d.entries, keys) else {
+        let Some(matched) = domain.lookup(&d.entries, keys) else {
             soft_passes |= quota_mode;
             continue;
         };

@@ -222,7 +222,7 @@ impl Engine {
         }
         let matched = snapshot
             .domain(&info.domain)?
-            .resolve(&entries, &self.keys)?;
+            .lookup(&entries, &self.keys)?;
         let Some(NodeLimits::Limits(rules)) = &matched.node.limits else {
             return None;
         };

@@ -4,7 +4,7 @@
 pub(crate) mod algorithm;
 pub(crate) mod calendar;
 pub(crate) mod clock;
-pub(crate) mod fallback;
+pub(crate) mod failure_mode;
 pub(crate) mod key;
 pub(crate) mod memory;
 pub(crate) mod redis;
@@ -253,7 +253,7 @@ pub trait Backend: Send + Sync + 'static {
     fn reset<'a>(&'a self, hits: &'a [Hit]) -> BoxFuture<'a, Result<usize, BackendError>>;
 
     /// Whether the store is reachable, as far as the backend knows (for health and metrics).
-    fn is_up(&self) -> bool {
+    fn is_reachable(&self) -> bool {
         true
     }
 }

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::fallback::{FailureMode, Fallback};
+use super::failure_mode::{FailureMode, WithFailureMode};
 use super::key::KeyFormat;
 use super::redis::{RedisBackend, RedisOptions, SetupError};
 use super::{Backend, Clock, MemoryBackend};
@@ -19,7 +19,7 @@ const PROBE_EVERY: Duration = Duration::from_secs(1);
 /// Where counters live, and the bounds every store shares.
 pub(crate) struct BackendOptions {
     /// The memory backend, or Redis.
-    pub(crate) store: Store,
+    pub(crate) kind: BackendKind,
     /// Bound of the memory backend (and the `local` failure mode).
     pub(crate) memory_max_bytes: u64,
     /// How far past its limit a cost report may take a counter, in limits (every backend).
@@ -27,7 +27,7 @@ pub(crate) struct BackendOptions {
 }
 
 /// The chosen store.
-pub(crate) enum Store {
+pub(crate) enum BackendKind {
     /// The embedded memory backend.
     Memory,
     /// Redis, and what to answer while it is unavailable.
@@ -77,12 +77,12 @@ pub(crate) fn start(
             }
         })
     });
-    Ok(match &options.store {
-        Store::Memory => Started {
+    Ok(match &options.kind {
+        BackendKind::Memory => Started {
             backend: memory,
             redis: None,
         },
-        Store::Redis {
+        BackendKind::Redis {
             redis,
             failure_mode,
         } => {
@@ -100,7 +100,7 @@ pub(crate) fn start(
                     mode: failure_mode.as_str(),
                 }],
             );
-            let backend = Arc::new(Fallback::new(
+            let backend = Arc::new(WithFailureMode::new(
                 redis.clone(),
                 *failure_mode,
                 memory,

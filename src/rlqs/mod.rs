@@ -1,4 +1,4 @@
-//! RLQS below the protocol: what a bucket id maps to in the config, and the quota pools whose
+//! RLQS below the protocol: what a bucket id maps to in the config, and the RLQS pools whose
 //! fair shares decide each bucket's assignment. `server::rlqs` speaks the protocol over this;
 //! nothing here knows gRPC.
 
@@ -10,9 +10,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::config::{NodeLimits, Snapshot};
-use crate::limiter::fallback::FailureMode;
+use crate::limiter::failure_mode::FailureMode;
 use crate::limiter::key::KeyFormat;
-use crate::metrics::{NameLabels, RlqsMetrics};
+use crate::metrics::{ModeLabels, RlqsMetrics};
 
 pub(crate) use pool::{Grant, LocalPools, ParticipantId, PoolSpec, Signal, Usage};
 pub(crate) use redis_pools::RedisPools;
@@ -65,10 +65,10 @@ pub(crate) enum Assignment {
     },
 }
 
-/// Resolves a bucket id (unordered entries) of `domain` to its target: the node a descriptor of
+/// Maps a bucket id (unordered entries) of `domain` to its target: the node a descriptor of
 /// the same entries, ordered by the tree, lands on (see `Domain::order_entries`), and the
 /// counter of each of its limits as its pool.
-pub(crate) fn resolve(
+pub(crate) fn bucket_rule(
     snapshot: &Snapshot,
     domain: &str,
     entries: &[(&str, &str)],
@@ -84,7 +84,7 @@ pub(crate) fn resolve(
     let Some(ordered) = d.order_entries(entries) else {
         return BucketRule::Allow;
     };
-    let Some(matched) = d.resolve(&ordered, keys) else {
+    let Some(matched) = d.lookup(&ordered, keys) else {
         return BucketRule::Allow;
     };
     let rules = match matched.node.limits.as_ref() {
@@ -248,9 +248,9 @@ impl Pools {
                         };
                         tracing::debug!(error = %e, mode = mode.as_str(), "RLQS pool unavailable; failure mode decides");
                         metrics
-                            .fallbacks
-                            .get_or_create(&NameLabels {
-                                kind: mode.as_str(),
+                            .failure_mode_decisions
+                            .get_or_create(&ModeLabels {
+                                mode: mode.as_str(),
                             })
                             .inc();
                         match mode {

@@ -62,13 +62,13 @@ struct Told {
 /// Per pool: the terms of its last recomputation this replica saw, and this replica's members
 /// with what each was last told.
 #[derive(Default)]
-struct View {
+struct PoolView {
     terms: Option<ShareTerms>,
     members: HashMap<ParticipantId, Told>,
 }
 
 /// Per pool, this replica's view of it.
-type Views = HashMap<Box<[u8]>, View>;
+type PoolViews = HashMap<Box<[u8]>, PoolView>;
 
 /// This replica's view of the shared pools.
 pub(crate) struct RedisPools {
@@ -78,7 +78,7 @@ pub(crate) struct RedisPools {
     participants: Mutex<HashMap<ParticipantId, Participant>>,
     /// Per pool, this replica's members and the tokens each was last granted: whom to look
     /// at when the pool's shares move.
-    members: Mutex<Views>,
+    members: Mutex<PoolViews>,
     ttl: Duration,
     /// A member not granted for this long is disconnected; its demand is stale.
     stale: Duration,
@@ -188,7 +188,7 @@ impl RedisPools {
         }
     }
 
-    /// One script call (queued in the backend's quota lane, which bounds how many reach Redis
+    /// One script call (queued in the backend's RLQS lane, which bounds how many reach Redis
     /// at once); what `pid` holds is noted, and when the call ended a recomputation of the
     /// pool's shares, this replica's members whose share moved are pushed.
     async fn call(

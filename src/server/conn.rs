@@ -582,11 +582,11 @@ pub(crate) struct Budgeted<S> {
     message_timeout: Duration,
 }
 
-type Request = http::Request<tonic::body::Body>;
+type HttpRequest = http::Request<tonic::body::Body>;
 
-impl<S> tower::Service<Request> for Budgeted<S>
+impl<S> tower::Service<HttpRequest> for Budgeted<S>
 where
-    S: tower::Service<Request> + Send,
+    S: tower::Service<HttpRequest> + Send,
     S::Future: Send + 'static,
 {
     type Response = S::Response;
@@ -597,7 +597,7 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, req: Request) -> Self::Future {
+    fn call(&mut self, req: HttpRequest) -> Self::Future {
         let budget = ConnInfo::of(req.extensions()).map(|i| i.budget.clone());
         let Some(budget) = budget else {
             return Answer {

@@ -107,7 +107,7 @@ async fn healthcheck(State(state): State<Arc<HttpState>>) -> impl IntoResponse {
     if !state.serving.load(Ordering::SeqCst) {
         return (StatusCode::INTERNAL_SERVER_ERROR, "shutting down");
     }
-    if state.backend.is_up() {
+    if state.backend.is_reachable() {
         (StatusCode::OK, "OK")
     } else {
         (StatusCode::OK, "OK\nbackend: unavailable")

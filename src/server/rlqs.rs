@@ -41,7 +41,7 @@ use crate::config::Snapshot;
 use crate::engine::RequestLimits;
 use crate::limiter::BoxFuture;
 use crate::limiter::key::KeyFormat;
-use crate::metrics::{NameLabels, RlqsMetrics, at_zero};
+use crate::metrics::{ModeLabels, NameLabels, RlqsMetrics, at_zero};
 use crate::rlqs::{
     self, Ask, Assignment, BucketOptions, BucketRule, ParticipantId, Pools, Signal, Usage,
 };
@@ -182,7 +182,10 @@ impl RlqsService {
         );
         // The failure mode's only with Redis pools.
         if let Pools::InRedis { failure, .. } = &pools {
-            at_zero(&metrics.fallbacks, [failure.as_str(), "error"].map(kind));
+            at_zero(
+                &metrics.failure_mode_decisions,
+                [failure.as_str(), "error"].map(|mode| ModeLabels { mode }),
+            );
         }
         let service = RlqsService {
             apart: Arc::new(Apart::start()?),
@@ -277,7 +280,7 @@ const PAIR_BYTES: usize = 32;
 /// lease.
 const POOL_BYTES: usize = 1152;
 
-/// What a bucket of `key` resolved to `target` is charged.
+/// What a bucket of `key` mapped to `target` is charged.
 fn charge(key: &[Pair], target: &BucketRule) -> usize {
     let pairs: usize = key
         .iter()
@@ -320,7 +323,7 @@ struct RlqsStream {
     buckets: HashMap<ParticipantId, Bucket>,
     by_key: HashMap<BucketKey, ParticipantId>,
     signal: Arc<Signal>,
-    /// The snapshot the buckets were resolved against.
+    /// The snapshot the buckets were mapped against.
     snapshot: Arc<Snapshot>,
     /// Bytes its connection's streams are charged, together.
     conn_bytes: Arc<AtomicUsize>,
@@ -531,7 +534,7 @@ impl RlqsStream {
                             self.buckets.len()
                         )));
                     }
-                    let target = self.resolve(&key);
+                    let target = self.bucket_rule(&key);
                     let charge = charge(&key, &target);
                     if !self.take(charge) {
                         self.skipped("over_budget");
@@ -622,9 +625,9 @@ impl RlqsStream {
         pid
     }
 
-    fn resolve(&self, key: &[Pair]) -> BucketRule {
+    fn bucket_rule(&self, key: &[Pair]) -> BucketRule {
         let entries: Vec<(&str, &str)> = key.iter().map(|(k, v)| (&**k, &**v)).collect();
-        rlqs::resolve(
+        rlqs::bucket_rule(
             &self.snapshot,
             self.domain.as_deref().unwrap_or_default(),
             &entries,
@@ -739,7 +742,7 @@ impl RlqsStream {
             .await;
     }
 
-    /// A new config: every bucket resolved again; those whose target changed are told now.
+    /// A new config: every bucket mapped again; those whose target changed are told now.
     async fn on_config_check(&mut self) {
         let latest = self.shared.config.load_full();
         if Arc::ptr_eq(&latest, &self.snapshot) {
@@ -754,7 +757,7 @@ impl RlqsStream {
             if i % SLICE == SLICE - 1 {
                 tokio::task::yield_now().await;
             }
-            let target = self.resolve(&key);
+            let target = self.bucket_rule(&key);
             let bucket = self.buckets.get_mut(&pid).expect("indexed");
             if bucket.target != target {
                 let now_charged = charge(&key, &target);

@@ -225,7 +225,7 @@ impl Listeners {
     }
 }
 
-/// What the servers serve: RLS over the engine, RLQS over the quota pools, and health.
+/// What the servers serve: RLS over the engine, RLQS over the RLQS pools, and health.
 pub(crate) struct Services<H> {
     /// The decision engine (RLS, `/json`, the admin API).
     pub(crate) engine: Arc<Engine>,

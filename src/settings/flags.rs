@@ -1,7 +1,7 @@
 //! The flags as clap parses them, and their value parsers.
 //!
 //! One rule for enums: every flag that takes one of a few words has its own clap `ValueEnum`
-//! here, named `<Thing>Arg`; [`resolve`](super::resolve) maps it to the type of the module that
+//! here, named `<Thing>Arg`; [`check`](super::check) maps it to the type of the module that
 //! uses it. So clap stays in `settings`, and a module's type can change without changing a flag.
 
 use std::net::SocketAddr;
@@ -195,7 +195,7 @@ pub(crate) enum LogFormatArg {
 }
 
 /// The command line as clap parses it: every flag, each also read from `RATELIMITD_<FLAG>`
-/// when not given. [`parse`](super::parse) resolves it into [`Options`](super::Options).
+/// when not given. [`parse`](super::parse) checks it into [`Options`](super::Options).
 #[derive(Clone, Debug, Parser)]
 #[command(
     name = "ratelimitd",

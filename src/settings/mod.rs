@@ -1,18 +1,18 @@
-//! Settings: the command line and the environment, resolved into the [`Options`] the service
+//! Settings: the command line and the environment, checked into the [`Options`] the service
 //! runs with. One path, [`parse`], in three steps, one file each: the environment fills flags
 //! missing from the command line (`environment.rs`, with envoyproxy/ratelimit's variables in
 //! `envoyproxy.rs`), clap parses them (`flags.rs`), and resolution checks them together
-//! (`resolve.rs`). The environment is passed in, so tests never touch the process's.
+//! (`check.rs`). The environment is passed in, so tests never touch the process's.
 
+mod check;
 mod environment;
 mod envoyproxy;
 mod flags;
-mod resolve;
 
 use clap::Parser;
 
+pub use self::check::{Options, SettingsError};
 pub(crate) use self::flags::Flags;
-pub use self::resolve::{Options, SettingsError};
 
 use std::net::SocketAddr;
 
@@ -41,7 +41,7 @@ pub struct Startup {
     pub telemetry: TelemetryOptions,
 }
 
-/// Parses `args` (program name first), filling flags they lack from `env`, and resolves them:
+/// Parses `args` (program name first), filling flags they lack from `env`, and checks them:
 /// what `main` needs around the service, and the options the service runs with. Every error
 /// is a usage error (exit 2) that names the flag, as clap's own are.
 pub fn parse<I, S>(
@@ -68,7 +68,7 @@ where
     let overlaid = environment::overlay(args.into_iter().map(Into::into).collect(), env)?;
     let mut flags = Flags::try_parse_from(overlaid.args)?;
     flags.ignored_env = overlaid.ignored;
-    let options = flags.resolve().map_err(|e| e.to_clap())?;
+    let options = flags.check().map_err(|e| e.to_clap())?;
     Ok((flags, options))
 }
 
@@ -103,7 +103,7 @@ mod tests {
         assert_eq!(s.http_addr.port(), 8080);
         assert_eq!(s.backend, BackendArg::Memory);
         assert_eq!(
-            s.resolve().unwrap().engine.request_limits,
+            s.check().unwrap().engine.request_limits,
             RequestLimits::default()
         );
     }

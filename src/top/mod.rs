@@ -206,14 +206,14 @@ impl LimitRef<'_> {
 }
 
 /// One limit's summary in one shard and window.
-struct Tracked {
+struct LimitSketch {
     hash: u64,
     info: Arc<LimitInfo>,
     values: Values,
     summary: Summary,
 }
 
-impl Tracked {
+impl LimitSketch {
     /// What it holds against the shard's budget.
     fn bytes(&self, capacity: usize) -> usize {
         limit_cost(&self.info, capacity) + self.summary.item_bytes()
@@ -222,18 +222,18 @@ impl Tracked {
 
 fn limit_cost(info: &LimitInfo, capacity: usize) -> usize {
     sketch::overhead(capacity)
-        + std::mem::size_of::<Tracked>()
+        + std::mem::size_of::<LimitSketch>()
         + info.domain.len()
         + info.rule.len()
         + info.name.as_ref().map_or(0, String::len)
 }
 
 /// One worker's sketches.
-struct Shard {
+struct SketchShard {
     /// This window's limits, found through `index` (positions in `current`).
-    current: Vec<Tracked>,
+    current: Vec<LimitSketch>,
     index: HashTable<u32>,
-    previous: Vec<Tracked>,
+    previous: Vec<LimitSketch>,
     /// Bytes of the shard's budget not yet held.
     room: usize,
     /// A xorshift state, for sampling limits to evict.
@@ -245,8 +245,8 @@ const EVICTION_SAMPLE: usize = 8;
 
 /// The lightest of [`EVICTION_SAMPLE`] limits of `limits` drawn at random (xorshift on
 /// `seed`): an override before a configured limit, then the fewest hits. `None` if empty.
-fn lightest(limits: &[Tracked], seed: &mut u64) -> Option<usize> {
-    let weight = |t: &Tracked| (t.info.index != OVERRIDE, t.summary.total());
+fn lightest(limits: &[LimitSketch], seed: &mut u64) -> Option<usize> {
+    let weight = |t: &LimitSketch| (t.info.index != OVERRIDE, t.summary.total());
     let mut found: Option<usize> = None;
     for _ in 0..EVICTION_SAMPLE.min(limits.len()) {
         *seed ^= *seed << 13;
@@ -260,7 +260,7 @@ fn lightest(limits: &[Tracked], seed: &mut u64) -> Option<usize> {
     found
 }
 
-impl Shard {
+impl SketchShard {
     /// Makes room for `cost` more bytes by dropping limits: the previous window's first, then
     /// this window's, each time the lightest of [`EVICTION_SAMPLE`] sampled (a request's own
     /// `limit` override before any configured limit, then the fewest hits). Configured limits
@@ -268,7 +268,7 @@ impl Shard {
     /// override never displaces a configured limit, and a flood of one-hit overrides churns
     /// among itself. Whether the room is there now.
     fn make_room(&mut self, cost: usize, overriding: bool, capacity: usize) -> bool {
-        let displaceable = |t: &Tracked| !overriding || t.info.index == OVERRIDE;
+        let displaceable = |t: &LimitSketch| !overriding || t.info.index == OVERRIDE;
         while self.room < cost {
             if let Some(i) = lightest(&self.previous, &mut self.seed)
                 && displaceable(&self.previous[i])
@@ -307,7 +307,7 @@ impl Shard {
 
 /// A shard padded to its own cache lines, so workers' locks do not share one.
 #[repr(align(128))]
-struct Padded(Mutex<Shard>);
+struct Padded(Mutex<SketchShard>);
 
 /// One limit's heaviest descriptors, merged from every shard, window and replica.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -358,7 +358,7 @@ impl Top {
             options,
             shards: (0..shards)
                 .map(|_| {
-                    Padded(Mutex::new(Shard {
+                    Padded(Mutex::new(SketchShard {
                         current: Vec::new(),
                         index: HashTable::new(),
                         previous: Vec::new(),
@@ -420,7 +420,7 @@ impl Top {
                 }
                 shard.room -= cost;
                 let i = shard.current.len();
-                shard.current.push(Tracked {
+                shard.current.push(LimitSketch {
                     hash: lh,
                     info: Arc::new(info),
                     values: limit.values,

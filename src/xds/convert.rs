@@ -151,11 +151,11 @@ mod tests {
         let domain = snapshot.domain("d").unwrap();
         let keys = crate::limiter::KeyFormat::default();
         // An empty value is the value-less key: any value matches it.
-        let m = domain.resolve(&[("k", "anything")], &keys).unwrap();
+        let m = domain.lookup(&[("k", "anything")], &keys).unwrap();
         assert!(
             matches!(&m.node.limits, Some(NodeLimits::Limits(l)) if l[0].requests_per_unit == 5)
         );
-        let m = domain.resolve(&[("free", "x")], &keys).unwrap();
+        let m = domain.lookup(&[("free", "x")], &keys).unwrap();
         assert!(matches!(m.node.limits, Some(NodeLimits::Unlimited)));
     }
 

@@ -19,7 +19,7 @@
 //!   queued: however many huge requests clients send, at most one of them is ahead of a small
 //!   request at Redis, and they wait (or are refused) behind each other, not in front of others;
 //! - the script decides each part on its own: a part whose counter holds foreign data fails
-//!   alone (see script.lua), and the call's health is reported once (see [`Health`]).
+//!   alone (see script.lua), and the call's health is reported once (see [`StoreHealth`]).
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -32,7 +32,7 @@ use futures_util::stream::{FuturesUnordered, StreamExt};
 use redis::RedisError;
 use tokio::sync::{mpsc, oneshot};
 
-use super::breaker::Health;
+use super::circuit::StoreHealth;
 use super::connection::{Conn, response_timeout};
 use super::error::{self, ErrorKind, Evidence};
 use super::wire::{self, Args, Call};
@@ -125,7 +125,7 @@ struct WorkerState {
     by_slot: bool,
     options: BatchOptions,
     metrics: BackendMetrics,
-    health: Arc<Health>,
+    health: Arc<StoreHealth>,
     /// Key bytes of the parts queued.
     queued_bytes: Arc<AtomicUsize>,
     /// Whether the script is called as a function (until Redis refuses functions).
@@ -147,7 +147,7 @@ impl Batcher {
         by_slot: bool,
         options: BatchOptions,
         metrics: BackendMetrics,
-        health: Arc<Health>,
+        health: Arc<StoreHealth>,
     ) -> Self {
         Batcher {
             small: std::sync::OnceLock::new(),

@@ -54,7 +54,7 @@ pub(super) enum ErrorKind {
     CircuitOpen,
 }
 
-/// What a failed call says about Redis itself (see `breaker.rs`).
+/// What a failed call says about Redis itself (see `circuit.rs`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Evidence {
     /// Nothing: Redis answered, or the failure is the call's own.

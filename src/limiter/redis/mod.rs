@@ -17,8 +17,8 @@
 //! request touching only a store that answers is decided while the other is down.
 
 mod batch;
-mod breaker;
 mod cache;
+mod circuit;
 pub(crate) mod connection;
 mod error;
 pub(crate) mod rlqs;
@@ -39,8 +39,8 @@ use tokio::sync::oneshot;
 
 pub(crate) use self::batch::BatchOptions;
 use self::batch::{Batcher, CallError, Part, Reply};
-use self::breaker::{Health, UpGauge};
 use self::cache::OverLimitCache;
+use self::circuit::{StoreHealth, UpGauge};
 pub(crate) use self::connection::{Conn, Credentials, RedisTlsFiles, Topology};
 pub use self::connection::{RedisUrl, SetupError};
 use self::error::ErrorKind;
@@ -79,7 +79,7 @@ pub(crate) struct RedisOptions {
 struct Store {
     conn: Conn,
     batcher: Batcher,
-    health: Arc<Health>,
+    health: Arc<StoreHealth>,
 }
 
 /// Index of the main store in [`RedisBackend::stores`].
@@ -154,7 +154,7 @@ impl RedisBackend {
             .map(|((name, target), gauge)| {
                 let conn = Conn::new(target, &opts.tls, opts.timeout)?;
                 let ping = Conn::new(target, &opts.tls, opts.timeout)?;
-                let health = Arc::new(Health::new(name, ping, Some(gauge)));
+                let health = Arc::new(StoreHealth::new(name, ping, Some(gauge)));
                 let batcher = Batcher::new(
                     conn.clone(),
                     matches!(target, Topology::Cluster(_)),
@@ -212,8 +212,8 @@ impl RedisBackend {
     }
 
     /// Whether the last call or probe reached every store.
-    pub(crate) fn is_up(&self) -> bool {
-        self.stores.iter().all(|s| s.health.is_up())
+    pub(crate) fn is_reachable(&self) -> bool {
+        self.stores.iter().all(|s| s.health.is_reachable())
     }
 
     /// Pings each store every `every` so health and metrics tell the truth without traffic,
@@ -233,7 +233,7 @@ impl RedisBackend {
                     loop {
                         let up = backend
                             .upgrade()
-                            .is_some_and(|b| b.stores[store].health.is_up());
+                            .is_some_and(|b| b.stores[store].health.is_reachable());
                         tokio::time::sleep(if up { every } else { every / 10 }).await;
                         let Some(b) = backend.upgrade() else { return };
                         let health = &b.stores[store].health;
@@ -241,13 +241,13 @@ impl RedisBackend {
                         // client's load is not down.
                         match health.probe(&b.stores[store].conn, b.opts.timeout).await {
                             Ok(()) => {
-                                if !health.is_up() {
+                                if !health.is_reachable() {
                                     tracing::info!("{} reachable again", health.name());
                                 }
                                 health.on_answer();
                             }
                             Err(why) => {
-                                if health.is_up() {
+                                if health.is_reachable() {
                                     tracing::warn!("{} unreachable ({why})", health.name());
                                 }
                                 health.on_unreachable(&why);
@@ -764,8 +764,8 @@ impl Backend for RedisBackend {
         })
     }
 
-    fn is_up(&self) -> bool {
-        RedisBackend::is_up(self)
+    fn is_reachable(&self) -> bool {
+        RedisBackend::is_reachable(self)
     }
 }
 

@@ -1,4 +1,4 @@
--- ratelimitd: one participant's share of an RLQS quota pool, decided in one atomic step.
+-- ratelimitd: one participant's share of an RLQS pool, decided in one atomic step.
 --
 -- Why a script: replicas on one Redis share a pool. Recording a grant against what the others
 -- hold must be one step, or two replicas both see the same free capacity and both hand it

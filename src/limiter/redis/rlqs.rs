@@ -1,4 +1,4 @@
-//! The protocol between Rust and `rlqs.lua`: one participant's grant from an RLQS quota pool
+//! The protocol between Rust and `rlqs.lua`: one participant's grant from an RLQS pool
 //! that every replica on this Redis shares ([`PoolCall`] → [`PoolReply`]), and the script's
 //! pure fair-share arithmetic ([`RedisBackend::pool_shares`]), which a test holds against the
 //! Rust function. The script's header documents the layout; this is the one place on the Rust
@@ -7,7 +7,7 @@
 //! Pool calls travel in a [`Lane`] of their own: their own connection, their own circuit
 //! breaker (fed only by their own calls and the PINGs confirming their timeouts) and at most
 //! [`Lane::IN_FLIGHT`] calls at once, a call waiting for its turn no longer than its budget.
-//! A large pool whose calls time out opens the quota lane's circuit, never the one RLS
+//! A large pool whose calls time out opens the RLQS lane's circuit, never the one RLS
 //! requests go through; RLS calls wait at Redis behind at most that many pool calls.
 
 use std::time::Duration;
@@ -17,17 +17,17 @@ use tokio::time::Instant;
 
 use std::sync::Arc;
 
-use super::breaker::Health;
+use super::circuit::StoreHealth;
 use super::connection::Conn;
 use super::error::{ErrorKind, Evidence};
 use super::{RedisBackend, RedisOptions};
 use crate::limiter::BackendError;
 use crate::limiter::redis::SetupError;
 
-/// The quota pools' way to Redis, apart from RLS's.
+/// The RLQS pools' way to Redis, apart from RLS's.
 pub(super) struct Lane {
     conn: Conn,
-    health: Arc<Health>,
+    health: Arc<StoreHealth>,
     turns: tokio::sync::Semaphore,
 }
 
@@ -41,14 +41,14 @@ impl Lane {
         let conn = || Conn::new(&opts.target, &opts.tls, opts.timeout);
         Ok(Lane {
             conn: conn()?,
-            health: Arc::new(Health::new("redis (RLQS)", conn()?, None)),
+            health: Arc::new(StoreHealth::new("redis (RLQS)", conn()?, None)),
             turns: tokio::sync::Semaphore::new(Self::IN_FLIGHT),
         })
     }
 }
 
 /// The script, loaded once per process and per Redis (EVALSHA; EVAL after NOSCRIPT).
-const QUOTA_SCRIPT: &str = include_str!("rlqs.lua");
+const POOL_SCRIPT: &str = include_str!("rlqs.lua");
 
 /// The fair-share rule's constants, sent with every call so that they are written once, on
 /// the Rust side.
@@ -118,7 +118,8 @@ pub(crate) struct ShareTerms {
 }
 
 /// A pool's Redis key: `<prefix>{<tag>}<what><rest of the counter key>` (`quota`: the pool,
-/// `quota-order`: its recomputation's sorted demands). A counter key holds no brace but its
+/// `quota-order`: its recomputation's sorted demands; names kept from before "quota" was left to
+/// the protocol, as they are data that replicas of every version share). A counter key holds no brace but its
 /// tag's, and continues the tag with `:`, so this is no counter's key, distinct pools have
 /// distinct keys, and a pool's two keys share its counter's slot.
 fn pool_key(counter: &[u8], what: &[u8]) -> Vec<u8> {
@@ -198,14 +199,14 @@ impl PoolReply {
 }
 
 impl RedisBackend {
-    /// Runs the quota script on `keys` with `args`, within the call budget, through the
+    /// Runs the pool script on `keys` with `args`, within the call budget, through the
     /// circuit breaker; NOSCRIPT is answered by sending the source once.
-    async fn eval_quota(&self, keys: &[&[u8]], args: &[Vec<u8>]) -> Result<Value, BackendError> {
+    async fn eval_pool(&self, keys: &[&[u8]], args: &[Vec<u8>]) -> Result<Value, BackendError> {
         let lane = &self.rlqs;
         if !lane.health.allow() {
             return Err(self.error(
                 ErrorKind::CircuitOpen,
-                "redis circuit of the quota pools open after repeated failures",
+                "redis circuit of the RLQS pools open after repeated failures",
             ));
         }
         let timeout = self.opts.timeout;
@@ -215,7 +216,7 @@ impl RedisBackend {
             return Err(self.error(
                 ErrorKind::Overloaded,
                 format!(
-                    "the quota pools' calls to redis are {} deep",
+                    "the RLQS pools' calls to redis are {} deep",
                     Lane::IN_FLIGHT
                 ),
             ));
@@ -223,9 +224,9 @@ impl RedisBackend {
         let command = |by_source: bool| {
             let mut cmd = Cmd::new();
             if by_source {
-                cmd.arg("EVAL").arg(QUOTA_SCRIPT);
+                cmd.arg("EVAL").arg(POOL_SCRIPT);
             } else {
-                cmd.arg("EVALSHA").arg(quota_script_hash());
+                cmd.arg("EVALSHA").arg(pool_script_hash());
             }
             cmd.arg(keys.len());
             for k in keys {
@@ -289,15 +290,15 @@ impl RedisBackend {
         .into_iter()
         .map(String::into_bytes)
         .collect();
-        let reply = self.eval_quota(&[&key, &order], &args).await?;
+        let reply = self.eval_pool(&[&key, &order], &args).await?;
         PoolReply::parse(&reply).map_err(|why| match why {
             "foreign" => self.error(
                 ErrorKind::ForeignData,
-                "a quota pool's key holds data this service did not write",
+                "an RLQS pool's key holds data this service did not write",
             ),
             why => self.error(
                 ErrorKind::Reply,
-                format!("unexpected quota script reply ({why}): {reply:?}"),
+                format!("unexpected pool script reply ({why}): {reply:?}"),
             ),
         })
     }
@@ -317,7 +318,7 @@ impl RedisBackend {
         ];
         args.extend(demands.iter().map(|d| demand_arg(*d)));
         let args: Vec<Vec<u8>> = args.into_iter().map(String::into_bytes).collect();
-        let reply = self.eval_quota(&[], &args).await?;
+        let reply = self.eval_pool(&[], &args).await?;
         let Value::Array(values) = &reply else {
             return Err(self.error(ErrorKind::Reply, format!("{reply:?}")));
         };
@@ -329,10 +330,10 @@ impl RedisBackend {
     }
 }
 
-/// The quota script's SHA1, as EVALSHA names it (computed once).
-fn quota_script_hash() -> &'static str {
+/// The pool script's SHA1, as EVALSHA names it (computed once).
+fn pool_script_hash() -> &'static str {
     static HASH: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-    HASH.get_or_init(|| redis::Script::new(QUOTA_SCRIPT).get_hash().to_owned())
+    HASH.get_or_init(|| redis::Script::new(POOL_SCRIPT).get_hash().to_owned())
 }
 
 #[cfg(test)]

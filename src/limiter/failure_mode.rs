@@ -31,14 +31,14 @@ impl FailureMode {
 }
 
 /// A backend that answers by `mode` when `primary` fails.
-pub(crate) struct Fallback {
+pub(crate) struct WithFailureMode {
     primary: Arc<dyn Backend>,
     mode: FailureMode,
     local: Arc<MemoryBackend>,
     metrics: BackendMetrics,
 }
 
-impl Fallback {
+impl WithFailureMode {
     /// Wraps `primary`; `local` is used only in `FailureMode::Local`.
     pub(crate) fn new(
         primary: Arc<dyn Backend>,
@@ -46,7 +46,7 @@ impl Fallback {
         local: Arc<MemoryBackend>,
         metrics: BackendMetrics,
     ) -> Self {
-        Fallback {
+        WithFailureMode {
             primary,
             mode,
             local,
@@ -82,7 +82,7 @@ impl Fallback {
     }
 }
 
-impl Backend for Fallback {
+impl Backend for WithFailureMode {
     fn decide<'a>(&'a self, hits: &'a [Hit]) -> BoxFuture<'a, Result<Outcome, BackendError>> {
         Box::pin(async move {
             // A store that failed beside others that answered falls back alone: its limits
@@ -113,7 +113,7 @@ impl Backend for Fallback {
         })
     }
 
-    fn is_up(&self) -> bool {
-        self.primary.is_up()
+    fn is_reachable(&self) -> bool {
+        self.primary.is_reachable()
     }
 }

@@ -13,10 +13,10 @@ use super::flags::{
 };
 use crate::config::CompileOptions;
 use crate::engine::{EngineOptions, RequestLimits};
-use crate::limiter::fallback::FailureMode;
+use crate::limiter::failure_mode::FailureMode;
 use crate::limiter::key::{HashTag, KeyFormat, PrefixError};
 use crate::limiter::redis::{Credentials, RedisOptions, RedisTlsFiles, RedisUrl, Topology};
-use crate::limiter::start::{BackendOptions, Store};
+use crate::limiter::start::{BackendKind, BackendOptions};
 use crate::limiter::{Accounting, Algorithm};
 use crate::rlqs::BucketOptions;
 use crate::server::conn::{ConnLimits, ConnectionAge};
@@ -30,16 +30,16 @@ use crate::telemetry::{LogFormat, Protocol, TelemetryOptions, TracingOptions};
 use crate::xds::{Backoff, Deadlines, XdsOptions, XdsTls};
 
 impl Flags {
-    /// Resolves and validates the settings into what the service runs with: every
+    /// Checks the settings and turns them into what the service runs with: every
     /// combination checked, every file the flags name found, the gRPC TLS files loaded.
-    pub(super) fn resolve(&self) -> Result<Options, SettingsError> {
+    pub(super) fn check(&self) -> Result<Options, SettingsError> {
         if self.rlqs_assignment_ttl <= self.rlqs_report_interval {
             return Err(SettingsError::RlqsTtl);
         }
-        let (store, keys) = match self.backend {
-            BackendArg::Memory => (Store::Memory, KeyFormat::default()),
+        let (kind, keys) = match self.backend {
+            BackendArg::Memory => (BackendKind::Memory, KeyFormat::default()),
             BackendArg::Redis => (
-                Store::Redis {
+                BackendKind::Redis {
                     redis: Box::new(self.redis_options()?),
                     failure_mode: self.failure_mode(),
                 },
@@ -108,7 +108,7 @@ impl Flags {
                 unhealthy_until_config: self.unhealthy_until_config,
             },
             backend: BackendOptions {
-                store,
+                kind,
                 memory_max_bytes: self.memory_max_bytes,
                 max_debt: self.max_debt,
             },
@@ -438,7 +438,7 @@ fn files_exist<const N: usize>(
     Ok(())
 }
 
-/// What the service runs with: every flag resolved, validated and typed, every file the flags
+/// What the service runs with: every flag checked and typed, every file the flags
 /// name found, the gRPC TLS files loaded, grouped by who uses them. Made by
 /// [`parse`](super::parse), taken by [`run`](crate::run).
 pub struct Options {

@@ -1,8 +1,13 @@
-//! A small circuit breaker: after a few consecutive failures, stop calling Redis for a short
+//! A Redis store's health ([`StoreHealth`]): whether it was last seen reachable, and its
+//! circuit ([`Circuit`]: closed, open or half-open). One word each: "reachable" is what
+//! `ratelimit_backend_up` and `/healthcheck` report, "circuit" what stops the calls; the
+//! metric names (`ratelimit_backend_up`, error kind `circuit_open`) keep their published words.
+//!
+//! The circuit is a small breaker: after a few consecutive failures, stop calling Redis for a short
 //! cool-down so a dead Redis costs one timeout per cool-down, not one per request. After the
 //! cool-down one probe goes through; its success closes the circuit, its failure re-opens it.
 //!
-//! [`Health`] decides what counts as a failure: evidence that Redis itself is unwell, counted
+//! [`StoreHealth`] decides what counts as a failure: evidence that Redis itself is unwell, counted
 //! once per script call (never once per request in it). A connection error is such evidence; a
 //! call that timed out is only a suspicion until a PING, sent at once, times out too. One
 //! client's oversized work can make its own call slow, but Redis still answers the PING, so the
@@ -39,16 +44,16 @@ fn ping_budget(call_budget: Duration) -> Duration {
 }
 
 /// Closed (calls go through), open (calls fail at once) or half-open (one probe in flight).
-pub(super) struct Breaker {
+pub(super) struct Circuit {
     failures: AtomicU32,
     open_until: Mutex<Option<Instant>>,
     probing: AtomicBool,
 }
 
-impl Breaker {
-    /// A closed breaker.
-    pub(super) fn new() -> Breaker {
-        Breaker {
+impl Circuit {
+    /// A closed circuit.
+    pub(super) fn new() -> Circuit {
+        Circuit {
             failures: AtomicU32::new(0),
             open_until: Mutex::new(None),
             probing: AtomicBool::new(false),
@@ -102,11 +107,11 @@ impl Breaker {
 
 /// What the backend knows of Redis: the circuit, and whether Redis was last seen reachable
 /// (for health and `ratelimit_backend_up`). Shared by the script calls and the probe.
-pub(super) struct Health {
-    breaker: Breaker,
+pub(super) struct StoreHealth {
+    circuit: Circuit,
     /// The connection PINGs use, and nothing else.
     ping: Conn,
-    up: AtomicBool,
+    reachable: AtomicBool,
     /// A PING confirming a timed-out call's suspicion is in flight.
     confirming: AtomicBool,
     /// Where `ratelimit_backend_up` is set: the RLS path's health only.
@@ -150,14 +155,14 @@ impl UpGauge {
     }
 }
 
-impl Health {
-    /// Closed, and the store called `name` presumed up; PINGs go on `ping`. `up_gauge`: the
+impl StoreHealth {
+    /// Closed, and the store called `name` presumed reachable; PINGs go on `ping`. `up_gauge`: the
     /// `ratelimit_backend_up` this health has a say in (one health per store of a backend).
-    pub(super) fn new(name: &'static str, ping: Conn, up_gauge: Option<UpGauge>) -> Health {
-        Health {
-            breaker: Breaker::new(),
+    pub(super) fn new(name: &'static str, ping: Conn, up_gauge: Option<UpGauge>) -> StoreHealth {
+        StoreHealth {
+            circuit: Circuit::new(),
             ping,
-            up: AtomicBool::new(true),
+            reachable: AtomicBool::new(true),
             confirming: AtomicBool::new(false),
             up_gauge,
             name,
@@ -171,16 +176,16 @@ impl Health {
 
     /// Whether a call may go to Redis now.
     pub(super) fn allow(&self) -> bool {
-        self.breaker.allow()
+        self.circuit.allow()
     }
 
     /// Whether Redis was last seen reachable.
-    pub(super) fn is_up(&self) -> bool {
-        self.up.load(Ordering::Relaxed)
+    pub(super) fn is_reachable(&self) -> bool {
+        self.reachable.load(Ordering::Relaxed)
     }
 
-    fn set_up(&self, up: bool) {
-        self.up.store(up, Ordering::Relaxed);
+    fn set_reachable(&self, up: bool) {
+        self.reachable.store(up, Ordering::Relaxed);
         if let Some(gauge) = &self.up_gauge {
             gauge.set(up);
         }
@@ -188,17 +193,17 @@ impl Health {
 
     /// Redis answered (a call, or a PING).
     pub(super) fn on_answer(&self) {
-        self.breaker.on_success();
-        self.set_up(true);
+        self.circuit.on_success();
+        self.set_reachable(true);
     }
 
     /// Redis could not be reached (`why`: a connection error, a failed PING): counts toward
     /// opening.
     pub(super) fn on_unreachable(&self, why: &dyn std::fmt::Display) {
-        if self.breaker.on_failure() {
+        if self.circuit.on_failure() {
             tracing::warn!("{} circuit open: unreachable ({why})", self.name);
         }
-        self.set_up(false);
+        self.set_reachable(false);
     }
 
     /// PINGs Redis, giving it the call budget or [`CONFIRM_AT_LEAST`], whichever is longer;
@@ -215,7 +220,7 @@ impl Health {
         }
     }
 
-    /// The health probe: a [`Health::ping`], then a PING on `calls`, the connection the script
+    /// The health probe: a [`StoreHealth::ping`], then a PING on `calls`, the connection the script
     /// calls go on, which is what requests will see: one found closed (Redis restarted while
     /// nobody called) is made afresh and PINGed once more, so that the next call finds it
     /// open, and health says up only once it is.
@@ -242,7 +247,7 @@ impl Health {
         }
     }
 
-    /// A call timed out: opens the circuit only if a [`Health::ping`] fails too. One
+    /// A call timed out: opens the circuit only if a [`StoreHealth::ping`] fails too. One
     /// confirmation at a time; the calls timing out meanwhile add nothing.
     pub(super) fn on_timeout(self: &std::sync::Arc<Self>, call_budget: Duration) {
         if self.confirming.swap(true, Ordering::AcqRel) {
@@ -253,13 +258,13 @@ impl Health {
             match health.ping(call_budget).await {
                 Ok(()) => health.on_answer(),
                 Err(why) => {
-                    if health.breaker.trip() {
+                    if health.circuit.trip() {
                         tracing::warn!(
                             "{} circuit open: a script call timed out, and {why}",
                             health.name
                         );
                     }
-                    health.set_up(false);
+                    health.set_reachable(false);
                 }
             }
             health.confirming.store(false, Ordering::Release);
@@ -273,7 +278,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn opens_after_repeated_failures_and_probes_once() {
-        let b = Breaker::new();
+        let b = Circuit::new();
         for n in 1..=THRESHOLD {
             assert!(b.allow());
             assert_eq!(b.on_failure(), n == THRESHOLD, "opens at the {THRESHOLD}th");
@@ -294,7 +299,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_trip_opens_at_once_for_a_cool_down() {
-        let b = Breaker::new();
+        let b = Circuit::new();
         assert!(b.trip(), "a closed circuit opened");
         assert!(!b.trip(), "open already");
         assert!(!b.allow());
