@@ -56,10 +56,6 @@ const IGNORED: &[(&str, &str)] = &[
         "EXPIRATION_JITTER_MAX_SECONDS",
         "keys expire at their window's end",
     ),
-    (
-        "DISABLE_STATS",
-        "metrics are always on /metrics; no stats are sent to statsd",
-    ),
     ("PROMETHEUS_PATH", "metrics are served at /metrics"),
     (
         "PROMETHEUS_MAPPER_YAML",
@@ -710,7 +706,7 @@ fn ignored(env: &Env<'_>, t: &mut Translated) {
         // A variable set to what this service does anyway is not worth a line.
         let harmless = matches!(
             (*name, truthy(&v)),
-            ("USE_STATSD" | "USE_DOG_STATSD" | "DISABLE_STATS", Ok(false))
+            ("USE_STATSD" | "USE_DOG_STATSD", Ok(false))
         ) || matches!(*name, "RUNTIME_WATCH_ROOT" | "REDIS_POOL_SIZE");
         if !harmless {
             t.ignored.push(format!(
@@ -1161,7 +1157,9 @@ mod tests {
             true,
         )
         .unwrap();
-        assert_eq!(t.ignored.len(), 2, "{:?}", t.ignored);
+        // DISABLE_STATS is honoured (statsd off), so it is not reported as ignored.
+        assert_eq!(t.ignored.len(), 1, "{:?}", t.ignored);
+        assert!(t.ignored[0].starts_with("EXPIRATION_JITTER_MAX_SECONDS="));
         assert!(!flags(&t).iter().any(|(k, _)| k.starts_with("statsd")));
         assert!(
             run(&[("SHADOW_MODE", "maybe")], false)
