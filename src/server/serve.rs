@@ -246,11 +246,15 @@ pub(crate) fn serve<H: tonic_health::pb::health_server::Health>(
     stop: &Stop,
     tasks: &mut Tasks,
 ) -> (Serving<tonic::transport::Error>, Serving<std::io::Error>) {
+    let unknown = || "?".to_owned();
     let grpc_addr = match &listening.grpc {
-        GrpcListener::Tcp(l) => l.local_addr().ok().map(|a| a.to_string()),
-        GrpcListener::Unix { path, .. } => Some(format!("unix:{}", path.display())),
+        GrpcListener::Tcp(l) => l.local_addr().map_or_else(|_| unknown(), |a| a.to_string()),
+        GrpcListener::Unix { path, .. } => format!("unix:{}", path.display()),
     };
-    let http_addr = listening.http.local_addr().ok();
+    let http_addr = listening
+        .http
+        .local_addr()
+        .map_or_else(|_| unknown(), |a| a.to_string());
     let state = Arc::new(HttpState {
         engine: services.engine.clone(),
         metrics: metrics.clone(),
@@ -268,7 +272,9 @@ pub(crate) fn serve<H: tonic_health::pb::health_server::Health>(
         stop,
         tasks,
     );
-    tracing::info!(grpc = ?grpc_addr, http = ?http_addr, "serving");
+    // The line that says the service is ready: both ports accept (README.md, "First five
+    // minutes").
+    tracing::info!(grpc = %grpc_addr, http = %http_addr, "serving");
     (grpc, http)
 }
 

@@ -1,0 +1,62 @@
+#!/usr/bin/env python3
+"""A tiny upstream for the Envoy examples: answers every request 200 on 127.0.0.1:9000.
+
+Each answer says in `x-tokens-used` what it "used", as an LLM backend would report tokens: the
+request's `x-fake-tokens` header if it has one, else 4000 (the figure token-budget.yaml's
+comments walk through). token-budget.yaml and reservations.yaml charge that figure to the
+tenant's budget when the stream is done; the other examples ignore the header.
+
+    python3 examples/envoy/upstream.py            # 127.0.0.1:9000
+    python3 examples/envoy/upstream.py 9100       # another port
+"""
+
+import sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+DEFAULT_TOKENS = 4000
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def answer(self, with_body):
+        length = int(self.headers.get("content-length") or 0)
+        if length:
+            self.rfile.read(length)
+        tokens = self.headers.get("x-fake-tokens", str(DEFAULT_TOKENS))
+        if not tokens.isdigit():
+            tokens = str(DEFAULT_TOKENS)
+        body = f"ok {self.command} {self.path}: {tokens} tokens\n".encode()
+        self.send_response(200)
+        self.send_header("content-type", "text/plain")
+        self.send_header("content-length", str(len(body)))
+        self.send_header("x-tokens-used", tokens)
+        self.end_headers()
+        if with_body:
+            self.wfile.write(body)
+
+    def do_GET(self):
+        self.answer(True)
+
+    def do_POST(self):
+        self.answer(True)
+
+    def do_HEAD(self):
+        self.answer(False)
+
+    def log_message(self, format, *args):
+        pass
+
+
+def main():
+    port = int(sys.argv[1]) if len(sys.argv) > 1 else 9000
+    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    print(f"upstream on 127.0.0.1:{port}", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()
