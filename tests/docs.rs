@@ -435,6 +435,34 @@ fn the_image_the_docs_build_is_the_one_the_chart_pulls() {
         }
     }
     assert!(builds >= 3, "{builds} docker build commands");
+
+    // docs/envoy-gateway.md's EnvoyGateway object: whole, with the rate-limit backend Envoy
+    // Gateway needs, and this image.
+    let page = read("docs/envoy-gateway.md");
+    let block = page
+        .split("```text\napiVersion: v1\nkind: ConfigMap\n")
+        .nth(1)
+        .expect("the envoy-gateway-config ConfigMap");
+    let block = format!(
+        "apiVersion: v1\nkind: ConfigMap\n{}",
+        block.split("```").next().unwrap()
+    );
+    let map: serde_json::Value = serde_saphyr::from_str(&block).unwrap();
+    assert_eq!(map["metadata"]["name"], "envoy-gateway-config");
+    let eg: serde_json::Value =
+        serde_saphyr::from_str(map["data"]["envoy-gateway.yaml"].as_str().unwrap()).unwrap();
+    assert_eq!(eg["kind"], "EnvoyGateway");
+    assert_eq!(
+        eg["gateway"]["controllerName"],
+        "gateway.envoyproxy.io/gatewayclass-controller"
+    );
+    assert_eq!(eg["rateLimit"]["backend"]["type"], "Redis");
+    assert!(eg["rateLimit"]["backend"]["redis"]["url"].is_string());
+    let image = eg["provider"]["kubernetes"]["rateLimitDeployment"]["container"]["image"]
+        .as_str()
+        .unwrap();
+    assert!(image.ends_with(&format!("/{tag}")), "{image}");
+    assert!(page.contains("kubectl rollout restart deployment envoy-gateway"));
 }
 
 /// README.md's first decision without Envoy: `make run`'s binary and flags, the `serving` line
