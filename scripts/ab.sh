@@ -25,8 +25,7 @@ command -v h2load >/dev/null || { echo "ab: h2load missing: apt-get install nght
 BASELINE=$(bench_bin baseline)
 WORK=$(mktemp -d)
 pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$WORK" "$_ports_given"; }
-trap cleanup EXIT
+trap cleanup_all EXIT
 "$BASELINE" --write-request "$WORK/request.bin"
 start_redis
 

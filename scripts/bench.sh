@@ -53,8 +53,7 @@ LOADGEN=$(bench_bin loadgen)
 BASELINE=$(bench_bin baseline)
 WORK=$(mktemp -d)
 pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$WORK" "$_ports_given"; }
-trap cleanup EXIT
+trap cleanup_all EXIT
 
 echo "machine: $(nproc) cores ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)), $(redis-server --version | cut -d' ' -f1-3), $(h2load --version | head -1)"
 echo "h2load: -c$CLIENTS -m$STREAMS, ${DURATION}s per run, the same 2-descriptor request (bench domain)"
@@ -266,7 +265,6 @@ fi
 
 # A fleet: FLEET connections of 4 streams each against 16 of 32 (the memory backend: no Redis
 # cost to hide the connections' own), after memory per idle connection on the fresh server.
-rss_kb() { awk '/^VmRSS:/ {print $2}' "/proc/$1/status"; }
 declare -A FCPU FRPS IDLE_KB
 if section fleet && [[ " $SERVERS " == *" memory "* ]]; then
   echo
@@ -275,13 +273,13 @@ if section fleet && [[ " $SERVERS " == *" memory "* ]]; then
     [[ " $SERVERS " == *" $name "* ]] || continue
     start_server "$name"
     # Idle first, on the fresh server: each connection makes one call, then holds still.
-    before=$(rss_kb "$SERVER_PID")
+    before=$(rss_kib "$SERVER_PID")
     "$LOADGEN" --target "http://$GRPC" --idle-connections "$FLEET" --duration 30 >"$WORK/idle.out" &
     idle_pid=$!
     for _ in $(seq 600); do grep -q '^idle:' "$WORK/idle.out" && break; sleep 0.05; done
     grep -q '^idle:' "$WORK/idle.out" || { echo "bench: the idle connections did not open" >&2; exit 1; }
     sleep 1
-    after=$(rss_kb "$SERVER_PID")
+    after=$(rss_kib "$SERVER_PID")
     kill "$idle_pid" 2>/dev/null || true; wait "$idle_pid" 2>/dev/null || true
     read -r FRPS[$name] p50 p99 FCPU[$name] _ ok _ < <(H2_CLIENTS=$FLEET H2_STREAMS=4 h2run)
     [ "$ok" -gt 0 ] || { echo "bench: $name answered no 2xx to the fleet" >&2; exit 1; }

@@ -37,15 +37,41 @@ cpu_ticks() { # PID [user]
   if [ "${2:-}" = user ]; then awk '{print $14 + $15, $14}' "/proc/$1/stat"; else awk '{print $14 + $15}' "/proc/$1/stat"; fi
 }
 
+# Resident memory of process $1 now, in KiB (VmRSS of /proc/PID/status).
+rss_kib() { awk '/^VmRSS:/ {print $2}' "/proc/$1/status"; }
+
 # Context switches of process $1 so far, voluntary and not, summed over its threads.
 ctx_switches() { cat /proc/"$1"/task/*/status | awk '/ctxt_switches/ {s += $2} END {print s}'; }
 
-# Starts a redis-server on a free loopback port for the script's run (nothing kept on disk):
-# sets REDIS_PORT and REDIS_PID, adds the pid to the caller's `pids` (which its cleanup kills),
-# and waits until it accepts.
+# Every script's EXIT trap (`pids=()` first, then `trap cleanup_all EXIT`): kills the processes
+# in the caller's `pids` and waits for them (so that tools writing at exit, callgrind, have
+# written), copies $WORK's files to $KEEP when KEEP is set, and removes $WORK (when set) and the
+# ports file.
+cleanup_all() {
+  local p
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  if [ -n "${KEEP:-}" ] && [ -n "${WORK:-}" ]; then
+    mkdir -p "$KEEP" && cp -r "$WORK"/. "$KEEP"/ 2>/dev/null || true
+  fi
+  rm -rf ${WORK:+"$WORK"} "$_ports_given"
+}
+
+# A throwaway redis-server on loopback port $1 (nothing kept on disk), replacing the calling
+# (sub)shell: run it as `redis_server PORT &` and `$!` is redis-server's pid. Further arguments
+# go to redis-server; REDIS_WRAP (e.g. `valgrind --tool=callgrind ...`) runs it under a tool.
+redis_server() { # PORT [redis-server arguments]
+  local port=$1
+  shift
+  exec ${REDIS_WRAP:-} redis-server --port "$port" --bind 127.0.0.1 --save "" --appendonly no "$@" >/dev/null 2>&1
+}
+
+# Starts a redis-server on a free loopback port for the script's run: sets REDIS_PORT (unless
+# the caller set it) and REDIS_PID, adds the pid to the caller's `pids` (which cleanup_all
+# kills), and waits until it accepts.
 start_redis() {
-  REDIS_PORT=$(free_port)
-  redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save "" --appendonly no >/dev/null &
+  REDIS_PORT=${REDIS_PORT:-$(free_port)}
+  redis_server "$REDIS_PORT" &
   REDIS_PID=$!
   pids+=("$REDIS_PID")
   wait_port "$REDIS_PORT" 100

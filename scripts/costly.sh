@@ -18,13 +18,9 @@ cargo build --release --quiet
 LOADGEN=$(bench_bin loadgen)
 [ -x "$LOADGEN" ] || { echo "costly: loadgen did not build" >&2; exit 1; }
 pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -f "$_ports_given"; }
-trap cleanup EXIT
+trap cleanup_all EXIT
 
-REDIS_PORT=$(free_port)
-redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save "" --appendonly no >/dev/null &
-pids+=("$!")
-until redis-cli -p "$REDIS_PORT" PING >/dev/null 2>&1; do sleep 0.05; done
+start_redis
 
 declare -A grpc
 for backend in redis memory; do

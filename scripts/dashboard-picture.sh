@@ -22,8 +22,7 @@ BASELINE=$(bench_bin baseline)
 
 WORK=$(mktemp -d)
 pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$WORK" "$_ports_given"; }
-trap cleanup EXIT
+trap cleanup_all EXIT
 
 "$BASELINE" --write-request "$WORK/request.bin"
 mkdir "$WORK/limits"
@@ -40,13 +39,7 @@ EOF
 limits 3000
 
 REDIS_PORT=$(free_port)
-start_redis() {
-  redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save "" --appendonly no >/dev/null &
-  REDIS_PID=$!
-  pids+=("$REDIS_PID")
-  wait_port "$REDIS_PORT"
-}
-start_redis
+start_redis   # restarted on the same port at 70 s
 
 GRPC=$(free_port)
 HTTP=$(free_port)

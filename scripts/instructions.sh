@@ -30,13 +30,7 @@ cargo build --release --quiet
 BASELINE=$(bench_bin baseline)
 WORK=$(mktemp -d)
 pids=()
-cleanup() {
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-  wait 2>/dev/null || true
-  [ -n "${KEEP:-}" ] && mkdir -p "$KEEP" && cp "$WORK"/cg.* "$KEEP"/ 2>/dev/null
-  rm -rf "$WORK" "$_ports_given"
-}
-trap cleanup EXIT
+trap cleanup_all EXIT
 "$BASELINE" --write-request "$WORK/request.bin"
 
 # One redis-server for the servers that need one, started here (not in a subshell, so that
@@ -44,10 +38,7 @@ trap cleanup EXIT
 REDIS_URL=
 case " $* " in
   *" naive "* | *" redis "* | *" redis:"*)
-    REDIS_PORT=$(free_port)
-    redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save "" --appendonly no >/dev/null &
-    pids+=("$!")
-    for _ in $(seq 100); do redis-cli -p "$REDIS_PORT" ping >/dev/null 2>&1 && break; sleep 0.05; done
+    start_redis
     REDIS_URL=redis://127.0.0.1:$REDIS_PORT
     ;;
 esac

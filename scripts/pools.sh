@@ -23,8 +23,7 @@ cargo build --release --quiet
 POOLS=$(bench_bin pools)
 WORK=$(mktemp -d)
 pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$WORK" "$_ports_given"; }
-trap cleanup EXIT
+trap cleanup_all EXIT
 
 echo "machine: $(nproc) cores, $(redis-server --version | cut -d' ' -f1-3)"
 echo "a report of $REPORT new buckets joining a pool of $MEMBERS (the others on $STREAMS streams), RLS at $RLS_RATE/s, ${WINDOW}s windows, $ROUNDS rounds"
@@ -34,7 +33,7 @@ for round in $(seq "$ROUNDS"); do
     redis_url=""
     if [ "$backend" = redis ]; then
       rport=$(free_port)
-      redis-server --port "$rport" --bind 127.0.0.1 --save "" --appendonly no >/dev/null &
+      redis_server "$rport" &
       redis_pid=$!
       pids+=("$redis_pid")
       wait_port "$rport"

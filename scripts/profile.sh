@@ -23,14 +23,11 @@ cargo build --release -q
 BASELINE=$(bench_bin baseline)
 WORK=$(mktemp -d)
 pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$WORK" "$_ports_given"; }
-trap cleanup EXIT
+trap cleanup_all EXIT
 "$BASELINE" --write-request "$WORK/request.bin"
 REDIS_PORT=$(free_port)
 if [ "$backend" = redis ]; then
-  redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save "" --appendonly no >/dev/null &
-  pids+=($!)
-  wait_port "$REDIS_PORT"
+  start_redis
 fi
 grpc=$(free_port)
 debug=$(free_port)

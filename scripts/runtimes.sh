@@ -30,12 +30,7 @@ cargo build --release --quiet
 BASELINE=$(bench_bin baseline)
 WORK=$(mktemp -d)
 pids=()
-cleanup() {
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-  wait 2>/dev/null || true
-  rm -rf "$_ports_given" "$WORK"
-}
-trap cleanup EXIT
+trap cleanup_all EXIT
 start_redis
 "$BASELINE" --write-request "$WORK/request.bin"
 

@@ -20,7 +20,8 @@ source scripts/common.sh
 SCRIPT=${SCRIPT:-src/limiter/redis/script.lua}
 [ $# -gt 0 ] || set -- 1 8 60
 WORK=$(mktemp -d)
-trap '[ -n "${KEEP:-}" ] && cp -r "$WORK" "$KEEP"; rm -rf "$WORK" "$_ports_given"' EXIT
+pids=()
+trap cleanup_all EXIT
 
 # cost NAME CALLS LOAD GEN...: prints instructions per call in a fresh redis-server where LOAD
 # (a function: `fcall` or `evalsha`) loads $SCRIPT_FILE and prints the name to call it by; GEN
@@ -29,8 +30,8 @@ cost() {
   local name=$1 calls=$2 load=$3 port pid total callee
   shift 3
   port=$(free_port)
-  valgrind --tool=callgrind --instr-atstart=no --callgrind-out-file="$WORK/cg.$name" \
-    redis-server --port "$port" --bind 127.0.0.1 --save "" --appendonly no >/dev/null 2>&1 &
+  REDIS_WRAP="valgrind --tool=callgrind --instr-atstart=no --callgrind-out-file=$WORK/cg.$name" \
+    redis_server "$port" &
   pid=$!
   for _ in $(seq 300); do redis-cli -p "$port" ping >/dev/null 2>&1 && break; sleep 0.1; done
   callee=$("$load" "$port")

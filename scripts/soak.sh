@@ -17,26 +17,14 @@ REPORT_EVERY=${REPORT_EVERY:-30}
 FAILURE_MODE=${FAILURE_MODE:-error}
 CONCURRENCY=${CONCURRENCY:-64}
 
-rss_kib() { awk '/^VmRSS:/ {print $2}' "/proc/$1/status"; }
 
 cargo build --release --quiet
 cargo bench --bench loadgen --no-run --quiet 2>/dev/null || cargo bench --bench loadgen --no-run
-work=$(mktemp -d)
+WORK=$(mktemp -d)
+work=$WORK
 pids=()
-redis_pid=""
-cleanup() {
-  for p in "${pids[@]}" $redis_pid; do kill "$p" 2>/dev/null || true; done
-  wait 2>/dev/null || true
-  rm -rf "$work" "$_ports_given"
-}
-trap cleanup EXIT
+trap cleanup_all EXIT
 
-REDIS_PORT=$(free_port)
-start_redis() {
-  redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save "" --appendonly no >/dev/null &
-  redis_pid=$!
-  for _ in $(seq 100); do redis-cli -p "$REDIS_PORT" ping >/dev/null 2>&1 && break; sleep 0.05; done
-}
 start_redis
 
 mkdir -p "$work/limits"
@@ -80,7 +68,7 @@ rss_start=$(rss_kib "$server")
     if [ $((elapsed % RESTART_EVERY)) -eq 0 ] && [ "$elapsed" -lt "$SOAK_SECONDS" ]; then
       redis-cli -p "$REDIS_PORT" shutdown nosave >/dev/null 2>&1 || true
       sleep 0.2
-      redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save "" --appendonly no >/dev/null &
+      redis_server "$REDIS_PORT" &
       echo "t=${elapsed}s: Redis restarted, config rewritten"
     else
       echo "t=${elapsed}s: config rewritten"

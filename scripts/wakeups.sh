@@ -29,12 +29,7 @@ cargo build --release --quiet
 BASELINE=$(bench_bin baseline)
 WORK=$(mktemp -d)
 pids=()
-cleanup() {
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-  wait 2>/dev/null || true
-  rm -rf "$_ports_given" "$WORK"
-}
-trap cleanup EXIT
+trap cleanup_all EXIT
 # Every thread of process $1: "tid ticks" (user + system).
 thread_ticks() {
   local t

@@ -14,18 +14,15 @@ GRPC=$(free_port)
 HTTP=$(free_port)
 REDIS_PORT=$(free_port)
 HZ=$(getconf CLK_TCK)
-ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 
 cargo build --release --quiet
 LOADGEN=$(bench_bin loadgen)
 [ -x "$LOADGEN" ] || { echo "worst: loadgen did not build" >&2; exit 1; }
 pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -f "$_ports_given"; }
-trap cleanup EXIT
+trap cleanup_all EXIT
 
-redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save "" --appendonly no >/dev/null &
-rpid=$!; pids+=("$rpid")
-until redis-cli -p "$REDIS_PORT" PING >/dev/null 2>&1; do sleep 0.05; done
+start_redis
+rpid=$REDIS_PID
 "$BIN" --config benches/limits.yaml --backend redis \
   --redis-url "redis://127.0.0.1:$REDIS_PORT" --grpc-addr "127.0.0.1:$GRPC" \
   --http-addr "127.0.0.1:$HTTP" --log-level error &
@@ -34,9 +31,9 @@ until curl -sf "127.0.0.1:$HTTP/healthcheck" >/dev/null; do sleep 0.05; done
 load() { "$LOADGEN" --target "http://127.0.0.1:$GRPC" --connections 1 --warmup 1 "$@"; }
 
 redis-cli -p "$REDIS_PORT" CONFIG RESETSTAT >/dev/null
-s0=$(ticks "$spid"); r0=$(ticks "$rpid")
+s0=$(cpu_ticks "$spid"); r0=$(cpu_ticks "$rpid")
 out=$(load --concurrency 1 --duration "$DURATION" --worst)
-s1=$(ticks "$spid"); r1=$(ticks "$rpid")
+s1=$(cpu_ticks "$spid"); r1=$(cpu_ticks "$rpid")
 n=$(echo "$out" | awk '/^requests:/ {print $2}')
 echo "== one worst-case request at a time"
 echo "$out" | sed -n 2,3p

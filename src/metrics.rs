@@ -835,16 +835,10 @@ impl Metrics {
     /// The Prometheus text exposition of every metric.
     pub fn encode(&self) -> String {
         let (rss, vsz) = &self.process;
-        if let Ok(status) = std::fs::read_to_string("/proc/self/status") {
-            let kib = |field: &str| {
-                status
-                    .lines()
-                    .find_map(|l| l.strip_prefix(field))
-                    .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<i64>().ok())
-                    .unwrap_or(0)
-            };
-            rss.set(kib("VmRSS:") * 1024);
-            vsz.set(kib("VmSize:") * 1024);
+        if let Some(status) = ProcessStatus::read() {
+            let gauge = |bytes: u64| i64::try_from(bytes).unwrap_or(i64::MAX);
+            rss.set(gauge(status.resident_bytes));
+            vsz.set(gauge(status.virtual_bytes));
         }
         let workers = crate::runtime::active_workers().or_else(|| {
             tokio::runtime::Handle::try_current()
@@ -860,9 +854,65 @@ impl Metrics {
     }
 }
 
+/// The process's memory and threads, from `/proc/self/status` (Linux; `None` elsewhere): for
+/// `/metrics` and the debug port's `/stats`.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub(crate) struct ProcessStatus {
+    /// `VmRSS`, in bytes.
+    pub(crate) resident_bytes: u64,
+    /// `VmHWM`: the most resident memory so far, in bytes.
+    pub(crate) resident_peak_bytes: u64,
+    /// `VmSize`, in bytes.
+    pub(crate) virtual_bytes: u64,
+    /// `Threads`.
+    pub(crate) threads: u64,
+}
+
+impl ProcessStatus {
+    /// This process's status now.
+    pub(crate) fn read() -> Option<ProcessStatus> {
+        std::fs::read_to_string("/proc/self/status")
+            .ok()
+            .map(|text| ProcessStatus::parse(&text))
+    }
+
+    /// The fields of a `/proc/<pid>/status` text (0 for a field it lacks).
+    fn parse(text: &str) -> ProcessStatus {
+        let field = |name: &str| {
+            text.lines()
+                .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+                .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+                .unwrap_or(0)
+        };
+        ProcessStatus {
+            resident_bytes: field("VmRSS") * 1024,
+            resident_peak_bytes: field("VmHWM") * 1024,
+            virtual_bytes: field("VmSize") * 1024,
+            threads: field("Threads"),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn process_status_reads_kib_fields_as_bytes() {
+        let text =
+            "Name:\tx\nVmHWM:\t  2048 kB\nVmRSS:\t  1024 kB\nVmSize:\t 4096 kB\nThreads:\t7\n";
+        assert_eq!(
+            ProcessStatus::parse(text),
+            ProcessStatus {
+                resident_bytes: 1 << 20,
+                resident_peak_bytes: 2 << 20,
+                virtual_bytes: 4 << 20,
+                threads: 7,
+            }
+        );
+        assert_eq!(ProcessStatus::parse(""), ProcessStatus::default());
+        assert!(ProcessStatus::read().is_some_and(|s| s.resident_bytes > 0 && s.threads > 0));
+    }
 
     /// What goes in comes out, however it is kept.
     #[test]

@@ -25,7 +25,7 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, ProcessStatus};
 
 /// Longest profile one request may ask for.
 pub(crate) const MAX_PROFILE_SECONDS: u64 = 20;
@@ -81,20 +81,14 @@ async fn stats(State(debug): State<Debug>) -> impl IntoResponse {
             let _ = writeln!(out, "{}: {}", stat.key, stat.value);
         }
     }
-    if let Ok(status) = std::fs::read_to_string("/proc/self/status") {
-        for (field, name, scale) in [
-            ("VmRSS:", "process.resident_bytes", 1024),
-            ("VmHWM:", "process.resident_peak_bytes", 1024),
-            ("VmSize:", "process.virtual_bytes", 1024),
-            ("Threads:", "process.threads", 1),
+    if let Some(status) = ProcessStatus::read() {
+        for (name, value) in [
+            ("process.resident_bytes", status.resident_bytes),
+            ("process.resident_peak_bytes", status.resident_peak_bytes),
+            ("process.virtual_bytes", status.virtual_bytes),
+            ("process.threads", status.threads),
         ] {
-            let value = status
-                .lines()
-                .find_map(|l| l.strip_prefix(field))
-                .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok());
-            if let Some(v) = value {
-                let _ = writeln!(out, "{name}: {}", v * scale);
-            }
+            let _ = writeln!(out, "{name}: {value}");
         }
     }
     if let Ok(fds) = std::fs::read_dir("/proc/self/fd") {
