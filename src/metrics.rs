@@ -598,6 +598,103 @@ pub struct Metrics {
     pub rlqs: RlqsMetrics,
 }
 
+impl ReferenceMetrics {
+    /// envoyproxy/ratelimit's per-rule families, registered as Envoy Gateway's dashboard reads
+    /// them.
+    fn registered(registry: &mut Registry) -> ReferenceMetrics {
+        let r = ReferenceMetrics::default();
+        for (name, help, family) in [
+            ("total_hits", "Hits on the rule", &r.total_hits),
+            ("within_limit", "Hits within the limit", &r.within_limit),
+            (
+                "near_limit",
+                "Hits past the near-limit ratio",
+                &r.near_limit,
+            ),
+            ("over_limit", "Hits over the limit", &r.over_limit),
+            (
+                "shadow_mode",
+                "Hits over a shadow-mode limit",
+                &r.shadow_mode,
+            ),
+        ] {
+            registry.register(
+                format!("ratelimit_service_rate_limit_{name}"),
+                help,
+                family.clone(),
+            );
+        }
+        r
+    }
+}
+
+/// The process's resident and virtual memory gauges (set at each scrape from
+/// [`ProcessStatus`]), registered.
+fn process_gauges(registry: &mut Registry) -> (Gauge, Gauge) {
+    let (rss, vsz) = (Gauge::default(), Gauge::default());
+    registry.register(
+        "process_resident_memory_bytes",
+        "Resident memory",
+        rss.clone(),
+    );
+    registry.register(
+        "process_virtual_memory_bytes",
+        "Virtual memory",
+        vsz.clone(),
+    );
+    (rss, vsz)
+}
+
+impl BackendMetrics {
+    fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "ratelimit_backend_errors",
+            "Failed backend calls by kind",
+            self.errors.clone(),
+        );
+        registry.register(
+            "ratelimit_backend_duration_seconds",
+            "Backend round trip (one script call)",
+            self.duration.clone(),
+        );
+        registry.register(
+            "ratelimit_backend_up",
+            "1 while the backend is reachable",
+            self.up.clone(),
+        );
+        registry.register(
+            "ratelimit_local_cache_hits",
+            "Requests answered by the over-limit cache without a backend call",
+            self.local_cache_hits.clone(),
+        );
+        registry.register(
+            "ratelimit_failure_mode_decisions",
+            "Requests decided by the failure mode while the backend was unavailable",
+            self.failure_mode_decisions.clone(),
+        );
+        registry.register(
+            "ratelimit_redis_batch_requests",
+            "Requests decided together in one Redis script call (coalesced under load)",
+            self.batch_requests.clone(),
+        );
+    }
+}
+
+impl MemoryMetrics {
+    fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "ratelimit_memory_bytes",
+            "Bytes of counter state the memory backend holds, keys included",
+            self.bytes.clone(),
+        );
+        registry.register(
+            "ratelimit_memory_evictions",
+            "Live counters given up at --memory-max-bytes (each may admit up to its limit again)",
+            self.evictions.clone(),
+        );
+    }
+}
+
 impl Default for Metrics {
     fn default() -> Self {
         Self::new()
@@ -626,45 +723,8 @@ impl Metrics {
             "Limit decisions per domain, rule and outcome",
             decisions.clone(),
         );
-        let reference = if reference {
-            let r = ReferenceMetrics::default();
-            for (name, help, family) in [
-                ("total_hits", "Hits on the rule", &r.total_hits),
-                ("within_limit", "Hits within the limit", &r.within_limit),
-                (
-                    "near_limit",
-                    "Hits past the near-limit ratio",
-                    &r.near_limit,
-                ),
-                ("over_limit", "Hits over the limit", &r.over_limit),
-                (
-                    "shadow_mode",
-                    "Hits over a shadow-mode limit",
-                    &r.shadow_mode,
-                ),
-            ] {
-                registry.register(
-                    format!("ratelimit_service_rate_limit_{name}"),
-                    help,
-                    family.clone(),
-                );
-            }
-            Some(r)
-        } else {
-            None
-        };
-        let (rss, vsz) = (Gauge::default(), Gauge::default());
-        registry.register(
-            "process_resident_memory_bytes",
-            "Resident memory",
-            rss.clone(),
-        );
-        registry.register(
-            "process_virtual_memory_bytes",
-            "Virtual memory",
-            vsz.clone(),
-        );
-        let process = (rss, vsz);
+        let reference = reference.then(|| ReferenceMetrics::registered(&mut registry));
+        let process = process_gauges(&mut registry);
         let workers_active = Gauge::default();
         registry.register(
             "ratelimit_worker_threads_active",
@@ -729,36 +789,7 @@ impl Metrics {
             grpc_errors.clone(),
         );
         let backend = BackendMetrics::default();
-        registry.register(
-            "ratelimit_backend_errors",
-            "Failed backend calls by kind",
-            backend.errors.clone(),
-        );
-        registry.register(
-            "ratelimit_backend_duration_seconds",
-            "Backend round trip (one script call)",
-            backend.duration.clone(),
-        );
-        registry.register(
-            "ratelimit_backend_up",
-            "1 while the backend is reachable",
-            backend.up.clone(),
-        );
-        registry.register(
-            "ratelimit_local_cache_hits",
-            "Requests answered by the over-limit cache without a backend call",
-            backend.local_cache_hits.clone(),
-        );
-        registry.register(
-            "ratelimit_failure_mode_decisions",
-            "Requests decided by the failure mode while the backend was unavailable",
-            backend.failure_mode_decisions.clone(),
-        );
-        registry.register(
-            "ratelimit_redis_batch_requests",
-            "Requests decided together in one Redis script call (coalesced under load)",
-            backend.batch_requests.clone(),
-        );
+        backend.register(&mut registry);
         let in_flight = Gauge::default();
         registry.register(
             "ratelimit_requests_in_flight",
@@ -766,16 +797,7 @@ impl Metrics {
             in_flight.clone(),
         );
         let memory = MemoryMetrics::default();
-        registry.register(
-            "ratelimit_memory_bytes",
-            "Bytes of counter state the memory backend holds, keys included",
-            memory.bytes.clone(),
-        );
-        registry.register(
-            "ratelimit_memory_evictions",
-            "Live counters given up at --memory-max-bytes (each may admit up to its limit again)",
-            memory.evictions.clone(),
-        );
+        memory.register(&mut registry);
         let tls_reloads = Family::<LoadLabels, Counter>::default();
         registry.register(
             "ratelimit_tls_reloads",

@@ -11,7 +11,7 @@ use serde::Deserialize;
 use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde_saphyr::{Location, Spanned};
 
-use super::schema::{RawDescriptor, RawLimit};
+use super::schema::{RawDescriptor, RawLimit, RawReplace};
 use super::{
     ConfigError, Counted, Domain, Index, KeyNodes, Level, LimitRule, Node, NodeLimits, Unit,
     Wildcard, is_wildcard,
@@ -19,6 +19,9 @@ use super::{
 use crate::limiter::key::{LimitIdentity, escaped_if_needed};
 use crate::limiter::{Accounting, Algorithm, Calendar, Zone, calendar};
 use crate::top::Values;
+
+/// `rate_limits`: the list, and each limit, where the file has them.
+type RawLimitList = Spanned<Vec<Spanned<RawLimit>>>;
 
 /// Sets `slot` to `value` (placed at `at`) unless the config set it already.
 fn fill<T>(slot: &mut Option<Spanned<T>>, value: Option<T>, at: Location) {
@@ -550,30 +553,84 @@ impl Compiler<'_> {
 
         let (mut rate_limit, mut rate_limits) = (raw.rate_limit, raw.rate_limits);
         if let Some(extensions) = raw.metadata.as_ref().and_then(|m| m.get(METADATA_KEY)) {
-            let field = format!("{field}.metadata.{METADATA_KEY}");
-            let ext = self.metadata_extensions(extensions, at, &field)?;
-            let limits: Vec<&mut RawLimit> = match (&mut rate_limit, &mut rate_limits) {
-                (Some(one), _) => vec![&mut one.value],
-                (None, Some(list)) => list.value.iter_mut().map(|l| &mut l.value).collect(),
-                (None, None) => {
-                    return Err(self.err(
-                        Some(&at),
-                        &field,
-                        "applies to a rate_limit, and this descriptor has none",
-                    ));
-                }
-            };
-            for limit in limits {
-                fill(&mut limit.algorithm, ext.algorithm.clone(), at);
-                fill(&mut limit.burst, ext.burst, at);
-                fill(&mut limit.unit_multiplier, ext.unit_multiplier, at);
-                fill(&mut limit.accounting, ext.accounting.clone(), at);
-                fill(&mut limit.calendar, ext.calendar.clone(), at);
-                fill(&mut limit.top_values, ext.top_values.clone(), at);
-            }
+            self.extend_limits(extensions, (&mut rate_limit, &mut rate_limits), field, at)?;
         }
+        let limits = self.limits(rate_limit, rate_limits, field)?;
 
-        let limits = match (rate_limit, rate_limits) {
+        let children = self.level(
+            raw.descriptors.unwrap_or_default(),
+            &format!("{field}.descriptors"),
+            &path,
+        )?;
+        let counted = match value.as_deref() {
+            Some(v) if share_threshold || !is_wildcard(Some(v)) => match escaped_if_needed(v) {
+                None => Counted::Fixed,
+                Some(e) => Counted::FixedEscaped(e),
+            },
+            _ => Counted::AsSent,
+        };
+        let node = Node {
+            escaped_key: escaped_if_needed(&key),
+            counted,
+            value: value.map(String::into_boxed_str),
+            limits,
+            shadow_mode: raw.shadow_mode.unwrap_or(false),
+            detailed_metric: raw.detailed_metric.unwrap_or(false),
+            share_threshold,
+            value_to_metric: raw.value_to_metric.unwrap_or(false),
+            soft: raw.quota_mode.unwrap_or(false),
+            metadata: raw.metadata.map(Box::new),
+            children,
+            path: Arc::new(path),
+            line: at.line(),
+            counters: Default::default(),
+        };
+        Ok((key.into_boxed_str(), node))
+    }
+
+    /// Fills each limit's unset fields from the descriptor's `metadata.ratelimitd`
+    /// (`extensions`, at `field`): the extensions for a control plane that sends only
+    /// envoyproxy/ratelimit's fields.
+    fn extend_limits(
+        &self,
+        extensions: &serde_json::Value,
+        (rate_limit, rate_limits): (&mut Option<Spanned<RawLimit>>, &mut Option<RawLimitList>),
+        field: &str,
+        at: Location,
+    ) -> Result<(), ConfigError> {
+        let field = format!("{field}.metadata.{METADATA_KEY}");
+        let ext = self.metadata_extensions(extensions, at, &field)?;
+        let limits: Vec<&mut RawLimit> = match (rate_limit, rate_limits) {
+            (Some(one), _) => vec![&mut one.value],
+            (None, Some(list)) => list.value.iter_mut().map(|l| &mut l.value).collect(),
+            (None, None) => {
+                return Err(self.err(
+                    Some(&at),
+                    &field,
+                    "applies to a rate_limit, and this descriptor has none",
+                ));
+            }
+        };
+        for limit in limits {
+            fill(&mut limit.algorithm, ext.algorithm.clone(), at);
+            fill(&mut limit.burst, ext.burst, at);
+            fill(&mut limit.unit_multiplier, ext.unit_multiplier, at);
+            fill(&mut limit.accounting, ext.accounting.clone(), at);
+            fill(&mut limit.calendar, ext.calendar.clone(), at);
+            fill(&mut limit.top_values, ext.top_values.clone(), at);
+        }
+        Ok(())
+    }
+
+    /// A descriptor's limits: its `rate_limit`, or its `rate_limits` (never both), each limit
+    /// given its counter's ordinal among the limits alike.
+    fn limits(
+        &self,
+        rate_limit: Option<Spanned<RawLimit>>,
+        rate_limits: Option<RawLimitList>,
+        field: &str,
+    ) -> Result<Option<NodeLimits>, ConfigError> {
+        Ok(match (rate_limit, rate_limits) {
             (Some(_), Some(list)) => {
                 return Err(self.err(
                     Some(&list.referenced),
@@ -622,37 +679,84 @@ impl Compiler<'_> {
                 Some(NodeLimits::Limits(limits))
             }
             (None, None) => None,
-        };
+        })
+    }
 
-        let children = self.level(
-            raw.descriptors.unwrap_or_default(),
-            &format!("{field}.descriptors"),
-            &path,
-        )?;
-        let counted = match value.as_deref() {
-            Some(v) if share_threshold || !is_wildcard(Some(v)) => match escaped_if_needed(v) {
-                None => Counted::Fixed,
-                Some(e) => Counted::FixedEscaped(e),
-            },
-            _ => Counted::AsSent,
-        };
-        let node = Node {
-            escaped_key: escaped_if_needed(&key),
-            counted,
-            value: value.map(String::into_boxed_str),
-            limits,
-            shadow_mode: raw.shadow_mode.unwrap_or(false),
-            detailed_metric: raw.detailed_metric.unwrap_or(false),
-            share_threshold,
-            value_to_metric: raw.value_to_metric.unwrap_or(false),
-            soft: raw.quota_mode.unwrap_or(false),
-            metadata: raw.metadata.map(Box::new),
-            children,
-            path: Arc::new(path),
-            line: at.line(),
-            counters: Default::default(),
-        };
-        Ok((key.into_boxed_str(), node))
+    /// `unlimited: true` stands alone: not inside `rate_limits`, with no unit and none of the
+    /// extensions' fields, which would mean nothing.
+    fn check_unlimited(
+        &self,
+        raw: &RawLimit,
+        field: &str,
+        in_list: bool,
+    ) -> Result<(), ConfigError> {
+        let sub = |name: &str| format!("{field}.{name}");
+        if in_list {
+            return Err(self.err(
+                raw.unlimited.as_ref().map(|u| &u.referenced),
+                &sub("unlimited"),
+                "unlimited is not allowed inside rate_limits; use rate_limit: {unlimited: true}",
+            ));
+        }
+        if let Some(unit) = &raw.unit {
+            return Err(self.err(
+                Some(&unit.referenced),
+                &sub("unit"),
+                "should not specify a rate limit unit when unlimited",
+            ));
+        }
+        let extension = [
+            ("algorithm", raw.algorithm.as_ref().map(|s| s.referenced)),
+            ("burst", raw.burst.as_ref().map(|s| s.referenced)),
+            (
+                "unit_multiplier",
+                raw.unit_multiplier.as_ref().map(|s| s.referenced),
+            ),
+            ("accounting", raw.accounting.as_ref().map(|s| s.referenced)),
+            ("calendar", raw.calendar.as_ref().map(|s| s.referenced)),
+            ("top_values", raw.top_values.as_ref().map(|s| s.referenced)),
+        ];
+        if let Some((name, Some(at))) = extension.into_iter().find(|(_, at)| at.is_some()) {
+            return Err(self.err(Some(&at), &sub(name), "has no meaning when unlimited"));
+        }
+        Ok(())
+    }
+
+    /// The names of the limits a limit replaces (`replaces`), each non-empty and not its own
+    /// `name`.
+    fn replaces(
+        &self,
+        raw: Vec<Spanned<RawReplace>>,
+        name: Option<&str>,
+        field: &str,
+    ) -> Result<Vec<Arc<str>>, ConfigError> {
+        let mut replaces = Vec::new();
+        for (k, r) in raw.into_iter().enumerate() {
+            let item = format!("{field}.replaces[{k}]");
+            for (name, at) in &r.value.misplaced {
+                self.ignored(at, &format!("{item}.{name}"));
+            }
+            let field = format!("{item}.name");
+            let replaced = match r.value.name {
+                Some(n) if !n.value.is_empty() => n.value,
+                _ => {
+                    return Err(self.err(
+                        Some(&r.referenced),
+                        &field,
+                        "replaces needs a non-empty name",
+                    ));
+                }
+            };
+            if name == Some(replaced.as_str()) {
+                return Err(self.err(
+                    Some(&r.referenced),
+                    &field,
+                    format!("limit '{replaced}' replaces itself"),
+                ));
+            }
+            replaces.push(Arc::from(replaced));
+        }
+        Ok(replaces)
     }
 
     /// The calendar of the limit `raw` at `field`: its own `calendar` (refused where it means
@@ -748,37 +852,8 @@ impl Compiler<'_> {
         for (name, at) in raw.misplaced() {
             self.ignored(&at, &sub(name));
         }
-        if let Some(unlimited) = &raw.unlimited
-            && unlimited.value
-        {
-            if in_list {
-                return Err(self.err(
-                    Some(&unlimited.referenced),
-                    &sub("unlimited"),
-                    "unlimited is not allowed inside rate_limits; use rate_limit: {unlimited: true}",
-                ));
-            }
-            if let Some(unit) = &raw.unit {
-                return Err(self.err(
-                    Some(&unit.referenced),
-                    &sub("unit"),
-                    "should not specify a rate limit unit when unlimited",
-                ));
-            }
-            let extension = [
-                ("algorithm", raw.algorithm.as_ref().map(|s| s.referenced)),
-                ("burst", raw.burst.as_ref().map(|s| s.referenced)),
-                (
-                    "unit_multiplier",
-                    raw.unit_multiplier.as_ref().map(|s| s.referenced),
-                ),
-                ("accounting", raw.accounting.as_ref().map(|s| s.referenced)),
-                ("calendar", raw.calendar.as_ref().map(|s| s.referenced)),
-                ("top_values", raw.top_values.as_ref().map(|s| s.referenced)),
-            ];
-            if let Some((name, Some(at))) = extension.into_iter().find(|(_, at)| at.is_some()) {
-                return Err(self.err(Some(&at), &sub(name), "has no meaning when unlimited"));
-            }
+        if raw.unlimited.as_ref().is_some_and(|u| u.value) {
+            self.check_unlimited(&raw, field, in_list)?;
             return Ok(NodeLimits::Unlimited);
         }
 
@@ -869,32 +944,7 @@ impl Compiler<'_> {
             })?,
         };
         let name = raw.name.map(|n| Arc::<str>::from(n.value));
-        let mut replaces = Vec::new();
-        for (k, r) in raw.replaces.unwrap_or_default().into_iter().enumerate() {
-            let item = format!("{field}.replaces[{k}]");
-            for (name, at) in &r.value.misplaced {
-                self.ignored(at, &format!("{item}.{name}"));
-            }
-            let field = format!("{item}.name");
-            let replaced = match r.value.name {
-                Some(n) if !n.value.is_empty() => n.value,
-                _ => {
-                    return Err(self.err(
-                        Some(&r.referenced),
-                        &field,
-                        "replaces needs a non-empty name",
-                    ));
-                }
-            };
-            if name.as_deref() == Some(replaced.as_str()) {
-                return Err(self.err(
-                    Some(&r.referenced),
-                    &field,
-                    format!("limit '{replaced}' replaces itself"),
-                ));
-            }
-            replaces.push(Arc::from(replaced));
-        }
+        let replaces = self.replaces(raw.replaces.unwrap_or_default(), name.as_deref(), field)?;
         let mut rule = LimitRule {
             name,
             replaces,

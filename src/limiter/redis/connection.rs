@@ -133,6 +133,16 @@ pub(crate) struct Lazy<C> {
 }
 
 impl<C: Clone> Lazy<C> {
+    /// A connection `connect` makes on first use, shared.
+    fn new(
+        connect: impl Fn() -> BoxFuture<'static, RedisResult<C>> + Send + Sync + 'static,
+    ) -> Arc<Lazy<C>> {
+        Arc::new(Lazy {
+            slot: Mutex::new(None),
+            connect: Box::new(connect),
+        })
+    }
+
     async fn get(&self) -> RedisResult<C> {
         let mut slot = self.slot.lock().await;
         if let Some(c) = slot.as_ref() {
@@ -282,6 +292,213 @@ pub(crate) struct SentinelConn {
     conn: Mutex<Option<MultiplexedConnection>>,
 }
 
+/// The master the sentinels watch, as the flags name it.
+struct SentinelMaster<'a> {
+    name: &'a str,
+    credentials: &'a Credentials,
+    tls: bool,
+}
+
+/// What every shape of connection is built with: the TLS files (read once) and the call
+/// budget. Each method builds one shape.
+struct Dial<'a> {
+    tls: &'a RedisTlsFiles,
+    certs: Option<TlsCertificates>,
+    timeout: Duration,
+}
+
+impl Dial<'_> {
+    fn client(&self, url: &RedisUrl) -> Result<Client, SetupError> {
+        open(url, &self.certs, self.tls.skip_hostname_verification).map_err(failed(url))
+    }
+
+    fn config(&self) -> AsyncConnectionConfig {
+        AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(self.timeout))
+            .set_response_timeout(Some(response_timeout(self.timeout)))
+    }
+
+    /// One server, through a connection manager that reconnects by itself.
+    fn standalone(&self, url: &RedisUrl) -> Result<Conn, SetupError> {
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(self.timeout))
+            .set_response_timeout(Some(response_timeout(self.timeout)))
+            .set_number_of_retries(1)
+            .set_min_delay(Duration::from_millis(10))
+            .set_max_delay(Duration::from_millis(200));
+        let manager = ConnectionManager::new_lazy_with_config(self.client(url)?, config)
+            .map_err(failed(url))?;
+        Ok(Conn::Standalone(manager))
+    }
+
+    /// One server whose certificate is verified against `name` while the URL's host is
+    /// dialled (`--redis-tls-server-name`): the client connects to `name`, which [`DialAs`]
+    /// resolves to the host.
+    fn standalone_as(&self, url: &RedisUrl, name: &str) -> Result<Conn, SetupError> {
+        let info = self.client(url)?.get_connection_info().clone();
+        let ConnectionAddr::TcpTls {
+            host,
+            port,
+            insecure,
+            tls_params,
+        } = info.addr().clone()
+        else {
+            return Err(SetupError::Client {
+                node: url.to_string(),
+                source: RedisError::from((
+                    redis::ErrorKind::InvalidClientConfig,
+                    "--redis-tls-server-name needs a rediss:// URL",
+                )),
+            });
+        };
+        let named = info.set_addr(ConnectionAddr::TcpTls {
+            host: name.to_owned(),
+            port,
+            insecure,
+            tls_params,
+        });
+        let client = Client::open(named).map_err(failed(url))?;
+        let config = self.config().set_dns_resolver(DialAs {
+            name: name.to_owned(),
+            host,
+        });
+        Ok(Conn::Named(Lazy::new(move || {
+            let (client, config) = (client.clone(), config.clone());
+            Box::pin(async move {
+                client
+                    .get_multiplexed_async_connection_with_config(&config)
+                    .await
+            })
+        })))
+    }
+
+    /// A Redis Cluster from its seed nodes.
+    fn cluster(&self, nodes: &[RedisUrl]) -> Result<Conn, SetupError> {
+        let mut builder = ClusterClientBuilder::new(nodes.iter().map(|u| u.for_client()))
+            .connection_timeout(self.timeout)
+            .response_timeout(response_timeout(self.timeout))
+            // MOVED, ASK and TRYAGAIN (a slot mid-migration) are retried with backoff
+            // 2, 4, 8, 16, 20, 20 ms: about 70 ms, within the call's budget, which
+            // bounds the whole call anyway.
+            .retries(6)
+            .min_retry_wait(2)
+            .max_retry_wait(20);
+        if let Some(c) = &self.certs {
+            builder = builder.certs(c.clone());
+        }
+        if self.tls.skip_hostname_verification {
+            builder = builder.danger_accept_invalid_hostnames(true);
+        }
+        let client = builder.build().map_err(|source| SetupError::Client {
+            node: "cluster nodes".into(),
+            source,
+        })?;
+        Ok(Conn::Cluster(Lazy::new(move || {
+            let client = client.clone();
+            Box::pin(async move { client.get_async_connection().await })
+        })))
+    }
+
+    /// The master behind Sentinel, found by [`FindMaster`]: for certificates whose names are
+    /// not checked, or checked against `--redis-tls-server-name`.
+    fn find_master(
+        &self,
+        nodes: &[RedisUrl],
+        master: &SentinelMaster<'_>,
+    ) -> Result<Conn, SetupError> {
+        // The sentinels' own credentials and TLS come from their URLs.
+        let sentinels = nodes
+            .iter()
+            .map(|url| {
+                let certs = if url.is_tls() { &self.certs } else { &None };
+                open(url, certs, self.tls.skip_hostname_verification).map_err(failed(url))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        if sentinels.is_empty() {
+            return Err(SetupError::NoSentinels);
+        }
+        let find = Arc::new(FindMaster {
+            sentinels,
+            master: master.name.to_owned(),
+            credentials: master.credentials.clone(),
+            tls: master.tls,
+            certs: self.certs.clone(),
+            skip_names: self.tls.skip_hostname_verification,
+            server_name: self.tls.server_name.clone(),
+            config: self.config(),
+        });
+        Ok(Conn::Named(Lazy::new(move || {
+            let find = find.clone();
+            Box::pin(async move { find.connect().await })
+        })))
+    }
+
+    /// The master behind Sentinel, through the redis crate's Sentinel client.
+    fn sentinel(
+        &self,
+        nodes: &[RedisUrl],
+        master: &SentinelMaster<'_>,
+    ) -> Result<Conn, SetupError> {
+        let mut addrs = Vec::with_capacity(nodes.len());
+        for url in nodes {
+            let info = url
+                .for_client()
+                .into_connection_info()
+                .map_err(failed(url))?;
+            addrs.push(info.addr().clone());
+        }
+        let first = nodes.first().ok_or(SetupError::NoSentinels)?;
+        let sentinel_nodes = |source| SetupError::Client {
+            node: "sentinel nodes".into(),
+            source,
+        };
+        let mut builder =
+            SentinelClientBuilder::new(addrs, master.name, SentinelServerType::Master)
+                .map_err(sentinel_nodes)?;
+        // The sentinels' own credentials and TLS come from their URLs.
+        if let Some((user, pass)) = &first.userinfo {
+            if !user.is_empty() {
+                builder = builder.set_client_to_sentinel_username(user);
+            }
+            if let Some(pass) = pass {
+                builder = builder.set_client_to_sentinel_password(pass);
+            }
+        }
+        if first.is_tls() {
+            builder = builder.set_client_to_sentinel_tls_mode(TlsMode::Secure);
+            if let Some(c) = &self.certs {
+                builder = builder.set_client_to_sentinel_certificates(c.clone());
+            }
+        }
+        // The master's, from their own flags.
+        if let Some(user) = &master.credentials.username {
+            builder = builder.set_client_to_redis_username(user);
+        }
+        if let Some(pass) = &master.credentials.password {
+            builder = builder.set_client_to_redis_password(pass);
+        }
+        if master.tls {
+            builder = builder.set_client_to_redis_tls_mode(TlsMode::Secure);
+            if let Some(c) = &self.certs {
+                builder = builder.set_client_to_redis_certificates(c.clone());
+            }
+        }
+        let client = builder.build().map_err(sentinel_nodes)?;
+        Ok(Conn::Sentinel(Arc::new(SentinelConn {
+            client: Mutex::new(client),
+            conn: Mutex::new(None),
+        })))
+    }
+}
+
+/// A setup error naming the node at `url`.
+fn failed(url: &RedisUrl) -> impl FnOnce(RedisError) -> SetupError + '_ {
+    move |source| SetupError::Client {
+        node: url.to_string(),
+        source,
+    }
+}
+
 impl Conn {
     /// Builds the connection for `target` without connecting. `timeout` (the call budget)
     /// bounds each connection attempt; responses get [`response_timeout`].
@@ -290,178 +507,33 @@ impl Conn {
         tls: &RedisTlsFiles,
         timeout: Duration,
     ) -> Result<Conn, SetupError> {
-        let certs = tls.certificates()?;
-        let failed = |node: String| move |source| SetupError::Client { node, source };
-        let client_for = |url: &RedisUrl| -> Result<Client, SetupError> {
-            open(url, &certs, tls.skip_hostname_verification).map_err(failed(url.to_string()))
+        let dial = Dial {
+            certs: tls.certificates()?,
+            tls,
+            timeout,
         };
         match target {
-            Topology::Standalone(url) if tls.server_name.is_some() => {
-                let name = tls.server_name.clone().unwrap_or_default();
-                let info = client_for(url)?.get_connection_info().clone();
-                let ConnectionAddr::TcpTls {
-                    host,
-                    port,
-                    insecure,
-                    tls_params,
-                } = info.addr().clone()
-                else {
-                    return Err(SetupError::Client {
-                        node: url.to_string(),
-                        source: RedisError::from((
-                            redis::ErrorKind::InvalidClientConfig,
-                            "--redis-tls-server-name needs a rediss:// URL",
-                        )),
-                    });
-                };
-                let named = info.set_addr(ConnectionAddr::TcpTls {
-                    host: name.clone(),
-                    port,
-                    insecure,
-                    tls_params,
-                });
-                let client = Client::open(named).map_err(failed(url.to_string()))?;
-                let config = AsyncConnectionConfig::new()
-                    .set_connection_timeout(Some(timeout))
-                    .set_response_timeout(Some(response_timeout(timeout)))
-                    .set_dns_resolver(DialAs { name, host });
-                Ok(Conn::Named(Arc::new(Lazy {
-                    slot: Mutex::new(None),
-                    connect: Box::new(move || {
-                        let (client, config) = (client.clone(), config.clone());
-                        Box::pin(async move {
-                            client
-                                .get_multiplexed_async_connection_with_config(&config)
-                                .await
-                        })
-                    }),
-                })))
-            }
-            Topology::Standalone(url) => {
-                let config = ConnectionManagerConfig::new()
-                    .set_connection_timeout(Some(timeout))
-                    .set_response_timeout(Some(response_timeout(timeout)))
-                    .set_number_of_retries(1)
-                    .set_min_delay(Duration::from_millis(10))
-                    .set_max_delay(Duration::from_millis(200));
-                let manager = ConnectionManager::new_lazy_with_config(client_for(url)?, config)
-                    .map_err(failed(url.to_string()))?;
-                Ok(Conn::Standalone(manager))
-            }
-            Topology::Cluster(nodes) => {
-                let mut builder = ClusterClientBuilder::new(nodes.iter().map(|u| u.for_client()))
-                    .connection_timeout(timeout)
-                    .response_timeout(response_timeout(timeout))
-                    // MOVED, ASK and TRYAGAIN (a slot mid-migration) are retried with backoff
-                    // 2, 4, 8, 16, 20, 20 ms: about 70 ms, within the call's budget, which
-                    // bounds the whole call anyway.
-                    .retries(6)
-                    .min_retry_wait(2)
-                    .max_retry_wait(20);
-                if let Some(c) = &certs {
-                    builder = builder.certs(c.clone());
-                }
-                if tls.skip_hostname_verification {
-                    builder = builder.danger_accept_invalid_hostnames(true);
-                }
-                let client = builder.build().map_err(failed("cluster nodes".into()))?;
-                Ok(Conn::Cluster(Arc::new(Lazy {
-                    slot: Mutex::new(None),
-                    connect: Box::new(move || {
-                        let client = client.clone();
-                        Box::pin(async move { client.get_async_connection().await })
-                    }),
-                })))
-            }
-            Topology::Sentinel {
-                nodes,
-                master,
-                master_credentials,
-                master_tls,
-            } if tls.skip_hostname_verification || tls.server_name.is_some() => {
-                // The sentinels' own credentials and TLS come from their URLs.
-                let sentinels = nodes
-                    .iter()
-                    .map(|url| {
-                        let certs = if url.is_tls() { &certs } else { &None };
-                        open(url, certs, tls.skip_hostname_verification)
-                            .map_err(failed(url.to_string()))
-                    })
-                    .collect::<Result<Vec<_>, _>>()?;
-                if sentinels.is_empty() {
-                    return Err(SetupError::NoSentinels);
-                }
-                let find = Arc::new(FindMaster {
-                    sentinels,
-                    master: master.clone(),
-                    credentials: master_credentials.clone(),
-                    tls: *master_tls,
-                    certs,
-                    skip_names: tls.skip_hostname_verification,
-                    server_name: tls.server_name.clone(),
-                    config: AsyncConnectionConfig::new()
-                        .set_connection_timeout(Some(timeout))
-                        .set_response_timeout(Some(response_timeout(timeout))),
-                });
-                Ok(Conn::Named(Arc::new(Lazy {
-                    slot: Mutex::new(None),
-                    connect: Box::new(move || {
-                        let find = find.clone();
-                        Box::pin(async move { find.connect().await })
-                    }),
-                })))
-            }
+            Topology::Standalone(url) => match &tls.server_name {
+                Some(name) => dial.standalone_as(url, name),
+                None => dial.standalone(url),
+            },
+            Topology::Cluster(nodes) => dial.cluster(nodes),
             Topology::Sentinel {
                 nodes,
                 master,
                 master_credentials,
                 master_tls,
             } => {
-                let mut addrs = Vec::with_capacity(nodes.len());
-                for url in nodes {
-                    let info = url
-                        .for_client()
-                        .into_connection_info()
-                        .map_err(failed(url.to_string()))?;
-                    addrs.push(info.addr().clone());
+                let master = SentinelMaster {
+                    name: master,
+                    credentials: master_credentials,
+                    tls: *master_tls,
+                };
+                if tls.skip_hostname_verification || tls.server_name.is_some() {
+                    dial.find_master(nodes, &master)
+                } else {
+                    dial.sentinel(nodes, &master)
                 }
-                let first = nodes.first().ok_or(SetupError::NoSentinels)?;
-                let mut builder =
-                    SentinelClientBuilder::new(addrs, master.as_str(), SentinelServerType::Master)
-                        .map_err(failed("sentinel nodes".into()))?;
-                // The sentinels' own credentials and TLS come from their URLs.
-                if let Some((user, pass)) = &first.userinfo {
-                    if !user.is_empty() {
-                        builder = builder.set_client_to_sentinel_username(user);
-                    }
-                    if let Some(pass) = pass {
-                        builder = builder.set_client_to_sentinel_password(pass);
-                    }
-                }
-                if first.is_tls() {
-                    builder = builder.set_client_to_sentinel_tls_mode(TlsMode::Secure);
-                    if let Some(c) = &certs {
-                        builder = builder.set_client_to_sentinel_certificates(c.clone());
-                    }
-                }
-                // The master's, from their own flags.
-                if let Some(user) = &master_credentials.username {
-                    builder = builder.set_client_to_redis_username(user);
-                }
-                if let Some(pass) = &master_credentials.password {
-                    builder = builder.set_client_to_redis_password(pass);
-                }
-                if *master_tls {
-                    builder = builder.set_client_to_redis_tls_mode(TlsMode::Secure);
-                    if let Some(c) = &certs {
-                        builder = builder.set_client_to_redis_certificates(c.clone());
-                    }
-                }
-                let client = builder.build().map_err(failed("sentinel nodes".into()))?;
-                Ok(Conn::Sentinel(Arc::new(SentinelConn {
-                    client: Mutex::new(client),
-                    conn: Mutex::new(None),
-                })))
             }
         }
     }
