@@ -20,8 +20,8 @@ test: deps lint
 	  echo "test: valkey-server is not installed, so the Redis suites ran on Redis only (.ci/run installs Valkey)"; \
 	fi
 
-## fmt --check, clippy and rustdoc, each with warnings as errors, and the modules' floors
-## (every import runs down: tests/layers.rs).
+## fmt --check, clippy and rustdoc, each with warnings as errors, and the structure
+## (tests/layers.rs: every import runs down a floor, the protocol at the edge, one name one type).
 lint:
 	$(CARGO) fmt --check
 	$(CARGO) clippy --all-targets -- -D warnings
