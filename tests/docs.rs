@@ -340,7 +340,7 @@ async fn every_metric_the_docs_name_is_registered_and_the_reverse() {
     call(&mut c, request("d", &[&[("k", "v")]])).await;
     call(&mut c, with_hits(request("d", &[&[("k", "v")]]), 0, 5)).await;
     s.write("d.yaml", "domain: [");
-    poll(Duration::from_secs(10), || async {
+    poll(Duration::from_secs(30), || async {
         let (_, m) = s.http_get("/metrics").await;
         m.contains("result=\"error\"").then_some(())
     })
@@ -491,16 +491,21 @@ async fn the_readmes_first_decision_runs_as_written() {
     assert_eq!(answer["overallCode"], "OK");
     assert_eq!(answer["statuses"][0]["limitRemaining"], 9);
     assert_eq!(answer["statuses"][0]["currentLimit"]["requestsPerUnit"], 10);
-    // Within a second (or two, across a window's edge), the eleventh is over.
-    let mut over = false;
-    for _ in 0..20 {
-        let (_, answer) = post_json(d.http, body).await;
-        if answer.starts_with("{\"overallCode\":\"OVER_LIMIT\"") {
-            over = true;
-            break;
+    // Fifty at once: however slow the machine, more than ten land within one second's window.
+    let http = d.http;
+    let calls: Vec<_> = (0..50)
+        .map(|_| {
+            let body = body.to_owned();
+            tokio::spawn(async move { post_json(http, &body).await.1 })
+        })
+        .collect();
+    let mut over = 0;
+    for call in calls {
+        if call.await.unwrap().starts_with("{\"overallCode\":\"OVER_LIMIT\"") {
+            over += 1;
         }
     }
-    assert!(over, "no OVER_LIMIT in 20 requests");
+    assert!(over > 0, "no OVER_LIMIT in 50 requests at once");
     let (_, log) = d.terminate().await;
     let serving = log
         .lines()
