@@ -501,7 +501,11 @@ async fn the_readmes_first_decision_runs_as_written() {
         .collect();
     let mut over = 0;
     for call in calls {
-        if call.await.unwrap().starts_with("{\"overallCode\":\"OVER_LIMIT\"") {
+        if call
+            .await
+            .unwrap()
+            .starts_with("{\"overallCode\":\"OVER_LIMIT\"")
+        {
             over += 1;
         }
     }
