@@ -268,10 +268,9 @@ fn documented_metrics() -> Vec<(String, Option<char>, Vec<String>, String)> {
     let mut found = Vec::new();
     for doc in docs {
         let text = read(&doc);
-        let mut at = 0;
         for (w, next) in words(&text, "ratelimit_", metric_char) {
-            let start = at + text[at..].find(w).unwrap();
-            at = start + w.len();
+            // Where the word ends in `text` (it is a slice of it).
+            let at = w.as_ptr() as usize - text.as_ptr() as usize + w.len();
             let mut labels = Vec::new();
             if next == Some('{') && !w.ends_with('_') {
                 let inside = &text[at + 1..];
