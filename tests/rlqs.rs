@@ -775,13 +775,21 @@ async fn a_large_pool_beside_rls(backend: &[&str]) {
     })
     .await;
     let answered = || board.lock().unwrap().latest.len();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+    // A loaded machine decides the report slowly, not partly: the test fails when answers
+    // stop coming (none for 60 s) or take past 300 s in all, not at a fixed time.
+    let start = tokio::time::Instant::now();
+    let (mut seen, mut progress) = (0, start);
     let (mut ok, mut failed) = (0, Vec::new());
     while answered() < BUCKETS || ok + failed.len() < 50 {
+        let now = tokio::time::Instant::now();
+        if answered() > seen {
+            (seen, progress) = (answered(), now);
+        }
         assert!(
-            tokio::time::Instant::now() < deadline,
-            "{} of {BUCKETS} answered in 120 s",
-            answered()
+            now - progress < Duration::from_secs(60) && now - start < Duration::from_secs(300),
+            "{seen} of {BUCKETS} answered in {:?}, none in the last {:?}",
+            now - start,
+            now - progress
         );
         match c.should_rate_limit(request("r", &[&[("k", "v")]])).await {
             Ok(r) if is_ok(r.get_ref()) => ok += 1,

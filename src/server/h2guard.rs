@@ -50,6 +50,11 @@ const SHUTDOWN_PING: [u8; 8] = [0x0b, 0x7b, 0xa2, 0xf0, 0x8b, 0x9b, 0xfe, 0x54];
 pub(crate) struct H2Guard<IO> {
     io: IO,
     walk: Walk,
+    /// Bytes already read through the guard that a caller's buffer had no room for (at most a
+    /// frame header): passed on first.
+    ready: [u8; HEADER],
+    ready_at: usize,
+    ready_len: usize,
 }
 
 impl<IO> H2Guard<IO> {
@@ -58,6 +63,9 @@ impl<IO> H2Guard<IO> {
         H2Guard {
             io,
             walk: Walk::new(unix),
+            ready: [0; HEADER],
+            ready_at: 0,
+            ready_len: 0,
         }
     }
 }
@@ -430,6 +438,12 @@ impl<IO: AsyncRead + Unpin> AsyncRead for H2Guard<IO> {
     ) -> Poll<io::Result<()>> {
         let this = &mut *self;
         loop {
+            if this.ready_at < this.ready_len {
+                let n = (this.ready_len - this.ready_at).min(buf.remaining());
+                buf.put_slice(&this.ready[this.ready_at..this.ready_at + n]);
+                this.ready_at += n;
+                return Poll::Ready(Ok(()));
+            }
             let held = this.walk.held_len;
             if held == 0 {
                 // The usual case: read straight into the caller's buffer.
@@ -447,14 +461,27 @@ impl<IO: AsyncRead + Unpin> AsyncRead for H2Guard<IO> {
                 continue; // only the start of a header came: read on
             }
             if buf.remaining() <= held {
-                // Too small a buffer to put the held bytes before new ones (h2 never asks
-                // for so few): pass them on unread; the guard loses its place.
-                let held = std::mem::take(&mut this.walk.held_len);
-                buf.put_slice(&this.walk.held[..held]);
-                this.walk.preface = 0;
-                this.walk.left = usize::MAX;
-                this.walk.payload = Payload::Pass;
-                return Poll::Ready(Ok(()));
+                // Too small a buffer to put the held bytes before new ones: h2's reads ask
+                // for as little as one byte when its buffer is nearly full, which a loaded
+                // machine's large reads make common. The header is completed here, read
+                // through the guard, and passed on over as many reads as it takes.
+                let mut head = this.walk.held;
+                let mut fresh = ReadBuf::new(&mut head[held..]);
+                std::task::ready!(Pin::new(&mut this.io).poll_read(cx, &mut fresh))?;
+                let read = fresh.filled().len();
+                this.walk.held_len = 0;
+                let passed = if read == 0 {
+                    held // end of stream: the held bytes, as they are
+                } else {
+                    // A header still short is held back again, by the walk.
+                    this.walk.scan(&mut head[..held + read])
+                };
+                this.ready[..passed].copy_from_slice(&head[..passed]);
+                (this.ready_at, this.ready_len) = (0, passed);
+                if read == 0 && passed == 0 {
+                    return Poll::Ready(Ok(()));
+                }
+                continue;
             }
             let room = buf.initialize_unfilled_to(buf.remaining().min(held + 16 * 1024));
             let mut fresh = ReadBuf::new(&mut room[held..]);
@@ -586,6 +613,36 @@ mod tests {
             assert_eq!(out, expected, "cut {cut}");
             assert_eq!(out[early + 3], WINDOW_UPDATE);
             assert_eq!(out[own + 3], WINDOW_UPDATE);
+        }
+    }
+
+    /// The guard keeps its place however small the reader's buffer: h2 reads into what is
+    /// left of its buffer, as little as a byte when it is nearly full.
+    #[tokio::test]
+    async fn tiny_reads_keep_the_guard_in_place() {
+        use tokio::io::AsyncReadExt;
+        let mut input = PREFACE_BYTES.to_vec();
+        input.extend(frame(1, 4, 1, &literal(":path", "/a")));
+        input.extend(frame(6, 1, 0, &SHUTDOWN_PING));
+        input.extend(frame(1, 4, 3, &literal(":path", "/a")));
+        let late = input.len();
+        input.extend(frame(8, 0, 3, &[0, 0, 1, 0]));
+        input.extend(frame(0, 1, 3, b"data"));
+        let mut expected = input.clone();
+        expected[late + 3] = IGNORED;
+        for size in 1..=HEADER + 3 {
+            // Reads alternate between a tiny buffer and a roomy one.
+            let mut guard = H2Guard::new(std::io::Cursor::new(input.clone()), false);
+            let mut out: Vec<u8> = Vec::new();
+            for i in 0.. {
+                let mut buf = vec![0; if i % 2 == 0 { size } else { 64 }];
+                let n = guard.read(&mut buf).await.unwrap();
+                if n == 0 {
+                    break;
+                }
+                out.extend(&buf[..n]);
+            }
+            assert_eq!(out, expected, "reads of {size}");
         }
     }
 
