@@ -21,15 +21,14 @@ CONCURRENCY=${CONCURRENCY:-64}
 cargo build --release --quiet
 cargo bench --bench loadgen --no-run --quiet 2>/dev/null || cargo bench --bench loadgen --no-run
 WORK=$(mktemp -d)
-work=$WORK
 pids=()
 trap cleanup_all EXIT
 
 start_redis
 
-mkdir -p "$work/limits"
+mkdir -p "$WORK/limits"
 limits() {
-  cat >"$work/limits/soak.yaml.tmp" <<YAML
+  cat >"$WORK/limits/soak.yaml.tmp" <<YAML
 domain: bench
 descriptors:
   - key: client
@@ -39,15 +38,15 @@ descriptors:
   - key: route
     rate_limit: {unit: second, requests_per_unit: 100000000}
 YAML
-  mv "$work/limits/soak.yaml.tmp" "$work/limits/soak.yaml"
+  mv "$WORK/limits/soak.yaml.tmp" "$WORK/limits/soak.yaml"
 }
 limits 1000000
 
 GRPC=127.0.0.1:$(free_port)
 HTTP=127.0.0.1:$(free_port)
-./target/release/ratelimitd --config "$work/limits" --grpc-addr "$GRPC" --http-addr "$HTTP" \
+./target/release/ratelimitd --config "$WORK/limits" --grpc-addr "$GRPC" --http-addr "$HTTP" \
   --log-level warn --backend redis --redis-url "redis://127.0.0.1:$REDIS_PORT" \
-  --redis-failure-mode "$FAILURE_MODE" 2>"$work/ratelimitd.log" &
+  --redis-failure-mode "$FAILURE_MODE" 2>"$WORK/ratelimitd.log" &
 server=$!
 pids+=($server)
 for _ in $(seq 100); do curl -sf "http://$HTTP/healthcheck" >/dev/null 2>&1 && break; sleep 0.1; done

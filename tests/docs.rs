@@ -116,21 +116,24 @@ fn variable_char(c: char) -> bool {
     c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_'
 }
 
-/// Names of environment variables (upper case with an underscore) in string literals of `code`.
-fn variables_in_literals(code: &str) -> BTreeSet<String> {
-    let mut names = BTreeSet::new();
-    for (i, literal) in code.split('"').enumerate() {
-        // Odd pieces are inside quotes.
-        if i % 2 == 1
-            && literal.contains('_')
-            && !literal.is_empty()
-            && literal.chars().all(variable_char)
-            && literal.starts_with(|c: char| c.is_ascii_uppercase())
-        {
-            names.insert(literal.to_owned());
-        }
-    }
-    names
+/// The string literals of a source file's code before its unit tests (its first
+/// `#[cfg(test)]`): the odd pieces between quotes.
+fn literals(source: &str) -> impl Iterator<Item = &str> {
+    let code = &source[..source.find("#[cfg(test)]").unwrap_or(source.len())];
+    code.split('"').skip(1).step_by(2)
+}
+
+/// Names of environment variables (upper case with an underscore) in string literals of
+/// `source`.
+fn variables_in_literals(source: &str) -> BTreeSet<String> {
+    literals(source)
+        .filter(|literal| {
+            literal.contains('_')
+                && literal.chars().all(variable_char)
+                && literal.starts_with(|c: char| c.is_ascii_uppercase())
+        })
+        .map(str::to_owned)
+        .collect()
 }
 
 /// docs/migrating.md's "Every variable, by name" is exactly the variables
@@ -138,9 +141,7 @@ fn variables_in_literals(code: &str) -> BTreeSet<String> {
 /// reads.
 #[test]
 fn every_drop_in_variable_is_named_in_migrating_md() {
-    let code = read("src/settings/envoyproxy.rs");
-    let code = &code[..code.find("#[cfg(test)]").unwrap_or(code.len())];
-    let mut read_by_code = variables_in_literals(code);
+    let mut read_by_code = variables_in_literals(&read("src/settings/envoyproxy.rs"));
     // A value of CONFIG_TYPE, not a variable.
     read_by_code.remove("GRPC_XDS_SOTW");
     assert!(read_by_code.len() > 80, "{read_by_code:?}");
@@ -207,11 +208,7 @@ fn registered() -> (BTreeSet<String>, BTreeSet<String>) {
     let (mut names, mut prefixes) = (BTreeSet::new(), BTreeSet::new());
     for file in files {
         let text = std::fs::read_to_string(file).unwrap();
-        let code = &text[..text.find("#[cfg(test)]").unwrap_or(text.len())];
-        for (i, literal) in code.split('"').enumerate() {
-            if i % 2 == 0 {
-                continue;
-            }
+        for literal in literals(&text) {
             for (w, next) in words(literal, "ratelimit_", metric_char) {
                 match next {
                     // A statsd stat's name (`ratelimit_server.ShouldRateLimit…`).

@@ -7,6 +7,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::OnceLock;
 
 use prost_reflect::{DescriptorPool, DynamicMessage};
 
@@ -14,9 +15,15 @@ fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
 }
 
-/// The descriptor set of Envoy's protos in the envoy-types crate this build uses, found
-/// through `cargo metadata` (offline: the crate is already there).
-fn envoy_pool() -> DescriptorPool {
+/// The descriptor set of Envoy's protos in the envoy-types crate this build uses, read once
+/// for every test.
+fn envoy_pool() -> &'static DescriptorPool {
+    static POOL: OnceLock<DescriptorPool> = OnceLock::new();
+    POOL.get_or_init(read_envoy_pool)
+}
+
+/// [`envoy_pool`]'s set, found through `cargo metadata` (offline: the crate is already there).
+fn read_envoy_pool() -> DescriptorPool {
     let cargo = option_env!("CARGO").unwrap_or("cargo");
     // This machine's platform only: other platforms' dependencies may not be downloaded.
     let rustc = Command::new("rustc").arg("-vV").output().unwrap();
@@ -91,7 +98,7 @@ fn every_envoy_example_is_a_bootstrap_envoy_reads() {
         }
         let rel = format!("examples/envoy/{name}");
         for doc in yaml(&rel) {
-            decode(&pool, BOOTSTRAP, &doc).unwrap_or_else(|e| panic!("{rel}: {e}"));
+            decode(pool, BOOTSTRAP, &doc).unwrap_or_else(|e| panic!("{rel}: {e}"));
         }
         checked.push(name);
     }
@@ -108,7 +115,7 @@ fn every_envoy_example_is_a_bootstrap_envoy_reads() {
     );
     // The compose walkthrough's Envoy config too.
     for doc in yaml("examples/compose/envoy.yaml") {
-        decode(&pool, BOOTSTRAP, &doc).unwrap_or_else(|e| panic!("compose: {e}"));
+        decode(pool, BOOTSTRAP, &doc).unwrap_or_else(|e| panic!("compose: {e}"));
     }
 }
 
@@ -121,7 +128,7 @@ fn a_field_or_a_type_envoy_does_not_have_is_refused() {
     let text = serde_json::to_string(doc).unwrap();
     let misspelt = text.replacen("\"domain\"", "\"domian\"", 1);
     assert_ne!(misspelt, text);
-    let err = decode(&pool, BOOTSTRAP, &serde_json::from_str(&misspelt).unwrap()).unwrap_err();
+    let err = decode(pool, BOOTSTRAP, &serde_json::from_str(&misspelt).unwrap()).unwrap_err();
     assert!(err.contains("domian"), "{err}");
     let unknown = text.replacen(
         "envoy.extensions.filters.http.ratelimit.v3.RateLimit\"",
@@ -129,7 +136,7 @@ fn a_field_or_a_type_envoy_does_not_have_is_refused() {
         1,
     );
     assert_ne!(unknown, text);
-    assert!(decode(&pool, BOOTSTRAP, &serde_json::from_str(&unknown).unwrap()).is_err());
+    assert!(decode(pool, BOOTSTRAP, &serde_json::from_str(&unknown).unwrap()).is_err());
 }
 
 /// Istio's EnvoyFilter patches, each decoded as the message its `applyTo` patches.
@@ -149,7 +156,7 @@ fn the_istio_envoyfilter_patches_are_envoy_messages() {
                 "CLUSTER" => "envoy.config.cluster.v3.Cluster",
                 other => panic!("applyTo {other} is not checked here"),
             };
-            decode(&pool, message, &patch["patch"]["value"])
+            decode(pool, message, &patch["patch"]["value"])
                 .unwrap_or_else(|e| panic!("istio-envoyfilter.yaml, {message}: {e}"));
             patches += 1;
         }

@@ -438,7 +438,8 @@ fn crate_files() -> (Vec<PathBuf>, BTreeSet<String>) {
     (files, modules)
 }
 
-fn read(rel: &str) -> String {
+/// The text of the file at `rel` (relative to `src/`).
+fn read(rel: impl AsRef<Path>) -> String {
     std::fs::read_to_string(src().join(rel)).unwrap()
 }
 
@@ -447,8 +448,7 @@ fn every_import_runs_down_a_floor_and_the_protocol_stays_at_the_edge() {
     let (files, modules) = crate_files();
     let mut wrong = Vec::new();
     for rel in &files {
-        let text = std::fs::read_to_string(src().join(rel)).unwrap();
-        wrong.extend(check(rel, &text, &modules));
+        wrong.extend(check(rel, &read(rel), &modules));
     }
     assert!(
         wrong.is_empty(),
@@ -590,11 +590,11 @@ fn tree() -> (Vec<(PathBuf, String)>, BTreeSet<String>) {
     let mut texts: Vec<(PathBuf, String)> = files
         .into_iter()
         .map(|rel| {
-            let text = std::fs::read_to_string(src().join(&rel)).unwrap();
+            let text = read(&rel);
             (rel, text)
         })
         .collect();
-    let main = std::fs::read_to_string(src().join("main.rs")).unwrap();
+    let main = read("main.rs");
     texts.push(("main.rs".into(), main));
     (texts, modules)
 }

@@ -478,9 +478,6 @@ impl<IO: AsyncRead + Unpin> AsyncRead for H2Guard<IO> {
                 };
                 this.ready[..passed].copy_from_slice(&head[..passed]);
                 (this.ready_at, this.ready_len) = (0, passed);
-                if read == 0 && passed == 0 {
-                    return Poll::Ready(Ok(()));
-                }
                 continue;
             }
             let room = buf.initialize_unfilled_to(buf.remaining().min(held + 16 * 1024));

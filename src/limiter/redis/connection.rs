@@ -389,10 +389,7 @@ impl Dial<'_> {
         if self.tls.skip_hostname_verification {
             builder = builder.danger_accept_invalid_hostnames(true);
         }
-        let client = builder.build().map_err(|source| SetupError::Client {
-            node: "cluster nodes".into(),
-            source,
-        })?;
+        let client = builder.build().map_err(failed("cluster nodes"))?;
         Ok(Conn::Cluster(Lazy::new(move || {
             let client = client.clone();
             Box::pin(async move { client.get_async_connection().await })
@@ -448,13 +445,9 @@ impl Dial<'_> {
             addrs.push(info.addr().clone());
         }
         let first = nodes.first().ok_or(SetupError::NoSentinels)?;
-        let sentinel_nodes = |source| SetupError::Client {
-            node: "sentinel nodes".into(),
-            source,
-        };
         let mut builder =
             SentinelClientBuilder::new(addrs, master.name, SentinelServerType::Master)
-                .map_err(sentinel_nodes)?;
+                .map_err(failed("sentinel nodes"))?;
         // The sentinels' own credentials and TLS come from their URLs.
         if let Some((user, pass)) = &first.userinfo {
             if !user.is_empty() {
@@ -483,7 +476,7 @@ impl Dial<'_> {
                 builder = builder.set_client_to_redis_certificates(c.clone());
             }
         }
-        let client = builder.build().map_err(sentinel_nodes)?;
+        let client = builder.build().map_err(failed("sentinel nodes"))?;
         Ok(Conn::Sentinel(Arc::new(SentinelConn {
             client: Mutex::new(client),
             conn: Mutex::new(None),
@@ -491,12 +484,10 @@ impl Dial<'_> {
     }
 }
 
-/// A setup error naming the node at `url`.
-fn failed(url: &RedisUrl) -> impl FnOnce(RedisError) -> SetupError + '_ {
-    move |source| SetupError::Client {
-        node: url.to_string(),
-        source,
-    }
+/// A setup error naming `node` (a URL, or which nodes).
+fn failed(node: impl std::fmt::Display) -> impl FnOnce(RedisError) -> SetupError {
+    let node = node.to_string();
+    move |source| SetupError::Client { node, source }
 }
 
 impl Conn {
