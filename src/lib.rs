@@ -20,6 +20,7 @@ mod statsd;
 pub mod telemetry;
 mod top;
 mod trace;
+mod value;
 mod xds;
 
 pub use crate::config::ConfigError;

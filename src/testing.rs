@@ -11,6 +11,8 @@ pub use crate::limiter::{
 pub use crate::metrics::Metrics;
 pub use crate::run_with_clock;
 pub use crate::server::grpc::to_request;
+/// `RateLimitRequest` as the service decodes it: entries as bytes.
+pub use crate::server::wire::RateLimitRequest as WireRequest;
 pub use crate::xds::TYPE_URL as XDS_TYPE_URL;
 /// The `RateLimitConfig` messages served over xDS.
 pub use crate::xds::pb as rls_conf;

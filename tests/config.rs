@@ -657,7 +657,7 @@ fn wildcards_match_any_run_anywhere() {
     assert_eq!(Wildcard::new("abc"), None);
     for (pattern, value, expected) in cases {
         assert_eq!(
-            Wildcard::new(pattern).unwrap().matches(value),
+            Wildcard::new(pattern).unwrap().matches(value.as_bytes()),
             expected,
             "{pattern} ~ {value}"
         );

@@ -20,7 +20,7 @@ use syn::visit::{self, Visit};
 /// The floors, from the ground up: a module may import from the floors below its own.
 /// "root" is `lib.rs` and what it defines; `main.rs` uses the crate as any user does.
 const FLOORS: &[&[&str]] = &[
-    &["logs", "runtime"],
+    &["logs", "runtime", "value"],
     &["cli", "metrics", "shutdown", "trace"],
     &["limiter", "statsd", "telemetry", "top"],
     &["config"],

@@ -11,6 +11,7 @@ use super::{Counted, Domain, KeyNodes, Node};
 use smallvec::SmallVec;
 
 use crate::limiter::key::{CounterKey, KeyFormat, KeyPart};
+use crate::value::{KeyValue, shown};
 
 /// A descriptor that landed on a node with limits (or `unlimited`).
 #[derive(Debug)]
@@ -33,9 +34,12 @@ pub struct Matched<'s> {
 impl KeyNodes {
     /// The node `value` lands on: exact first, then wildcards in file order, then the
     /// value-less key.
-    fn pick(&self, value: &str) -> Option<&Node> {
-        self.exact
-            .get(value)
+    /// A value that is not UTF-8 equals no configured value (YAML is text), so it goes on to
+    /// the wildcards (matched on bytes) and the value-less key.
+    fn pick(&self, value: &[u8]) -> Option<&Node> {
+        std::str::from_utf8(value)
+            .ok()
+            .and_then(|v| self.exact.get(v))
             .or_else(|| {
                 self.wildcards
                     .iter()
@@ -53,8 +57,8 @@ impl Domain {
     /// ends on a node with limits (or `unlimited`). One entry is exactly a one-entry descriptor.
     pub(crate) fn order_entries<'e>(
         &self,
-        entries: &[(&'e str, &'e str)],
-    ) -> Option<SmallVec<[(&'e str, &'e str); 8]>> {
+        entries: &[KeyValue<'e>],
+    ) -> Option<SmallVec<[KeyValue<'e>; 8]>> {
         let mut level = &self.root;
         let mut used = vec![false; entries.len()];
         let mut ordered = SmallVec::new();
@@ -64,7 +68,7 @@ impl Domain {
                 .iter()
                 .enumerate()
                 .filter(|(i, _)| !used[*i])
-                .filter_map(|(i, (k, _))| level.keys.get(k).map(|n| (i, n)))
+                .filter_map(|(i, (k, _))| level.key(k).map(|n| (i, n)))
                 .min_by_key(|(_, n)| n.first)?;
             let node = nodes.pick(entries[i].1)?;
             used[i] = true;
@@ -77,12 +81,17 @@ impl Domain {
     }
 
     /// Looks a descriptor's entries up: the node whose limits apply, if any.
-    pub fn lookup<'s>(&'s self, entries: &[(&str, &str)], keys: &KeyFormat) -> Option<Matched<'s>> {
+    /// Keys and values are bytes as sent (`&str` or `&[u8]`).
+    pub fn lookup<'s, K: AsRef<[u8]>, V: AsRef<[u8]>>(
+        &'s self,
+        entries: &[(K, V)],
+        keys: &KeyFormat,
+    ) -> Option<Matched<'s>> {
         let mut level = &self.root;
         // Trees deeper than 8 are rare: no allocation for the walk itself.
         let mut path: SmallVec<[&'s Node; 8]> = SmallVec::new();
-        for &(key, value) in entries {
-            let node = level.keys.get(key)?.pick(value)?;
+        for (key, value) in entries {
+            let node = level.key(key.as_ref())?.pick(value.as_ref())?;
             path.push(node);
             level = &node.children;
         }
@@ -94,16 +103,17 @@ impl Domain {
         // node's value; a shared wildcard counts its pattern.)
         let key = keys.key_of(
             KeyPart::Escaped(&self.escaped_name),
-            path.iter().zip(entries).map(|(node, &(k, v))| {
+            path.iter().zip(entries).map(|(node, (k, v))| {
+                let (k, v) = (k.as_ref(), v.as_ref());
                 // A node's key is the request's key; a fixed value is the node's own.
                 let key = match &node.escaped_key {
                     Some(escaped) => KeyPart::Escaped(escaped),
-                    None => KeyPart::Escaped(k.as_bytes()),
+                    None => KeyPart::Escaped(k),
                 };
                 let counted = match &node.counted {
-                    Counted::AsSent => KeyPart::Raw(v),
+                    Counted::AsSent => KeyPart::Value(v),
                     Counted::Fixed => {
-                        KeyPart::Escaped(node.value.as_deref().unwrap_or(v).as_bytes())
+                        KeyPart::Escaped(node.value.as_deref().map_or(v, str::as_bytes))
                     }
                     Counted::FixedEscaped(escaped) => KeyPart::Escaped(escaped),
                 };
@@ -116,18 +126,20 @@ impl Domain {
             Cow::Borrowed(&leaf.path)
         } else {
             let mut label = String::new();
-            for (node, &(k, v)) in path.iter().zip(entries) {
+            for (node, (k, v)) in path.iter().zip(entries) {
+                let (k, v) = (k.as_ref(), v.as_ref());
                 if !label.is_empty() {
                     label.push('.');
                 }
                 let shown: Option<Cow<'_, str>> = if node.share_threshold {
                     node.value.as_deref().map(Cow::Borrowed)
                 } else if leaf.detailed_metric || node.value_to_metric {
-                    Some(Cow::Borrowed(v))
+                    Some(shown(v, keys.longest_value()))
                 } else {
                     node.value.as_deref().map(Cow::Borrowed)
                 };
-                label.push_str(k);
+                // The key matched a configured one, so it is that UTF-8 text.
+                label.push_str(&String::from_utf8_lossy(k));
                 if let Some(shown) = shown {
                     label.push('_');
                     label.push_str(&shown);

@@ -238,6 +238,14 @@ pub struct Level {
     keys: Index<KeyNodes>,
 }
 
+impl Level {
+    /// The nodes of a request's key: bytes as sent, so a key that is not UTF-8 names none
+    /// (the config's keys are text).
+    fn key(&self, key: &[u8]) -> Option<&KeyNodes> {
+        self.keys.get(std::str::from_utf8(key).ok()?)
+    }
+}
+
 /// All nodes of one level that share a key, in matching order.
 #[derive(Debug, Default)]
 struct KeyNodes {
@@ -363,20 +371,21 @@ impl Wildcard {
         })
     }
 
-    /// Whether `value` matches the whole pattern.
-    pub fn matches(&self, value: &str) -> bool {
+    /// Whether `value` (any bytes, any length) matches the whole pattern: each part found
+    /// leftmost in turn (memchr's substring search: linear in the value's length).
+    pub fn matches(&self, value: &[u8]) -> bool {
         let (first, rest) = self.parts.split_first().expect("split yields one part");
-        let Some(mut tail) = value.strip_prefix(first.as_str()) else {
+        let Some(mut tail) = value.strip_prefix(first.as_bytes()) else {
             return false;
         };
         let (last, middle) = rest.split_last().expect("a wildcard has two parts");
         for part in middle {
-            match tail.find(part.as_str()) {
+            match memchr::memmem::find(tail, part.as_bytes()) {
                 Some(at) => tail = &tail[at + part.len()..],
                 None => return false,
             }
         }
-        tail.len() >= last.len() && tail.ends_with(last.as_str())
+        tail.len() >= last.len() && tail.ends_with(last.as_bytes())
     }
 }
 

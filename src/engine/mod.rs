@@ -125,6 +125,11 @@ impl Engine {
         }
     }
 
+    /// The longest value counted and shown as it is (a longer one: as its digest).
+    pub fn longest_value(&self) -> usize {
+        self.keys.longest_value()
+    }
+
     /// The snapshot in force.
     pub fn snapshot(&self) -> Arc<Snapshot> {
         self.config.load_full()
@@ -289,7 +294,7 @@ impl Engine {
     fn counters_of(
         &self,
         domain: &str,
-        entries: &[(&str, &str)],
+        entries: &[(&[u8], &[u8])],
     ) -> Result<(Vec<ReportedLimit>, Vec<crate::limiter::Hit>), EngineError> {
         let req = Request {
             domain,
@@ -327,7 +332,7 @@ impl Engine {
     pub async fn inspect(
         &self,
         domain: &str,
-        entries: &[(&str, &str)],
+        entries: &[(&[u8], &[u8])],
     ) -> Result<Vec<CounterView>, EngineError> {
         let (limits, hits) = self.counters_of(domain, entries)?;
         if hits.is_empty() {
@@ -359,7 +364,7 @@ impl Engine {
     pub async fn reset(
         &self,
         domain: &str,
-        entries: &[(&str, &str)],
+        entries: &[(&[u8], &[u8])],
     ) -> Result<usize, EngineError> {
         let (_, mut hits) = self.counters_of(domain, entries)?;
         hits.extend(crate::config::Unit::ALL.into_iter().map(|unit| {

@@ -3,7 +3,9 @@
 use crate::config::Unit;
 use crate::limiter::{BackendError, Hit};
 
-/// Bounds on request size; anything larger is refused as `INVALID_ARGUMENT`.
+/// Bounds on request size. What Envoy's configuration sets (descriptors, entries, keys) is
+/// refused past them as `INVALID_ARGUMENT`; a value, which a client sets, never is: past
+/// `max_value_bytes` it is counted and shown under its digest (`limiter::value`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RequestLimits {
     /// Descriptors per request.
@@ -12,7 +14,7 @@ pub struct RequestLimits {
     pub max_entries: usize,
     /// Bytes per entry key.
     pub max_key_bytes: usize,
-    /// Bytes per entry value.
+    /// Bytes of an entry value kept as it is; a longer one is kept as its SHA-256.
     pub max_value_bytes: usize,
     /// Counters one request touches, after merging.
     pub max_counters: usize,
@@ -26,7 +28,7 @@ impl Default for RequestLimits {
             max_descriptors: 64,
             max_entries: 32,
             max_key_bytes: 4096,
-            max_value_bytes: 4096,
+            max_value_bytes: crate::value::DEFAULT_LONGEST_KEPT,
             max_counters: 256,
             max_counter_key_bytes: 1 << 20,
         }
@@ -45,8 +47,8 @@ pub struct LimitOverride {
 /// One descriptor of a request.
 #[derive(Clone, Debug, Default)]
 pub struct Descriptor<'a> {
-    /// (key, value) pairs, outermost first.
-    pub entries: Vec<(&'a str, &'a str)>,
+    /// (key, value) pairs, outermost first: bytes as sent, not necessarily UTF-8.
+    pub entries: Vec<(&'a [u8], &'a [u8])>,
     /// Replaces the configured limit when present.
     pub limit_override: Option<LimitOverride>,
     /// Hits for this descriptor; `Some(0)` checks without consuming. Greater than 0, it marks a
@@ -108,7 +110,7 @@ pub(crate) fn validate(req: &Request<'_>, bounds: &RequestLimits) -> Result<(), 
                 bounds.max_entries
             ));
         }
-        for (j, (k, v)) in d.entries.iter().enumerate() {
+        for (j, (k, _)) in d.entries.iter().enumerate() {
             if k.is_empty() {
                 return invalid(format!(
                     "descriptors[{i}].entries[{j}].key must not be empty"
@@ -119,13 +121,6 @@ pub(crate) fn validate(req: &Request<'_>, bounds: &RequestLimits) -> Result<(), 
                     "descriptors[{i}].entries[{j}].key is {} bytes, more than the maximum of {}",
                     k.len(),
                     bounds.max_key_bytes
-                ));
-            }
-            if v.len() > bounds.max_value_bytes {
-                return invalid(format!(
-                    "descriptors[{i}].entries[{j}].value is {} bytes, more than the maximum of {}",
-                    v.len(),
-                    bounds.max_value_bytes
                 ));
             }
         }

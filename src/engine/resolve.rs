@@ -24,7 +24,7 @@ const OVERRIDE_ORDINAL: u16 = u16::MAX;
 pub(crate) fn override_hit(
     keys: &KeyFormat,
     domain: &str,
-    entries: &[(&str, &str)],
+    entries: &[(&[u8], &[u8])],
     o: LimitOverride,
     hits: u64,
     kind: HitKind,
@@ -329,7 +329,10 @@ mod tests {
             descriptors: descriptors
                 .iter()
                 .map(|e| Descriptor {
-                    entries: e.to_vec(),
+                    entries: e
+                        .iter()
+                        .map(|(k, v)| (k.as_bytes(), v.as_bytes()))
+                        .collect(),
                     ..Default::default()
                 })
                 .collect(),
@@ -425,7 +428,7 @@ descriptors:
                 let req = Request {
                     domain: "d o%",
                     descriptors: vec![Descriptor {
-                        entries: vec![entry],
+                        entries: vec![(entry.0.as_bytes(), entry.1.as_bytes())],
                         ..Default::default()
                     }],
                     hits_addend: 0,
@@ -456,7 +459,7 @@ descriptors:
         let keys = KeyFormat::new("p:", crate::limiter::key::HashTag::Domain).unwrap();
         let rule = Arc::new(OVERRIDE_RULE.to_owned());
         let d = |k: &'static str, hits_addend: Option<u64>, refund: bool| Descriptor {
-            entries: vec![(k, "1")],
+            entries: vec![(k.as_bytes(), b"1".as_slice())],
             hits_addend,
             refund,
             ..Default::default()

@@ -28,8 +28,8 @@ pub(crate) struct TopQuery {
     pub(crate) domain: Option<String>,
     /// Only limits whose rule path or name this is.
     pub(crate) limit: Option<String>,
-    /// Only descriptors starting with these entries (key, value).
-    pub(crate) prefix: Vec<(String, String)>,
+    /// Only descriptors starting with these entries (key, value as bytes).
+    pub(crate) prefix: Vec<(Vec<u8>, Vec<u8>)>,
     /// Descriptors per limit (at most the sketches' capacity).
     pub(crate) n: usize,
 }
@@ -85,11 +85,14 @@ pub(crate) struct TopReport {
     pub(crate) limits: Vec<TopLimit>,
 }
 
+/// A descriptor's entries, keys and values as bytes, held.
+type OwnedEntries = Vec<(Vec<u8>, Vec<u8>)>;
+
 /// A limit as listed before `remaining` is known: its descriptors' entries (as sent) and
 /// counts.
 struct Listed {
     top: LimitTop,
-    descriptors: Vec<(Vec<(String, String)>, Counter)>,
+    descriptors: Vec<(OwnedEntries, Counter)>,
 }
 
 impl Engine {
@@ -112,10 +115,10 @@ impl Engine {
                 let descriptors = std::mem::take(&mut top.view.counters)
                     .into_iter()
                     .filter_map(|c| {
-                        let entries: Vec<(String, String)> = match &c.item {
+                        let entries: Vec<(Vec<u8>, Vec<u8>)> = match &c.item {
                             Some(item) => decode(item)?
                                 .into_iter()
-                                .map(|(k, v)| (k.to_owned(), v.to_owned()))
+                                .map(|(k, v)| (k.to_vec(), v.to_vec()))
                                 .collect(),
                             None => Vec::new(),
                         };
@@ -128,6 +131,7 @@ impl Engine {
             .filter(|l| query.prefix.is_empty() || !l.descriptors.is_empty())
             .collect();
         let mut remaining = self.remaining(&listed).await.into_iter();
+        let longest = self.longest_value();
         let limits = listed
             .into_iter()
             .map(|Listed { top, descriptors }| TopLimit {
@@ -138,8 +142,8 @@ impl Engine {
                         entries: entries
                             .into_iter()
                             .map(|(k, v)| {
-                                let shown = top.values.apply(&v);
-                                (k, shown)
+                                let k = crate::value::shown(&k, longest).into_owned();
+                                (k, top.values.apply(&v, longest))
                             })
                             .collect(),
                         hits: c.hits,
@@ -199,11 +203,11 @@ impl Engine {
         &self,
         snapshot: &crate::config::Snapshot,
         info: &LimitInfo,
-        entries: &[(String, String)],
+        entries: &[(Vec<u8>, Vec<u8>)],
     ) -> Option<Hit> {
-        let entries: Vec<(&str, &str)> = entries
+        let entries: Vec<(&[u8], &[u8])> = entries
             .iter()
-            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .map(|(k, v)| (k.as_slice(), v.as_slice()))
             .collect();
         if info.index == OVERRIDE {
             let unit = Unit::parse(&info.unit)?;

@@ -4,8 +4,13 @@
 //! spaces, newlines and non-UTF-8 bytes never appear raw) and components are joined by `:`.
 //! Distinct inputs therefore give distinct keys, and a key never contains a brace: a Redis hash
 //! tag placed around a prefix of it is chosen by us, never by a request value.
+//!
+//! A request's value longer than the format's longest kept is counted under its SHA-256,
+//! written `%#<64 hex digits>`: escaping writes `%` only before two uppercase hex digits, so
+//! no value's escaped form is a digest's, and a key's length stays bounded by the config.
 
 use super::{Limit, Zone};
+use crate::value::{DEFAULT_LONGEST_KEPT, digest, push_hex};
 
 /// What a key's Redis Cluster hash tag covers.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -20,10 +25,21 @@ pub enum HashTag {
 /// The one place a counter's key is built, final bytes included:
 /// `<prefix>{<escaped domain>}:<k>:<v>…:<limit identity>` (or, per descriptor,
 /// `<prefix>{<domain>:<k>:<v>…}:<limit identity>`). Every backend stores the key as it is.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KeyFormat {
     prefix: Box<[u8]>,
     tag: HashTag,
+    longest_value: usize,
+}
+
+impl Default for KeyFormat {
+    fn default() -> Self {
+        KeyFormat {
+            prefix: Box::default(),
+            tag: HashTag::default(),
+            longest_value: DEFAULT_LONGEST_KEPT,
+        }
+    }
 }
 
 /// A key prefix that would move the hash tag.
@@ -40,7 +56,21 @@ impl KeyFormat {
         Ok(KeyFormat {
             prefix: prefix.as_bytes().into(),
             tag,
+            longest_value: DEFAULT_LONGEST_KEPT,
         })
+    }
+
+    /// The same format, counting a request's value longer than `bytes` under its digest.
+    pub fn with_longest_value(self, bytes: usize) -> KeyFormat {
+        KeyFormat {
+            longest_value: bytes,
+            ..self
+        }
+    }
+
+    /// The longest request value counted as it is; a longer one is counted under its digest.
+    pub fn longest_value(&self) -> usize {
+        self.longest_value
     }
 
     /// The prefix every key starts with.
@@ -55,16 +85,17 @@ impl KeyFormat {
 
     /// The key of a descriptor's (key, counted value) entries in `domain`, without a limit
     /// identity yet (see [`CounterKey::with_limit`]).
-    pub fn descriptor_key<'a>(
+    pub fn descriptor_key<K: AsRef<[u8]>, V: AsRef<[u8]>>(
         &self,
         domain: &str,
-        entries: impl IntoIterator<Item = (&'a str, &'a str)>,
+        entries: impl IntoIterator<Item = (K, V)>,
     ) -> CounterKey {
+        let entries: Vec<(K, V)> = entries.into_iter().collect();
         self.key_of(
-            KeyPart::Raw(domain),
+            KeyPart::Raw(domain.as_bytes()),
             entries
-                .into_iter()
-                .map(|(k, v)| (KeyPart::Raw(k), KeyPart::Raw(v))),
+                .iter()
+                .map(|(k, v)| (KeyPart::Raw(k.as_ref()), KeyPart::Value(v.as_ref()))),
         )
     }
 
@@ -79,16 +110,16 @@ impl KeyFormat {
         bytes.extend_from_slice(&self.prefix);
         bytes.push(b'{');
         let tag_start = bytes.len();
-        domain.push_to(&mut bytes);
+        domain.push_to(&mut bytes, self.longest_value);
         let mut tag_end = bytes.len();
         if self.tag == HashTag::Domain {
             bytes.push(b'}');
         }
         for (k, v) in entries {
             bytes.push(b':');
-            k.push_to(&mut bytes);
+            k.push_to(&mut bytes, self.longest_value);
             bytes.push(b':');
-            v.push_to(&mut bytes);
+            v.push_to(&mut bytes, self.longest_value);
         }
         if self.tag == HashTag::Descriptor {
             tag_end = bytes.len();
@@ -104,8 +135,10 @@ impl KeyFormat {
 /// One component of a key: as the request or config spells it, or already [`escaped`].
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum KeyPart<'a> {
-    /// To be escaped.
-    Raw(&'a str),
+    /// To be escaped (a name, the config's or Envoy's).
+    Raw(&'a [u8]),
+    /// A request's value: escaped, or its digest when longer than the longest kept.
+    Value(&'a [u8]),
     /// Escaped by [`escaped`].
     Escaped(&'a [u8]),
 }
@@ -113,14 +146,17 @@ pub(crate) enum KeyPart<'a> {
 impl KeyPart<'_> {
     fn len(&self) -> usize {
         match self {
-            KeyPart::Raw(s) => s.len(),
-            KeyPart::Escaped(b) => b.len(),
+            KeyPart::Raw(s) | KeyPart::Value(s) | KeyPart::Escaped(s) => s.len(),
         }
     }
 
-    fn push_to(self, buf: &mut Vec<u8>) {
+    fn push_to(self, buf: &mut Vec<u8>, longest_value: usize) {
         match self {
-            KeyPart::Raw(s) => push_escaped(buf, s.as_bytes()),
+            KeyPart::Value(v) if v.len() > longest_value => {
+                buf.extend_from_slice(b"%#");
+                push_hex(buf, &digest(v));
+            }
+            KeyPart::Raw(s) | KeyPart::Value(s) => push_escaped(buf, s),
             KeyPart::Escaped(b) => buf.extend_from_slice(b),
         }
     }
@@ -282,7 +318,10 @@ impl LimitIdentity {
 
 impl CounterKey {
     /// The key of a descriptor in `domain` with the default format (no prefix, domain tag).
-    pub fn new<'a>(domain: &str, entries: impl IntoIterator<Item = (&'a str, &'a str)>) -> Self {
+    pub fn new<K: AsRef<[u8]>, V: AsRef<[u8]>>(
+        domain: &str,
+        entries: impl IntoIterator<Item = (K, V)>,
+    ) -> Self {
         KeyFormat::default().descriptor_key(domain, entries)
     }
 

@@ -37,6 +37,18 @@ pub struct Limit {
 }
 
 impl Limit {
+    /// The most hits one admission, report or refund of this limit can move: past it an
+    /// amount decides exactly as this one does (an admission is over whatever the count, a
+    /// report is held at its debt ceiling, a refund empties the counter). Redis' script counts
+    /// in doubles, exact below 2^53, so amounts reach it no larger than this, which stays far
+    /// below (`requests_per_unit` and `burst` are at most 2^32, the debt 1,000 limits' worth).
+    pub fn most_hits(&self) -> u64 {
+        self.requests_per_unit
+            .max(self.burst)
+            .saturating_mul(MAX_MAX_DEBT + 1)
+            .saturating_add(1)
+    }
+
     /// The fixed window `[start, end)` (µs) holding `now`: aligned to the Unix epoch, or to
     /// the calendar.
     pub fn window_at(&self, now: u64) -> (u64, u64) {
@@ -284,7 +296,7 @@ mod tests {
 
     fn hit(enforcement: Enforcement) -> Hit {
         Hit {
-            key: CounterKey::new("d", []),
+            key: CounterKey::new("d", [] as [(&str, &str); 0]),
             limit: Limit {
                 algorithm: Algorithm::FixedWindow,
                 requests_per_unit: 1,

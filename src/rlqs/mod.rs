@@ -71,7 +71,7 @@ pub(crate) enum Assignment {
 pub(crate) fn bucket_rule(
     snapshot: &Snapshot,
     domain: &str,
-    entries: &[(&str, &str)],
+    entries: &[(&[u8], &[u8])],
     keys: &KeyFormat,
     global_shadow: bool,
 ) -> BucketRule {

@@ -33,11 +33,23 @@ impl Admin {
     }
 }
 
-fn entries(req: &CounterRequest) -> Vec<(&str, &str)> {
+/// A key or value as the admin API takes it: as `/top` and the logs show it
+/// (`crate::value::shown`: `\xHH` for a byte that is not UTF-8, `\\` for `\`), or, where it
+/// is no such text, as it is.
+fn unshown(shown: &str) -> Vec<u8> {
+    crate::value::unshown(shown).unwrap_or_else(|| shown.as_bytes().to_vec())
+}
+
+/// A counter request's entries as bytes, read as [`unshown`] says.
+fn entries(req: &CounterRequest) -> Vec<(Vec<u8>, Vec<u8>)> {
     req.entries
         .iter()
-        .map(|e| (e.key.as_str(), e.value.as_str()))
+        .map(|e| (unshown(&e.key), unshown(&e.value)))
         .collect()
+}
+
+fn borrowed(entries: &[(Vec<u8>, Vec<u8>)]) -> Vec<(&[u8], &[u8])> {
+    entries.iter().map(|(k, v)| (&k[..], &v[..])).collect()
 }
 
 #[tonic::async_trait]
@@ -49,7 +61,7 @@ impl pb::admin_server::Admin for Admin {
         let req = request.get_ref();
         let views = self
             .engine
-            .inspect(&req.domain, &entries(req))
+            .inspect(&req.domain, &borrowed(&entries(req)))
             .await
             .map_err(to_status)?;
         let counters = views
@@ -75,7 +87,7 @@ impl pb::admin_server::Admin for Admin {
         let req = request.get_ref();
         let reset = self
             .engine
-            .reset(&req.domain, &entries(req))
+            .reset(&req.domain, &borrowed(&entries(req)))
             .await
             .map_err(to_status)?;
         tracing::info!(domain = %req.domain, counters = reset, "admin: counters reset");
@@ -90,7 +102,11 @@ impl pb::admin_server::Admin for Admin {
         let query = TopQuery {
             domain: nonempty(req.domain),
             limit: nonempty(req.limit),
-            prefix: req.entries.into_iter().map(|e| (e.key, e.value)).collect(),
+            prefix: req
+                .entries
+                .iter()
+                .map(|e| (unshown(&e.key), unshown(&e.value)))
+                .collect(),
             n: match req.n {
                 0 => DEFAULT_TOP_N,
                 n => n as usize,

@@ -7,12 +7,10 @@ use std::sync::Arc;
 use tokio::time::Instant;
 
 use envoy_types::pb::envoy::config::core::v3::HeaderValue;
-use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
     Code as PbCode, DescriptorStatus, RateLimit, rate_limit::Unit as PbUnit,
 };
-use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
-use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use envoy_types::pb::envoy::r#type::v3::RateLimitUnit;
 use envoy_types::pb::google::protobuf::Duration as PbDuration;
 use envoy_types::pb::google::protobuf::value::Kind;
@@ -20,11 +18,14 @@ use envoy_types::pb::google::protobuf::{ListValue, Struct, Value};
 use tonic::{Request, Response, Status};
 
 use super::headers::{self, HeaderMode};
+use super::wire::rate_limit_service_server::RateLimitService;
+use super::wire::{RateLimitDescriptor, RateLimitRequest};
 
 use crate::config::Unit;
 use crate::engine::{self, Code, Descriptor, Engine, EngineError, LimitOverride};
 use crate::logs::{self, Throttle};
 use crate::metrics::{ErrorLabels, Metrics};
+use crate::value::shown;
 
 /// The gRPC front end of an [`Engine`].
 pub(crate) struct GrpcService {
@@ -105,6 +106,7 @@ fn json_to_struct(o: &serde_json::Map<String, serde_json::Value>) -> Struct {
 pub(crate) fn dynamic_metadata(
     req: &RateLimitRequest,
     metadata: Option<&serde_json::Map<String, serde_json::Value>>,
+    longest_value: usize,
 ) -> serde_json::Value {
     use serde_json::json;
     let descriptors: Vec<serde_json::Value> = req
@@ -115,7 +117,13 @@ pub(crate) fn dynamic_metadata(
             let entries: Vec<String> = d
                 .entries
                 .iter()
-                .map(|e| format!("{}={}", e.key, e.value))
+                .map(|e| {
+                    format!(
+                        "{}={}",
+                        shown(&e.key, longest_value),
+                        shown(&e.value, longest_value)
+                    )
+                })
                 .collect();
             o.insert("entries".into(), json!(entries));
             if let Some(l) = &d.limit {
@@ -136,7 +144,7 @@ pub(crate) fn dynamic_metadata(
         })
         .collect();
     let mut fields = serde_json::Map::new();
-    fields.insert("domain".into(), json!(req.domain));
+    fields.insert("domain".into(), json!(shown(&req.domain, longest_value)));
     fields.insert("descriptors".into(), json!(descriptors));
     if req.hits_addend != 0 {
         fields.insert("hitsAddend".into(), json!(req.hits_addend as f64));
@@ -175,6 +183,9 @@ fn pb_unit(unit: Unit) -> PbUnit {
 /// or 400 on `/json`).
 #[derive(Debug, thiserror::Error)]
 pub enum RequestError {
+    /// A domain that is not UTF-8 (Envoy's configuration names it).
+    #[error("domain is not UTF-8")]
+    Domain,
     /// A `limit` override with an unknown unit.
     #[error("descriptors[{descriptor}].limit.unit {unit} is not a valid unit")]
     Unit {
@@ -201,7 +212,7 @@ fn descriptor(i: usize, d: &RateLimitDescriptor) -> Result<Descriptor<'_>, Reque
         entries: d
             .entries
             .iter()
-            .map(|e| (e.key.as_str(), e.value.as_str()))
+            .map(|e| (e.key.as_slice(), e.value.as_slice()))
             .collect(),
         limit_override,
         hits_addend: d.hits_addend.map(|h| h.value),
@@ -212,7 +223,7 @@ fn descriptor(i: usize, d: &RateLimitDescriptor) -> Result<Descriptor<'_>, Reque
 /// Converts a request (no copies of strings).
 pub fn to_request(req: &RateLimitRequest) -> Result<engine::Request<'_>, RequestError> {
     Ok(engine::Request {
-        domain: &req.domain,
+        domain: std::str::from_utf8(&req.domain).map_err(|_| RequestError::Domain)?,
         descriptors: req
             .descriptors
             .iter()
@@ -237,6 +248,7 @@ pub(crate) fn to_response(
     resp: engine::Response,
     headers: HeaderMode,
     now_s: u64,
+    longest_value: usize,
 ) -> RateLimitResponse {
     let response_headers_to_add = headers::headers(headers, &resp, now_s)
         .into_iter()
@@ -246,13 +258,12 @@ pub(crate) fn to_response(
             raw_value: Vec::new(),
         })
         .collect();
-    let dynamic_metadata =
-        resp.metadata
-            .is_some()
-            .then(|| match dynamic_metadata(req, resp.metadata.as_ref()) {
-                serde_json::Value::Object(o) => json_to_struct(&o),
-                _ => Struct::default(),
-            });
+    let dynamic_metadata = resp.metadata.is_some().then(|| {
+        match dynamic_metadata(req, resp.metadata.as_ref(), longest_value) {
+            serde_json::Value::Object(o) => json_to_struct(&o),
+            _ => Struct::default(),
+        }
+    });
     RateLimitResponse {
         response_headers_to_add,
         dynamic_metadata,
@@ -334,6 +345,7 @@ impl RateLimitService for GrpcService {
                         resp,
                         self.headers,
                         headers::now_s(self.headers),
+                        self.engine.longest_value(),
                     ))),
                     Err(e) => Err(to_status(e)),
                 },
@@ -342,7 +354,8 @@ impl RateLimitService for GrpcService {
         // Without tracing no span is made: one flag read.
         let result = if crate::trace::enabled() {
             use tracing::Instrument;
-            let span = crate::trace::request_span(request.metadata(), &req.domain);
+            let domain = shown(&req.domain, self.engine.longest_value());
+            let span = crate::trace::request_span(request.metadata(), &domain);
             decide.instrument(span).await
         } else {
             decide.await

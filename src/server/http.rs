@@ -17,6 +17,7 @@ use super::conn::{Tracker, accept};
 use super::grpc::{to_request, to_response, to_status};
 use super::headers::HeaderMode;
 use super::json::{parse_request, response_json};
+use super::wire::RateLimitRequest;
 use crate::engine::Code;
 
 use crate::engine::Engine;
@@ -120,7 +121,10 @@ async fn metrics(State(state): State<Arc<HttpState>>) -> impl IntoResponse {
     if top.options().metrics > 0 {
         // OpenMetrics ends with `# EOF`: the heavy-hitter families go before it.
         let end = text.rfind("# EOF").unwrap_or(text.len());
-        text.insert_str(end, &super::top::metrics_text(top));
+        text.insert_str(
+            end,
+            &super::top::metrics_text(top, state.engine.longest_value()),
+        );
     }
     (
         [(
@@ -156,8 +160,8 @@ async fn json_decide(State(state): State<Arc<HttpState>>, body: Bytes) -> axum::
         )
             .into_response()
     };
-    let req = match parse_request(&body) {
-        Ok(r) => r,
+    let req: RateLimitRequest = match parse_request(&body) {
+        Ok(r) => r.into(),
         Err(e) => return text(StatusCode::BAD_REQUEST, e.to_string()),
     };
     let decided = match to_request(&req) {
@@ -175,6 +179,7 @@ async fn json_decide(State(state): State<Arc<HttpState>>, body: Bytes) -> axum::
                 resp,
                 state.headers,
                 super::headers::now_s(state.headers),
+                state.engine.longest_value(),
             );
             (
                 status,

@@ -13,3 +13,4 @@ pub(crate) mod rlqs;
 pub(crate) mod serve;
 pub(crate) mod tls;
 pub(crate) mod top;
+pub(crate) mod wire;

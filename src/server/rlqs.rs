@@ -626,7 +626,10 @@ impl RlqsStream {
     }
 
     fn bucket_rule(&self, key: &[Pair]) -> BucketRule {
-        let entries: Vec<(&str, &str)> = key.iter().map(|(k, v)| (&**k, &**v)).collect();
+        let entries: Vec<(&[u8], &[u8])> = key
+            .iter()
+            .map(|(k, v)| (k.as_bytes(), v.as_bytes()))
+            .collect();
         rlqs::bucket_rule(
             &self.snapshot,
             self.domain.as_deref().unwrap_or_default(),

@@ -124,7 +124,7 @@ const LABEL_CHARS: usize = 128;
 
 /// `ratelimit_top_hits` and `ratelimit_top_over_limit`: each limit's `--top-metrics`
 /// heaviest descriptors, in OpenMetrics text (gauges over `/top`'s window).
-pub(crate) fn metrics_text(top: &Top) -> String {
+pub(crate) fn metrics_text(top: &Top, longest: usize) -> String {
     use std::fmt::Write as _;
     let n = top.options().metrics;
     let mut series: Vec<(String, u64, u64)> = Vec::new();
@@ -144,7 +144,9 @@ pub(crate) fn metrics_text(top: &Top) -> String {
                 Some(entries) => entries
                     .iter()
                     .map(|(k, v)| {
-                        format!("{k}={}", l.values.apply(v).unwrap_or_else(|| "-".into()))
+                        let k = crate::value::shown(k, usize::MAX);
+                        let v = l.values.apply(v, longest);
+                        format!("{k}={}", v.unwrap_or_else(|| "-".into()))
                     })
                     .collect::<Vec<_>>()
                     .join(","),

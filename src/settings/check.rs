@@ -36,7 +36,7 @@ impl Flags {
         if self.rlqs_assignment_ttl <= self.rlqs_report_interval {
             return Err(SettingsError::RlqsTtl);
         }
-        let (kind, keys) = match self.backend {
+        let (kind, keys): (_, KeyFormat) = match self.backend {
             BackendArg::Memory => (BackendKind::Memory, KeyFormat::default()),
             BackendArg::Redis => (
                 BackendKind::Redis {
@@ -46,6 +46,7 @@ impl Flags {
                 KeyFormat::new(&self.redis_key_prefix, self.hash_tag())?,
             ),
         };
+        let keys = keys.with_longest_value(self.max_value_bytes);
         let grpc_tls = match self.grpc_tls() {
             None => None,
             Some(files) => {

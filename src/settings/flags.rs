@@ -675,8 +675,10 @@ pub(crate) struct Flags {
     pub(crate) top_window: Duration,
 
     /// With Redis: how often each replica publishes its `/top` view there and reads the
-    /// others' (a view expires after three of these, so a dead replica's ages out).
-    #[arg(long, default_value = "5s", value_parser = parse_xds_duration)]
+    /// others' (a view expires after three of these, so a dead replica's ages out). From 1s
+    /// to 1h: each replica reads every other's view each interval, so a shorter one would
+    /// load Redis and the network for no one's benefit.
+    #[arg(long, default_value = "5s", value_parser = parse_publish_interval)]
     pub(crate) top_publish_interval: Duration,
 
     /// How `/top` shows descriptor values, at least (a limit's own `top_values` may show
@@ -868,6 +870,16 @@ fn parse_xds_duration(s: &str) -> Result<Duration, String> {
     let d = parse_duration_within(s, Duration::from_secs(3_600))?;
     if d.is_zero() {
         return Err("must be more than 0".into());
+    }
+    Ok(d)
+}
+
+/// `--top-publish-interval`: at least a second (8 replicas publishing every 10 ms sent 20 GB
+/// through one Redis in 50 s and took request p99 from 4.4 ms to 120 ms), at most an hour.
+fn parse_publish_interval(s: &str) -> Result<Duration, String> {
+    let d = parse_duration_within(s, Duration::from_secs(3_600))?;
+    if d < Duration::from_secs(1) {
+        return Err("must be at least 1s".into());
     }
     Ok(d)
 }

@@ -72,16 +72,14 @@ impl Values {
             .find(|v| v.as_str().eq_ignore_ascii_case(name))
     }
 
-    /// `value` as this mode shows it.
-    pub(crate) fn apply(self, value: &str) -> Option<String> {
+    /// `value` as this mode shows it: as text naming its bytes (`crate::value::shown`), as
+    /// the first 8 bytes of its SHA-256, or not at all.
+    pub(crate) fn apply(self, value: &[u8], longest: usize) -> Option<String> {
         match self {
-            Values::Show => Some(value.to_owned()),
+            Values::Show => Some(crate::value::shown(value, longest).into_owned()),
             Values::Hash => {
-                let digest = ring::digest::digest(&ring::digest::SHA256, value.as_bytes());
-                let hex: String = digest.as_ref()[..8]
-                    .iter()
-                    .map(|b| format!("{b:02x}"))
-                    .collect();
+                let digest = crate::value::digest(value);
+                let hex: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
                 Some(format!("sha256:{hex}"))
             }
             Values::Hide => None,
@@ -387,7 +385,7 @@ impl Top {
     pub(crate) fn record(
         &self,
         limit: &LimitRef<'_>,
-        entries: &[(&str, &str)],
+        entries: &[(impl AsRef<[u8]>, impl AsRef<[u8]>)],
         hits: u64,
         over: bool,
     ) {
@@ -711,12 +709,12 @@ mod tests {
 
     #[test]
     fn values_are_hashed_the_same_everywhere() {
-        assert_eq!(Values::Show.apply("a\"b"), Some("a\"b".to_owned()));
+        assert_eq!(Values::Show.apply(b"a\"b", 64), Some("a\"b".to_owned()));
         assert_eq!(
-            Values::Hash.apply("abc"),
+            Values::Hash.apply(b"abc", 64),
             Some("sha256:ba7816bf8f01cfea".to_owned())
         );
-        assert_eq!(Values::Hide.apply("abc"), None);
+        assert_eq!(Values::Hide.apply(b"abc", 64), None);
         assert_eq!(Values::parse("HASH"), Some(Values::Hash));
     }
 }

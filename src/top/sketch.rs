@@ -52,30 +52,33 @@ pub(crate) struct Summary {
 
 /// `entries` encoded as one string of bytes: each key and value as a 4-byte little-endian
 /// length and its bytes.
-pub(crate) fn encode(entries: &[(&str, &str)]) -> Box<[u8]> {
+pub(crate) fn encode(entries: &[(impl AsRef<[u8]>, impl AsRef<[u8]>)]) -> Box<[u8]> {
     let mut out = Vec::with_capacity(encoded_len(entries));
     for (k, v) in entries {
-        for s in [k, v] {
+        for s in [k.as_ref(), v.as_ref()] {
             out.extend_from_slice(&(s.len() as u32).to_le_bytes());
-            out.extend_from_slice(s.as_bytes());
+            out.extend_from_slice(s);
         }
     }
     out.into_boxed_slice()
 }
 
 /// The length of `encode(entries)`.
-pub(crate) fn encoded_len(entries: &[(&str, &str)]) -> usize {
-    entries.iter().map(|(k, v)| 8 + k.len() + v.len()).sum()
+pub(crate) fn encoded_len(entries: &[(impl AsRef<[u8]>, impl AsRef<[u8]>)]) -> usize {
+    entries
+        .iter()
+        .map(|(k, v)| 8 + k.as_ref().len() + v.as_ref().len())
+        .sum()
 }
 
 /// The entries of an encoded descriptor (`None` if `item` is no encoding).
-pub(crate) fn decode(item: &[u8]) -> Option<Vec<(&str, &str)>> {
-    fn take<'a>(rest: &mut &'a [u8]) -> Option<&'a str> {
+pub(crate) fn decode(item: &[u8]) -> Option<Vec<(&[u8], &[u8])>> {
+    fn take<'a>(rest: &mut &'a [u8]) -> Option<&'a [u8]> {
         let (len, tail) = rest.split_first_chunk::<4>()?;
         let len = u32::from_le_bytes(*len) as usize;
         let (s, tail) = (tail.get(..len)?, tail.get(len..)?);
         *rest = tail;
-        std::str::from_utf8(s).ok()
+        Some(s)
     }
     let mut rest = item;
     let mut entries = Vec::new();
@@ -88,10 +91,10 @@ pub(crate) fn decode(item: &[u8]) -> Option<Vec<(&str, &str)>> {
 }
 
 /// Whether `item` encodes `entries`, without encoding them.
-fn same(item: &[u8], entries: &[(&str, &str)]) -> bool {
+fn same(item: &[u8], entries: &[(impl AsRef<[u8]>, impl AsRef<[u8]>)]) -> bool {
     let mut at = 0;
     for (k, v) in entries {
-        for s in [k, v] {
+        for s in [k.as_ref(), v.as_ref()] {
             let Some(len) = item.get(at..at + 4) else {
                 return false;
             };
@@ -99,7 +102,7 @@ fn same(item: &[u8], entries: &[(&str, &str)]) -> bool {
                 return false;
             }
             at += 4;
-            if item.get(at..at + s.len()) != Some(s.as_bytes()) {
+            if item.get(at..at + s.len()) != Some(s) {
                 return false;
             }
             at += s.len();
@@ -109,12 +112,15 @@ fn same(item: &[u8], entries: &[(&str, &str)]) -> bool {
 }
 
 /// The hash of a descriptor's entries under `state`.
-pub(crate) fn hash_entries(state: &impl BuildHasher, entries: &[(&str, &str)]) -> u64 {
+pub(crate) fn hash_entries(
+    state: &impl BuildHasher,
+    entries: &[(impl AsRef<[u8]>, impl AsRef<[u8]>)],
+) -> u64 {
     let mut h = state.build_hasher();
     entries.len().hash(&mut h);
     for (k, v) in entries {
-        k.hash(&mut h);
-        v.hash(&mut h);
+        k.as_ref().hash(&mut h);
+        v.as_ref().hash(&mut h);
     }
     h.finish()
 }
@@ -137,7 +143,7 @@ impl Summary {
     pub(crate) fn record(
         &mut self,
         hash: u64,
-        entries: &[(&str, &str)],
+        entries: &[(impl AsRef<[u8]>, impl AsRef<[u8]>)],
         hits: u64,
         over: bool,
         room: &mut usize,
@@ -231,7 +237,7 @@ impl Summary {
 }
 
 /// Bytes for `entries` out of `room`, if they fit there and under [`MAX_ITEM_BYTES`].
-fn keep(entries: &[(&str, &str)], room: &mut usize) -> Option<Box<[u8]>> {
+fn keep(entries: &[(impl AsRef<[u8]>, impl AsRef<[u8]>)], room: &mut usize) -> Option<Box<[u8]>> {
     let len = encoded_len(entries);
     if len > MAX_ITEM_BYTES || len > *room {
         return None;
@@ -345,7 +351,11 @@ mod tests {
         let entries = [("k", "v"), ("", ""), ("a\0b", "{\"x\":[1]}"), ("é", "日本")];
         let item = encode(&entries);
         assert_eq!(item.len(), encoded_len(&entries));
-        assert_eq!(decode(&item).unwrap(), entries);
+        let back = decode(&item).unwrap();
+        assert!(back.len() == entries.len());
+        for ((k, v), (ek, ev)) in back.into_iter().zip(entries) {
+            assert_eq!((k, v), (ek.as_bytes(), ev.as_bytes()));
+        }
         assert!(same(&item, &entries));
         assert!(!same(&item, &entries[..3]));
         assert!(!same(&item, &[("k", "v"), ("", "x")]));
@@ -365,7 +375,7 @@ mod tests {
     }
 
     fn value(c: &Counter) -> String {
-        decode(c.item.as_deref().unwrap()).unwrap()[0].1.to_owned()
+        String::from_utf8(decode(c.item.as_deref().unwrap()).unwrap()[0].1.to_owned()).unwrap()
     }
 
     #[test]

@@ -21,10 +21,34 @@ struct WireLimit {
 
 #[derive(Serialize, Deserialize)]
 struct WireCounter {
-    entries: Vec<(String, String)>,
+    entries: Vec<(WireBytes, WireBytes)>,
     hits: u64,
     over: u64,
     error: u64,
+}
+
+/// A key or value: a JSON string when it is UTF-8 (nearly always), else its bytes as an array.
+#[derive(Serialize, Deserialize)]
+#[serde(untagged)]
+enum WireBytes {
+    Text(String),
+    Bytes(Vec<u8>),
+}
+
+impl WireBytes {
+    fn of(bytes: &[u8]) -> WireBytes {
+        match std::str::from_utf8(bytes) {
+            Ok(s) => WireBytes::Text(s.to_owned()),
+            Err(_) => WireBytes::Bytes(bytes.to_vec()),
+        }
+    }
+
+    fn as_bytes(&self) -> &[u8] {
+        match self {
+            WireBytes::Text(s) => s.as_bytes(),
+            WireBytes::Bytes(b) => b,
+        }
+    }
 }
 
 /// `limits` as published: each cut to `capacity` descriptors; those the heaviest limits leave
@@ -45,7 +69,7 @@ pub(crate) fn encode(limits: Vec<LimitTop>, capacity: usize) -> Vec<u8> {
                     Some(WireCounter {
                         entries: entries
                             .into_iter()
-                            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+                            .map(|(k, v)| (WireBytes::of(k), WireBytes::of(v)))
                             .collect(),
                         hits: c.hits,
                         over: c.over,
@@ -88,10 +112,10 @@ pub(crate) fn decode_view(bytes: &[u8]) -> Option<Vec<LimitTop>> {
                         .counters
                         .into_iter()
                         .map(|c| {
-                            let entries: Vec<(&str, &str)> = c
+                            let entries: Vec<(&[u8], &[u8])> = c
                                 .entries
                                 .iter()
-                                .map(|(k, v)| (k.as_str(), v.as_str()))
+                                .map(|(k, v)| (k.as_bytes(), v.as_bytes()))
                                 .collect();
                             Counter {
                                 hash: 0,
@@ -146,7 +170,10 @@ mod tests {
         let mut view = back[0].view.clone();
         view.sort();
         let first = decode(view.counters[0].item.as_deref().unwrap()).unwrap();
-        assert_eq!(first, [("key", odd.as_str()), ("k2", "x")]);
+        assert_eq!(
+            first,
+            [(&b"key"[..], odd.as_bytes()), (&b"k2"[..], &b"x"[..])]
+        );
         assert_eq!((view.counters[0].hits, view.counters[0].over), (5, 5));
         assert_eq!(view.total, 7);
         assert!(decode_view(b"{not a view").is_none());

@@ -25,6 +25,7 @@ use tokio::task::JoinHandle;
 use tonic::transport::Channel;
 
 pub(crate) mod daemon;
+pub(crate) mod raw;
 pub(crate) mod redis;
 
 pub(crate) type Client = RateLimitServiceClient<Channel>;

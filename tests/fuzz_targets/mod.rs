@@ -6,10 +6,10 @@ use std::path::Path;
 use std::sync::{Arc, OnceLock};
 
 use arc_swap::ArcSwap;
-use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use prost::Message;
 use ratelimitd::testing::Metrics;
 use ratelimitd::testing::RedisUrl;
+use ratelimitd::testing::WireRequest;
 use ratelimitd::testing::to_request;
 use ratelimitd::testing::{Algorithm, CounterKey, HashTag, KeyFormat, Limit, MemoryBackend};
 use ratelimitd::testing::{Engine, EngineOptions};
@@ -91,7 +91,7 @@ fn engine() -> &'static Engine {
 /// Request validation, resolution and decision: any protobuf bytes are refused as invalid or
 /// decided, with one status per descriptor.
 pub(crate) fn request(data: &[u8]) {
-    let Ok(req) = RateLimitRequest::decode(data) else {
+    let Ok(req) = WireRequest::decode(data) else {
         return;
     };
     let Ok(req) = to_request(&req) else {
@@ -164,7 +164,7 @@ pub(crate) fn redis_args(data: &[u8]) {
         );
         let expected = [b"rl:{".as_slice(), key.tag(), b"}"].concat();
         assert!(redis_key.starts_with(&expected));
-        let alone = format.descriptor_key(&domain, []);
+        let alone = format.descriptor_key(&domain, [] as [(&str, &str); 0]);
         match tag {
             HashTag::Domain => assert_eq!(key.tag(), alone.tag()),
             HashTag::Descriptor => assert_eq!(

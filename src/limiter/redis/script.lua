@@ -52,7 +52,9 @@
 -- then per entry (E of them), decide:
 --   m        the entry stands for m identical requests in a row, decided one after another
 --   n        how many limits each has
---   3 per limit: its counter c (1..C), hits, and how, one number: the enforcement (1 E: over
+--   3 per limit: its counter c (1..C), hits (at most Limit::most_hits: a larger amount decides
+--            as that one, and every count stays an exact integer in a double, below 2^53),
+--            and how, one number: the enforcement (1 E: over
 --            rejects; 2 Q: rejects only if every Q is over; 3 S: never rejects), plus 3 for a
 --            cost report, plus 6 for a refund (see "Kinds" below)
 --   and a nonce (ARGV) only when one of its limits is a sliding_log: unique to the request, it

@@ -143,7 +143,8 @@ impl Args {
             requests_per_unit: limit.requests_per_unit,
             window_us: limit.window_us,
             burst: limit.burst,
-            hits,
+            // Exact in the script's doubles, and deciding as the amount sent (2^64 - 1 included).
+            hits: hits.min(limit.most_hits()),
             enforcement,
             kind,
             bounds,
