@@ -36,8 +36,26 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .build(),
         )
         .build();
+    // RLQS likewise: a bucket id is built from request headers too.
+    let rlqs = tonic_prost_build::manual::Service::builder()
+        .name("RateLimitQuotaService")
+        .package("envoy.service.rate_limit_quota.v3")
+        .method(
+            tonic_prost_build::manual::Method::builder()
+                .name("stream_rate_limit_quotas")
+                .route_name("StreamRateLimitQuotas")
+                .input_type("crate::server::wire::UsageReports")
+                .output_type(
+                    "::envoy_types::pb::envoy::service::rate_limit_quota::v3::RateLimitQuotaResponse",
+                )
+                .codec_path("::tonic_prost::ProstCodec")
+                .client_streaming()
+                .server_streaming()
+                .build(),
+        )
+        .build();
     tonic_prost_build::manual::Builder::new()
         .build_client(false)
-        .compile(&[rls]);
+        .compile(&[rls, rlqs]);
     Ok(())
 }

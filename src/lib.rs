@@ -97,31 +97,6 @@ impl From<SourceError> for RunError {
     }
 }
 
-/// Starts the heavy-hitter sketches' window rotation and, with Redis, their exchange among
-/// replicas.
-fn spawn_top(
-    engine: &Engine,
-    redis: Option<Arc<limiter::redis::RedisBackend>>,
-    keys: &limiter::KeyFormat,
-    tasks: &mut Tasks,
-) {
-    let top = engine.top();
-    if !top.is_on() {
-        return;
-    }
-    tasks.push(tokio::spawn(top::rotate_every(
-        top.clone(),
-        top.options().window,
-    )));
-    if let Some(redis) = redis {
-        tasks.push(tokio::spawn(engine::top::exchange(
-            top.clone(),
-            redis,
-            keys.clone(),
-        )));
-    }
-}
-
 /// Loads the config files `options` name, as the service would at start, without running it:
 /// the rules as `/rlconfig` prints them, or the first error with its file, line and field.
 pub fn check_config(options: &Options) -> Result<String, CheckError> {
@@ -191,7 +166,6 @@ pub async fn run_with_clock(
         metrics.rlqs.clone(),
     )
     .map_err(RunError::Thread)?;
-    let top_keys = options.keys.clone();
     let engine = Arc::new(Engine::new(
         source.config,
         started.backend.clone(),
@@ -199,7 +173,7 @@ pub async fn run_with_clock(
         metrics.decisions.clone(),
         options.engine,
     ));
-    spawn_top(&engine, redis, &top_keys, &mut tasks);
+    engine.spawn_top(redis, &mut tasks);
     // Listening only now: the config is in force and the backend ready.
     let services = Services {
         engine,

@@ -5,15 +5,20 @@
 //! - A value longer than the longest kept (`--max-value-bytes`) is counted under its SHA-256:
 //!   two long values that differ in any byte are two counters (a collision among `n` distinct
 //!   values has probability below `n² / 2^257`), and a counter's key stays short.
-//! - A value is shown (in `/top`, the admin API, logs, metric names, statsd, traces) as UTF-8
-//!   text that names its bytes exactly: valid UTF-8 as it is, except `\`, shown `\\`; each byte
-//!   that is not part of valid UTF-8 as `\xHH`; a value counted under its digest as
-//!   `\#sha256:<64 hex digits>`. [`unshown`] reads a shown value back.
+//! - A value is shown (in `/top`, the admin API, logs, metric names, statsd, traces) as it is
+//!   when it is UTF-8 and kept as it is. Otherwise it is *escaped*: UTF-8 text that names its
+//!   bytes, each byte that is not part of valid UTF-8 written `\xHH` and a backslash `\\`, or
+//!   for a value counted under its digest `\#sha256:<64 hex digits>`. Where the output has
+//!   room for it (`/top`'s JSON, the admin API), an escaped value is marked so, and [`unshown`]
+//!   reads it back; in a metric name or a log line the escaped text stands alone.
 
 use std::borrow::Cow;
 
 /// A descriptor entry as sent: its key and value, bytes.
 pub(crate) type KeyValue<'a> = (&'a [u8], &'a [u8]);
+
+/// A descriptor's entries, keys and values as bytes, held.
+pub(crate) type OwnedEntries = Vec<(Vec<u8>, Vec<u8>)>;
 
 /// The longest value kept as it is unless the settings say otherwise (`--max-value-bytes`).
 pub(crate) const DEFAULT_LONGEST_KEPT: usize = 4096;
@@ -38,36 +43,45 @@ pub(crate) fn push_hex(out: &mut Vec<u8>, bytes: &[u8]) {
     }
 }
 
-/// `value` shown as text (see the module's comment); borrowed when it is shown as it is, the
-/// common case. Values longer than `longest` are shown as their digest.
+/// `value` shown as text (see the module's comment): borrowed as it is when it is UTF-8 and
+/// not longer than `longest`, the common case; else [`escaped`].
 pub(crate) fn shown(value: &[u8], longest: usize) -> Cow<'_, str> {
-    if value.len() > longest {
-        let mut out = SHOWN_DIGEST.as_bytes().to_vec();
-        push_hex(&mut out, &digest(value));
-        return Cow::Owned(String::from_utf8(out).expect("ASCII"));
-    }
     match std::str::from_utf8(value) {
-        Ok(s) if !s.contains('\\') => Cow::Borrowed(s),
-        _ => {
-            let mut out = String::with_capacity(value.len() + 8);
-            for chunk in value.utf8_chunks() {
-                for c in chunk.valid().chars() {
-                    if c == '\\' {
-                        out.push_str("\\\\");
-                    } else {
-                        out.push(c);
-                    }
-                }
-                for b in chunk.invalid() {
-                    out.push_str(&format!("\\x{b:02x}"));
-                }
-            }
-            Cow::Owned(out)
-        }
+        Ok(s) if value.len() <= longest => Cow::Borrowed(s),
+        _ => Cow::Owned(escaped(value, longest)),
     }
 }
 
-/// The bytes a [`shown`] value names, or `None` where it names a digest (the value itself is
+/// Whether [`shown`] escapes `value`.
+pub(crate) fn is_escaped(value: &[u8], longest: usize) -> bool {
+    value.len() > longest || std::str::from_utf8(value).is_err()
+}
+
+/// `value` escaped: its digest past `longest`, else its text with each byte that is not part
+/// of valid UTF-8 as `\xHH` and each backslash doubled.
+pub(crate) fn escaped(value: &[u8], longest: usize) -> String {
+    if value.len() > longest {
+        let mut out = SHOWN_DIGEST.as_bytes().to_vec();
+        push_hex(&mut out, &digest(value));
+        return String::from_utf8(out).expect("ASCII");
+    }
+    let mut out = String::with_capacity(value.len() + 8);
+    for chunk in value.utf8_chunks() {
+        for c in chunk.valid().chars() {
+            if c == '\\' {
+                out.push_str("\\\\");
+            } else {
+                out.push(c);
+            }
+        }
+        for b in chunk.invalid() {
+            out.push_str(&format!("\\x{b:02x}"));
+        }
+    }
+    out
+}
+
+/// The bytes an [`escaped`] value names, or `None` where it names a digest (the value itself is
 /// not kept) or is no shown value (a lone `\`, or `\x` without two hex digits).
 pub(crate) fn unshown(shown: &str) -> Option<Vec<u8>> {
     if shown.starts_with(SHOWN_DIGEST) {
@@ -104,7 +118,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_shown_value_names_its_bytes_and_reads_back() {
+    fn an_escaped_value_names_its_bytes_and_reads_back() {
         let cases: [&[u8]; 9] = [
             b"plain",
             b"caf\xe9",
@@ -118,24 +132,32 @@ mod tests {
         ];
         let mut seen = std::collections::HashSet::new();
         for v in cases {
-            let s = shown(v, 64);
+            let s = escaped(v, 64);
             assert_eq!(unshown(&s).as_deref(), Some(v), "{s}");
-            assert!(seen.insert(s.into_owned()), "two values shown alike");
+            assert!(seen.insert(s), "two values escaped alike");
         }
+        assert_eq!(escaped(b"caf\xe9", 64), "caf\\xe9");
+        assert_eq!(escaped(b"\\x41", 64), "\\\\x41");
+    }
+
+    #[test]
+    fn a_utf8_value_is_shown_as_it_is_and_others_escaped() {
+        assert!(matches!(shown(b"a\\b", 64), Cow::Borrowed("a\\b")));
+        assert!(!is_escaped(b"a\\b", 64));
         assert_eq!(shown(b"caf\xe9", 64), "caf\\xe9");
-        assert_eq!(shown(b"\\x41", 64), "\\\\x41");
-        assert!(matches!(shown(b"plain", 64), Cow::Borrowed("plain")));
+        assert!(is_escaped(b"caf\xe9", 64));
     }
 
     #[test]
     fn a_long_value_is_shown_as_its_digest() {
-        let long = vec![0xffu8; 65];
+        let long = vec![b'a'; 65];
         let s = shown(&long, 64);
         assert!(s.starts_with("\\#sha256:") && s.len() == 9 + 64, "{s}");
+        assert!(is_escaped(&long, 64));
         assert_eq!(unshown(&s), None);
         let mut other = long.clone();
-        other[0] = 0xfe;
+        other[0] = b'b';
         assert_ne!(shown(&other, 64), s);
-        assert_eq!(shown(&long[..64], 64).len(), 64 * 4);
+        assert_eq!(shown(&long[..64], 64), "a".repeat(64));
     }
 }

@@ -23,6 +23,7 @@ fn counter_request(key: &str, value: &str) -> CounterRequest {
         entries: vec![Entry {
             key: key.into(),
             value: value.into(),
+            escaped: false,
         }],
     }
 }

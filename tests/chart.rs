@@ -147,6 +147,28 @@ fn defaults_render_a_safe_deployment_reading_a_valid_config() {
     }
 }
 
+/// The dashboard's table of who is being limited reads `ratelimit_top_*`, which the service
+/// exports only with `--top-metrics`: on a default install with the dashboard on, it is filled.
+#[test]
+fn the_dashboards_table_is_filled_on_a_default_install() {
+    let Some(helm) = helm() else { return };
+    let objects = template(&helm, &["--set", "dashboard.enabled=true"]);
+    let dashboard = objects
+        .iter()
+        .find(|o| o["kind"] == "ConfigMap" && o["metadata"]["name"] == "rl-ratelimitd-dashboard")
+        .expect("the dashboard's ConfigMap");
+    let json = serde_json::to_string(&dashboard["data"]).unwrap();
+    assert!(json.contains("ratelimit_top_hits"), "the table reads it");
+    let d = of(&objects, "Deployment").unwrap();
+    let n: usize = args(d)
+        .iter()
+        .find_map(|a| a.strip_prefix("--top-metrics="))
+        .expect("--top-metrics is passed")
+        .parse()
+        .unwrap();
+    assert!(n > 0, "--top-metrics={n} leaves the table empty");
+}
+
 #[test]
 fn every_feature_switched_on() {
     let Some(helm) = helm() else { return };

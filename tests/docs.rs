@@ -408,6 +408,7 @@ fn the_image_the_docs_build_is_the_one_the_chart_pulls() {
     for doc in [
         "README.md",
         "charts/ratelimitd/README.md",
+        "docs/deploying.md",
         "docs/envoy-gateway.md",
     ] {
         let text = read(doc);

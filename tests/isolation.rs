@@ -332,6 +332,7 @@ async fn an_admin_reset_through_one_replica_unblocks_a_client_on_every_replica()
             entries: vec![Entry {
                 key: "victim".into(),
                 value: "x".into(),
+                escaped: false,
             }],
         })
         .await

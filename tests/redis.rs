@@ -1295,6 +1295,7 @@ async fn a_per_second_store_keeps_short_windows_apart_and_all_or_nothing() {
         entries: vec![Entry {
             key: "fast".into(),
             value: v.clone(),
+            escaped: false,
         }],
     };
     let seen = admin.get_counters(fast_counter.clone()).await.unwrap();

@@ -1087,12 +1087,15 @@ async fn hostile_reports_are_skipped_or_refused() {
                 ("d", "4"),
                 ("e", "5"),
             ])),
+            // A key is Envoy's configuration's, bounded; a value, a client's, is kept whole.
+            usage(Some(vec![(long.as_str(), "api")])),
             usage(Some(vec![("name", long.as_str())])),
             usage(Some(vec![("name", "api")])),
         ],
     })
     .await;
     e.until(API, |t| t.tokens().is_some()).await;
+    e.until(&[("name", long.as_str())], |_| true).await;
     let (_, m) = s.http_get("/metrics").await;
     for (kind, n) in [
         ("no_bucket_id", 2.0),

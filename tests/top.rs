@@ -335,6 +335,14 @@ async fn two_replicas_on_one_redis_merge_within_15_seconds() {
     };
     send_all(&ca, one("a", 30), 8).await;
     send_all(&cb, [one("a", 10), one("b", 20)].concat(), 8).await;
+    // Hashed and hidden values are published as digests, never in clear, and still merge.
+    for c in [&ca, &cb] {
+        let reqs = vec![
+            request("top", &[&[("secret", "s3cr3t-value")]]),
+            request("top", &[&[("hidden", "h1dden-value")]]),
+        ];
+        send_all(c, reqs, 2).await;
+    }
     let counts = |report: Value| -> Vec<(String, u64)> {
         limit(&report, "top", "tenant")
             .map(|l| {
@@ -353,10 +361,23 @@ async fn two_replicas_on_one_redis_merge_within_15_seconds() {
             .unwrap_or_default()
     };
     let both = vec![("a".to_owned(), 40), ("b".to_owned(), 20)];
+    let secret = sha256sum("s3cr3t-value");
     for d in [&a, &b] {
         let both = both.clone();
         poll(Duration::from_secs(15), || async {
-            (counts(top(d, "?domain=top").await) == both).then_some(())
+            let report = top(d, "?domain=top").await;
+            let merged = |rule: &str| {
+                limit(&report, "top", rule)
+                    .and_then(|l| l["descriptors"].as_array().cloned())
+                    .map(|ds| {
+                        ds.iter()
+                            .map(|d| (d["entries"][0]["value"].clone(), d["hits"].as_u64()))
+                            .collect::<Vec<_>>()
+                    })
+            };
+            let hashed = merged("secret") == Some(vec![(secret.clone().into(), Some(2))]);
+            let hidden = merged("hidden") == Some(vec![(Value::Null, Some(2))]);
+            (counts(report.clone()) == both && hashed && hidden).then_some(())
         })
         .await;
     }
@@ -372,6 +393,13 @@ async fn two_replicas_on_one_redis_merge_within_15_seconds() {
     for k in exchange {
         let ttl: i64 = redis.cli(&["PTTL", k]).parse().unwrap();
         assert!(ttl > 0, "{k} expires: {ttl}");
+        if k.contains(":view:") {
+            let view = redis.cli(&["GET", k]);
+            assert!(view.contains("tenant"), "{k} is a view: {view}");
+            for clear in ["s3cr3t", "h1dden"] {
+                assert!(!view.contains(clear), "{k} holds {clear} in clear: {view}");
+            }
+        }
     }
     drop(b);
     poll(Duration::from_secs(25), || async {
@@ -498,6 +526,7 @@ async fn the_admin_api_and_the_terminal_table_list_it_too() {
             entries: vec![Entry {
                 key: "tenant".into(),
                 value: "zeta\u{1b}[2J".into(),
+                escaped: false,
             }],
             ..Default::default()
         })

@@ -221,35 +221,70 @@ async fn any_value_hits_and_refund_a_client_can_send_gets_a_decision(kind: Kind)
     }
 }
 
-/// A shown value names its bytes: `\xHH` for a byte that is not UTF-8, `\\` for `\`.
+/// A value that is not UTF-8 is shown escaped (`\xHH` for such a byte, `\\` for a
+/// backslash), marked so where the output has room, and the admin API names it back; a UTF-8
+/// value is shown as it is, backslashes and all.
 async fn values_that_are_not_utf8_are_shown_escaped(kind: Kind) {
+    use ratelimitd::admin::admin_client::AdminClient;
+    use ratelimitd::admin::{CounterRequest, Entry};
     let s = start(
         kind,
         &[("limits.yaml", LIMITS)],
-        &["--top-capacity", "8", "--top-metrics", "4"],
+        &["--top-capacity", "8", "--top-metrics", "4", "--admin"],
     )
     .await;
     s.client().await;
     let mut c = RawClient::connect(s.grpc).await;
     counted_once(&mut c, "detailed", b"caf\xe9\\").await;
+    counted_once(&mut c, "detailed", b"a\\b").await;
     let (status, metrics) = s.http_get("/metrics").await;
     assert_eq!(status, 200);
     // OpenMetrics escapes a backslash in a label value as `\\`.
-    assert!(
-        metrics.contains(r#"rule="detailed_caf\\xe9\\\\""#),
-        "{metrics}"
-    );
+    for label in [r#"rule="detailed_caf\\xe9\\\\""#, r#"rule="detailed_a\\b""#] {
+        assert!(metrics.contains(label), "{label}: {metrics}");
+    }
     let top = poll(Duration::from_secs(10), || async {
         let (_, body) = s.http_get("/top?domain=values").await;
-        body.contains("detailed").then_some(body)
+        let top: serde_json::Value = serde_json::from_str(&body).expect("/top is JSON");
+        (top["limits"][0]["descriptors"].as_array()?.len() == 2).then_some(top)
     })
     .await;
-    let top: serde_json::Value = serde_json::from_str(&top).expect("/top is JSON");
-    let shown = top["limits"][0]["descriptors"][0]["entries"][0]["value"]
-        .as_str()
+    let mut shown: Vec<(String, bool)> = top["limits"][0]["descriptors"]
+        .as_array()
         .unwrap()
-        .to_owned();
-    assert_eq!(shown, r"caf\xe9\\");
+        .iter()
+        .map(|d| {
+            let e = &d["entries"][0];
+            (
+                e["value"].as_str().unwrap().to_owned(),
+                e["escaped"] == true,
+            )
+        })
+        .collect();
+    shown.sort();
+    assert_eq!(
+        shown,
+        [(r"a\b".to_owned(), false), (r"caf\xe9\\".to_owned(), true)]
+    );
+    let mut admin = AdminClient::connect(format!("http://{}", s.grpc))
+        .await
+        .unwrap();
+    let used = |value: &str, escaped: bool| CounterRequest {
+        domain: "values".into(),
+        entries: vec![Entry {
+            key: "detailed".into(),
+            value: value.into(),
+            escaped,
+        }],
+    };
+    for (value, escaped, want) in [(r"caf\xe9\\", true, 1), (r"caf\xe9\\", false, 0)] {
+        let counters = admin.get_counters(used(value, escaped)).await.unwrap();
+        assert_eq!(
+            counters.into_inner().counters[0].used,
+            want,
+            "{value} {escaped}"
+        );
+    }
 }
 
 const FIVE: &str = r#"
@@ -372,5 +407,60 @@ async fn long_values_keep_the_memory_backend_small() {
     assert_eq!(
         code(&mut c, raw("values", "user", &value(0))).await,
         Code::OverLimit
+    );
+}
+
+/// RLQS bucket ids are built from request headers too. A report with a bucket whose id is
+/// not UTF-8 (which Envoy could not read back in an answer) skips that bucket alone: the
+/// report's other buckets, a long value's among them, are answered and the stream goes on.
+#[tokio::test]
+async fn a_quota_report_with_a_bucket_id_that_is_not_utf8_goes_on() {
+    use common::raw::{RawReports, raw_rlqs, raw_usage};
+    let s = start(
+        Kind::Memory,
+        &[("q.yaml", "domain: q\ndescriptors:\n  - key: user\n    rate_limit: {unit: minute, requests_per_unit: 100}\n")],
+        &[],
+    )
+    .await;
+    s.client().await;
+    let (tx, mut answers) = raw_rlqs(s.grpc).await;
+    let long = vec![b'x'; 60 << 10];
+    let report = |domain: &str, values: &[&[u8]]| RawReports {
+        domain: domain.into(),
+        bucket_quota_usages: values.iter().map(|v| raw_usage("user", v)).collect(),
+    };
+    let mut answered = std::collections::HashSet::new();
+    let mut wait_for = async |want: &[u8], answered: &mut std::collections::HashSet<Vec<u8>>| {
+        tokio::time::timeout(Duration::from_secs(30), async {
+            while !answered.contains(want) {
+                let r = answers
+                    .message()
+                    .await
+                    .expect("the stream goes on")
+                    .expect("open");
+                for a in r.bucket_action {
+                    let id = a.bucket_id.expect("an id");
+                    answered.insert(id.bucket["user"].as_bytes().to_vec());
+                }
+            }
+        })
+        .await
+        .expect("answered in time");
+    };
+    tx.send(report("q", &[b"ok", b"caf\xe9", &long]))
+        .await
+        .unwrap();
+    wait_for(b"ok", &mut answered).await;
+    wait_for(&long, &mut answered).await;
+    tx.send(report("", &[b"\xff", b"ok2"])).await.unwrap();
+    wait_for(b"ok2", &mut answered).await;
+    assert_eq!(answered.len(), 3, "only UTF-8 ids are answered");
+    let (_, metrics) = s.http_get("/metrics").await;
+    assert_eq!(
+        metric(
+            &metrics,
+            r#"ratelimit_rlqs_skipped_entries_total{kind="not_utf8"}"#
+        ),
+        2.0
     );
 }

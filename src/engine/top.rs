@@ -13,8 +13,10 @@ use crate::config::{NodeLimits, Unit};
 use crate::limiter::key::KeyFormat;
 use crate::limiter::redis::RedisBackend;
 use crate::limiter::{Enforcement, Hit, HitKind};
+use crate::shutdown::Tasks;
 use crate::top::sketch::{Counter, decode};
 use crate::top::{LimitInfo, LimitTop, OVERRIDE, Top, Values, wire};
+use crate::value::OwnedEntries;
 
 /// Descriptors listed per limit unless asked otherwise.
 pub(crate) const DEFAULT_TOP_N: usize = 10;
@@ -29,7 +31,7 @@ pub(crate) struct TopQuery {
     /// Only limits whose rule path or name this is.
     pub(crate) limit: Option<String>,
     /// Only descriptors starting with these entries (key, value as bytes).
-    pub(crate) prefix: Vec<(Vec<u8>, Vec<u8>)>,
+    pub(crate) prefix: OwnedEntries,
     /// Descriptors per limit (at most the sketches' capacity).
     pub(crate) n: usize,
 }
@@ -37,9 +39,9 @@ pub(crate) struct TopQuery {
 /// One listed descriptor.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct TopDescriptor {
-    /// Its entries: each key, and its value as the limit shows values (`None`: hidden).
-    /// Empty when the descriptor was counted without its entries (see `elided`).
-    pub(crate) entries: Vec<(String, Option<String>)>,
+    /// Its entries, each shown as the limit shows values. Empty when the descriptor was
+    /// counted without its entries (see `elided`).
+    pub(crate) entries: Vec<ShownEntry>,
     /// Counted without its entries (too long, or no memory left when it was first counted).
     pub(crate) elided: bool,
     /// Hits asked for; may overestimate by up to `error`.
@@ -51,6 +53,19 @@ pub(crate) struct TopDescriptor {
     pub(crate) error: u64,
     /// What is left of the limit for this descriptor now, where it could be looked up.
     pub(crate) remaining: Option<u64>,
+}
+
+/// One entry of a listed descriptor, as shown.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct ShownEntry {
+    /// The key.
+    pub(crate) key: String,
+    /// The value as the limit shows values (`None`: hidden).
+    pub(crate) value: Option<String>,
+    /// The key or value is not UTF-8 (or the value too long) and is shown escaped
+    /// (`crate::value`), so it reads back to its bytes and is never taken for a UTF-8 value
+    /// that reads the same.
+    pub(crate) escaped: bool,
 }
 
 /// One limit's heaviest descriptors.
@@ -85,9 +100,6 @@ pub(crate) struct TopReport {
     pub(crate) limits: Vec<TopLimit>,
 }
 
-/// A descriptor's entries, keys and values as bytes, held.
-type OwnedEntries = Vec<(Vec<u8>, Vec<u8>)>;
-
 /// A limit as listed before `remaining` is known: its descriptors' entries (as sent) and
 /// counts.
 struct Listed {
@@ -96,6 +108,26 @@ struct Listed {
 }
 
 impl Engine {
+    /// Starts the sketches' window rotation and, with Redis, their exchange among replicas,
+    /// as tasks that end with the service.
+    pub(crate) fn spawn_top(&self, redis: Option<Arc<RedisBackend>>, tasks: &mut Tasks) {
+        let top = self.top();
+        if !top.is_on() {
+            return;
+        }
+        tasks.push(tokio::spawn(crate::top::rotate_every(
+            top.clone(),
+            top.options().window,
+        )));
+        if let Some(redis) = redis {
+            tasks.push(tokio::spawn(exchange(
+                top.clone(),
+                redis,
+                self.keys.clone(),
+            )));
+        }
+    }
+
     /// Each limit's heaviest descriptors, as `query` asks.
     pub(crate) async fn top_report(&self, query: &TopQuery) -> Result<TopReport, EngineError> {
         let top = self.top();
@@ -115,7 +147,7 @@ impl Engine {
                 let descriptors = std::mem::take(&mut top.view.counters)
                     .into_iter()
                     .filter_map(|c| {
-                        let entries: Vec<(Vec<u8>, Vec<u8>)> = match &c.item {
+                        let entries: OwnedEntries = match &c.item {
                             Some(item) => decode(item)?
                                 .into_iter()
                                 .map(|(k, v)| (k.to_vec(), v.to_vec()))
@@ -141,9 +173,12 @@ impl Engine {
                         elided: c.item.is_none(),
                         entries: entries
                             .into_iter()
-                            .map(|(k, v)| {
-                                let k = crate::value::shown(&k, longest).into_owned();
-                                (k, top.values.apply(&v, longest))
+                            .map(|(k, v)| ShownEntry {
+                                key: crate::value::shown(&k, longest).into_owned(),
+                                value: top.values.apply(&v, longest),
+                                escaped: crate::value::is_escaped(&k, longest)
+                                    || (top.values == Values::Show
+                                        && crate::value::is_escaped(&v, longest)),
                             })
                             .collect(),
                         hits: c.hits,
@@ -176,7 +211,10 @@ impl Engine {
         let mut at: Vec<Option<usize>> = Vec::new();
         for l in listed {
             for (entries, c) in &l.descriptors {
-                let hit = (c.item.is_some() && hits.len() < MAX_REMAINING_LOOKUPS)
+                // Hashed and hidden values are kept as digests: no counter can be named.
+                let hit = (c.item.is_some()
+                    && l.top.values == Values::Show
+                    && hits.len() < MAX_REMAINING_LOOKUPS)
                     .then(|| self.counter_of(&snapshot, &l.top.info, entries))
                     .flatten();
                 at.push(hit.map(|h| {

@@ -15,6 +15,7 @@ pub mod pb {
     tonic::include_proto!("ratelimitd.admin.v1");
 }
 
+use crate::value::OwnedEntries;
 pub(crate) use pb::admin_server::AdminServer;
 use pb::{
     Counter, CounterRequest, CounterResponse, ResetResponse, TopDescriptor, TopEntry, TopLimit,
@@ -33,19 +34,25 @@ impl Admin {
     }
 }
 
-/// A key or value as the admin API takes it: as `/top` and the logs show it
-/// (`crate::value::shown`: `\xHH` for a byte that is not UTF-8, `\\` for `\`), or, where it
-/// is no such text, as it is.
-fn unshown(shown: &str) -> Vec<u8> {
-    crate::value::unshown(shown).unwrap_or_else(|| shown.as_bytes().to_vec())
+/// An entry's key and value as bytes: as written, or, where it is marked `escaped`, read as
+/// `/top` escapes what is not UTF-8 (`\xHH` for such a byte, `\\` for `\`).
+fn entry_bytes(e: &pb::Entry) -> Result<(Vec<u8>, Vec<u8>), Status> {
+    if !e.escaped {
+        return Ok((e.key.as_bytes().to_vec(), e.value.as_bytes().to_vec()));
+    }
+    let read = |s: &str| {
+        crate::value::unshown(s).ok_or_else(|| {
+            Status::invalid_argument(format!(
+                "'{s}' is no escaped value (\\xHH for a byte, \\\\ for a backslash)"
+            ))
+        })
+    };
+    Ok((read(&e.key)?, read(&e.value)?))
 }
 
-/// A counter request's entries as bytes, read as [`unshown`] says.
-fn entries(req: &CounterRequest) -> Vec<(Vec<u8>, Vec<u8>)> {
-    req.entries
-        .iter()
-        .map(|e| (unshown(&e.key), unshown(&e.value)))
-        .collect()
+/// Entries as bytes (see [`entry_bytes`]).
+fn entries(entries: &[pb::Entry]) -> Result<OwnedEntries, Status> {
+    entries.iter().map(entry_bytes).collect()
 }
 
 fn borrowed(entries: &[(Vec<u8>, Vec<u8>)]) -> Vec<(&[u8], &[u8])> {
@@ -61,7 +68,7 @@ impl pb::admin_server::Admin for Admin {
         let req = request.get_ref();
         let views = self
             .engine
-            .inspect(&req.domain, &borrowed(&entries(req)))
+            .inspect(&req.domain, &borrowed(&entries(&req.entries)?))
             .await
             .map_err(to_status)?;
         let counters = views
@@ -87,7 +94,7 @@ impl pb::admin_server::Admin for Admin {
         let req = request.get_ref();
         let reset = self
             .engine
-            .reset(&req.domain, &borrowed(&entries(req)))
+            .reset(&req.domain, &borrowed(&entries(&req.entries)?))
             .await
             .map_err(to_status)?;
         tracing::info!(domain = %req.domain, counters = reset, "admin: counters reset");
@@ -102,11 +109,7 @@ impl pb::admin_server::Admin for Admin {
         let query = TopQuery {
             domain: nonempty(req.domain),
             limit: nonempty(req.limit),
-            prefix: req
-                .entries
-                .iter()
-                .map(|e| (unshown(&e.key), unshown(&e.value)))
-                .collect(),
+            prefix: entries(&req.entries)?,
             n: match req.n {
                 0 => DEFAULT_TOP_N,
                 n => n as usize,
@@ -138,7 +141,11 @@ impl pb::admin_server::Admin for Admin {
                             entries: d
                                 .entries
                                 .into_iter()
-                                .map(|(key, value)| TopEntry { key, value })
+                                .map(|e| TopEntry {
+                                    key: e.key,
+                                    value: e.value,
+                                    escaped: e.escaped,
+                                })
                                 .collect(),
                             hits: d.hits,
                             over_limit: d.over_limit,

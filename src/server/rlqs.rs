@@ -26,11 +26,7 @@ use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_resp
     self, AbandonAction, QuotaAssignmentAction,
 };
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::BucketAction;
-use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_server::RateLimitQuotaService;
-use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_usage_reports::BucketQuotaUsage;
-use envoy_types::pb::envoy::service::rate_limit_quota::v3::{
-    BucketId, RateLimitQuotaResponse, RateLimitQuotaUsageReports,
-};
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::{BucketId, RateLimitQuotaResponse};
 use envoy_types::pb::google::protobuf::{Duration as PbDuration, UInt32Value};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
@@ -46,6 +42,8 @@ use crate::rlqs::{
     self, Ask, Assignment, BucketOptions, BucketRule, ParticipantId, Pools, Signal, Usage,
 };
 use crate::server::conn::ConnInfo;
+use crate::server::wire::rate_limit_quota_service_server::RateLimitQuotaService;
+use crate::server::wire::{BucketUsage, UsageReports};
 
 /// Answers a stream may have waiting for the client.
 const QUEUE: usize = 4;
@@ -174,6 +172,7 @@ impl RlqsService {
             [
                 "empty_key_or_value",
                 "no_bucket_id",
+                "not_utf8",
                 "too_long",
                 "too_many_pairs",
                 "over_budget",
@@ -225,7 +224,7 @@ impl RateLimitQuotaService for RlqsService {
 
     async fn stream_rate_limit_quotas(
         &self,
-        request: Request<Streaming<RateLimitQuotaUsageReports>>,
+        request: Request<Streaming<UsageReports>>,
     ) -> Result<Response<Self::StreamRateLimitQuotasStream>, Status> {
         let (tx, rx) = mpsc::channel(QUEUE);
         // Shared by the connection's streams; a request without one (never, over a listener)
@@ -243,13 +242,13 @@ impl RateLimitQuotaService for RlqsService {
 
 /// What the reader hands a stream's task: a decoded report, the end of the stream (`None`),
 /// or why it could not be read.
-type Inbound = Result<Option<RateLimitQuotaUsageReports>, Status>;
+type Inbound = Result<Option<UsageReports>, Status>;
 
 /// Reads and decodes a stream's reports on the server's workers, as every request body is
 /// read (the connection's byte budget and the message deadline act there, at the pace the
 /// connection delivers), and hands them one at a time to the stream's task on the RLQS thread.
 /// Ends when the stream does, or when its task has (the client may hold its side open).
-async fn read(mut inbound: Streaming<RateLimitQuotaUsageReports>, reports: mpsc::Sender<Inbound>) {
+async fn read(mut inbound: Streaming<UsageReports>, reports: mpsc::Sender<Inbound>) {
     loop {
         let message = tokio::select! {
             m = inbound.message() => m,
@@ -338,7 +337,7 @@ struct RlqsStream {
 /// An entry's bucket id as sorted pairs, or why the entry is skipped. The id's strings are
 /// taken, not copied: decoded at their length, they become the pairs as they are, so a
 /// bucket held keeps the very bytes decoded and leaves no freed copy behind.
-fn fault(usage: &mut BucketQuotaUsage, limits: &RequestLimits) -> Result<Vec<Pair>, &'static str> {
+fn fault(usage: &mut BucketUsage, limits: &RequestLimits) -> Result<Vec<Pair>, &'static str> {
     // A bucket id with no pairs names no bucket, as an absent one.
     let Some(id) = usage.bucket_id.take().filter(|id| !id.bucket.is_empty()) else {
         return Err("no_bucket_id");
@@ -347,13 +346,21 @@ fn fault(usage: &mut BucketQuotaUsage, limits: &RequestLimits) -> Result<Vec<Pai
         return Err("too_many_pairs");
     }
     let mut pairs = Vec::with_capacity(id.bucket.len());
-    for (k, v) in id.bucket {
+    for pair in id.bucket {
+        let (k, v) = (pair.key, pair.value);
         if k.is_empty() || v.is_empty() {
             return Err("empty_key_or_value");
         }
-        if k.len() > limits.max_key_bytes || v.len() > limits.max_value_bytes {
+        // A key is Envoy's configuration's; a value, a client's, is kept whole however long
+        // (the bucket is charged for it), as it must be sent back the same.
+        if k.len() > limits.max_key_bytes {
             return Err("too_long");
         }
+        // Envoy's protobuf refuses a string that is not UTF-8 when it parses an answer: such
+        // a bucket cannot be answered, and follows the filter's `no_assignment_behavior`.
+        let (Ok(k), Ok(v)) = (String::from_utf8(k), String::from_utf8(v)) else {
+            return Err("not_utf8");
+        };
         pairs.push((k.into_boxed_str(), v.into_boxed_str()));
     }
     pairs.sort();
@@ -495,8 +502,11 @@ impl RlqsStream {
 
     /// One report message: each entry's bucket is created, measured and answered (abandoned
     /// when idle), or skipped.
-    async fn on_reports(&mut self, reports: RateLimitQuotaUsageReports) -> Result<(), Status> {
-        match (&self.domain, reports.domain.as_str()) {
+    async fn on_reports(&mut self, reports: UsageReports) -> Result<(), Status> {
+        let Ok(domain) = std::str::from_utf8(&reports.domain) else {
+            return Err(Status::invalid_argument("the RLQS domain is not UTF-8"));
+        };
+        match (&self.domain, domain) {
             (None, "") => {
                 return Err(Status::invalid_argument(
                     "the first RLQS report must name its domain",
@@ -644,7 +654,7 @@ impl RlqsStream {
     fn measure(
         &mut self,
         pid: ParticipantId,
-        usage: &BucketQuotaUsage,
+        usage: &BucketUsage,
         now: Instant,
     ) -> Option<Option<Usage>> {
         let bucket = self.buckets.get_mut(&pid).expect("opened above");

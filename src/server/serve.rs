@@ -4,8 +4,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::wire::rate_limit_quota_service_server::RateLimitQuotaServiceServer;
 use super::wire::rate_limit_service_server::RateLimitServiceServer;
-use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_server::RateLimitQuotaServiceServer;
 use tokio::net::{TcpListener, TcpSocket, UnixListener};
 use tonic::transport::server::TcpIncoming;
 

@@ -76,7 +76,13 @@ pub(crate) fn report_json(report: &TopReport) -> Value {
                     let entries: Vec<Value> = d
                         .entries
                         .iter()
-                        .map(|(k, v)| json!({"key": k, "value": v}))
+                        .map(|e| {
+                            let mut o = json!({"key": e.key, "value": e.value});
+                            if e.escaped {
+                                o["escaped"] = Value::Bool(true);
+                            }
+                            o
+                        })
                         .collect();
                     let mut o = json!({
                         "entries": entries,

@@ -6,10 +6,14 @@
 //! into a descriptor as it is: refused by the decoder, such a value would fail the call and Envoy
 //! would let the request through. As bytes it is decided like any other value.
 //!
-//! The response is Envoy's own message (envoy-types): what we send is ours, and UTF-8.
+//! The same for RLQS' reports (`RateLimitQuotaUsageReports`), whose bucket ids Envoy builds
+//! from request headers too: a report is decoded whatever its bytes, and a bucket whose id is
+//! not UTF-8 is skipped alone (`server/rlqs.rs`), never the report or the stream.
+//!
+//! Responses are Envoy's own messages (envoy-types): what we send is ours, and UTF-8.
 
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::RateLimitOverride;
-use envoy_types::pb::google::protobuf::UInt64Value;
+use envoy_types::pb::google::protobuf::{Duration, UInt64Value};
 
 /// `envoy.service.ratelimit.v3.RateLimitRequest`, its strings as bytes.
 #[derive(Clone, PartialEq, prost::Message)]
@@ -81,12 +85,54 @@ impl From<envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest> for 
     }
 }
 
-/// The generated server of `RateLimitService` over the request above (build.rs).
+/// `envoy.service.rate_limit_quota.v3.RateLimitQuotaUsageReports`, its strings as bytes.
+#[derive(Clone, PartialEq, prost::Message)]
+pub(crate) struct UsageReports {
+    /// The domain (set by Envoy's configuration; sent at least first).
+    #[prost(bytes = "vec", tag = "1")]
+    pub domain: Vec<u8>,
+    /// One entry per bucket.
+    #[prost(message, repeated, tag = "2")]
+    pub bucket_quota_usages: Vec<BucketUsage>,
+}
+
+/// `RateLimitQuotaUsageReports.BucketQuotaUsage`.
+#[derive(Clone, PartialEq, prost::Message)]
+pub(crate) struct BucketUsage {
+    /// The bucket.
+    #[prost(message, optional, tag = "1")]
+    pub bucket_id: Option<BucketIdBytes>,
+    /// The time the usage covers, as the client measured it.
+    #[prost(message, optional, tag = "2")]
+    pub time_elapsed: Option<Duration>,
+    /// Requests the client let through.
+    #[prost(uint64, tag = "3")]
+    pub num_requests_allowed: u64,
+    /// Requests the client refused.
+    #[prost(uint64, tag = "4")]
+    pub num_requests_denied: u64,
+}
+
+/// `envoy.service.rate_limit_quota.v3.BucketId`: its `map<string, string>` as the repeated
+/// (key, value) messages a map is on the wire, each as bytes.
+#[derive(Clone, PartialEq, prost::Message)]
+pub(crate) struct BucketIdBytes {
+    /// The id's pairs, in the order sent (a map's order means nothing).
+    #[prost(message, repeated, tag = "1")]
+    pub bucket: Vec<DescriptorEntry>,
+}
+
+/// The generated servers of `RateLimitService` and `RateLimitQuotaService` over the messages
+/// above (build.rs).
 #[allow(unreachable_pub, missing_docs)]
 mod generated {
     include!(concat!(
         env!("OUT_DIR"),
         "/envoy.service.ratelimit.v3.RateLimitService.rs"
     ));
+    include!(concat!(
+        env!("OUT_DIR"),
+        "/envoy.service.rate_limit_quota.v3.RateLimitQuotaService.rs"
+    ));
 }
-pub(crate) use generated::rate_limit_service_server;
+pub(crate) use generated::{rate_limit_quota_service_server, rate_limit_service_server};

@@ -72,13 +72,19 @@ impl Values {
             .find(|v| v.as_str().eq_ignore_ascii_case(name))
     }
 
-    /// `value` as this mode shows it: as text naming its bytes (`crate::value::shown`), as
-    /// the first 8 bytes of its SHA-256, or not at all.
-    pub(crate) fn apply(self, value: &[u8], longest: usize) -> Option<String> {
+    /// A value as a sketch of this mode keeps it (the value itself, or its SHA-256 where
+    /// values are hashed or hidden), shown: as text naming its bytes (`crate::value::shown`),
+    /// as the first 8 bytes of its SHA-256, or not at all.
+    pub(crate) fn apply(self, kept: &[u8], longest: usize) -> Option<String> {
         match self {
-            Values::Show => Some(crate::value::shown(value, longest).into_owned()),
+            Values::Show => Some(crate::value::shown(kept, longest).into_owned()),
             Values::Hash => {
-                let digest = crate::value::digest(value);
+                // A sketch's values are digests already; one that is not (its limit was shown
+                // before a reload) is hashed here, never shown.
+                let digest = match <[u8; 32]>::try_from(kept) {
+                    Ok(d) => d,
+                    Err(_) => crate::value::digest(kept),
+                };
                 let hex: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
                 Some(format!("sha256:{hex}"))
             }
@@ -392,6 +398,27 @@ impl Top {
         if hits == 0 || !self.is_on() {
             return;
         }
+        let values = limit.values.max(self.options.values);
+        if values == Values::Show {
+            return self.record_as(limit, values, entries, hits, over);
+        }
+        // Hashed or hidden values are kept as their SHA-256 only, so that neither this
+        // replica's memory nor the view it publishes to Redis holds them in clear.
+        let digested: smallvec::SmallVec<[(&[u8], [u8; 32]); 4]> = entries
+            .iter()
+            .map(|(k, v)| (k.as_ref(), crate::value::digest(v.as_ref())))
+            .collect();
+        self.record_as(limit, values, &digested, hits, over);
+    }
+
+    fn record_as(
+        &self,
+        limit: &LimitRef<'_>,
+        values: Values,
+        entries: &[(impl AsRef<[u8]>, impl AsRef<[u8]>)],
+        hits: u64,
+        over: bool,
+    ) {
         let capacity = self.options.capacity;
         let lh = limit.hash(&self.hasher);
         let dh = hash_entries(&self.hasher, entries);
@@ -421,7 +448,7 @@ impl Top {
                 shard.current.push(LimitSketch {
                     hash: lh,
                     info: Arc::new(info),
-                    values: limit.values,
+                    values,
                     summary: Summary::new(capacity),
                 });
                 let current = &shard.current;
@@ -432,7 +459,7 @@ impl Top {
             }
         };
         let tracked = &mut shard.current[i];
-        tracked.values = limit.values;
+        tracked.values = values;
         tracked
             .summary
             .record(dh, entries, hits, over, &mut shard.room);
@@ -711,7 +738,7 @@ mod tests {
     fn values_are_hashed_the_same_everywhere() {
         assert_eq!(Values::Show.apply(b"a\"b", 64), Some("a\"b".to_owned()));
         assert_eq!(
-            Values::Hash.apply(b"abc", 64),
+            Values::Hash.apply(&crate::value::digest(b"abc"), 64),
             Some("sha256:ba7816bf8f01cfea".to_owned())
         );
         assert_eq!(Values::Hide.apply(b"abc", 64), None);

@@ -88,3 +88,73 @@ impl RawClient {
             .map(tonic::Response::into_inner)
     }
 }
+
+/// `envoy.service.rate_limit_quota.v3.RateLimitQuotaUsageReports`, bucket ids as bytes.
+#[derive(Clone, PartialEq, prost::Message)]
+pub(crate) struct RawReports {
+    #[prost(bytes = "vec", tag = "1")]
+    pub domain: Vec<u8>,
+    #[prost(message, repeated, tag = "2")]
+    pub bucket_quota_usages: Vec<RawUsage>,
+}
+
+/// `BucketQuotaUsage`: a bucket id (its map as repeated entries) and its counts.
+#[derive(Clone, PartialEq, prost::Message)]
+pub(crate) struct RawUsage {
+    #[prost(message, optional, tag = "1")]
+    pub bucket_id: Option<RawBucketId>,
+    #[prost(uint64, tag = "3")]
+    pub num_requests_allowed: u64,
+}
+
+/// `BucketId`, `map<string, string>` being repeated (key = 1, value = 2) on the wire.
+#[derive(Clone, PartialEq, prost::Message)]
+pub(crate) struct RawBucketId {
+    #[prost(message, repeated, tag = "1")]
+    pub bucket: Vec<RawEntry>,
+}
+
+/// A usage entry of a one-pair bucket id.
+pub(crate) fn raw_usage(key: &str, value: &[u8]) -> RawUsage {
+    RawUsage {
+        bucket_id: Some(RawBucketId {
+            bucket: vec![RawEntry {
+                key: key.into(),
+                value: value.to_vec(),
+            }],
+        }),
+        num_requests_allowed: 1,
+    }
+}
+
+/// An RLQS stream that sends [`RawReports`]: the sender, and the answers as they come.
+pub(crate) async fn raw_rlqs(
+    addr: SocketAddr,
+) -> (
+    tokio::sync::mpsc::Sender<RawReports>,
+    tonic::Streaming<envoy_types::pb::envoy::service::rate_limit_quota::v3::RateLimitQuotaResponse>,
+) {
+    use envoy_types::pb::envoy::service::rate_limit_quota::v3::RateLimitQuotaResponse;
+    let channel = Channel::from_shared(format!("http://{addr}"))
+        .expect("a URL")
+        .connect()
+        .await
+        .expect("connect");
+    let mut grpc = tonic::client::Grpc::new(channel);
+    grpc.ready().await.expect("ready");
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    let path = http::uri::PathAndQuery::from_static(
+        "/envoy.service.rate_limit_quota.v3.RateLimitQuotaService/StreamRateLimitQuotas",
+    );
+    let codec = tonic_prost::ProstCodec::<RawReports, RateLimitQuotaResponse>::default();
+    let answers = grpc
+        .streaming(
+            tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(rx)),
+            path,
+            codec,
+        )
+        .await
+        .expect("the stream opens")
+        .into_inner();
+    (tx, answers)
+}
