@@ -369,3 +369,54 @@ descriptors:
     let r = call(&mut c, request("d", &[&[("minute", "v")]])).await;
     assert_eq!(reset(&r), Duration::from_secs(60));
 }
+
+/// Calendar windows are computed up to 9999-12-30T22:00Z, where the time-zone database's civil
+/// times end: the window holding that end is cut there, and after it one window runs on. A
+/// limit refuses past its count on both sides of it, and announces a reset no later than the
+/// cut within the range. (A week there once lasted one microsecond, admitting without bound.)
+#[tokio::test]
+async fn the_last_calendar_windows_of_year_9999_still_refuse() {
+    let config = "domain: far
+descriptors:
+  - key: week
+    rate_limit: {unit: week, requests_per_unit: 3, calendar: UTC}
+  - key: kiritimati_week
+    rate_limit: {unit: week, requests_per_unit: 3, calendar: Pacific/Kiritimati}
+  - key: month
+    rate_limit: {unit: month, requests_per_unit: 3, calendar: Europe/Berlin}
+  - key: year
+    rate_limit: {unit: year, requests_per_unit: 3, calendar: America/New_York}
+  - key: day
+    rate_limit: {unit: day, requests_per_unit: 3, calendar: Asia/Tokyo}
+";
+    let clock = ManualClock::new(at("9999-12-29T12:00:00Z"));
+    let s = TestServer::start_with(&[("far.yaml", config)], &[], Arc::new(clock.clone())).await;
+    let mut c = s.client().await;
+    let cut = at("9999-12-30T22:00:00Z") + 999_999;
+    for (now, what) in [
+        (at("9999-12-29T12:00:00Z"), "within the range"),
+        (cut + 14 * H, "past its end"),
+    ] {
+        clock.set(now);
+        for key in ["week", "kiritimati_week", "month", "year", "day"] {
+            let req = request("far", &[&[(key, what)]]);
+            // A second between calls: time moves on within the window, as it does.
+            for i in 0..3 {
+                clock.advance(Duration::from_secs(1));
+                let r = call(&mut c, req.clone()).await;
+                assert!(is_ok(&r), "{key} {what}: call {i} refused: {r:?}");
+            }
+            clock.advance(Duration::from_secs(1));
+            let r = call(&mut c, req.clone()).await;
+            assert!(is_over(&r), "{key} {what}: a fourth admitted: {r:?}");
+            if now < cut {
+                let reset = reset_of(&r, 0);
+                assert!(
+                    reset <= Duration::from_micros(cut - now) && reset > Duration::from_secs(60),
+                    "{key}: reset {reset:?}"
+                );
+            }
+            clock.set(now);
+        }
+    }
+}

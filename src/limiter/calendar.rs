@@ -175,18 +175,29 @@ impl Calendar {
     }
 
     /// The window `[start, end)` holding `now`, in µs since the Unix epoch.
+    ///
+    /// Calendar windows are computed up to [`end_of_range`] (9999-12-30T22:00Z, where the
+    /// time-zone database's civil times end): the window holding it is cut there, and from it
+    /// on one window runs without end. A limit goes on refusing past its count there; it
+    /// never admits without bound, as a window of one microsecond would.
     pub fn window_at(&self, now_us: u64) -> (u64, u64) {
+        let last = end_of_range();
         let now = to_i64(now_us);
+        if now >= last {
+            return (to_u64(last), u64::MAX);
+        }
         let local = self.zone.tz.to_datetime(timestamp(now));
         let mut label = self.floor(local);
         let mut start = self.first_instant(label);
         for _ in 0..MAX_STEPS {
-            let next = self.next(label);
-            let end = self.first_instant(next);
-            if end > now {
-                return (to_u64(start.min(now)), to_u64(end));
+            let end = match self.next(label) {
+                Some(next) => (next, self.first_instant(next).min(last)),
+                None => return (to_u64(start.min(now)), to_u64(last)),
+            };
+            if end.1 > now {
+                return (to_u64(start.min(now)), to_u64(end.1));
             }
-            (label, start) = (next, end);
+            (label, start) = end;
         }
         // Unreachable with the database's zones; still a window that holds `now`.
         (to_u64(start.min(now)), to_u64(now) + 1)
@@ -212,36 +223,38 @@ impl Calendar {
             CalendarUnit::Day => date.at(0, 0, 0, 0),
             CalendarUnit::Week => {
                 let back = date.weekday().to_monday_zero_offset() as i64;
-                days_after(date, -back).at(0, 0, 0, 0)
+                // Before the calendar's first Monday only, which no u64 instant reaches.
+                days_after(date, -back).unwrap_or(date).at(0, 0, 0, 0)
             }
             CalendarUnit::Month => {
                 let month = (local.month() - 1) - (local.month() - 1) % m + 1;
-                first_of(date.year(), month).at(0, 0, 0, 0)
+                first_of(date.year(), month).unwrap_or(date).at(0, 0, 0, 0)
             }
-            CalendarUnit::Year => first_of(date.year(), 1).at(0, 0, 0, 0),
+            CalendarUnit::Year => first_of(date.year(), 1).unwrap_or(date).at(0, 0, 0, 0),
         }
     }
 
-    /// The label after `label`.
-    fn next(&self, label: DateTime) -> DateTime {
+    /// The label after `label`, or `None` past the end of the calendar's range.
+    fn next(&self, label: DateTime) -> Option<DateTime> {
         let date = label.date();
         let m = self.multiplier as i8;
+        let midnight = |d: Date| d.at(0, 0, 0, 0);
         match self.unit {
             CalendarUnit::Hour => {
                 let hour = label.hour() + m;
                 if hour >= 24 {
-                    days_after(date, 1).at(0, 0, 0, 0)
+                    days_after(date, 1).map(midnight)
                 } else {
-                    date.at(hour, 0, 0, 0)
+                    Some(date.at(hour, 0, 0, 0))
                 }
             }
-            CalendarUnit::Day => days_after(date, 1).at(0, 0, 0, 0),
-            CalendarUnit::Week => days_after(date, 7).at(0, 0, 0, 0),
+            CalendarUnit::Day => days_after(date, 1).map(midnight),
+            CalendarUnit::Week => days_after(date, 7).map(midnight),
             CalendarUnit::Month => {
                 let index = date.year() as i32 * 12 + (date.month() - 1) as i32 + m as i32;
-                first_of((index / 12) as i16, (index % 12 + 1) as i8).at(0, 0, 0, 0)
+                first_of((index / 12) as i16, (index % 12 + 1) as i8).map(midnight)
             }
-            CalendarUnit::Year => first_of(date.year() + 1, 1).at(0, 0, 0, 0),
+            CalendarUnit::Year => first_of(date.year() + 1, 1).map(midnight),
         }
     }
 
@@ -285,13 +298,18 @@ fn to_u64(us: i64) -> u64 {
     u64::try_from(us).unwrap_or(0)
 }
 
-fn days_after(date: Date, days: i64) -> Date {
-    date.checked_add(jiff::Span::new().days(days))
-        .unwrap_or(date)
+/// The end of the instants calendar windows are computed for (µs): jiff's last timestamp,
+/// whose civil time is a valid date in every zone.
+pub(crate) fn end_of_range() -> i64 {
+    Timestamp::MAX.as_microsecond()
 }
 
-fn first_of(year: i16, month: i8) -> Date {
-    Date::new(year, month, 1).unwrap_or(Date::MAX)
+fn days_after(date: Date, days: i64) -> Option<Date> {
+    date.checked_add(jiff::Span::new().days(days)).ok()
+}
+
+fn first_of(year: i16, month: i8) -> Option<Date> {
+    Date::new(year, month, 1).ok()
 }
 
 #[cfg(test)]
