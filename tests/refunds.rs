@@ -148,3 +148,34 @@ async fn refunds_across_a_window_do_what_each_algorithm_can_know() {
         );
     }
 }
+
+/// A sliding log's refund gives back at most 1,000 entries (docs/configuration.md, "Budgets
+/// known after the response"), on both backends alike, so one call's work stays bounded
+/// however long the log: after 3,000 one-hit requests, a refund of 2,500 gives back 1,000.
+#[tokio::test]
+async fn a_log_refund_gives_back_at_most_1000_entries() {
+    let config = "domain: r
+descriptors:
+  - key: many
+    rate_limit: {unit: second, unit_multiplier: 1000, requests_per_unit: 3000, algorithm: sliding_log}
+";
+    let (servers, _redis) = stepped_servers(&[("r.yaml", config)], T0, T0).await;
+    for (name, server, clock) in &servers {
+        let mut c = server.client().await;
+        for i in 0..3_000 {
+            // Each request its own entry: the memory backend merges those of one instant.
+            if let common::redis::Stepped::Memory(m) = clock {
+                m.set(T0 + i * 1_000);
+            }
+            assert!(is_ok(&call(&mut c, take("many", 1)).await), "{name}: {i}");
+        }
+        assert!(is_over(&call(&mut c, take("many", 1)).await), "{name}");
+        call(&mut c, refund("many", 2_500)).await;
+        let mut admitted = 0;
+        while is_ok(&call(&mut c, take("many", 1)).await) {
+            admitted += 1;
+            assert!(admitted <= 2_500, "{name}");
+        }
+        assert_eq!(admitted, 1_000, "{name}: a refund of 2,500 gave back {admitted}");
+    }
+}
