@@ -544,9 +544,10 @@ const RULE_STATS: [&str; 5] = [
 ];
 
 /// A stat key as envoyproxy/ratelimit cleans it: `:` and `|` (statsd's separators) become `_`,
-/// and so do the dots of an IPv4 address (which would otherwise split the name's levels).
+/// and so do the dots of an IPv4 address (which would otherwise split the name's levels). So
+/// do `\n` and `\r` (a value from metadata may hold them): a name never starts a line of its own.
 pub(crate) fn sanitize(key: &str) -> String {
-    let key = key.replace([':', '|'], "_");
+    let key = key.replace([':', '|', '\n', '\r'], "_");
     let bytes = key.as_bytes();
     let mut out = bytes.to_vec();
     let mut i = 0;
@@ -693,6 +694,7 @@ mod tests {
             "d.remote_address_10_0_0_1"
         );
         assert_eq!(sanitize("d.k:v|w.1.2"), "d.k_v_w.1.2");
+        assert_eq!(sanitize("d.k_a\nx:1|c\r"), "d.k_a_x_1_c_");
         // Unanchored, as Go's regexp finds it: from the 2.
         assert_eq!(sanitize("d.ip_1234.5.6.7"), "d.ip_1234_5_6_7");
         assert_eq!(sanitize("d.v_1.2.3"), "d.v_1.2.3");

@@ -176,6 +176,9 @@ descriptors:
             admitted += 1;
             assert!(admitted <= 2_500, "{name}");
         }
-        assert_eq!(admitted, 1_000, "{name}: a refund of 2,500 gave back {admitted}");
+        assert_eq!(
+            admitted, 1_000,
+            "{name}: a refund of 2,500 gave back {admitted}"
+        );
     }
 }

@@ -30,6 +30,7 @@ use crate::limiter::key::KeyFormat;
 use crate::limiter::{Accounting, Algorithm, Backend, HitKind};
 use crate::metrics::{Accounted, Decision, DecisionMetrics};
 use crate::top::{LimitRef, Top, TopOptions};
+use crate::value::KeyValue;
 
 /// How the engine decides, beyond the config.
 #[derive(Clone, Copy, Debug)]
@@ -294,7 +295,7 @@ impl Engine {
     fn counters_of(
         &self,
         domain: &str,
-        entries: &[(&[u8], &[u8])],
+        entries: &[KeyValue<'_>],
     ) -> Result<(Vec<ReportedLimit>, Vec<crate::limiter::Hit>), EngineError> {
         let req = Request {
             domain,
@@ -332,7 +333,7 @@ impl Engine {
     pub async fn inspect(
         &self,
         domain: &str,
-        entries: &[(&[u8], &[u8])],
+        entries: &[KeyValue<'_>],
     ) -> Result<Vec<CounterView>, EngineError> {
         let (limits, hits) = self.counters_of(domain, entries)?;
         if hits.is_empty() {
@@ -364,7 +365,7 @@ impl Engine {
     pub async fn reset(
         &self,
         domain: &str,
-        entries: &[(&[u8], &[u8])],
+        entries: &[KeyValue<'_>],
     ) -> Result<usize, EngineError> {
         let (_, mut hits) = self.counters_of(domain, entries)?;
         hits.extend(crate::config::Unit::ALL.into_iter().map(|unit| {

@@ -10,6 +10,7 @@ use super::request::{LimitOverride, Request};
 use crate::config::{LimitRule, NodeLimits, Snapshot};
 use crate::limiter::key::KeyFormat;
 use crate::limiter::{Accounting, Algorithm, Enforcement, Hit, HitKind, Limit};
+use crate::value::KeyValue;
 
 /// The metric rule of a request's `limit` override on a descriptor the config does not know:
 /// a constant, since the entries are the client's.
@@ -24,7 +25,7 @@ const OVERRIDE_ORDINAL: u16 = u16::MAX;
 pub(crate) fn override_hit(
     keys: &KeyFormat,
     domain: &str,
-    entries: &[(&[u8], &[u8])],
+    entries: &[KeyValue<'_>],
     o: LimitOverride,
     hits: u64,
     kind: HitKind,

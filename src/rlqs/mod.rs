@@ -13,6 +13,7 @@ use crate::config::{NodeLimits, Snapshot};
 use crate::limiter::failure_mode::FailureMode;
 use crate::limiter::key::KeyFormat;
 use crate::metrics::{ModeLabels, RlqsMetrics};
+use crate::value::KeyValue;
 
 pub(crate) use pool::{Grant, LocalPools, ParticipantId, PoolSpec, Signal, Usage};
 pub(crate) use redis_pools::RedisPools;
@@ -71,7 +72,7 @@ pub(crate) enum Assignment {
 pub(crate) fn bucket_rule(
     snapshot: &Snapshot,
     domain: &str,
-    entries: &[(&[u8], &[u8])],
+    entries: &[KeyValue<'_>],
     keys: &KeyFormat,
     global_shadow: bool,
 ) -> BucketRule {
