@@ -20,6 +20,11 @@ pub(crate) type KeyValue<'a> = (&'a [u8], &'a [u8]);
 /// A descriptor's entries, keys and values as bytes, held.
 pub(crate) type OwnedEntries = Vec<(Vec<u8>, Vec<u8>)>;
 
+/// Held entries, borrowed as a request's are.
+pub(crate) fn borrowed(entries: &[(Vec<u8>, Vec<u8>)]) -> Vec<KeyValue<'_>> {
+    entries.iter().map(|(k, v)| (&k[..], &v[..])).collect()
+}
+
 /// The longest value kept as it is unless the settings say otherwise (`--max-value-bytes`).
 pub(crate) const DEFAULT_LONGEST_KEPT: usize = 4096;
 

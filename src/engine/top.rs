@@ -243,10 +243,7 @@ impl Engine {
         info: &LimitInfo,
         entries: &[(Vec<u8>, Vec<u8>)],
     ) -> Option<Hit> {
-        let entries: Vec<(&[u8], &[u8])> = entries
-            .iter()
-            .map(|(k, v)| (k.as_slice(), v.as_slice()))
-            .collect();
+        let entries = crate::value::borrowed(entries);
         if info.index == OVERRIDE {
             let unit = Unit::parse(&info.unit)?;
             let o = LimitOverride {

@@ -85,16 +85,19 @@ impl KeyFormat {
 
     /// The key of a descriptor's (key, counted value) entries in `domain`, without a limit
     /// identity yet (see [`CounterKey::with_limit`]).
-    pub fn descriptor_key<K: AsRef<[u8]>, V: AsRef<[u8]>>(
+    pub fn descriptor_key<'a, K, V>(
         &self,
         domain: &str,
-        entries: impl IntoIterator<Item = (K, V)>,
-    ) -> CounterKey {
-        let entries: Vec<(K, V)> = entries.into_iter().collect();
+        entries: impl IntoIterator<Item = (&'a K, &'a V)>,
+    ) -> CounterKey
+    where
+        K: AsRef<[u8]> + ?Sized + 'a,
+        V: AsRef<[u8]> + ?Sized + 'a,
+    {
         self.key_of(
             KeyPart::Raw(domain.as_bytes()),
             entries
-                .iter()
+                .into_iter()
                 .map(|(k, v)| (KeyPart::Raw(k.as_ref()), KeyPart::Value(v.as_ref()))),
         )
     }
@@ -318,10 +321,11 @@ impl LimitIdentity {
 
 impl CounterKey {
     /// The key of a descriptor in `domain` with the default format (no prefix, domain tag).
-    pub fn new<K: AsRef<[u8]>, V: AsRef<[u8]>>(
-        domain: &str,
-        entries: impl IntoIterator<Item = (K, V)>,
-    ) -> Self {
+    pub fn new<'a, K, V>(domain: &str, entries: impl IntoIterator<Item = (&'a K, &'a V)>) -> Self
+    where
+        K: AsRef<[u8]> + ?Sized + 'a,
+        V: AsRef<[u8]> + ?Sized + 'a,
+    {
         KeyFormat::default().descriptor_key(domain, entries)
     }
 

@@ -15,7 +15,7 @@ pub mod pb {
     tonic::include_proto!("ratelimitd.admin.v1");
 }
 
-use crate::value::OwnedEntries;
+use crate::value::{OwnedEntries, borrowed};
 pub(crate) use pb::admin_server::AdminServer;
 use pb::{
     Counter, CounterRequest, CounterResponse, ResetResponse, TopDescriptor, TopEntry, TopLimit,
@@ -53,10 +53,6 @@ fn entry_bytes(e: &pb::Entry) -> Result<(Vec<u8>, Vec<u8>), Status> {
 /// Entries as bytes (see [`entry_bytes`]).
 fn entries(entries: &[pb::Entry]) -> Result<OwnedEntries, Status> {
     entries.iter().map(entry_bytes).collect()
-}
-
-fn borrowed(entries: &[(Vec<u8>, Vec<u8>)]) -> Vec<(&[u8], &[u8])> {
-    entries.iter().map(|(k, v)| (&k[..], &v[..])).collect()
 }
 
 #[tonic::async_trait]
