@@ -63,22 +63,6 @@ descriptors:
     )
 }
 
-/// xorshift64*: reproducible sequences from a printed seed, no dependency.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
-
 fn random_request(rng: &mut Rng) -> RateLimitRequest {
     let keys = [
         "f", "s", "l", "b", "sh", "q1", "q2", "z", "cal", "nested", "unknown",

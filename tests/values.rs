@@ -132,21 +132,13 @@ async fn long_values_are_decided_each_under_its_own_digest(kind: Kind) {
     counted_once(&mut c, "pattern", &cafe).await;
 }
 
-/// A small seeded generator (xorshift64*): the same values on every run.
-struct Rng(u64);
+/// What a client shapes, drawn from a seeded generator: the same on every run.
+trait Shaped {
+    fn value(&mut self) -> Vec<u8>;
+    fn hits(&mut self) -> Option<u64>;
+}
 
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-
+impl Shaped for Rng {
     /// A header value as a client may send it: any byte but NUL, CR and LF; mostly short,
     /// sometimes up to 64 KiB.
     fn value(&mut self) -> Vec<u8> {

@@ -560,3 +560,19 @@ pub(crate) fn rule_line(rules: &str, domain: &str, key: &str) -> String {
         .unwrap_or_else(|| panic!("no rule for {key}: {rules}"))
         .to_owned()
 }
+
+/// xorshift64*: reproducible sequences from a printed seed, no dependency.
+pub(crate) struct Rng(pub u64);
+
+impl Rng {
+    pub(crate) fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    pub(crate) fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
