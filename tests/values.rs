@@ -421,10 +421,14 @@ async fn a_quota_report_with_a_bucket_id_that_is_not_utf8_goes_on() {
         domain: domain.into(),
         bucket_quota_usages: values.iter().map(|v| raw_usage("user", v)).collect(),
     };
-    let mut answered = std::collections::HashSet::new();
-    let mut wait_for = async |want: &[u8], answered: &mut std::collections::HashSet<Vec<u8>>| {
+    // Each answered bucket's value, and whether it was assigned a token bucket (its limit).
+    type Answered = std::collections::HashMap<Vec<u8>, bool>;
+    let mut answered = Answered::new();
+    let mut wait_for = async |want: &[u8], answered: &mut Answered| {
+        use envoy_types::pb::envoy::r#type::v3::rate_limit_strategy::Strategy;
+        use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::bucket_action::BucketAction;
         tokio::time::timeout(Duration::from_secs(30), async {
-            while !answered.contains(want) {
+            while !answered.contains_key(want) {
                 let r = answers
                     .message()
                     .await
@@ -432,7 +436,13 @@ async fn a_quota_report_with_a_bucket_id_that_is_not_utf8_goes_on() {
                     .expect("open");
                 for a in r.bucket_action {
                     let id = a.bucket_id.expect("an id");
-                    answered.insert(id.bucket["user"].as_bytes().to_vec());
+                    let bucket = matches!(
+                        a.bucket_action,
+                        Some(BucketAction::QuotaAssignmentAction(q))
+                            if matches!(q.rate_limit_strategy.and_then(|s| s.strategy),
+                                Some(Strategy::TokenBucket(_)))
+                    );
+                    answered.insert(id.bucket["user"].as_bytes().to_vec(), bucket);
                 }
             }
         })
@@ -446,7 +456,32 @@ async fn a_quota_report_with_a_bucket_id_that_is_not_utf8_goes_on() {
     wait_for(&long, &mut answered).await;
     tx.send(report("", &[b"\xff", b"ok2"])).await.unwrap();
     wait_for(b"ok2", &mut answered).await;
-    assert_eq!(answered.len(), 3, "only UTF-8 ids are answered");
+    // A bucket id is a map: a key sent twice keeps its last value, as Envoy's decoders read it.
+    let mut twice = raw_usage("user", b"first");
+    twice
+        .bucket_id
+        .as_mut()
+        .unwrap()
+        .bucket
+        .push(common::raw::RawEntry {
+            key: b"user".to_vec(),
+            value: b"last".to_vec(),
+        });
+    tx.send(RawReports {
+        domain: Vec::new(),
+        bucket_quota_usages: vec![twice],
+    })
+    .await
+    .unwrap();
+    wait_for(b"last", &mut answered).await;
+    assert_eq!(
+        answered.len(),
+        4,
+        "only UTF-8 ids are answered, a map's last value"
+    );
+    for v in [&b"ok"[..], b"ok2", &long, b"last"] {
+        assert!(answered[v], "assigned its limit's token bucket");
+    }
     let (_, metrics) = s.http_get("/metrics").await;
     assert_eq!(
         metric(

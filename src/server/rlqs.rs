@@ -345,8 +345,14 @@ fn fault(usage: &mut BucketUsage, limits: &RequestLimits) -> Result<Vec<Pair>, &
     if id.bucket.len() > limits.max_entries {
         return Err("too_many_pairs");
     }
-    let mut pairs = Vec::with_capacity(id.bucket.len());
-    for pair in id.bucket {
+    // A map on the wire: a key sent twice keeps its last value, as protobuf's decoders keep it
+    // (and as envoy-types' map did). Sorted by key, stably, the last sent first, then deduped.
+    let mut sent = id.bucket;
+    sent.reverse();
+    sent.sort_by(|a, b| a.key.cmp(&b.key));
+    sent.dedup_by(|later, kept| later.key == kept.key);
+    let mut pairs = Vec::with_capacity(sent.len());
+    for pair in sent {
         let (k, v) = (pair.key, pair.value);
         if k.is_empty() || v.is_empty() {
             return Err("empty_key_or_value");
@@ -363,7 +369,7 @@ fn fault(usage: &mut BucketUsage, limits: &RequestLimits) -> Result<Vec<Pair>, &
         };
         pairs.push((k.into_boxed_str(), v.into_boxed_str()));
     }
-    pairs.sort();
+    // Sorted already: by key, each key once (bytes order is UTF-8 text's order).
     Ok(pairs)
 }
 
