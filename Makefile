@@ -10,7 +10,7 @@ run:
 
 ## The whole suite: installs what the tests need, then lint and every test; then the suites
 ## that start Redis again on Valkey, where valkey-server is installed (.ci/run installs it).
-REDIS_SUITES = accounting admin binary calendar cluster differential grpc isolation redis refunds reload reservations rlqs top tracing values xds
+REDIS_SUITES = accounting admin binary calendar cluster differential grpc holds isolation redis refunds reload reservations rlqs top tracing values xds
 test: deps lint
 	RATELIMITD_REQUIRE_FIXTURES=$${RATELIMITD_REQUIRE_FIXTURES-} RATELIMITD_REQUIRE_HELM=1 RATELIMITD_REQUIRE_GRPCIO=1 $(CARGO) test
 	@if command -v valkey-server >/dev/null 2>&1; then \

@@ -10,6 +10,9 @@
 //! sends the costliest request the server accepts instead: 64 descriptors on the bench
 //! domain's `worst` key (four sliding_log limits each: 256 counters, the `--max-counters`
 //! default) with values that bring its counter keys to just under 1 MiB (the bound).
+//! `--plain` sends one descriptor on a fixed window (the bench domain's `plain` key);
+//! `--holds` has each worker take a place (the `place` key: a concurrency limit) under a new
+//! request id and release it, call after call (`scripts/holds.sh` compares the two).
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -22,6 +25,7 @@ use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descri
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use envoy_types::pb::google::protobuf::UInt64Value;
 use tonic::transport::Channel;
 
 /// Closed-loop (or paced) gRPC ShouldRateLimit calls against a ratelimitd on loopback,
@@ -69,6 +73,12 @@ struct Flags {
     /// server with --keys live counters.
     #[arg(long, conflicts_with_all = ["zipf", "rate", "worst"])]
     fill: bool,
+    /// One descriptor per request, a fixed window (`plain`).
+    #[arg(long, conflicts_with_all = ["worst", "holds"])]
+    plain: bool,
+    /// Each worker's calls alternate: take a place under a new request id, release it.
+    #[arg(long, conflicts_with_all = ["worst", "plain"])]
+    holds: bool,
     /// Instead of load: open this many connections, make one call on each, print `idle: N`,
     /// then hold them open and silent for --duration seconds (memory per idle connection).
     #[arg(long)]
@@ -99,6 +109,10 @@ struct Args {
     idle_connections: Option<usize>,
     /// Touch every key once, then stop.
     fill: bool,
+    /// One fixed-window descriptor per request.
+    plain: bool,
+    /// Acquire and release places, alternately.
+    holds: bool,
 }
 
 /// The arguments, or `None` when there is nothing to do (`cargo bench` with no arguments).
@@ -131,6 +145,8 @@ fn parse_args() -> Option<Args> {
         worst: flags.worst,
         idle_connections: flags.idle_connections,
         fill: flags.fill,
+        plain: flags.plain,
+        holds: flags.holds,
     };
     if let Some(s) = args.zipf {
         let weights: Vec<f64> = (1..=args.keys.max(1))
@@ -174,10 +190,41 @@ fn client_key(args: &Args, n: u64) -> u64 {
     args.cdf.partition_point(|&c| c < u).min(args.cdf.len() - 1) as u64
 }
 
-/// Two descriptors per request: a per-client limit and a per-route limit.
-fn request(args: &Args, n: u64, client: u64) -> RateLimitRequest {
+/// Two descriptors per request: a per-client limit and a per-route limit (or as `--worst`,
+/// `--plain` and `--holds` say; a hold's id is the worker's and the call's, `worker`).
+fn request(args: &Args, n: u64, client: u64, worker: u64) -> RateLimitRequest {
     if args.worst {
         return worst_request(&args.domain, client);
+    }
+    if args.plain {
+        return RateLimitRequest {
+            domain: args.domain.clone(),
+            descriptors: vec![RateLimitDescriptor {
+                entries: vec![entry("plain", format!("p{client}"))],
+                ..Default::default()
+            }],
+            hits_addend: 1,
+        };
+    }
+    if args.holds {
+        // Odd calls take the place of request `n`, even ones release the place of `n - 1`,
+        // on the same tenant.
+        let taking = n % 2 == 1;
+        let id = if taking { n } else { n - 1 };
+        let tenant = client_key(args, id);
+        return RateLimitRequest {
+            domain: args.domain.clone(),
+            descriptors: vec![RateLimitDescriptor {
+                entries: vec![
+                    entry("place", format!("p{tenant}")),
+                    entry("request_id", format!("{worker}-{id}")),
+                ],
+                hits_addend: (!taking).then_some(UInt64Value { value: 1 }),
+                is_negative_hits: !taking,
+                ..Default::default()
+            }],
+            hits_addend: 1,
+        };
     }
     RateLimitRequest {
         domain: args.domain.clone(),
@@ -264,7 +311,7 @@ async fn worker(
         }
         n = n.wrapping_add(1);
         let result = client
-            .should_rate_limit(request(args, n, client_key(args, n)))
+            .should_rate_limit(request(args, n, client_key(args, n), id))
             .await;
         if sent < measure_from {
             continue;
@@ -301,7 +348,7 @@ async fn hold_idle(args: &Args, n: usize) {
             .expect("connect to the target");
         let mut client = RateLimitServiceClient::new(channel);
         client
-            .should_rate_limit(request(args, i as u64, i as u64))
+            .should_rate_limit(request(args, i as u64, i as u64, 0))
             .await
             .expect("a call on each connection");
         held.push(client);
@@ -391,7 +438,13 @@ async fn main() {
         args.connections,
         args.concurrency,
         secs,
-        if args.worst { 64 } else { 2 },
+        if args.worst {
+            64
+        } else if args.plain || args.holds {
+            1
+        } else {
+            2
+        },
         args.keys,
         args.zipf
             .map(|s| format!(" (Zipf {s})"))

@@ -174,6 +174,7 @@ pub async fn run_with_clock(
         options.engine,
     ));
     engine.spawn_top(redis, &mut tasks);
+    engine.spawn_places(&mut tasks);
     // Listening only now: the config is in force and the backend ready.
     let services = Services {
         engine,

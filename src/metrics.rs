@@ -73,6 +73,16 @@ pub enum Accounted {
     refund,
 }
 
+/// Labels of `ratelimit_places_in_use` and `ratelimit_places_ended_total`: a concurrency
+/// rule's config path, never a request value.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PlaceLabels {
+    /// The request's domain.
+    pub domain: Arc<String>,
+    /// The rule's config path.
+    pub rule: Arc<String>,
+}
+
 /// Labels of `ratelimit_accounted_hits_total`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct AccountedLabels {
@@ -232,6 +242,13 @@ pub struct DecisionMetrics {
     pub reference: Option<ReferenceMetrics>,
     /// The same counts per rule for the statsd sink, when it is on.
     pub(crate) statsd: Option<StatsdRules>,
+    /// `ratelimit_places_in_use{domain,rule}`: a concurrency rule's places this replica took
+    /// and that have not ended, less those it released that had not ended: summed over the
+    /// replicas of one store, the places in use.
+    pub places_in_use: Family<PlaceLabels, Gauge>,
+    /// `ratelimit_places_ended_total{domain,rule}`: places that ended unreleased, counted when
+    /// a request on their counter found them.
+    pub places_ended: Family<PlaceLabels, Counter>,
     /// Who these families are, for [`RuleCounters`]: clones share it.
     owner: Arc<()>,
 }
@@ -247,6 +264,8 @@ impl DecisionMetrics {
             accounted: Family::default(),
             reference,
             statsd: None,
+            places_in_use: Family::default(),
+            places_ended: Family::default(),
             owner: Arc::default(),
         }
     }
@@ -738,6 +757,16 @@ impl Metrics {
             "ratelimit_accounted_hits",
             "Hits of cost reports recorded past a limit (report_over_limit) and of refunds (refund), per domain and rule",
             decisions.accounted.clone(),
+        );
+        registry.register(
+            "ratelimit_places_in_use",
+            "Places of a concurrency rule this replica took and that have not ended, less those it released: summed over the replicas of one store, the places in use",
+            decisions.places_in_use.clone(),
+        );
+        registry.register(
+            "ratelimit_places_ended",
+            "Places of a concurrency rule that ended unreleased (a crashed Envoy, or a lifetime shorter than a stream), counted when a request on their counter found them",
+            decisions.places_ended.clone(),
         );
         let config_loads = Family::<LoadLabels, Counter>::default();
         at_zero(

@@ -729,3 +729,112 @@ fn symlink_loops_are_read_once() {
     let twice = [dir.path().to_owned(), dir.path().join("loop")];
     assert_eq!(load_paths(&twice).unwrap().files.len(), 2);
 }
+
+/// `hold_key` names the entry after a node's that carries a request's hold: never matched,
+/// never in the counter's key; `algorithm: concurrency` needs it. Both may come from
+/// `metadata.ratelimitd` (xDS). Misuse is an error naming the field and line.
+#[test]
+fn hold_keys_name_a_hold_and_concurrency_needs_one() {
+    let d = yaml(
+        "domain: llm
+descriptors:
+  - key: tenant
+    hold_key: request_id
+    rate_limits:
+      - {algorithm: concurrency, requests_per_unit: 5, unit: minute, unit_multiplier: 10}
+      - {unit: month, requests_per_unit: 1000000, calendar: Europe/Berlin}
+  - key: plan
+    metadata: {ratelimitd: {hold_key: rid}}
+    rate_limit: {unit: second, requests_per_unit: 3}
+",
+    )
+    .unwrap();
+    let held = d
+        .lookup(
+            &[("tenant", "acme"), ("request_id", "7f3a")],
+            &KeyFormat::default(),
+        )
+        .expect("the hold entry is not matched as a child");
+    assert_eq!(
+        held.key,
+        counter_key(&d, &[("tenant", "acme")]),
+        "not in the key"
+    );
+    assert!(
+        d.lookup(&[("plan", "p"), ("rid", "1")], &KeyFormat::default())
+            .is_some()
+    );
+    // Only as the last entry; another key after the node matches nothing.
+    assert!(
+        d.lookup(&[("tenant", "acme"), ("other", "x")], &KeyFormat::default())
+            .is_none()
+    );
+    let dump = Snapshot::new(vec![d]).dump();
+    assert!(
+        dump.contains(
+            "llm.tenant: unit=MINUTE requests_per_unit=5 unit_multiplier=10, algorithm=concurrency, hold_key=request_id"
+        ),
+        "{dump}"
+    );
+
+    for (bad, field, line, says) in [
+        (
+            "  - key: t\n    rate_limit: {algorithm: concurrency, unit: minute, requests_per_unit: 2}\n",
+            "descriptors[0].rate_limit.algorithm",
+            Some(4),
+            "hold_key",
+        ),
+        (
+            "  - key: t\n    hold_key: rid\n    rate_limit: {algorithm: concurrency, unit: minute, requests_per_unit: 10001}\n",
+            "descriptors[0].rate_limit.requests_per_unit",
+            Some(5),
+            "10000 places",
+        ),
+        (
+            "  - key: t\n    hold_key: rid\n    rate_limit: {algorithm: concurrency, unit: hour, requests_per_unit: 2, calendar: UTC}\n",
+            "descriptors[0].rate_limit.calendar",
+            Some(5),
+            "lifetime",
+        ),
+        (
+            "  - key: t\n    hold_key: rid\n    rate_limit: {algorithm: concurrency, unit: hour, requests_per_unit: 2, accounting: report}\n",
+            "descriptors[0].rate_limit.accounting",
+            Some(5),
+            "no meaning",
+        ),
+        (
+            "  - key: t\n    hold_key: rid\n",
+            "descriptors[0].hold_key",
+            Some(4),
+            "needs a rate_limit",
+        ),
+        (
+            "  - key: t\n    hold_key: rid\n    rate_limit: {unlimited: true}\n",
+            "descriptors[0].hold_key",
+            Some(4),
+            "needs a rate_limit",
+        ),
+        (
+            "  - key: t\n    hold_key: \"\"\n    rate_limit: {unit: hour, requests_per_unit: 2}\n",
+            "descriptors[0].hold_key",
+            Some(4),
+            "name an entry key",
+        ),
+        (
+            "  - key: t\n    hold_key: rid\n    rate_limit: {unit: hour, requests_per_unit: 2}\n    descriptors:\n      - key: rid\n        rate_limit: {unit: hour, requests_per_unit: 1}\n",
+            "descriptors[0].hold_key",
+            Some(4),
+            "nested descriptor",
+        ),
+        (
+            "  - key: t\n    metadata: {ratelimitd: {hold_key: 3}}\n    rate_limit: {unit: hour, requests_per_unit: 2}\n",
+            "descriptors[0].metadata.ratelimitd.hold_key",
+            Some(3),
+            "string",
+        ),
+    ] {
+        let err = yaml(&format!("domain: d\ndescriptors:\n{bad}")).unwrap_err();
+        assert_eq!((err.field.as_str(), err.line), (field, line), "{err}");
+        assert!(err.message.contains(says), "{err}");
+    }
+}

@@ -106,6 +106,7 @@ fn every_envoy_example_is_a_bootstrap_envoy_reads() {
     assert_eq!(
         checked,
         [
+            "concurrency.yaml",
             "envoy.yaml",
             "network-filter.yaml",
             "reservations.yaml",
@@ -144,7 +145,10 @@ fn a_field_or_a_type_envoy_does_not_have_is_refused() {
 fn the_istio_envoyfilter_patches_are_envoy_messages() {
     let pool = envoy_pool();
     let mut patches = 0;
-    for doc in yaml("examples/envoy/istio-envoyfilter.yaml") {
+    let docs = ["istio-envoyfilter.yaml", "istio-concurrency.yaml"]
+        .into_iter()
+        .flat_map(|f| yaml(&format!("examples/envoy/{f}")));
+    for doc in docs {
         assert_eq!(doc["kind"], "EnvoyFilter");
         for patch in doc["spec"]["configPatches"].as_array().unwrap() {
             let message = match patch["applyTo"].as_str().unwrap() {
@@ -157,9 +161,9 @@ fn the_istio_envoyfilter_patches_are_envoy_messages() {
                 other => panic!("applyTo {other} is not checked here"),
             };
             decode(pool, message, &patch["patch"]["value"])
-                .unwrap_or_else(|e| panic!("istio-envoyfilter.yaml, {message}: {e}"));
+                .unwrap_or_else(|e| panic!("{}, {message}: {e}", doc["metadata"]["name"]));
             patches += 1;
         }
     }
-    assert!(patches >= 2, "{patches} patches");
+    assert!(patches >= 4, "{patches} patches");
 }

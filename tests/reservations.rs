@@ -219,6 +219,21 @@ async fn the_reservations_example_meets_envoys_protos_and_holds() {
     let [reservation, give_back, charge] = &per_route_message.rate_limits[..] else {
         panic!("three rate limits")
     };
+    // Each names its request's hold last: the request id, budgets.yaml's hold_key.
+    for limit in [reservation, give_back, charge] {
+        use envoy_types::pb::envoy::config::route::v3::rate_limit::action::ActionSpecifier;
+        let Some(ActionSpecifier::RequestHeaders(last)) = limit
+            .actions
+            .last()
+            .and_then(|a| a.action_specifier.as_ref())
+        else {
+            panic!("a request_headers action last: {limit:?}")
+        };
+        assert_eq!(
+            (last.header_name.as_str(), last.descriptor_key.as_str()),
+            ("x-request-id", "request_id")
+        );
+    }
     assert!(!reservation.apply_on_stream_done && reservation.hits_addend.is_none());
     assert!(give_back.apply_on_stream_done && charge.apply_on_stream_done);
     let give_back = give_back.hits_addend.as_ref().unwrap();
@@ -248,16 +263,53 @@ async fn the_reservations_example_meets_envoys_protos_and_holds() {
     )
     .await;
     let c = s.client().await;
-    let reserve = |n| reserve(domain, "tenant", n);
+    // Envoy's descriptors: [tenant=acme, request_id=<x-request-id>].
+    let held = |mut req: RateLimitRequest, id: &str| {
+        for d in &mut req.descriptors {
+            d.entries
+                .push(desc(&[("request_id", id)]).entries.remove(0));
+        }
+        req
+    };
+    let reserve = |id: &str| held(reserve(domain, "tenant", 400_000), id);
+    let ids = ["r1", "r2", "r3"];
+    let first: Vec<_> = ids.iter().map(|id| reserve(id)).collect();
+    let resp = futures_util::future::join_all(first.into_iter().map(|req| {
+        let mut c = c.clone();
+        async move { call(&mut c, req).await }
+    }))
+    .await;
+    let admitted: Vec<&str> = ids
+        .iter()
+        .zip(&resp)
+        .filter(|(_, r)| is_ok(r))
+        .map(|(id, _)| *id)
+        .collect();
     assert_eq!(
-        admitted_together(&c, vec![reserve(400_000); 3]).await,
+        admitted.len(),
         2,
         "two reservations of 400,000 fit in 1,000,000, three do not"
     );
-    let settled = vec![settle(domain, "tenant", 400_000, 100_000); 2];
+    // Every stream is done, the refused one's too: its give-back names a hold that holds
+    // nothing.
+    let settled = ids
+        .iter()
+        .map(|id| held(settle(domain, "tenant", 400_000, 100_000), id))
+        .filter(|req| {
+            admitted
+                .iter()
+                .any(|id| req.descriptors[0].entries[1].value == *id)
+        })
+        .chain(
+            ids.iter()
+                .filter(|id| !admitted.contains(id))
+                .map(|id| held(settle(domain, "tenant", 400_000, 0), id)),
+        )
+        .collect();
     admitted_together(&c, settled).await;
+    let next: Vec<_> = ["n1", "n2", "n3"].iter().map(|id| reserve(id)).collect();
     assert_eq!(
-        admitted_together(&c, vec![reserve(400_000); 3]).await,
+        admitted_together(&c, next).await,
         2,
         "800,000 left after two responses of 100,000"
     );

@@ -1366,3 +1366,37 @@ async fn calendar_windows_reach_xds_limits_and_a_bad_zone_is_nacked() {
     assert_eq!(nack.version_info, "v1");
     assert_eq!(rpu(&mut c, "d", "month").await, Some(2), "v1 stays");
 }
+
+/// Holds over xDS: Envoy Gateway has no field for them, so a descriptor's
+/// `metadata.ratelimitd` names the `hold_key` and the `algorithm: concurrency`; places are
+/// then taken and released as from a file (docs/configuration.md, "Holds").
+#[tokio::test]
+async fn holds_and_concurrency_reach_xds_limits_through_metadata() {
+    use envoy_types::pb::google::protobuf::value::Kind;
+    let ads = AdsServer::start().await;
+    let places = with_extensions(
+        limit("tenant", 2, pb::RateLimitUnit::Minute),
+        [
+            ("algorithm", Kind::StringValue("concurrency".into())),
+            ("hold_key", Kind::StringValue("request_id".into())),
+        ],
+    );
+    ads.set("v1", &[config("llm", vec![places])]).await;
+    let s = server(&ads, &[]).await;
+    let mut c = s.client().await;
+    until_rpu(&c, "llm", "tenant", Some(2)).await;
+    let (_, rules) = s.http_get("/rlconfig").await;
+    assert!(
+        rule_line(&rules, "llm", "tenant").contains("algorithm=concurrency, hold_key=request_id"),
+        "{rules}"
+    );
+    let acquire = |id: &str| request("llm", &[&[("tenant", "acme"), ("request_id", id)]]);
+    // until_rpu's own calls named no hold: they took no place.
+    for (id, ok) in [("a", true), ("b", true), ("c", false)] {
+        assert_eq!(is_ok(&call(&mut c, acquire(id)).await), ok, "{id}");
+    }
+    let mut release = with_hits(acquire("a"), 0, 1);
+    release.descriptors[0].is_negative_hits = true;
+    call(&mut c, release).await;
+    assert!(is_ok(&call(&mut c, acquire("c")).await));
+}

@@ -16,6 +16,7 @@ use super::{
     ConfigError, Counted, Domain, Index, KeyNodes, Level, LimitRule, Node, NodeLimits, Unit,
     Wildcard, is_wildcard,
 };
+use crate::limiter::hold::MAX_HOLDS;
 use crate::limiter::key::{LimitIdentity, escaped_if_needed};
 use crate::limiter::{Accounting, Algorithm, Calendar, Zone, calendar};
 use crate::top::Values;
@@ -43,6 +44,20 @@ struct MetadataExtensions {
     accounting: Option<String>,
     calendar: Option<String>,
     top_values: Option<String>,
+    /// The descriptor's `hold_key` (a node's, not its limits').
+    hold_key: Option<String>,
+}
+
+impl MetadataExtensions {
+    /// Whether it sets a field of the descriptor's limits.
+    fn sets_a_limit(&self) -> bool {
+        self.algorithm.is_some()
+            || self.burst.is_some()
+            || self.unit_multiplier.is_some()
+            || self.accounting.is_some()
+            || self.calendar.is_some()
+            || self.top_values.is_some()
+    }
 }
 
 /// Largest `unit_multiplier`: keeps every window (up to 10 000 years) within u64 microseconds.
@@ -399,13 +414,14 @@ impl Compiler<'_> {
                 "accounting",
                 "calendar",
                 "top_values",
+                "hold_key",
             ]
             .contains(&k.as_str())
         }) {
             return Err(self.err(
                 Some(&at),
                 &format!("{field}.{other}"),
-                "unknown key (expected algorithm, burst, unit_multiplier, accounting, calendar or top_values)",
+                "unknown key (expected algorithm, burst, unit_multiplier, accounting, calendar, top_values or hold_key)",
             ));
         }
         let calendar = text("calendar")?;
@@ -425,6 +441,7 @@ impl Compiler<'_> {
             accounting: text("accounting")?,
             calendar,
             top_values: text("top_values")?,
+            hold_key: text("hold_key")?,
         })
     }
 
@@ -552,16 +569,34 @@ impl Compiler<'_> {
         }
 
         let (mut rate_limit, mut rate_limits) = (raw.rate_limit, raw.rate_limits);
+        let mut hold_key = raw.hold_key;
         if let Some(extensions) = raw.metadata.as_ref().and_then(|m| m.get(METADATA_KEY)) {
-            self.extend_limits(extensions, (&mut rate_limit, &mut rate_limits), field, at)?;
+            let meta_field = format!("{field}.metadata.{METADATA_KEY}");
+            let mut ext = self.metadata_extensions(extensions, at, &meta_field)?;
+            let ext_hold_key = ext.hold_key.take();
+            let only_a_hold_key = ext_hold_key.is_some() && !ext.sets_a_limit();
+            fill(&mut hold_key, ext_hold_key, at);
+            if !only_a_hold_key {
+                self.extend_limits(ext, (&mut rate_limit, &mut rate_limits), &meta_field, at)?;
+            }
         }
-        let limits = self.limits(rate_limit, rate_limits, field)?;
+        let hold_key = self.hold_key(hold_key, field, at, &rate_limit, &rate_limits)?;
+        let limits = self.limits(rate_limit, rate_limits, field, hold_key.is_some())?;
 
         let children = self.level(
             raw.descriptors.unwrap_or_default(),
             &format!("{field}.descriptors"),
             &path,
         )?;
+        if let Some((k, k_at)) = &hold_key
+            && children.key(k.as_bytes()).is_some()
+        {
+            return Err(self.err(
+                Some(k_at),
+                &format!("{field}.hold_key"),
+                format!("'{k}' is also the key of a nested descriptor: the entry that names a hold is never matched as one"),
+            ));
+        }
         let counted = match value.as_deref() {
             Some(v) if share_threshold || !is_wildcard(Some(v)) => match escaped_if_needed(v) {
                 None => Counted::Fixed,
@@ -570,6 +605,7 @@ impl Compiler<'_> {
             _ => Counted::AsSent,
         };
         let node = Node {
+            hold_key: hold_key.map(|(k, _)| k),
             escaped_key: escaped_if_needed(&key),
             counted,
             value: value.map(String::into_boxed_str),
@@ -593,20 +629,18 @@ impl Compiler<'_> {
     /// envoyproxy/ratelimit's fields.
     fn extend_limits(
         &self,
-        extensions: &serde_json::Value,
+        ext: MetadataExtensions,
         (rate_limit, rate_limits): (&mut Option<Spanned<RawLimit>>, &mut Option<RawLimitList>),
         field: &str,
         at: Location,
     ) -> Result<(), ConfigError> {
-        let field = format!("{field}.metadata.{METADATA_KEY}");
-        let ext = self.metadata_extensions(extensions, at, &field)?;
         let limits: Vec<&mut RawLimit> = match (rate_limit, rate_limits) {
             (Some(one), _) => vec![&mut one.value],
             (None, Some(list)) => list.value.iter_mut().map(|l| &mut l.value).collect(),
             (None, None) => {
                 return Err(self.err(
                     Some(&at),
-                    &field,
+                    field,
                     "applies to a rate_limit, and this descriptor has none",
                 ));
             }
@@ -629,6 +663,7 @@ impl Compiler<'_> {
         rate_limit: Option<Spanned<RawLimit>>,
         rate_limits: Option<RawLimitList>,
         field: &str,
+        held: bool,
     ) -> Result<Option<NodeLimits>, ConfigError> {
         Ok(match (rate_limit, rate_limits) {
             (Some(_), Some(list)) => {
@@ -643,6 +678,7 @@ impl Compiler<'_> {
                 one.referenced,
                 &format!("{field}.rate_limit"),
                 false,
+                held,
             )?),
             (None, Some(list)) => {
                 let list_field = format!("{field}.rate_limits");
@@ -660,6 +696,7 @@ impl Compiler<'_> {
                         item.referenced,
                         &format!("{list_field}[{j}]"),
                         true,
+                        held,
                     )? {
                         NodeLimits::Limits(mut l) => limits.append(&mut l),
                         NodeLimits::Unlimited => unreachable!("refused inside rate_limits"),
@@ -822,6 +859,7 @@ impl Compiler<'_> {
         if algorithm != Algorithm::FixedWindow {
             let why = match algorithm {
                 Algorithm::TokenBucket => "refills continuously, with no boundary to align to",
+                Algorithm::Concurrency => "keeps a place for a lifetime from when it is taken",
                 _ => "measures its window back from each hit, not from a boundary of the calendar",
             };
             return Err(self.err(
@@ -841,12 +879,43 @@ impl Compiler<'_> {
             })
     }
 
+    /// A descriptor's `hold_key` (written, or from `metadata.ratelimitd`): a non-empty entry
+    /// key, on a descriptor with limits.
+    fn hold_key(
+        &self,
+        hold_key: Option<Spanned<String>>,
+        field: &str,
+        at: Location,
+        rate_limit: &Option<Spanned<RawLimit>>,
+        rate_limits: &Option<RawLimitList>,
+    ) -> Result<Option<(Box<str>, Location)>, ConfigError> {
+        let Some(k) = hold_key else { return Ok(None) };
+        let here = Some(&k.referenced).filter(|l| l.line() > 0).or(Some(&at));
+        let found_at = *here.expect("set");
+        let sub = format!("{field}.hold_key");
+        if k.value.is_empty() {
+            return Err(self.err(here, &sub, "hold_key must name an entry key"));
+        }
+        let unlimited = rate_limit
+            .as_ref()
+            .is_some_and(|l| l.value.unlimited.as_ref().is_some_and(|u| u.value));
+        if unlimited || (rate_limit.is_none() && rate_limits.is_none()) {
+            return Err(self.err(
+                here,
+                &sub,
+                "hold_key needs a rate_limit (or rate_limits) on this descriptor: a hold keeps what its limits took",
+            ));
+        }
+        Ok(Some((k.value.into_boxed_str(), found_at)))
+    }
+
     fn node_limits(
         &self,
         raw: RawLimit,
         at: Location,
         field: &str,
         in_list: bool,
+        held: bool,
     ) -> Result<NodeLimits, ConfigError> {
         let sub = |name: &str| format!("{field}.{name}");
         for (name, at) in raw.misplaced() {
@@ -883,10 +952,35 @@ impl Compiler<'_> {
                 self.err(
                     Some(&a.referenced),
                     &sub("algorithm"),
-                    format!("unknown algorithm '{}' (expected fixed_window, sliding_window, sliding_log or token_bucket)", a.value),
+                    format!("unknown algorithm '{}' (expected fixed_window, sliding_window, sliding_log, token_bucket or concurrency)", a.value),
                 )
             })?,
         };
+        if algorithm == Algorithm::Concurrency {
+            let here = raw.algorithm.as_ref().map(|a| &a.referenced).or(Some(&at));
+            if !held {
+                return Err(self.err(
+                    here,
+                    &sub("algorithm"),
+                    "algorithm: concurrency needs the descriptor's hold_key (the entry that names each request's place, so that its release frees that place and no other)",
+                ));
+            }
+            if requests_per_unit > MAX_HOLDS as u64 {
+                let at = raw.requests_per_unit.as_ref().map(|r| r.referenced);
+                return Err(self.err(
+                    at.as_ref(),
+                    &sub("requests_per_unit"),
+                    format!("a concurrency limit has at most {MAX_HOLDS} places"),
+                ));
+            }
+            if let Some(a) = &raw.accounting {
+                return Err(self.err(
+                    Some(&a.referenced),
+                    &sub("accounting"),
+                    "has no meaning for algorithm: concurrency (an admission takes a place, a refund naming its hold releases it)",
+                ));
+            }
+        }
         let burst = match &raw.burst {
             None => requests_per_unit,
             Some(b) if algorithm != Algorithm::TokenBucket => {

@@ -11,6 +11,7 @@ use super::{Counted, Domain, KeyNodes, Node};
 use smallvec::SmallVec;
 
 use crate::limiter::key::{CounterKey, KeyFormat, KeyPart};
+use crate::limiter::{Hold, HoldId};
 use crate::value::{KeyValue, shown};
 
 /// A descriptor that landed on a node with limits (or `unlimited`).
@@ -29,6 +30,8 @@ pub struct Matched<'s> {
     /// Whether `rule` carries request values (the config asked for them), so that its
     /// cardinality is up to clients and must be capped by whoever records it.
     pub rule_has_values: bool,
+    /// The hold the descriptor names, where the node keeps holds (`hold_key`).
+    pub hold: Hold,
 }
 
 impl KeyNodes {
@@ -81,7 +84,8 @@ impl Domain {
     }
 
     /// Looks a descriptor's entries up: the node whose limits apply, if any.
-    /// Keys and values are bytes as sent (`&str` or `&[u8]`).
+    /// Keys and values are bytes as sent (`&str` or `&[u8]`). On a node with a `hold_key`, a
+    /// last entry of that key names the hold; it is not matched, nor part of the key.
     pub fn lookup<'s, K: AsRef<[u8]>, V: AsRef<[u8]>>(
         &'s self,
         entries: &[(K, V)],
@@ -90,13 +94,24 @@ impl Domain {
         let mut level = &self.root;
         // Trees deeper than 8 are rare: no allocation for the walk itself.
         let mut path: SmallVec<[&'s Node; 8]> = SmallVec::new();
-        for (key, value) in entries {
+        let mut hold = Hold::Unheld;
+        for (i, (key, value)) in entries.iter().enumerate() {
+            if i + 1 == entries.len()
+                && let Some(hold_key) = path.last().and_then(|n| n.hold_key.as_deref())
+                && hold_key.as_bytes() == key.as_ref()
+            {
+                hold = Hold::Named(HoldId::new(value.as_ref()));
+                break;
+            }
             let node = level.key(key.as_ref())?.pick(value.as_ref())?;
             path.push(node);
             level = &node.children;
         }
         let leaf = *path.last()?;
         leaf.limits.as_ref()?;
+        if leaf.hold_key.is_some() && hold == Hold::Unheld {
+            hold = Hold::Unnamed;
+        }
 
         // The config's own names were escaped when it compiled; only the request's values that
         // are counted as sent are escaped here. (A value landing on an exact node is that
@@ -152,6 +167,7 @@ impl Domain {
             key,
             rule,
             rule_has_values: with_values,
+            hold,
         })
     }
 }

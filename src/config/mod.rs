@@ -185,6 +185,9 @@ pub enum NodeLimits {
 pub struct Node {
     /// The configured value: exact, a wildcard pattern, or none (any value).
     pub value: Option<Box<str>>,
+    /// `hold_key`: the key of the entry after this node's that names a request's hold (never
+    /// matched as a child, never part of a counter's key).
+    pub hold_key: Option<Box<str>>,
     /// The node's key escaped for counter keys, once, here, where escaping changes it; `None`
     /// (no allocation) where it is safe as it is.
     pub escaped_key: Option<Box<[u8]>>,
@@ -572,6 +575,9 @@ impl Snapshot {
                             }
                             if let Some(name) = &l.name {
                                 let _ = write!(line, ", name={name}");
+                            }
+                            if let Some(hold_key) = &node.hold_key {
+                                let _ = write!(line, ", hold_key={hold_key}");
                             }
                             let _ = write!(line, ", shadow_mode: {}", node.shadow_mode);
                             if node.soft {

@@ -67,6 +67,8 @@ raw! {
         pub quota_mode: Option<bool>,
         /// Accepted and kept for dynamic metadata; any YAML mapping.
         pub metadata: Option<serde_json::Value>,
+        /// Extension: the entry after this one that names a request's hold.
+        pub hold_key: Option<Spanned<String>>,
     }
     misplaced here: [domain, unit, requests_per_unit, unlimited, name, replaces]
 }

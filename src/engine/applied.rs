@@ -51,6 +51,8 @@ pub(crate) struct Applicable<'s> {
     pub(crate) index: u16,
     /// How `/top` shows the limit's values.
     pub(crate) top_values: crate::top::Values,
+    /// The descriptor's last entry names a hold (it is not counted as part of who asked).
+    pub(crate) named_hold: bool,
 }
 
 /// An applicable limit and the hit its counter is decided in, once hits on the same counter

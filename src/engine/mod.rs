@@ -8,6 +8,7 @@
 //! 4. [`report::statuses`]: verdicts back into per-descriptor statuses; one metric per limit.
 
 mod applied;
+mod places;
 mod report;
 mod request;
 mod resolve;
@@ -102,6 +103,8 @@ pub struct Engine {
     value_rules: ValueRules,
     override_rule: Arc<String>,
     top: Arc<Top>,
+    /// Concurrency rules' places in use.
+    places: Arc<places::Places>,
 }
 
 impl Engine {
@@ -123,7 +126,14 @@ impl Engine {
             value_rules: ValueRules::default(),
             override_rule: Arc::new(OVERRIDE_RULE.to_owned()),
             top: Arc::new(Top::new(options.top)),
+            places: Arc::default(),
         }
+    }
+
+    /// Starts the task that keeps the places-in-use gauges current (it sleeps until a
+    /// concurrency limit's first place).
+    pub(crate) fn spawn_places(&self, tasks: &mut crate::shutdown::Tasks) {
+        tasks.push(tokio::spawn(self.places.clone().keep()));
     }
 
     /// The longest value counted and shown as it is (a longer one: as its digest).
@@ -171,6 +181,13 @@ impl Engine {
             Some(outcome) => outcome,
             None => self.backend.decide(&hits).await?,
         };
+        for change in &outcome.places {
+            if let Some(a) = applied.iter().find(|a| a.hit == change.hit) {
+                let lifetime = hits[change.hit].limit.window_us;
+                self.places
+                    .record(&self.decisions, domain, a.limit.path, lifetime, change);
+            }
+        }
         let statuses = report::statuses(
             req.descriptors.len(),
             &applied,
@@ -273,7 +290,12 @@ impl Engine {
             requests_per_unit: reported.requests_per_unit,
             values: a.limit.top_values,
         };
-        self.top.record(&limit, &d.entries, hits, over);
+        // A hold's id is no part of who asked: each request has its own.
+        let entries = match a.limit.named_hold {
+            true => &d.entries[..d.entries.len() - 1],
+            false => &d.entries[..],
+        };
+        self.top.record(&limit, entries, hits, over);
     }
 
     /// The heavy-hitter sketches.
@@ -326,6 +348,39 @@ impl Engine {
             .map(|l| l.expect("every hit comes from an applied limit"))
             .collect();
         Ok((limits, hits))
+    }
+
+    /// Every limit of a descriptor whose node keeps holds, with its live holds. Consumes
+    /// nothing.
+    pub(crate) async fn holds(
+        &self,
+        domain: &str,
+        entries: &[KeyValue<'_>],
+    ) -> Result<Vec<(ReportedLimit, Algorithm, Vec<crate::limiter::HoldView>)>, EngineError> {
+        let (limits, hits) = self.counters_of(domain, entries)?;
+        let (limits, hits): (Vec<_>, Vec<_>) = limits
+            .into_iter()
+            .zip(hits)
+            .filter(|(_, h)| h.hold.is_held())
+            .unzip();
+        let holds = self.backend.holds(&hits).await?;
+        Ok(limits
+            .into_iter()
+            .zip(&hits)
+            .zip(holds)
+            .map(|((limit, hit), holds)| (limit, hit.limit.algorithm, holds))
+            .collect())
+    }
+
+    /// Ends every hold of a descriptor's limits; returns how many there were.
+    pub(crate) async fn clear_holds(
+        &self,
+        domain: &str,
+        entries: &[KeyValue<'_>],
+    ) -> Result<usize, EngineError> {
+        let (_, mut hits) = self.counters_of(domain, entries)?;
+        hits.retain(|h| h.hold.is_held());
+        Ok(self.backend.clear_holds(&hits).await?)
     }
 
     /// Every limit that applies to a descriptor, with its counter as it stands. Consumes

@@ -9,7 +9,7 @@ use super::applied::{Applicable, Applied, ReportedLimit};
 use super::request::{LimitOverride, Request};
 use crate::config::{LimitRule, NodeLimits, Snapshot};
 use crate::limiter::key::KeyFormat;
-use crate::limiter::{Accounting, Algorithm, Enforcement, Hit, HitKind, Limit};
+use crate::limiter::{Accounting, Algorithm, Enforcement, Hit, HitKind, Hold, HoldId, Limit};
 use crate::value::KeyValue;
 
 /// The metric rule of a request's `limit` override on a descriptor the config does not know:
@@ -45,8 +45,13 @@ pub(crate) fn override_hit(
         hits,
         enforcement: Enforcement::Enforce,
         kind,
+        hold: Hold::Unheld,
     }
 }
+
+/// What makes two hits one counter's for [`merge`]: the key, whether it is a refund, and a
+/// refund's hold.
+type MergeKey = (Vec<u8>, bool, Option<HoldId>);
 
 /// Up to this many hits, [`merge`] finds duplicates by a scan.
 const SCAN_HITS: usize = 16;
@@ -140,6 +145,7 @@ pub(crate) fn resolve<'s>(
                 path,
                 index: crate::top::OVERRIDE,
                 top_values: crate::top::Values::Show,
+                named_hold: false,
             }));
             hits.push(Hit {
                 enforcement: enforce,
@@ -189,13 +195,21 @@ pub(crate) fn resolve<'s>(
                 path: matched.node.path.as_str(),
                 index: r as u16,
                 top_values: rule.top_values,
+                named_hold: matched.hold.id().is_some(),
             }));
+            // A concurrency limit's hits are places: taken by an admission, released by a
+            // refund, never reported.
+            let kind = match rule.algorithm {
+                Algorithm::Concurrency if !d.refund => HitKind::Admission,
+                _ => kind(rule.accounting),
+            };
             hits.push(Hit {
                 key,
                 limit,
                 hits: hits_addend,
                 enforcement,
-                kind: kind(rule.accounting),
+                kind,
+                hold: matched.hold.clone(),
             });
         }
     }
@@ -236,8 +250,10 @@ pub(crate) fn resolve<'s>(
 /// Merges hits on the same counter (a request may carry the same descriptor twice, or two
 /// descriptors may share a counter), so each counter is checked once with the sum of its hits:
 /// checked separately, both would fit and both would be committed, over-admitting. Refunds
-/// merge only with refunds (they are given back before anything is checked); an admission
-/// merged with a cost report is a report (the usage happened; never over-admits). Points each
+/// merge only with refunds of the same hold (each gives back what its own hold took); an
+/// admission merged with a cost report is a report (the usage happened; never over-admits);
+/// admissions naming different holds of one counter take one hold, the first named, for
+/// their sum (one request takes one place; a refund gives back what the request took). Points each
 /// limit at its merged hit. `applied[i]` came with `hits[i]`; in place, `hits` keeping the
 /// first of each counter's hits in order.
 ///
@@ -247,13 +263,23 @@ pub(crate) fn resolve<'s>(
 fn merge(applied: &mut [Applied<'_>], hits: &mut Vec<Hit>) {
     // Made only past the scan: even an empty `HashMap` seeds its hasher from a thread local.
     let refund = |h: &Hit| h.kind == HitKind::Refund;
-    let mut index: Option<std::collections::HashMap<(Vec<u8>, bool), usize>> =
+    // What else must be equal for two hits of one counter to merge: a refund's hold.
+    let apart = |h: &Hit| match (&h.hold, refund(h)) {
+        (Hold::Named(id), true) => Some(id.clone()),
+        _ => None,
+    };
+    let mut index: Option<std::collections::HashMap<MergeKey, usize>> =
         (hits.len() > SCAN_HITS).then(|| std::collections::HashMap::with_capacity(hits.len()));
     // hits[..kept] are the merged hits so far; hits[kept..i] were merged into them.
     let mut kept = 0;
     for i in 0..hits.len() {
         let found = if let Some(index) = &mut index {
-            match index.entry((hits[i].key.as_bytes().to_vec(), refund(&hits[i]))) {
+            let k = (
+                hits[i].key.as_bytes().to_vec(),
+                refund(&hits[i]),
+                apart(&hits[i]),
+            );
+            match index.entry(k) {
                 std::collections::hash_map::Entry::Occupied(e) => Some(*e.get()),
                 std::collections::hash_map::Entry::Vacant(e) => {
                     e.insert(kept);
@@ -261,9 +287,9 @@ fn merge(applied: &mut [Applied<'_>], hits: &mut Vec<Hit>) {
                 }
             }
         } else {
-            hits[..kept]
-                .iter()
-                .position(|m| m.key == hits[i].key && refund(m) == refund(&hits[i]))
+            hits[..kept].iter().position(|m| {
+                m.key == hits[i].key && refund(m) == refund(&hits[i]) && apart(m) == apart(&hits[i])
+            })
         };
         match found {
             Some(m) => {
@@ -280,6 +306,9 @@ fn merge(applied: &mut [Applied<'_>], hits: &mut Vec<Hit>) {
                 into.enforcement = stricter(into.enforcement, hit.enforcement);
                 if hit.kind == HitKind::Report {
                     into.kind = HitKind::Report;
+                }
+                if into.hold.id().is_none() && hit.hold.id().is_some() {
+                    into.hold = hit.hold.clone();
                 }
                 applied[i].hit = m;
             }
@@ -511,6 +540,7 @@ descriptors:
             path: "",
             index: 0,
             top_values: crate::top::Values::Show,
+            named_hold: false,
         }
     }
 
@@ -534,6 +564,7 @@ descriptors:
                 hits: n,
                 enforcement: Enforcement::Enforce,
                 kind: HitKind::Admission,
+                hold: Hold::Unheld,
             };
             let mut applied: Vec<Applied<'_>> =
                 picks.iter().map(|_| Applied::unmerged(applicable())).collect();

@@ -279,6 +279,8 @@ impl Engine {
             hits: 0,
             enforcement: Enforcement::Enforce,
             kind: HitKind::Admission,
+            // A look at the counter: no hold taken.
+            hold: crate::limiter::Hold::Unheld,
         })
     }
 }

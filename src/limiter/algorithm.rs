@@ -9,6 +9,7 @@ use std::collections::VecDeque;
 use std::fmt;
 use std::time::Duration;
 
+use super::hold::{Held, HoldId, Holds};
 use super::{Limit, Verdict};
 
 /// How a limit counts hits.
@@ -26,10 +27,14 @@ pub enum Algorithm {
     SlidingLog,
     /// Refill `requests_per_unit` per window up to `burst` (GCRA: one timestamp per counter).
     TokenBucket,
+    /// Requests in flight: `requests_per_unit` places, each taken by an admission that names a
+    /// hold and kept until a refund naming it releases it or the window (its lifetime) ends.
+    Concurrency,
 }
 
 impl Algorithm {
-    /// Every algorithm, in documentation order.
+    /// Every rate algorithm (counting hits in time), in documentation order; [`Algorithm::Concurrency`]
+    /// counts places and is apart.
     pub const ALL: [Algorithm; 4] = [
         Algorithm::FixedWindow,
         Algorithm::SlidingWindow,
@@ -44,6 +49,7 @@ impl Algorithm {
             Algorithm::SlidingWindow => "sliding_window",
             Algorithm::SlidingLog => "sliding_log",
             Algorithm::TokenBucket => "token_bucket",
+            Algorithm::Concurrency => "concurrency",
         }
     }
 
@@ -51,6 +57,7 @@ impl Algorithm {
     pub fn parse(name: &str) -> Option<Algorithm> {
         Algorithm::ALL
             .into_iter()
+            .chain([Algorithm::Concurrency])
             .find(|a| a.as_str().eq_ignore_ascii_case(name))
     }
 
@@ -63,6 +70,7 @@ impl Algorithm {
             // request, so counters of the old layout are never read as the new one.
             Algorithm::SlidingLog => b'w',
             Algorithm::TokenBucket => b'b',
+            Algorithm::Concurrency => b'c',
         }
     }
 }
@@ -88,6 +96,8 @@ pub(crate) enum State {
     },
     /// GCRA theoretical arrival time, in units of 1/`scale` microseconds (exact for any rate).
     Bucket { tat: u128, scale: u64 },
+    /// A concurrency limit's places: one hold each, until released or ended.
+    Places(Box<Holds>),
 }
 
 /// Log entries a rejected sliding_log check scans for its reset, here and in `script.lua`.
@@ -123,6 +133,7 @@ impl State {
                 total: 0,
             },
             Algorithm::TokenBucket => State::Bucket { tat: 0, scale: 1 },
+            Algorithm::Concurrency => State::Places(Box::default()),
         }
     }
 
@@ -130,6 +141,7 @@ impl State {
     pub(crate) fn heap_bytes(&self) -> u64 {
         match self {
             State::Log { entries, .. } => (entries.capacity() * 16) as u64,
+            State::Places(holds) => std::mem::size_of::<Holds>() as u64 + holds.heap_bytes(),
             _ => 0,
         }
     }
@@ -142,6 +154,7 @@ impl State {
                 | (State::Sliding { .. }, Algorithm::SlidingWindow)
                 | (State::Log { .. }, Algorithm::SlidingLog)
                 | (State::Bucket { .. }, Algorithm::TokenBucket)
+                | (State::Places(_), Algorithm::Concurrency)
         )
     }
 
@@ -187,6 +200,9 @@ impl State {
                     *tat = *tat * rpu as u128 / (*scale).max(1) as u128;
                     *scale = rpu;
                 }
+            }
+            State::Places(holds) => {
+                holds.end_by(now);
             }
         }
     }
@@ -332,6 +348,31 @@ impl State {
                     reset: us(div_ceil(base + need as u128 * w - now_s - capacity, scale)),
                 }
             }
+            State::Places(holds) => {
+                // One place, whatever the hits: a request in flight is one.
+                let used = holds.len() as u64;
+                if rpu > 0 && used < rpu {
+                    let take = u64::from(hits > 0);
+                    let reset = if take == 1 {
+                        w as u128
+                    } else {
+                        holds.last_end().map_or(0, |end| (end - now) as u128)
+                    };
+                    return Verdict {
+                        over: false,
+                        remaining: rpu - used - take,
+                        fits: 0,
+                        reset: us(reset),
+                    };
+                }
+                // The first place to free itself is the hold that ends first.
+                Verdict {
+                    over: true,
+                    remaining: 0,
+                    fits: 0,
+                    reset: us(holds.first_end().map_or(w, |end| end - now) as u128),
+                }
+            }
         }
     }
 
@@ -356,6 +397,101 @@ impl State {
                 let now_s = now as u128 * *scale as u128;
                 *tat = (*tat).max(now_s) + hits as u128 * limit.window_us as u128;
             }
+            // A place is taken with its hold ([`State::take_place`]).
+            State::Places(_) => {}
+        }
+    }
+
+    /// Takes a place under `id` until the limit's lifetime ends. Call only after a
+    /// [`check`](Self::check) at the same `now` found a place free and `id` not held.
+    pub(crate) fn take_place(&mut self, limit: &Limit, now: u64, id: &HoldId) {
+        self.advance(limit, now);
+        if let State::Places(holds) = self {
+            let held = Held {
+                at: now,
+                hits: 1,
+                end: now.saturating_add(limit.window_us),
+            };
+            holds.take(id.clone(), held);
+        }
+    }
+
+    /// A concurrency limit's places that ended unreleased and were dropped since the last call.
+    pub(crate) fn take_ended(&mut self) -> u64 {
+        match self {
+            State::Places(holds) => holds.take_ended(),
+            _ => 0,
+        }
+    }
+
+    /// The holds of a concurrency limit's places.
+    pub(crate) fn places(&self) -> Option<&Holds> {
+        match self {
+            State::Places(holds) => Some(holds),
+            _ => None,
+        }
+    }
+
+    /// Releases the place `id` holds, if it holds one not ended at `now`; returns when it
+    /// would have ended.
+    pub(crate) fn release_place(&mut self, limit: &Limit, now: u64, id: &HoldId) -> Option<u64> {
+        self.advance(limit, now);
+        match self {
+            State::Places(holds) => holds.release(id).map(|h| h.end),
+            _ => None,
+        }
+    }
+
+    /// Gives back at most `hits` of what `held` took, to the window (or the part of the bucket)
+    /// it was charged to, at `now`: nothing when that window has passed, so a late refund never
+    /// credits a later window, on every algorithm.
+    ///
+    /// - fixed_window: from the count, while the window it was taken in is the current one;
+    /// - sliding_window: from the current window's count, or the previous one's, whichever it
+    ///   was taken in;
+    /// - sliding_log: from its own entry, while that entry is in the log;
+    /// - token_bucket: the tokens it took that have not refilled yet.
+    pub(crate) fn refund_held(&mut self, limit: &Limit, now: u64, held: Held, hits: u64) {
+        self.advance(limit, now);
+        let back = hits.min(held.hits);
+        let w = limit.window_us;
+        match self {
+            State::Fixed { start, count, .. } => {
+                if held.at >= *start {
+                    *count = count.saturating_sub(back);
+                }
+            }
+            State::Sliding { start, prev, cur } => {
+                if held.at >= *start {
+                    *cur = cur.saturating_sub(back);
+                } else if held.at >= start.saturating_sub(w) {
+                    *prev = prev.saturating_sub(back);
+                }
+            }
+            State::Log { entries, total } => {
+                let i = entries.partition_point(|&(t, _)| t < held.at);
+                if let Some((t, n)) = entries.get_mut(i)
+                    && *t == held.at
+                {
+                    let back = back.min(*n);
+                    *n -= back;
+                    *total -= back;
+                    if *n == 0 {
+                        entries.remove(i);
+                    }
+                }
+            }
+            State::Bucket { tat, scale } => {
+                let now_s = now as u128 * *scale as u128;
+                let end_s = held.end as u128 * *scale as u128;
+                // Its tokens refill by its end, one emission interval (`w` scaled) each: what
+                // is still to refill of them is what it can give back.
+                let back = (back as u128 * w as u128).min(end_s.saturating_sub(now_s));
+                if *tat > now_s {
+                    *tat = tat.saturating_sub(back).max(now_s);
+                }
+            }
+            State::Places(_) => {}
         }
     }
 
@@ -397,6 +533,7 @@ impl State {
                     }
                 }
             }
+            State::Places(_) => {}
             State::Bucket { tat, scale } => {
                 if rpu == 0 {
                     return;
@@ -462,6 +599,8 @@ impl State {
                     *tat = tat.saturating_sub(back).max(now_s);
                 }
             }
+            // A place goes back only with its hold ([`State::release_place`]).
+            State::Places(_) => {}
         }
     }
 
@@ -476,6 +615,9 @@ impl State {
             State::Bucket { tat, scale } => {
                 u64::try_from(div_ceil(*tat, *scale as u128)).unwrap_or(u64::MAX)
             }
+            // Kept a lifetime past its last place's end, so that a request then still finds
+            // (and counts) places that ended unreleased.
+            State::Places(holds) => holds.last_end().map_or(0, |end| end.saturating_add(w)),
         }
     }
 }
@@ -863,5 +1005,100 @@ mod tests {
             assert!(!v.over, "{algorithm}: full quota at expiry");
             assert_eq!(v.remaining, 0, "{algorithm}");
         }
+    }
+
+    /// A hold's hits go back to the window (or the part of the bucket) they were charged to,
+    /// at most what it took; nothing once that has passed.
+    #[test]
+    fn a_holds_refund_credits_only_the_window_it_was_charged_to() {
+        for algorithm in Algorithm::ALL {
+            let l = limit(algorithm, 10, 100);
+            let mut s = State::new(algorithm);
+            let charge = |s: &mut State, now: u64, hits: u64| {
+                assert!(!take(s, &l, now, hits).over, "{algorithm}");
+                Held {
+                    at: now,
+                    hits,
+                    end: s.expires_at(&l),
+                }
+            };
+            let a = charge(&mut s, T0, 6);
+            let b = charge(&mut s, T0 + SEC, 4);
+            // More than it took gives back what it took.
+            s.refund_held(&l, T0 + 2 * SEC, a, 100);
+            assert_eq!(s.check(&l, T0 + 2 * SEC, 0).remaining, 6, "{algorithm}");
+            // Three windows later, a fresh window's hits are not the old hold's to give.
+            let later = T0 + 300 * SEC;
+            assert!(!take(&mut s, &l, later, 10).over, "{algorithm}");
+            s.refund_held(&l, later, b, 4);
+            assert!(
+                s.check(&l, later, 1).over,
+                "{algorithm}: a later window credited"
+            );
+        }
+    }
+
+    /// A sliding window gives a hold's hits back to the previous window's count when it was
+    /// taken there; a fixed window not at all.
+    #[test]
+    fn a_late_holds_refund_on_the_window_boundary() {
+        let l = limit(Algorithm::SlidingWindow, 10, 60);
+        let mut s = State::new(l.algorithm);
+        assert!(!take(&mut s, &l, T0 + 50 * SEC, 10).over);
+        let held = Held {
+            at: T0 + 50 * SEC,
+            hits: 10,
+            end: s.expires_at(&l),
+        };
+        let now = T0 + 70 * SEC;
+        assert!(!take(&mut s, &l, now, 1).over);
+        s.refund_held(&l, now, held, 10);
+        assert_eq!(
+            s,
+            State::Sliding {
+                start: T0 + 60 * SEC,
+                prev: 0,
+                cur: 1
+            }
+        );
+        let l = limit(Algorithm::FixedWindow, 10, 60);
+        let mut s = State::new(l.algorithm);
+        assert!(!take(&mut s, &l, T0 + 50 * SEC, 10).over);
+        let held = Held {
+            at: T0 + 50 * SEC,
+            hits: 10,
+            end: s.expires_at(&l),
+        };
+        assert!(!take(&mut s, &l, now, 10).over);
+        s.refund_held(&l, now, held, 10);
+        assert!(s.check(&l, now, 1).over, "the next window keeps its count");
+    }
+
+    #[test]
+    fn places_are_taken_by_holds_and_end_with_their_lifetime() {
+        let l = limit(Algorithm::Concurrency, 2, 60);
+        let mut s = State::new(l.algorithm);
+        let (a, b, c) = (HoldId::new(b"a"), HoldId::new(b"b"), HoldId::new(b"c"));
+        for (id, left) in [(&a, 1), (&b, 0)] {
+            let v = s.check(&l, T0, 1);
+            assert_eq!((v.over, v.remaining), (false, left));
+            s.take_place(&l, T0 + SEC, id);
+        }
+        let v = s.check(&l, T0 + 2 * SEC, 1);
+        assert!(v.over);
+        assert_eq!(v.reset, Duration::from_secs(59), "a's place ends first");
+        assert_eq!(s.release_place(&l, T0 + 2 * SEC, &a), Some(T0 + 61 * SEC));
+        assert_eq!(s.release_place(&l, T0 + 2 * SEC, &a), None, "once");
+        assert!(!s.check(&l, T0 + 2 * SEC, 1).over);
+        s.take_place(&l, T0 + 2 * SEC, &c);
+        assert!(s.check(&l, T0 + 61 * SEC - 1, 1).over, "not before");
+        assert_eq!(s.check(&l, T0 + 61 * SEC, 0).remaining, 1, "b ended");
+        assert_eq!(s.take_ended(), 1, "b ended unreleased");
+        assert_eq!(
+            s.release_place(&l, T0 + 61 * SEC, &b),
+            None,
+            "nothing to release"
+        );
+        assert_eq!(s.expires_at(&l), T0 + 122 * SEC, "c's end and a lifetime");
     }
 }

@@ -72,10 +72,12 @@ impl WithFailureMode {
             FailureMode::Allow => Ok(Outcome {
                 admitted: true,
                 verdicts: all(false),
+                places: Vec::new(),
             }),
             FailureMode::Deny => Ok(Outcome {
                 admitted: admits(hits, |_| true),
                 verdicts: all(true),
+                places: Vec::new(),
             }),
             FailureMode::Local => Ok(self.local.decide_now(hits)),
         }
@@ -109,6 +111,23 @@ impl Backend for WithFailureMode {
         Box::pin(async move {
             let local = self.local.reset_now(hits);
             let shared = self.primary.reset(hits).await?;
+            Ok(shared.max(local))
+        })
+    }
+
+    /// The shared holds (the `local` mode's are its own until the store is back).
+    fn holds<'a>(
+        &'a self,
+        hits: &'a [Hit],
+    ) -> BoxFuture<'a, Result<Vec<Vec<super::HoldView>>, BackendError>> {
+        self.primary.holds(hits)
+    }
+
+    /// Ends the shared holds, and the local ones the `local` mode may have kept.
+    fn clear_holds<'a>(&'a self, hits: &'a [Hit]) -> BoxFuture<'a, Result<usize, BackendError>> {
+        Box::pin(async move {
+            let local = self.local.clear_holds_now(hits);
+            let shared = self.primary.clear_holds(hits).await?;
             Ok(shared.max(local))
         })
     }

@@ -24,9 +24,10 @@ use parking_lot::{Mutex, MutexGuard};
 use smallvec::SmallVec;
 
 use super::algorithm::State;
+use super::hold::{Held, HoldId, HoldView, Holds};
 use super::{
-    Backend, BackendError, BoxFuture, Clock, DEFAULT_MAX_DEBT, Hit, HitKind, Outcome, SystemClock,
-    admits,
+    Algorithm, Backend, BackendError, BoxFuture, Clock, DEFAULT_MAX_DEBT, Hit, HitKind, Hold,
+    Outcome, PlaceChange, SystemClock, admits,
 };
 pub(crate) use crate::metrics::MemoryMetrics;
 
@@ -59,8 +60,20 @@ struct Entry {
     key: Arc<[u8]>,
     hash: Hash,
     state: State,
+    /// A rate limit's holds (a concurrency limit's are its state), once it has one.
+    holds: Option<Box<Holds>>,
     expires_at: u64,
     bytes: u64,
+}
+
+impl Entry {
+    /// The live hold of `id` on this counter, if any.
+    fn held(&self, id: &HoldId, now: u64) -> Option<Held> {
+        self.state
+            .places()
+            .or(self.holds.as_deref())
+            .and_then(|holds| holds.get(id, now))
+    }
 }
 
 #[derive(Default)]
@@ -71,8 +84,9 @@ struct Shard {
     bytes: u64,
 }
 
-fn cost(key: &[u8], state: &State) -> u64 {
-    key.len() as u64 + ENTRY_OVERHEAD + state.heap_bytes()
+fn cost(key: &[u8], state: &State, holds: Option<&Holds>) -> u64 {
+    let holds = holds.map_or(0, |h| std::mem::size_of::<Holds>() as u64 + h.heap_bytes());
+    key.len() as u64 + ENTRY_OVERHEAD + state.heap_bytes() + holds
 }
 
 impl Shard {
@@ -139,13 +153,16 @@ pub struct MemoryBackend {
 
 /// What a commit does to a counter.
 #[derive(Clone, Copy)]
-enum Change {
-    /// Consume an admitted hit.
-    Admit,
+enum Change<'h> {
+    /// Consume an admitted hit, under the hold it names if any (a concurrency limit: take
+    /// its place).
+    Admit(Option<&'h HoldId>),
     /// Record a cost report, fitting or not.
     Record,
     /// Give hits back.
     Refund,
+    /// Give back at most the hits the hold took (a concurrency limit: its place), and end it.
+    Release(&'h HoldId),
 }
 
 impl Default for MemoryBackend {
@@ -231,14 +248,45 @@ impl MemoryBackend {
         }
         let at = |hash: Hash| (wanted & ((1u64 << hash.shard()) - 1)).count_ones() as usize;
 
-        // Refunds first: they happened, and the request's other hits see what they freed.
-        for (hit, &hash) in hits.iter().zip(&hashes) {
+        // What the request did to concurrency limits' places, by hit.
+        let mut places: Vec<PlaceChange> = Vec::new();
+        let mut note = |i: usize, (change, end, ended): (i64, u64, u64)| {
+            if change == 0 && ended == 0 {
+                return;
+            }
+            match places.iter_mut().find(|p| p.hit == i) {
+                Some(p) => {
+                    if change != 0 {
+                        (p.change, p.end) = (change, end);
+                    }
+                    p.ended += ended;
+                }
+                None => places.push(PlaceChange {
+                    hit: i,
+                    change,
+                    end,
+                    at: now,
+                    ended,
+                }),
+            }
+        };
+        // Refunds first: they happened, and the request's other hits see what they freed. On
+        // a node that keeps holds, only a refund naming one gives anything back.
+        for (i, (hit, &hash)) in hits.iter().zip(&hashes).enumerate() {
             if hit.kind == HitKind::Refund && hit.hits > 0 {
-                self.commit(&mut guards[at(hash)], hit, hash, now, Change::Refund);
+                let change = match &hit.hold {
+                    Hold::Unheld => Change::Refund,
+                    Hold::Named(id) => Change::Release(id),
+                    Hold::Unnamed => continue,
+                };
+                note(
+                    i,
+                    self.commit(&mut guards[at(hash)], hit, hash, now, change),
+                );
             }
         }
         let mut verdicts = Vec::with_capacity(hits.len());
-        for (hit, &hash) in hits.iter().zip(&hashes) {
+        for (i, (hit, &hash)) in hits.iter().zip(&hashes).enumerate() {
             let key = hit.key.as_bytes();
             // A refund's verdict is its counter as the refund left it.
             let asked = if hit.kind == HitKind::Refund {
@@ -246,34 +294,65 @@ impl MemoryBackend {
             } else {
                 hit.hits
             };
-            let verdict = match guards[at(hash)]
+            let mut verdict = match guards[at(hash)]
                 .entries
                 .find_mut(hash.0, |e| *e.key == *key)
             {
-                Some(e) if e.state.is(hit.limit.algorithm) => e.state.check(&hit.limit, now, asked),
+                Some(e) if e.state.is(hit.limit.algorithm) => {
+                    let mut v = e.state.check(&hit.limit, now, asked);
+                    // A hold already held is refused (a replayed id): what a refund can give
+                    // back stays what one admission took.
+                    if let Some(id) = hit.hold.id()
+                        && hit.kind == HitKind::Admission
+                        && asked > 0
+                        && let Some(held) = e.held(id, now)
+                    {
+                        v = replayed(held, now);
+                    }
+                    note(i, (0, 0, e.state.take_ended()));
+                    v
+                }
                 _ => State::new(hit.limit.algorithm).check(&hit.limit, now, asked),
             };
+            if hit.limit.algorithm == Algorithm::Concurrency && hit.kind == HitKind::Refund {
+                verdict.over = false;
+            }
             verdicts.push(verdict);
         }
 
         let admitted = admits(hits, |i| verdicts[i].over);
-        for ((hit, &hash), verdict) in hits.iter().zip(&hashes).zip(&verdicts) {
+        for (i, ((hit, &hash), verdict)) in hits.iter().zip(&hashes).zip(&verdicts).enumerate() {
             let change = match hit.kind {
                 // An over-limit shadow or quota admission has nothing to take.
-                HitKind::Admission if admitted && !verdict.over => Change::Admit,
+                HitKind::Admission if admitted && !verdict.over => Change::Admit(hit.hold.id()),
                 HitKind::Report => Change::Record,
                 _ => continue,
             };
             if hit.hits > 0 {
-                self.commit(&mut guards[at(hash)], hit, hash, now, change);
+                note(
+                    i,
+                    self.commit(&mut guards[at(hash)], hit, hash, now, change),
+                );
             }
         }
-        Outcome { admitted, verdicts }
+        Outcome {
+            admitted,
+            verdicts,
+            places,
+        }
     }
 
     /// Applies `change` of `hit` to its counter, keeping the shard's bytes, expiry index and
-    /// bound in step.
-    fn commit(&self, shard: &mut Shard, hit: &Hit, hash: Hash, now: u64, change: Change) {
+    /// bound in step. Returns what it did to a concurrency limit's places: (1 taken or -1
+    /// released, or 0; when that place ends; places that had ended and were dropped).
+    fn commit(
+        &self,
+        shard: &mut Shard,
+        hit: &Hit,
+        hash: Hash,
+        now: u64,
+        change: Change<'_>,
+    ) -> (i64, u64, u64) {
         let limit = &hit.limit;
         let mut delta = -(shard.expire(now, EXPIRE_PER_COMMIT) as i64);
         let key_bytes = hit.key.as_bytes();
@@ -283,18 +362,23 @@ impl MemoryBackend {
                 let indexed = Some(e.expires_at);
                 (e, indexed)
             }
-            // Nothing to give back: no counter is made for a refund.
-            None if matches!(change, Change::Refund) => {
+            // Nothing to give back: no counter is made for a refund. Nor for an admission
+            // that takes nothing (a concurrency limit's without a hold).
+            None if matches!(change, Change::Refund | Change::Release(_))
+                || matches!(change, Change::Admit(None))
+                    && hit.limit.algorithm == Algorithm::Concurrency =>
+            {
                 if delta != 0 {
                     self.metrics.bytes.inc_by(delta);
                 }
-                return;
+                return (0, 0, 0);
             }
             None => {
                 let entry = Entry {
                     key: Arc::from(key_bytes),
                     hash,
                     state: State::new(limit.algorithm),
+                    holds: None,
                     expires_at: 0,
                     bytes: 0,
                 };
@@ -304,15 +388,52 @@ impl MemoryBackend {
         };
         if !entry.state.is(limit.algorithm) {
             entry.state = State::new(limit.algorithm);
+            entry.holds = None;
         }
         let was_bytes = entry.bytes;
+        if let Some(holds) = &mut entry.holds {
+            holds.end_by(now);
+        }
+        let (mut placed, mut end) = (0, 0);
         match change {
-            Change::Admit => entry.state.commit(limit, now, hit.hits),
+            Change::Admit(hold) if limit.algorithm == Algorithm::Concurrency => {
+                if let Some(id) = hold {
+                    entry.state.take_place(limit, now, id);
+                    (placed, end) = (1, now.saturating_add(limit.window_us));
+                }
+            }
+            Change::Admit(hold) => {
+                entry.state.commit(limit, now, hit.hits);
+                if let Some(id) = hold {
+                    let held = Held {
+                        at: now,
+                        hits: hit.hits,
+                        end: entry.state.expires_at(limit),
+                    };
+                    entry.holds.get_or_insert_default().take(id.clone(), held);
+                }
+            }
             Change::Record => entry.state.record(limit, now, hit.hits, self.max_debt),
             Change::Refund => entry.state.refund(limit, now, hit.hits),
+            Change::Release(id) if limit.algorithm == Algorithm::Concurrency => {
+                if let Some(ends) = entry.state.release_place(limit, now, id) {
+                    (placed, end) = (-1, ends);
+                }
+            }
+            Change::Release(id) => {
+                if let Some(held) = entry.holds.as_mut().and_then(|h| h.release(id))
+                    && held.end > now
+                {
+                    entry.state.refund_held(limit, now, held, hit.hits);
+                }
+            }
         }
+        if entry.holds.as_ref().is_some_and(|h| h.len() == 0) {
+            entry.holds = None;
+        }
+        let ended = entry.state.take_ended();
         entry.expires_at = entry.state.expires_at(limit);
-        entry.bytes = cost(&entry.key, &entry.state);
+        entry.bytes = cost(&entry.key, &entry.state, entry.holds.as_deref());
         let (expires_at, bytes) = (entry.expires_at, entry.bytes);
         // Most commits (a fixed window's) move no expiry: nothing to reindex.
         if indexed != Some(expires_at) {
@@ -333,6 +454,17 @@ impl MemoryBackend {
         if delta != 0 {
             self.metrics.bytes.inc_by(delta);
         }
+        (placed, end, ended)
+    }
+}
+
+/// The verdict on an admission whose hold is held already: over until that hold ends.
+fn replayed(held: Held, now: u64) -> super::Verdict {
+    super::Verdict {
+        over: true,
+        remaining: 0,
+        fits: 0,
+        reset: std::time::Duration::from_micros(held.end.saturating_sub(now)),
     }
 }
 
@@ -354,6 +486,48 @@ impl MemoryBackend {
     }
 }
 
+impl MemoryBackend {
+    /// The live holds of each hit's counter.
+    pub fn holds_now(&self, hits: &[Hit]) -> Vec<Vec<HoldView>> {
+        let now = self.now();
+        hits.iter()
+            .map(|hit| {
+                let key = hit.key.as_bytes();
+                let hash = self.hash(key);
+                let shard = self.shards[hash.shard()].lock();
+                shard
+                    .entries
+                    .find(hash.0, |e| *e.key == *key)
+                    .and_then(|e| e.state.places().or(e.holds.as_deref()))
+                    .map_or_else(Vec::new, |holds| holds.views(now))
+            })
+            .collect()
+    }
+
+    /// Ends every hold of `hits`' counters; returns how many there were.
+    pub fn clear_holds_now(&self, hits: &[Hit]) -> usize {
+        let now = self.now();
+        let mut cleared = 0;
+        for hit in hits {
+            let key = hit.key.as_bytes();
+            let hash = self.hash(key);
+            let mut shard = self.shards[hash.shard()].lock();
+            let Some(e) = shard.entries.find_mut(hash.0, |e| *e.key == *key) else {
+                continue;
+            };
+            if let Some(holds) = e.holds.take() {
+                cleared += holds.views(now).len();
+            }
+            if let State::Places(holds) = &mut e.state {
+                cleared += holds.views(now).len();
+                **holds = Holds::default();
+            }
+            // Its size shrinks; the next commit on it recounts it, the sweep drops it.
+        }
+        cleared
+    }
+}
+
 impl Backend for MemoryBackend {
     fn decide<'a>(&'a self, hits: &'a [Hit]) -> BoxFuture<'a, Result<Outcome, BackendError>> {
         Box::pin(std::future::ready(Ok(self.decide_now(hits))))
@@ -365,6 +539,17 @@ impl Backend for MemoryBackend {
 
     fn reset<'a>(&'a self, hits: &'a [Hit]) -> BoxFuture<'a, Result<usize, BackendError>> {
         Box::pin(std::future::ready(Ok(self.reset_now(hits))))
+    }
+
+    fn holds<'a>(
+        &'a self,
+        hits: &'a [Hit],
+    ) -> BoxFuture<'a, Result<Vec<Vec<HoldView>>, BackendError>> {
+        Box::pin(std::future::ready(Ok(self.holds_now(hits))))
+    }
+
+    fn clear_holds<'a>(&'a self, hits: &'a [Hit]) -> BoxFuture<'a, Result<usize, BackendError>> {
+        Box::pin(std::future::ready(Ok(self.clear_holds_now(hits))))
     }
 }
 
@@ -389,6 +574,7 @@ mod tests {
             hits: 1,
             enforcement: Enforcement::Enforce,
             kind: HitKind::Admission,
+            hold: Hold::Unheld,
         }
     }
 

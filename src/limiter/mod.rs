@@ -5,6 +5,7 @@ pub(crate) mod algorithm;
 pub(crate) mod calendar;
 pub(crate) mod clock;
 pub(crate) mod failure_mode;
+pub(crate) mod hold;
 pub(crate) mod key;
 pub(crate) mod memory;
 pub(crate) mod redis;
@@ -17,6 +18,7 @@ use std::time::Duration;
 pub use algorithm::Algorithm;
 pub(crate) use calendar::{Calendar, CalendarUnit, Zone};
 pub use clock::{Clock, ManualClock, SystemClock};
+pub(crate) use hold::{Hold, HoldId, HoldView};
 pub use key::{CounterKey, HashTag, KeyFormat};
 pub use memory::MemoryBackend;
 
@@ -165,6 +167,8 @@ pub struct Hit {
     pub enforcement: Enforcement,
     /// Admission, cost report or refund.
     pub kind: HitKind,
+    /// The hold it names, if its node keeps holds (`hold_key`).
+    pub hold: Hold,
 }
 
 /// The verdict on one hit.
@@ -190,6 +194,27 @@ pub struct Outcome {
     pub admitted: bool,
     /// One verdict per hit, in the order of the hits.
     pub verdicts: Vec<Verdict>,
+    /// What the request did to its concurrency limits' places (none for most requests: no
+    /// allocation).
+    pub places: Vec<PlaceChange>,
+}
+
+/// What one request did to a concurrency limit's places, as the backend saw it: each place is
+/// added once and removed once (released, or ended and dropped), so these changes summed over
+/// every replica sharing a store are the places in use in it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PlaceChange {
+    /// The hit (its index in the request's hits).
+    pub hit: usize,
+    /// 1: a place taken; -1: one released; 0: neither.
+    pub change: i64,
+    /// When the place taken or released ends (µs, the store's time): it is in use until then.
+    pub end: u64,
+    /// The store's time of the decision (µs).
+    pub at: u64,
+    /// Places that had ended unreleased (a crashed Envoy, or a lifetime shorter than a stream)
+    /// and were dropped.
+    pub ended: u64,
 }
 
 /// Why a backend could not decide. The detail is for the log only: clients get a short,
@@ -260,9 +285,21 @@ pub trait Backend: Send + Sync + 'static {
         self.decide(hits)
     }
 
-    /// Forgets the counters of `hits` (each limit is fully available again); returns how
-    /// many were held. For the admin API.
+    /// Forgets the counters of `hits` (each limit is fully available again) and their holds;
+    /// returns how many counters were held. For the admin API.
     fn reset<'a>(&'a self, hits: &'a [Hit]) -> BoxFuture<'a, Result<usize, BackendError>>;
+
+    /// The live holds of each hit's counter (those of a node that keeps holds), the first to
+    /// end first. For the admin API.
+    fn holds<'a>(
+        &'a self,
+        hits: &'a [Hit],
+    ) -> BoxFuture<'a, Result<Vec<Vec<HoldView>>, BackendError>>;
+
+    /// Ends every hold of `hits`' counters: a concurrency limit's places are free again, a
+    /// rate limit's hits stay counted (refunds naming those holds give nothing back). Returns
+    /// how many holds there were. For the admin API.
+    fn clear_holds<'a>(&'a self, hits: &'a [Hit]) -> BoxFuture<'a, Result<usize, BackendError>>;
 
     /// Whether the store is reachable, as far as the backend knows (for health and metrics).
     fn is_reachable(&self) -> bool {
@@ -307,6 +344,7 @@ mod tests {
             hits: 1,
             enforcement,
             kind: HitKind::Admission,
+            hold: Hold::Unheld,
         }
     }
 

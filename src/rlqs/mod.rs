@@ -92,11 +92,20 @@ pub(crate) fn bucket_rule(
         Some(NodeLimits::Limits(rules)) if !matched.node.shadow_mode => rules,
         _ => return BucketRule::Allow,
     };
-    if rules.iter().any(|r| r.requests_per_unit == 0) {
+    // A concurrency limit is not assigned: a quota report never releases a place
+    // (docs/rlqs.md).
+    let rates = || {
+        rules
+            .iter()
+            .filter(|r| r.algorithm != crate::limiter::Algorithm::Concurrency)
+    };
+    if rates().next().is_none() {
+        return BucketRule::Allow;
+    }
+    if rates().any(|r| r.requests_per_unit == 0) {
         return BucketRule::Deny;
     }
-    let pools: Vec<PoolSpec> = rules
-        .iter()
+    let pools: Vec<PoolSpec> = rates()
         .map(|r| PoolSpec {
             key: matched
                 .key

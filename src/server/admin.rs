@@ -18,8 +18,8 @@ pub mod pb {
 use crate::value::{OwnedEntries, borrowed};
 pub(crate) use pb::admin_server::AdminServer;
 use pb::{
-    Counter, CounterRequest, CounterResponse, ResetResponse, TopDescriptor, TopEntry, TopLimit,
-    TopRequest, TopResponse,
+    ClearHoldsResponse, Counter, CounterRequest, CounterResponse, HoldsResponse, LimitHolds,
+    ResetResponse, TopDescriptor, TopEntry, TopLimit, TopRequest, TopResponse,
 };
 
 /// The admin service over an [`Engine`].
@@ -96,6 +96,56 @@ impl pb::admin_server::Admin for Admin {
         tracing::info!(domain = %req.domain, counters = reset, "admin: counters reset");
         Ok(Response::new(ResetResponse {
             reset: u32::try_from(reset).unwrap_or(u32::MAX),
+        }))
+    }
+
+    async fn get_holds(
+        &self,
+        request: Request<CounterRequest>,
+    ) -> Result<Response<HoldsResponse>, Status> {
+        let req = request.get_ref();
+        let limits = self
+            .engine
+            .holds(&req.domain, &borrowed(&entries(&req.entries)?))
+            .await
+            .map_err(to_status)?;
+        let limits = limits
+            .into_iter()
+            .map(|(limit, algorithm, holds)| LimitHolds {
+                name: limit.name.as_deref().unwrap_or_default().to_owned(),
+                algorithm: algorithm.as_str().to_owned(),
+                requests_per_unit: limit.requests_per_unit,
+                window_seconds: limit.window.as_secs(),
+                holds: holds
+                    .into_iter()
+                    .map(|h| {
+                        let (id, escaped) = h.id.shown();
+                        pb::Hold {
+                            id,
+                            escaped,
+                            hits: h.hits,
+                            ends_in_ms: u64::try_from(h.ends_in.as_millis()).unwrap_or(u64::MAX),
+                        }
+                    })
+                    .collect(),
+            })
+            .collect();
+        Ok(Response::new(HoldsResponse { limits }))
+    }
+
+    async fn clear_holds(
+        &self,
+        request: Request<CounterRequest>,
+    ) -> Result<Response<ClearHoldsResponse>, Status> {
+        let req = request.get_ref();
+        let cleared = self
+            .engine
+            .clear_holds(&req.domain, &borrowed(&entries(&req.entries)?))
+            .await
+            .map_err(to_status)?;
+        tracing::info!(domain = %req.domain, holds = cleared, "admin: holds cleared");
+        Ok(Response::new(ClearHoldsResponse {
+            cleared: u32::try_from(cleared).unwrap_or(u32::MAX),
         }))
     }
 

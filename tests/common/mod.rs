@@ -528,7 +528,9 @@ pub(crate) fn route_rate_limit(
     let mut limit = RateLimit::default();
     for (field, value) in l.as_object().unwrap() {
         match field.as_str() {
-            "actions" => assert_eq!(value.as_array().unwrap().len(), 1),
+            "actions" => {
+                limit.actions = value.as_array().unwrap().iter().map(action).collect();
+            }
             "apply_on_stream_done" => limit.apply_on_stream_done = value == true,
             "hits_addend" => {
                 let mut addend = HitsAddend::default();
@@ -550,6 +552,29 @@ pub(crate) fn route_rate_limit(
         }
     }
     limit
+}
+
+/// An action of a route rate limit, read into Envoy's message field by field (the examples use
+/// `request_headers` only).
+fn action(a: &serde_json::Value) -> envoy_types::pb::envoy::config::route::v3::rate_limit::Action {
+    use envoy_types::pb::envoy::config::route::v3::rate_limit::Action;
+    use envoy_types::pb::envoy::config::route::v3::rate_limit::action::{
+        ActionSpecifier, RequestHeaders,
+    };
+    let (kind, fields) = a.as_object().unwrap().iter().next().unwrap();
+    assert_eq!(kind, "request_headers", "an action the examples do not use");
+    let mut headers = RequestHeaders::default();
+    for (field, value) in fields.as_object().unwrap() {
+        let value = value.as_str().unwrap().to_owned();
+        match field.as_str() {
+            "header_name" => headers.header_name = value,
+            "descriptor_key" => headers.descriptor_key = value,
+            other => panic!("RequestHeaders field {other} is not used here"),
+        }
+    }
+    Action {
+        action_specifier: Some(ActionSpecifier::RequestHeaders(headers)),
+    }
 }
 
 /// The line of `/rlconfig` (`rules`) for `key` in `domain`.

@@ -47,8 +47,8 @@ use self::error::ErrorKind;
 pub use self::wire::SCRIPT;
 use self::wire::{Args, Decided, Mode};
 use super::{
-    Backend, BackendError, BoxFuture, Clock, Degrade, Enforcement, Hit, HitKind, Outcome,
-    SystemClock, Verdict, admits,
+    Algorithm, Backend, BackendError, BoxFuture, Clock, Degrade, Enforcement, Hit, HitKind, HoldId,
+    HoldView, Outcome, PlaceChange, SystemClock, Verdict, admits,
 };
 use crate::logs::{self, Throttle};
 use crate::metrics::{BackendMetrics, KindLabels};
@@ -337,6 +337,7 @@ impl RedisBackend {
                 given,
                 enforcement,
                 kind,
+                &hit.hold,
                 || self.redis_now(),
             );
         }
@@ -381,6 +382,15 @@ impl RedisBackend {
             }
             Err(_) => Err(self.timeout_error()),
         }
+    }
+
+    /// Sends `cmd` on `conn` within the call budget (the admin API's few commands).
+    async fn ask<T: redis::FromRedisValue>(
+        &self,
+        conn: &Conn,
+        cmd: &redis::Cmd,
+    ) -> Result<T, BackendError> {
+        self.bounded(conn, conn.query(cmd, self.opts.timeout)).await
     }
 
     /// Sends `cmd` to the main store within the call budget: for the few commands a task
@@ -527,6 +537,7 @@ impl RedisBackend {
             hits.len()
         ];
         let mut committed: SmallVec<[(usize, i64); 2]> = SmallVec::new(); // (group, time)
+        let mut places: Vec<PlaceChange> = Vec::new();
         let mut first_error = None;
         // Groups whose store could not be reached: the failure mode may decide them apart.
         let mut unreachable: SmallVec<[usize; 2]> = SmallVec::new();
@@ -568,8 +579,24 @@ impl RedisBackend {
                     if admitted {
                         committed.push((g, at));
                     }
-                    for (&i, verdict) in groups[g].hits.iter().zip(wire::verdicts(limits)) {
+                    let algorithms = groups[g].hits.iter().map(|&i| hits[i].limit.algorithm);
+                    for (&i, (verdict, change)) in groups[g]
+                        .hits
+                        .iter()
+                        .zip(wire::verdicts(limits, algorithms))
+                    {
                         verdicts[i] = verdict;
+                        if let Some((change, end, ended)) = change
+                            && (change != 0 || ended != 0)
+                        {
+                            places.push(PlaceChange {
+                                hit: i,
+                                change,
+                                end,
+                                at: at.max(0) as u64,
+                                ended,
+                            });
+                        }
                     }
                 }
             }
@@ -603,6 +630,10 @@ impl RedisBackend {
                     for (&i, verdict) in degraded.iter().zip(outcome.verdicts) {
                         verdicts[i] = verdict;
                     }
+                    places.extend(outcome.places.into_iter().map(|p| PlaceChange {
+                        hit: degraded[p.hit],
+                        ..p
+                    }));
                 }
                 Err(e) => first_error = Some(e),
             }
@@ -633,12 +664,27 @@ impl RedisBackend {
                     );
                     self.answer(answer, deadline)
                 });
-            for result in join_all(undos).await {
+            let undone: SmallVec<[usize; 2]> = committed
+                .iter()
+                .filter(|&&(g, _)| groups[g].hits.iter().any(|&i| consumed[i]))
+                .map(|&(g, _)| g)
+                .collect();
+            for (result, g) in join_all(undos).await.into_iter().zip(undone) {
                 static LOG: Throttle = Throttle::new(logs::EVERY);
-                if let Err(e) = result
-                    && let Some(held_back) = LOG.pass()
-                {
-                    tracing::warn!(error = %e, held_back, "undo failed; the hits stay counted until their window ends");
+                match result {
+                    // The places its decide took are given back with it.
+                    Ok(_) => {
+                        for p in places.iter_mut() {
+                            if p.change == 1 && groups[g].hits.contains(&p.hit) {
+                                p.change = 0;
+                            }
+                        }
+                    }
+                    Err(e) => {
+                        if let Some(held_back) = LOG.pass() {
+                            tracing::warn!(error = %e, held_back, "undo failed; the hits stay counted until their window ends");
+                        }
+                    }
                 }
             }
         }
@@ -654,13 +700,21 @@ impl RedisBackend {
                 if hit.kind == HitKind::Refund {
                     // What was known over may fit again.
                     cache.remove(hit.key.as_bytes());
-                } else if v.over && hit.enforcement == Enforcement::Enforce {
+                } else if v.over
+                    && hit.enforcement == Enforcement::Enforce
+                    // A place may be released (on any replica) before its lifetime ends.
+                    && hit.limit.algorithm != Algorithm::Concurrency
+                {
                     let limit = (hit.limit.requests_per_unit, hit.limit.burst);
                     cache.insert(hit.key.as_bytes(), limit, now, now + v.reset, hit.hits);
                 }
             }
         }
-        Ok(Outcome { admitted, verdicts })
+        Ok(Outcome {
+            admitted,
+            verdicts,
+            places,
+        })
     }
 
     /// A decision: from the over-limit cache, else in Redis (`degrade` as in
@@ -730,6 +784,7 @@ impl RedisBackend {
         Some(Outcome {
             admitted: false,
             verdicts,
+            places: Vec::new(),
         })
     }
 }
@@ -759,14 +814,95 @@ impl Backend for RedisBackend {
                 removed += self
                     .bounded(conn, conn.del(hit.key.as_bytes(), self.opts.timeout))
                     .await?;
+                for key in hold_keys(hit) {
+                    self.bounded(conn, conn.del(&key, self.opts.timeout))
+                        .await?;
+                }
             }
             Ok(removed)
+        })
+    }
+
+    fn holds<'a>(
+        &'a self,
+        hits: &'a [Hit],
+    ) -> BoxFuture<'a, Result<Vec<Vec<HoldView>>, BackendError>> {
+        Box::pin(async move {
+            let mut all = Vec::with_capacity(hits.len());
+            for hit in hits {
+                let conn = &self.stores[self.store_of(hit) as usize].conn;
+                let (seconds, micros): (u64, u64) = self.ask(conn, &redis::cmd("TIME")).await?;
+                let now = seconds * 1_000_000 + micros;
+                // (id, end) of each hold, and what each took (a place: 1).
+                let by_end_key = match hit.limit.algorithm {
+                    Algorithm::Concurrency => hit.key.as_bytes().to_vec(),
+                    _ => match hold_keys(hit).next() {
+                        Some(key) => key,
+                        None => {
+                            all.push(Vec::new());
+                            continue;
+                        }
+                    },
+                };
+                let mut zrange = redis::cmd("ZRANGE");
+                zrange.arg(&by_end_key).arg(0).arg(-1).arg("WITHSCORES");
+                let ends: Vec<(Vec<u8>, f64)> = self.ask(conn, &zrange).await?;
+                let taken: std::collections::HashMap<Vec<u8>, u64> = match hold_keys(hit).nth(1) {
+                    Some(key) => {
+                        let mut hgetall = redis::cmd("HGETALL");
+                        hgetall.arg(key);
+                        self.ask(conn, &hgetall).await?
+                    }
+                    None => Default::default(),
+                };
+                all.push(
+                    ends.into_iter()
+                        .filter(|(_, end)| *end > now as f64)
+                        .filter_map(|(id, end)| {
+                            Some(HoldView {
+                                hits: taken.get(&id).copied().unwrap_or(1),
+                                id: HoldId::from_stored(&id)?,
+                                ends_in: Duration::from_micros((end - now as f64) as u64),
+                            })
+                        })
+                        .collect(),
+                );
+            }
+            Ok(all)
+        })
+    }
+
+    fn clear_holds<'a>(&'a self, hits: &'a [Hit]) -> BoxFuture<'a, Result<usize, BackendError>> {
+        Box::pin(async move {
+            let listed = self.holds(hits).await?;
+            for hit in hits {
+                let conn = &self.stores[self.store_of(hit) as usize].conn;
+                let keys: Vec<Vec<u8>> = match hit.limit.algorithm {
+                    Algorithm::Concurrency => vec![hit.key.as_bytes().to_vec()],
+                    _ => hold_keys(hit).collect(),
+                };
+                for key in keys {
+                    self.bounded(conn, conn.del(&key, self.opts.timeout))
+                        .await?;
+                }
+            }
+            Ok(listed.iter().map(Vec::len).sum())
         })
     }
 
     fn is_reachable(&self) -> bool {
         RedisBackend::is_reachable(self)
     }
+}
+
+/// The two keys beside a rate limit's counter that keep its holds (wire.rs, `Args::push`),
+/// when its node keeps holds: its holds by end, and what each took.
+fn hold_keys(hit: &Hit) -> impl Iterator<Item = Vec<u8>> + '_ {
+    let held = hit.hold.is_held() && hit.limit.algorithm != Algorithm::Concurrency;
+    [&b":e"[..], b":h"]
+        .into_iter()
+        .filter(move |_| held)
+        .map(|suffix| [hit.key.as_bytes(), suffix].concat())
 }
 
 /// Writes `n` in lower-case hex at `buf[at..]`; returns where it ends.

@@ -84,9 +84,13 @@
 -- the arguments come. As an array of integers, Redis wrote each as text and the client parsed
 -- it back: redis-rs took 29.9 µs for a call of 53 requests of two limits (265 values), 0.95 µs
 -- packed. The values are the call's time (Redis TIME, µs), then every request's in order:
--- decide: admitted (1 or 0), then per limit: its room, and its reset (µs). The room is what is
---   left when within (>= 0), and -1 - (how many hits would have fit) when over (for
---   statistics): one value where two would say the same. Nothing is written for a request
+-- decide: admitted (1 or 0), then per limit: its room, and its reset (µs), and for a
+--   concurrency limit two more values: what the request did to its places, 2 + the change (-1
+--   a place released, 1 one taken, 0 none) + 4 × the places that ended unreleased and were
+--   dropped meanwhile, and when the place taken or released ends (µs; 0 for none). The client
+--   keeps a gauge of places in use from these.
+--   The room is what is left when within (>= 0), and -1 - (how many hits would have fit) when
+--   over (for statistics): one value where two would say the same. Nothing is written for a request
 --   unless it is admitted; then every limit that fits is consumed and every key written gets
 --   an expiry.
 -- undo: 1. It takes back what an admitted decide of the same KEYS and ARGV consumed.
@@ -102,7 +106,8 @@
 local floor, ceil, max, min, unpack_numbers, pack_numbers, unpack_values
 -- The codes the numbers carry for algorithms and enforcements (a limit's "how" is its
 -- enforcement, plus 3 for a report, plus 6 for a refund; see main).
-local ALGORITHMS = {'f', 's', 'w', 'b'}
+-- (5, a fixed_window on a calendar, is read apart; 6 is a concurrency limit's places.)
+local ALGORITHMS = {'f', 's', 'w', 'b', 'f', 'c'}
 local ENFORCEMENTS = {'E', 'Q', 'S'}
 -- The call's counters: key, algorithm, requests_per_unit, window, burst, the start of the
 -- window the call's time is in, and its state once read (false until then; see `cache`).
@@ -110,11 +115,20 @@ local c_key, c_algo, c_rpu, c_w, c_burst, c_start, c_st = {}, {}, {}, {}, {}, {}
 -- Calendar counters: whether the counter is one, its four boundaries, and whether none of its
 -- windows holds the call's time (see the header).
 local c_cal, c_b0, c_b1, c_b2, c_b3, c_stale = {}, {}, {}, {}, {}, {}
+-- A rate limit's hold keys (false when it keeps no holds): its holds by end, and their hits.
+local c_hk, c_hh = {}, {}
 -- The request being decided: its nonce, how many limits it has, and per limit its counter, the
 -- counter's algorithm, hits (0 for a refund, whose hits are in l_back), enforcement and kind
 -- (reused from request to request: only 1..n are read); whether it has refunds, and reports.
 local nonce, n = '', 0
 local l_c, l_algo, l_hits, l_enf, l_kind, l_back = {}, {}, {}, {}, {}, {}
+-- Per limit, the hold it names: false (its node keeps none), 'u' (it keeps them, none named),
+-- or the hold's id (a string of ARGV).
+local l_hold = {}
+-- Per concurrency limit of the request: the change it made to the places (-1, 0 or 1), when
+-- that place ends, the places that ended unreleased and were dropped, and where its third
+-- reply value is.
+local l_delta, l_end, l_ended, l_out = {}, {}, {}, {}
 local refunds, reports = false, false
 -- The reply's values so far (`#out` is a search each time: keep the length here). One table
 -- for every call (as `cache` and `order`): a table that grows costs Redis a resize at each
@@ -336,6 +350,17 @@ end
 local function undo(at)
   for i = 1, n do
     local key, algo, rpu, w, burst, hits = limit(i)
+    local hold = l_hold[i]
+    if hits > 0 and hold and hold ~= 'u' then
+      -- The hold the decide took goes with what it took.
+      local hk = c_hk[l_c[i]]
+      if hk then
+        redis.call('ZREM', hk, hold)
+        redis.call('HDEL', c_hh[l_c[i]], hold)
+      elseif algo == 'c' then
+        redis.call('ZREM', key, hold)
+      end
+    end
     if hits > 0 then
       local start = at - (at % w)
       if c_cal[l_c[i]] then start = window_in(l_c[i], at) or -1 end
@@ -378,12 +403,99 @@ end
 -- and under EVAL the whole file runs on every call, where each function it builds costs.
 local accounting
 local function build_accounting()
+  -- Ends limit i's hold `id` and gives back at most l_back[i] of what it took, to the window
+  -- (or the part of the bucket) it was charged to, nothing once that has passed (see
+  -- State::refund_held in algorithm.rs). A concurrency limit: its place. A hold is found by
+  -- its end, which names its window: fixed_window, the window's end; sliding_window, its
+  -- window's start + 2 windows; sliding_log, its entry's time + a window; token_bucket, the
+  -- arrival time its tokens took the bucket to.
+  local function release(i, id)
+    local c = l_c[i]
+    local key, algo, rpu, w, hits = c_key[c], c_algo[c], c_rpu[c], c_w[c], l_back[i]
+    if algo == 'c' then
+      local ends = tonumber(redis.call('ZSCORE', key, id) or '')
+      if ends then
+        redis.call('ZREM', key, id)
+        if ends > now then
+          l_delta[i], l_end[i] = -1, ends
+        else
+          l_ended[i] = l_ended[i] + 1
+        end
+      end
+      return
+    end
+    local hk, hh = c_hk[c], c_hh[c]
+    if not hk then return end
+    local ends = tonumber(redis.call('ZSCORE', hk, id) or '')
+    local took = tonumber(redis.call('HGET', hh, id) or '')
+    if not ends then return end
+    redis.call('ZREM', hk, id)
+    redis.call('HDEL', hh, id)
+    if ends <= now or not took then return end
+    local back = min(hits, took)
+    local start = c_start[c]
+    if algo == 'f' then
+      local st = cache[key] or cached(key, load_f, w)
+      roll_f(st, start)
+      if ends == start + w and st.count > 0 then
+        st.count, st.dirty, st.w = max(st.count - back, 0), true, w
+      end
+    elseif algo == 's' then
+      local st = cache[key] or cached(key, load_s, w)
+      roll_s(st, start, w)
+      local taken_in = ends - 2 * w
+      if taken_in == start then
+        st.c, st.rewrite, st.w = max(st.c - back, 0), true, w
+      elseif taken_in == start - w then
+        st.p, st.rewrite, st.w = max(st.p - back, 0), true, w
+      end
+    elseif algo == 'w' then
+      -- Its own entry, scored when it was taken (with any other request's of that instant).
+      local total = log_total(key, now - w)
+      if total <= 0 then return end
+      local at = ends - w
+      local mine = redis.call('ZRANGEBYSCORE', key, at, at, 'LIMIT', 0, LOG_REFUND_MAX)
+      local rest, gone, shortened = back, {}, {}
+      for _, m in ipairs(mine) do
+        if rest <= 0 then break end
+        local weight = tonumber(string.match(m, ':(%d+)$'))
+        gone[#gone + 1] = m
+        if weight <= rest then
+          rest = rest - weight
+        else
+          shortened[#shortened + 1] = string.match(m, '^(.*):%d+$') .. ':' .. (weight - rest)
+          rest = 0
+        end
+      end
+      if #gone > 0 then redis.call('ZREM', key, unpack(gone)) end
+      for _, m in ipairs(shortened) do redis.call('ZADD', key, at, m) end
+      local left = total - (back - rest)
+      if left <= 0 then
+        redis.call('ZREM', key, '#')
+      else
+        redis.call('ZADD', key, -left, '#')
+      end
+    elseif algo == 'b' and rpu > 0 then
+      local st = cache[key] or cached(key, load_b, w)
+      local interval = w / rpu
+      -- Its tokens refill by its end: what is still to refill of them is what it can give back.
+      local back_t = min(back * interval, ends - now)
+      if back_t > 0 and st.tat > now then
+        st.tat, st.dirty = max(st.tat - back_t, now), true
+      end
+    end
+  end
+
   -- Gives limit i's hits back (a refund), before anything of the request is checked: never below
   -- an empty counter (see State::refund in algorithm.rs).
   local function give_back(i)
     local c = l_c[i]
     local key, algo, rpu, w, hits = c_key[c], c_algo[c], c_rpu[c], c_w[c], l_back[i]
     if hits <= 0 then return end
+    local hold = l_hold[i]
+    -- On a node that keeps holds, only a refund naming one gives anything back.
+    if hold == 'u' then return end
+    if hold then return release(i, hold) end
     local start = c_start[c]
     if algo == 'f' then
       local st = cache[key] or cached(key, load_f, w)
@@ -475,6 +587,14 @@ local function build_accounting()
   local function preload(i)
     local c = l_c[i]
     local key, algo = c_key[c], c_algo[c]
+    if c_hk[c] then
+      redis.call('ZCARD', c_hk[c])
+      redis.call('HLEN', c_hh[c])
+    end
+    if algo == 'c' then
+      redis.call('ZCARD', key)
+      return
+    end
     if cache[key] then return end
     if algo == 'f' then
       cached(key, load_f, c_w[c])
@@ -488,6 +608,53 @@ local function build_accounting()
   end
 
   return {give_back = give_back, record = record, preload = preload}
+end
+
+-- The most holds one counter keeps (MAX_HOLDS in hold.rs): past it a rate limit's hold that
+-- ends first is dropped (its hits stay counted); a concurrency limit has no more places.
+local MAX_HOLDS = 10000
+
+-- Takes limit i's hold `id` for what its admission just took (see "Holds" in the header).
+local function take_hold(i, id)
+  local c = l_c[i]
+  local key, algo, w = c_key[c], l_algo[i], c_w[c]
+  if algo == 'c' then
+    redis.call('ZADD', key, now + w, id)
+    out[l_out[i]], out[l_out[i] + 1] = out[l_out[i]] + 1, now + w
+    -- Kept a lifetime past its last place's end, so that a request then still finds (and
+    -- counts) places that ended unreleased.
+    local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
+    expire_at_us(key, tonumber(last[2]) + w)
+    return
+  end
+  local hk, hh = c_hk[c], c_hh[c]
+  if not hk then return end
+  local start, ends = c_start[c], 0
+  if algo == 'f' then
+    ends = start + w
+  elseif algo == 's' then
+    ends = start + 2 * w
+  elseif algo == 'w' then
+    ends = now + w
+  else
+    ends = next_tat[i]
+  end
+  redis.call('ZADD', hk, ends, id)
+  redis.call('HSET', hh, id, l_hits[i])
+  -- Ended holds leave (a bounded number per call), and past MAX_HOLDS the first to end.
+  local ended = redis.call('ZRANGEBYSCORE', hk, '-inf', now, 'LIMIT', 0, 100)
+  if #ended > 0 then
+    redis.call('ZREM', hk, unpack(ended))
+    redis.call('HDEL', hh, unpack(ended))
+  end
+  if redis.call('ZCARD', hk) > MAX_HOLDS then
+    local oldest = redis.call('ZPOPMIN', hk)
+    redis.call('HDEL', hh, oldest[1])
+  end
+  local last = redis.call('ZRANGE', hk, -1, -1, 'WITHSCORES')
+  local at = tonumber(last[2]) + 1
+  expire_at_us(hk, at)
+  expire_at_us(hh, at)
 end
 
 -- Decides the current request and appends its reply to `out`.
@@ -606,8 +773,37 @@ local function decide()
           if need <= c_burst[c] then rst = ceil(tat + need * interval - now - cap - 0.001) end
         end
       end
+    elseif algo == 'c' then
+      -- Places: one per live hold, whatever the hits (a request in flight is one). Ended
+      -- holds leave first. A refund's verdict is the places as it left them, never over.
+      local key = c_key[c]
+      l_ended[i] = l_ended[i] + redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+      local used = redis.call('ZCARD', key)
+      local take = 0
+      if hits > 0 then take = 1 end
+      o = l_kind[i] ~= 'n' and (rpu == 0 or used + 1 > rpu)
+      if not o then
+        rem = rpu - used - take
+        if take == 1 then
+          rst = w
+        else
+          local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
+          if last[2] then rst = tonumber(last[2]) - now else rst = 0 end
+        end
+      else
+        -- The first place to free itself is the hold that ends first.
+        local first = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
+        if first[2] then rst = tonumber(first[2]) - now end
+      end
     else
       error('ratelimitd: unknown algorithm ' .. tostring(algo))
+    end
+    -- A hold already held is refused (a replayed id): what a refund can give back stays what
+    -- one admission took.
+    local hold = l_hold[i]
+    if hold and hold ~= 'u' and hits > 0 and l_kind[i] == 'a' then
+      local ends = tonumber(redis.call('ZSCORE', c_hk[c] or c_key[c], hold) or '')
+      if ends and ends > now then o, rem, rst = true, 0, ends - now end
     end
     over[i] = o
     if rem < 0 then rem = 0 end
@@ -623,7 +819,12 @@ local function decide()
       quota_seen, quota_all_over = true, false
     end
     out[at + 1], out[at + 2] = rem, rst
-    at = at + 2
+    if algo == 'c' then
+      out[at + 3], out[at + 4], l_out[i] = 2 + l_delta[i] + 4 * l_ended[i], l_end[i], at + 3
+      at = at + 4
+    else
+      at = at + 2
+    end
   end
   if quota_seen and quota_all_over then admitted = false end
   out[first] = admitted and 1 or 0
@@ -652,6 +853,8 @@ local function decide()
           elseif algo == 'b' then
             st.tat, st.dirty = next_tat[i], true
           end
+          local hold = l_hold[i]
+          if hold and hold ~= 'u' then take_hold(i, hold) end
         end
       elseif reports and hits > 0 and l_kind[i] == 'r' then
         accounting.record(i)
@@ -679,9 +882,13 @@ local function undecided(m, admitted)
   for _ = 1, m do
     out[o + 1] = admitted
     o = o + 1
-    for _ = 1, n do
+    for i = 1, n do
       out[o + 1], out[o + 2] = 0, 0
       o = o + 2
+      if l_algo[i] == 'c' then
+        out[o + 1], out[o + 2] = 0, 0
+        o = o + 2
+      end
     end
   end
   out_n = o
@@ -741,6 +948,13 @@ local function main(KEYS, ARGV)
     local k, a
     k, a, c_rpu[c], c_w[c], c_burst[c], at_byte = unpack_numbers('<ddddd', blob, at_byte)
     c_key[c], c_st[c] = KEYS[k], false
+    if a > 10 then
+      local hk
+      hk, at_byte = unpack_numbers('<d', blob, at_byte)
+      c_hk[c], c_hh[c], a = KEYS[hk], KEYS[hk + 1], a - 10
+    else
+      c_hk[c] = false
+    end
     if a == 5 then
       c_b0[c], c_b1[c], c_b2[c], c_b3[c], at_byte = unpack_numbers('<dddd', blob, at_byte)
       c_algo[c], c_cal[c] = 'f', true
@@ -763,11 +977,19 @@ local function main(KEYS, ARGV)
     else
       m, n, at_byte = unpack_numbers('<dd', blob, at_byte)
     end
-    local logged, stale = false, false
+    local logged, stale, named = false, false, false
     refunds, reports = false, false
     for i = 1, n do
       local c, hits, e
       c, hits, e, at_byte = unpack_numbers('<ddd', blob, at_byte)
+      -- Holds: 10-18 names one (its id follows in ARGV), 19-27 keeps them and names none.
+      if e > 18 then
+        e, l_hold[i] = e - 18, 'u'
+      elseif e > 9 then
+        e, l_hold[i], named = e - 9, true, true
+      else
+        l_hold[i] = false
+      end
       -- Kinds: a (admission), r (cost report), n (refund: its hits go to l_back; as to the
       -- request's admission it is a shadow limit, which never rejects).
       if e <= 3 then
@@ -779,19 +1001,31 @@ local function main(KEYS, ARGV)
       end
       local algo = c_algo[c]
       l_algo[i] = algo
-      if algo == 'w' then logged = true end
+      if algo == 'w' then
+        logged = true
+      elseif algo == 'c' then
+        l_delta[i], l_end[i], l_ended[i] = 0, 0, 0
+      end
       if stale_any and c_stale[c] then stale = true end
     end
     if (refunds or reports) and not accounting then accounting = build_accounting() end
+    if not undoing and logged then
+      nonce, next_nonce = ARGV[next_nonce], next_nonce + 1
+    end
+    -- The holds named, in the limits' order, after the entry's nonce.
+    if named then
+      for i = 1, n do
+        if l_hold[i] == true then
+          l_hold[i], next_nonce = ARGV[next_nonce], next_nonce + 1
+        end
+      end
+    end
     if undoing then
       -- The marker outlives any retry of this call (the client's budget is seconds at most).
       if redis.call('SET', KEYS[marker], '1', 'NX', 'PX', 60000) then undo(at) end
       out[out_n + 1] = 1
       out_n = out_n + 1
     else
-      if logged then
-        nonce, next_nonce = ARGV[next_nonce], next_nonce + 1
-      end
       if stale then
         -- A calendar window the boundaries miss: the client asks again (see the header).
         undecided(m, -2)

@@ -9,7 +9,7 @@ use std::time::Duration;
 use redis::Cmd;
 use smallvec::SmallVec;
 
-use crate::limiter::{Algorithm, Enforcement, HitKind, Limit, Verdict};
+use crate::limiter::{Algorithm, Enforcement, HitKind, Hold, HoldId, Limit, Verdict};
 
 /// The script. Loaded as a Redis function library once per Redis (FUNCTION LOAD, then FCALL),
 /// or where Redis has no functions (before 7) or the user may not load them, called with
@@ -67,6 +67,22 @@ struct LimitArgs {
     kind: HitKind,
     /// A calendar window's: where its boundaries are in [`Args::bounds`] (see script.lua).
     bounds: Option<u16>,
+    /// The hold it names, if its node keeps holds.
+    hold: HoldArg,
+    /// A rate limit that keeps holds: where its two hold keys (the holds by end, and what
+    /// each took) are in [`Args::hold_keys`]: `start..mid`, `mid..end`.
+    hold_keys: Option<(u32, u32, u32)>,
+}
+
+/// Whether and how a limit names a hold, as the script takes it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum HoldArg {
+    /// Its node keeps no holds.
+    Unheld,
+    /// Its node keeps holds, and the descriptor named none.
+    Unnamed,
+    /// The hold at this place in [`Args::hold_ids`].
+    Named(u16),
 }
 
 /// A request's share of a script call: its counters' keys and limits, and what to do with
@@ -88,6 +104,10 @@ pub(super) struct Args {
     limits: SmallVec<[LimitArgs; 8]>,
     /// The boundaries of its calendar limits' windows (none for most requests: no allocation).
     bounds: Vec<[u64; 4]>,
+    /// The holds its limits name (none for most requests: no allocation).
+    hold_ids: Vec<HoldId>,
+    /// The hold keys of its rate limits that keep holds, back to back.
+    hold_keys: Vec<u8>,
 }
 
 impl Args {
@@ -116,13 +136,19 @@ impl Args {
             key_ends: SmallVec::new(),
             limits: SmallVec::new(),
             bounds: Vec::new(),
+            hold_ids: Vec::new(),
+            hold_keys: Vec::new(),
         }
     }
 
     /// Adds a counter: its key, its limit, the hits to add (a refund, or an undo: to give back),
     /// what an over verdict does (a quota limit the caller cannot judge across calls goes as
-    /// shadow) and the hits' kind (an undo's are all admissions). A calendar limit's windows
-    /// are sent as the boundaries around `redis_now` (µs), where Redis' clock is expected.
+    /// shadow), the hits' kind (an undo's are all admissions) and the hold it names. A calendar
+    /// limit's windows are sent as the boundaries around `redis_now` (µs), where Redis' clock
+    /// is expected. A rate limit that keeps holds keeps them in two keys beside its counter's
+    /// (`<key>:e`, `<key>:h`: a counter's key ends in a digit, so no counter has either name,
+    /// and both are in its slot); a concurrency limit's counter is its holds.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn push(
         &mut self,
         key: &[u8],
@@ -130,8 +156,26 @@ impl Args {
         hits: u64,
         enforcement: Enforcement,
         kind: HitKind,
+        hold: &Hold,
         redis_now: impl Fn() -> u64,
     ) {
+        let hold_keys = (hold.is_held() && limit.algorithm != Algorithm::Concurrency).then(|| {
+            let start = self.hold_keys.len() as u32;
+            self.hold_keys.extend_from_slice(key);
+            self.hold_keys.extend_from_slice(b":e");
+            let mid = self.hold_keys.len() as u32;
+            self.hold_keys.extend_from_slice(key);
+            self.hold_keys.extend_from_slice(b":h");
+            (start, mid, self.hold_keys.len() as u32)
+        });
+        let hold = match hold {
+            Hold::Unheld => HoldArg::Unheld,
+            Hold::Unnamed => HoldArg::Unnamed,
+            Hold::Named(id) => {
+                self.hold_ids.push(id.clone());
+                HoldArg::Named((self.hold_ids.len() - 1) as u16)
+            }
+        };
         self.keys.extend_from_slice(key);
         self.key_ends.push(self.keys.len() as u32);
         let bounds = limit.calendar.map(|calendar| {
@@ -148,6 +192,8 @@ impl Args {
             enforcement,
             kind,
             bounds,
+            hold,
+            hold_keys,
         });
     }
 
@@ -169,7 +215,14 @@ impl Args {
     /// Values the script returns for this request (after the call's [`REPLY_HEADER`]).
     pub(super) fn reply_len(&self) -> usize {
         match self.mode {
-            Mode::Decide => 1 + 2 * self.limits.len(),
+            Mode::Decide => {
+                let places = self
+                    .limits
+                    .iter()
+                    .filter(|l| l.algorithm == Algorithm::Concurrency)
+                    .count();
+                1 + 2 * self.limits.len() + 2 * places
+            }
             Mode::Undo => 1,
         }
     }
@@ -179,6 +232,21 @@ impl Args {
         self.limits
             .iter()
             .any(|l| l.algorithm == Algorithm::SlidingLog)
+    }
+
+    /// Whether one of its limits keeps holds (it is then never one of a run).
+    fn held(&self) -> bool {
+        self.limits.iter().any(|l| l.hold != HoldArg::Unheld)
+    }
+
+    /// The two hold keys of limit `l`, if it keeps holds beside its counter.
+    fn hold_keys_of(&self, l: &LimitArgs) -> Option<(&[u8], &[u8])> {
+        l.hold_keys.map(|(start, mid, end)| {
+            (
+                &self.hold_keys[start as usize..mid as usize],
+                &self.hold_keys[mid as usize..end as usize],
+            )
+        })
     }
 
     /// Each key with its limit.
@@ -204,7 +272,7 @@ const SCAN_LIMITS: usize = 16;
 /// cost reports taking a counter at most `max_debt` times its limit past it. Each distinct key
 /// is sent once and each distinct (key, limit) counter once; requests name their counters by
 /// number (see script.lua).
-pub(super) fn command(parts: &[&Args], how: Call, max_debt: u64) -> Cmd {
+pub(super) fn command<'p>(parts: &[&'p Args], how: Call, max_debt: u64) -> Cmd {
     // Keys → KEYS index, (key, algorithm, requests_per_unit, window, burst) → counter number,
     // both 1-based as Lua counts.
     let limits_in: usize = parts.iter().map(|p| p.limits.len()).sum();
@@ -215,8 +283,9 @@ pub(super) fn command(parts: &[&Args], how: Call, max_debt: u64) -> Cmd {
     // hashing, which costs more to set up than a short scan does.
     let hashed = limits_in > SCAN_LIMITS;
     let mut key_index: HashMap<&[u8], usize> = HashMap::new();
-    let mut counters: Vec<(usize, &LimitArgs, Option<&[u64; 4]>)> = Vec::with_capacity(limits_in);
-    let mut counter_index: HashMap<(usize, Algorithm, bool, u64, u64, u64), usize> = HashMap::new();
+    // (key, limit, calendar boundaries, KEYS index of its first hold key).
+    let mut counters: Vec<CallCounter<'_>> = Vec::with_capacity(limits_in);
+    let mut counter_index: HashMap<CounterIdentity, usize> = HashMap::new();
     if hashed {
         key_index.reserve(limits_in);
         counter_index.reserve(limits_in);
@@ -247,8 +316,9 @@ pub(super) fn command(parts: &[&Args], how: Call, max_debt: u64) -> Cmd {
                 l.requests_per_unit,
                 l.window_us,
                 l.burst,
+                l.hold_keys.is_some(),
             );
-            let same = |(ck, cl, _): &(usize, &LimitArgs, Option<&[u64; 4]>)| {
+            let same = |(ck, cl, _, hk): &CallCounter<'_>| {
                 (
                     *ck,
                     cl.algorithm,
@@ -256,20 +326,32 @@ pub(super) fn command(parts: &[&Args], how: Call, max_debt: u64) -> Cmd {
                     cl.requests_per_unit,
                     cl.window_us,
                     cl.burst,
+                    hk.is_some(),
                 ) == identity
             };
-            let c = if hashed {
-                *counter_index.entry(identity).or_insert_with(|| {
-                    counters.push((k, l, p.bounds_of(l)));
-                    counters.len()
-                })
+            // A counter's hold keys go to KEYS with it, once.
+            let add = |keys: &mut Vec<&'p [u8]>, counters: &mut Vec<CallCounter<'p>>| {
+                let hk = p.hold_keys_of(l).map(|(by_end, taken)| {
+                    keys.push(by_end);
+                    keys.push(taken);
+                    keys.len() - 1
+                });
+                counters.push((k, l, p.bounds_of(l), hk));
+                counters.len()
+            };
+            let found = if hashed {
+                counter_index.get(&identity).copied()
             } else {
-                match counters.iter().position(same) {
-                    Some(c) => c + 1,
-                    None => {
-                        counters.push((k, l, p.bounds_of(l)));
-                        counters.len()
+                counters.iter().position(same).map(|c| c + 1)
+            };
+            let c = match found {
+                Some(c) => c,
+                None => {
+                    let c = add(&mut keys, &mut counters);
+                    if hashed {
+                        counter_index.insert(identity, c);
                     }
+                    c
                 }
             };
             limits.push(c);
@@ -289,9 +371,11 @@ pub(super) fn command(parts: &[&Args], how: Call, max_debt: u64) -> Cmd {
         let these = first..first + p.limits.len();
         let same_as_last = !undoing
             && !p.logged()
+            && !p.held()
             && entries.last().is_some_and(|&(j, from, _)| {
                 let q = parts[j];
                 !q.logged()
+                    && !q.held()
                     && limits[from..from + q.limits.len()] == limits[these.clone()]
                     && q.limits.iter().zip(&p.limits).all(|(a, b)| {
                         (a.hits, a.enforcement, a.kind) == (b.hits, b.enforcement, b.kind)
@@ -306,7 +390,8 @@ pub(super) fn command(parts: &[&Args], how: Call, max_debt: u64) -> Cmd {
     // Every number goes in one argument, packed (see [`Numbers`]); the nonces follow it.
     let numbers = 3
         + 5 * counters.len()
-        + 4 * counters.iter().filter(|(_, _, b)| b.is_some()).count()
+        + 4 * counters.iter().filter(|(_, _, b, _)| b.is_some()).count()
+        + counters.iter().filter(|(_, _, _, hk)| hk.is_some()).count()
         + entries
             .iter()
             .map(|&(i, _, _)| 3 + 3 * parts[i].limits.len())
@@ -316,16 +401,20 @@ pub(super) fn command(parts: &[&Args], how: Call, max_debt: u64) -> Cmd {
         .push(entries.len() as f64)
         .push(counters.len() as f64)
         .push(max_debt as f64);
-    for (k, l, bounds) in &counters {
+    for (k, l, bounds, hk) in &counters {
+        let code = match bounds {
+            Some(_) => CALENDAR_CODE,
+            None => algorithm_code(l.algorithm),
+        };
         packed
             .push(*k as f64)
-            .push(match bounds {
-                Some(_) => CALENDAR_CODE,
-                None => algorithm_code(l.algorithm),
-            })
+            .push(code + if hk.is_some() { HOLDS_CODE } else { 0.0 })
             .push(l.requests_per_unit as f64)
             .push(l.window_us as f64)
             .push(l.burst as f64);
+        if let Some(hk) = hk {
+            packed.push(*hk as f64);
+        }
         for b in bounds.iter().flat_map(|b| b.iter()) {
             packed.push(*b as f64);
         }
@@ -342,13 +431,24 @@ pub(super) fn command(parts: &[&Args], how: Call, max_debt: u64) -> Cmd {
         }
         packed.push(p.limits.len() as f64);
         for (l, c) in p.limits.iter().zip(&limits[from..]) {
+            let hold = match l.hold {
+                HoldArg::Unheld => 0.0,
+                HoldArg::Named(_) => NAMED_CODE,
+                HoldArg::Unnamed => UNNAMED_CODE,
+            };
             packed
                 .push(*c as f64)
                 .push(l.hits as f64)
-                .push(how_code(l.enforcement, l.kind));
+                .push(how_code(l.enforcement, l.kind) + hold);
         }
         if !undoing && p.logged() {
             nonces.push(nonce);
+        }
+        // The holds its limits name, in the limits' order, after its nonce.
+        for l in &p.limits {
+            if let HoldArg::Named(i) = l.hold {
+                nonces.push(p.hold_ids[i as usize].as_bytes());
+            }
         }
     }
     let key_bytes: usize = keys.iter().map(|k| k.len()).sum();
@@ -389,6 +489,20 @@ impl Numbers {
 
 /// The script's code for a fixed_window on a calendar, whose four boundaries follow its limit.
 const CALENDAR_CODE: f64 = 5.0;
+/// Added to a counter's algorithm code when the KEYS index of its two hold keys follows.
+const HOLDS_CODE: f64 = 10.0;
+/// Added to a limit's "how" code when it names a hold (its id follows in ARGV).
+const NAMED_CODE: f64 = 9.0;
+/// Added to a limit's "how" code when its node keeps holds and it names none.
+const UNNAMED_CODE: f64 = 18.0;
+
+/// What makes limits one counter of a call: the KEYS index, algorithm, whether on a calendar,
+/// requests_per_unit, window, burst, and whether it keeps holds.
+type CounterIdentity = (usize, Algorithm, bool, u64, u64, u64, bool);
+
+/// A counter of a call: its KEYS index, its limit, its calendar boundaries, and the KEYS
+/// index of the first of its two hold keys.
+type CallCounter<'a> = (usize, &'a LimitArgs, Option<&'a [u64; 4]>, Option<usize>);
 
 /// The script's code for an algorithm (`ALGORITHMS` in script.lua).
 fn algorithm_code(algorithm: Algorithm) -> f64 {
@@ -397,6 +511,7 @@ fn algorithm_code(algorithm: Algorithm) -> f64 {
         Algorithm::SlidingWindow => 2.0,
         Algorithm::SlidingLog => 3.0,
         Algorithm::TokenBucket => 4.0,
+        Algorithm::Concurrency => 6.0,
     }
 }
 
@@ -507,17 +622,35 @@ impl Decided<'_> {
     }
 }
 
-/// Each limit's verdict in a decided reply, in the order they were pushed.
-pub(super) fn verdicts(limits: &[i64]) -> impl Iterator<Item = Verdict> + '_ {
-    limits.chunks_exact(2).map(|v| {
+/// Each limit's verdict in a decided reply, in the order they were pushed (`algorithms`, theirs
+/// in that order), with what a concurrency limit's request did to its places: (change, when
+/// that place ends, places found ended), see script.lua's reply.
+pub(super) fn verdicts<'a>(
+    limits: &'a [i64],
+    algorithms: impl IntoIterator<Item = Algorithm> + 'a,
+) -> impl Iterator<Item = (Verdict, Option<(i64, u64, u64)>)> + 'a {
+    let mut at = 0;
+    algorithms.into_iter().map(move |algorithm| {
+        let v = &limits[at..at + 2];
+        at += 2;
         // The room: what is left when within, -1 - what would have fit when over.
         let over = v[0] < 0;
-        Verdict {
+        let verdict = Verdict {
             over,
             remaining: if over { 0 } else { v[0] as u64 },
             fits: if over { (-1 - v[0]) as u64 } else { 0 },
             reset: Duration::from_micros(v[1].max(0) as u64),
-        }
+        };
+        let places = (algorithm == Algorithm::Concurrency).then(|| {
+            let (code, end) = (limits[at], limits[at + 1].max(0) as u64);
+            at += 2;
+            // 0: an undecided request's (nothing done).
+            match code {
+                1.. => ((code & 3) - 2, end, (code >> 2) as u64),
+                _ => (0, 0, 0),
+            }
+        });
+        (verdict, places)
     })
 }
 
@@ -546,6 +679,7 @@ mod tests {
                 hits,
                 Enforcement::Enforce,
                 HitKind::Admission,
+                &Hold::Unheld,
                 || 0,
             );
         }
@@ -682,6 +816,7 @@ mod tests {
             1,
             Enforcement::Soft,
             HitKind::Admission,
+            &Hold::Unheld,
             || 0,
         );
         assert_eq!(p.reply_len(), 1);
@@ -769,12 +904,27 @@ mod tests {
         };
         assert!(!admitted);
         assert_eq!(at, 7);
-        let v: Vec<Verdict> = verdicts(limits).collect();
+        let v: Vec<Verdict> = verdicts(limits, [Algorithm::FixedWindow; 4])
+            .map(|(v, places)| {
+                assert_eq!(places, None);
+                v
+            })
+            .collect();
         assert!(v[0].over && v[0].remaining == 0 && v[0].fits == 3);
         assert_eq!(v[0].reset, Duration::from_micros(5));
         assert!(!v[1].over && v[1].remaining == 2 && v[1].fits == 0);
         // Over with no room at all, and within with none left.
         assert!(v[2].over && v[2].fits == 0 && v[2].reset == Duration::from_micros(9));
         assert!(!v[3].over && v[3].remaining == 0 && v[3].fits == 0);
+        // A concurrency limit's two more values: a place taken (2 + 1), one found ended (4 × 1),
+        // ending at 70; then one released, ending at 60.
+        let limits = [2, 9, 7, 70, 1, 3, 1, 60];
+        let v: Vec<_> = verdicts(&limits, [Algorithm::Concurrency; 2]).collect();
+        assert_eq!(v[0].1, Some((1, 70, 1)));
+        assert_eq!(v[1].1, Some((-1, 60, 0)));
+        assert_eq!(v[1].0.remaining, 1);
+        let undecided = [0, 0, 0, 0];
+        let v: Vec<_> = verdicts(&undecided, [Algorithm::Concurrency]).collect();
+        assert_eq!(v[0].1, Some((0, 0, 0)));
     }
 }

@@ -1,0 +1,610 @@
+//! Holds (docs/configuration.md, "Holds"): an admission that names a hold takes it (a place on
+//! a concurrency limit; on a rate limit, its hits with the window they were charged to), and a
+//! refund naming it gives back at most that, once. On memory, Redis, a three-master cluster
+//! and the cluster tagged per descriptor; the timelines on a stepped clock (memory and Redis).
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use common::redis::*;
+use common::*;
+use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+
+const CONFIG: &str = "domain: llm
+descriptors:
+  # Three requests in flight per tenant; a place is kept 10 minutes at most.
+  - key: tenant
+    hold_key: request_id
+    rate_limits:
+      - {algorithm: concurrency, requests_per_unit: 3, unit: minute, unit_multiplier: 10}
+  # A route's own limit, to refuse a request that also asks for a place.
+  - key: route
+    rate_limit: {unit: hour, requests_per_unit: 1}
+";
+
+/// The shipped budget's shape: a calendar month of tokens, reserved per request.
+const BUDGETS: &str = "domain: budgets
+descriptors:
+  - key: tenant
+    hold_key: request_id
+    rate_limit: {unit: month, requests_per_unit: 1000000, calendar: Europe/Berlin}
+";
+
+/// The request `id` of `tenant` asking for a place.
+fn acquire(tenant: &str, id: &str) -> RateLimitRequest {
+    request("llm", &[&[("tenant", tenant), ("request_id", id)]])
+}
+
+/// The stream of request `id` done: its place given back (Envoy's `is_negative_hits`, 1).
+fn release(tenant: &str, id: &str) -> RateLimitRequest {
+    let mut req = with_hits(acquire(tenant, id), 0, 1);
+    req.descriptors[0].is_negative_hits = true;
+    req
+}
+
+/// How many of `ids`' acquisitions are admitted, in order.
+async fn admitted(c: &mut Client, tenant: &str, ids: &[&str]) -> Vec<bool> {
+    let mut out = Vec::new();
+    for id in ids {
+        out.push(is_ok(&call(c, acquire(tenant, id)).await));
+    }
+    out
+}
+
+async fn three_places_four_holds_and_a_release_frees_one(kind: Kind) {
+    let s = start(kind, &[("llm.yaml", CONFIG)], &[]).await;
+    let mut c = s.client().await;
+    assert_eq!(
+        admitted(&mut c, "acme", &["a", "b", "c", "d"]).await,
+        [true, true, true, false],
+        "{kind:?}"
+    );
+    let full = call(&mut c, acquire("acme", "e")).await;
+    assert_eq!(full.statuses[0].limit_remaining, 0, "{kind:?}");
+    // Another tenant's places are its own.
+    assert_eq!(admitted(&mut c, "other", &["a"]).await, [true], "{kind:?}");
+    call(&mut c, release("acme", "b")).await;
+    assert_eq!(
+        admitted(&mut c, "acme", &["d", "e"]).await,
+        [true, false],
+        "{kind:?}: one release, one place"
+    );
+}
+
+async fn releases_free_only_the_place_a_hold_took(kind: Kind) {
+    let s = start(kind, &[("llm.yaml", CONFIG)], &[]).await;
+    let mut c = s.client().await;
+    assert_eq!(
+        admitted(&mut c, "acme", &["a", "b", "c", "refused"]).await,
+        [true, true, true, false]
+    );
+    // The refused request's hold, a hold never taken, and a release that names no hold.
+    call(&mut c, release("acme", "refused")).await;
+    call(&mut c, release("acme", "never-taken")).await;
+    let mut unnamed = request("llm", &[&[("tenant", "acme")]]);
+    unnamed.descriptors[0].is_negative_hits = true;
+    unnamed.hits_addend = 1;
+    call(&mut c, unnamed).await;
+    assert_eq!(
+        admitted(&mut c, "acme", &["x"]).await,
+        [false],
+        "{kind:?}: nothing freed"
+    );
+    // A replayed id while its place is held is refused: it never holds two.
+    assert_eq!(admitted(&mut c, "acme", &["a"]).await, [false], "{kind:?}");
+    // The same hold released three times frees its one place.
+    for _ in 0..3 {
+        call(&mut c, release("acme", "a")).await;
+    }
+    assert_eq!(
+        admitted(&mut c, "acme", &["y", "z"]).await,
+        [true, false],
+        "{kind:?}: one place, once"
+    );
+}
+
+async fn a_request_refused_by_another_limit_takes_no_place(kind: Kind) {
+    let s = start(kind, &[("llm.yaml", CONFIG)], &[]).await;
+    let mut c = s.client().await;
+    let both = |id: &str| {
+        request(
+            "llm",
+            &[&[("tenant", "acme"), ("request_id", id)], &[("route", "r")]],
+        )
+    };
+    assert!(is_ok(&call(&mut c, both("first")).await), "{kind:?}");
+    for i in 0..5 {
+        let r = call(&mut c, both(&format!("refused-{i}"))).await;
+        assert!(is_over(&r), "{kind:?}: the route's limit refuses");
+    }
+    // The first holds one place; the refused took none: two are free.
+    assert_eq!(
+        admitted(&mut c, "acme", &["p", "q", "full"]).await,
+        [true, true, false],
+        "{kind:?}"
+    );
+}
+
+/// A tenant's budget: `hits` reserved by request `id` (the request's estimate, an admission).
+fn reserve(id: &str, hits: u32) -> RateLimitRequest {
+    weighted(
+        request("budgets", &[&[("tenant", "acme"), ("request_id", id)]]),
+        hits,
+    )
+}
+
+/// The stream of request `id` done: `back` given back (a client header says how much) and,
+/// in the same call, `used` charged.
+fn settle(id: &str, back: u64, used: Option<u64>) -> RateLimitRequest {
+    let d = [("tenant", "acme"), ("request_id", id)];
+    let mut req = with_hits(request("budgets", &[&d, &d]), 0, back);
+    req.descriptors[0].is_negative_hits = true;
+    match used {
+        Some(used) => with_hits(req, 1, used),
+        None => {
+            req.descriptors.pop();
+            req
+        }
+    }
+}
+
+/// What is left of the tenant's budget (a check of 0 hits).
+async fn left(c: &mut Client) -> u32 {
+    let check = with_hits(request("budgets", &[&[("tenant", "acme")]]), 0, 0);
+    call(c, check).await.statuses[0].limit_remaining
+}
+
+async fn a_forged_refund_gives_nothing_back(kind: Kind) {
+    let s = start(kind, &[("budgets.yaml", BUDGETS)], &[]).await;
+    let mut c = s.client().await;
+    // Spent to nothing (a report of what was used).
+    call(
+        &mut c,
+        with_hits(request("budgets", &[&[("tenant", "acme")]]), 0, 1_000_000),
+    )
+    .await;
+    assert_eq!(left(&mut c).await, 0, "{kind:?}");
+    // A reservation far past the budget is refused; its stream-done refund names a hold
+    // that holds nothing.
+    assert!(is_over(&call(&mut c, reserve("forged", 999_999_999)).await));
+    call(&mut c, settle("forged", 999_999_999, None)).await;
+    assert_eq!(left(&mut c).await, 0, "{kind:?}: nothing given back");
+    for i in 0..10 {
+        let r = call(&mut c, reserve(&format!("next-{i}"), 100_000)).await;
+        assert!(is_over(&r), "{kind:?}: reservation {i} admitted");
+    }
+}
+
+async fn a_settlement_gives_back_what_its_hold_took_once(kind: Kind) {
+    let s = start(kind, &[("budgets.yaml", BUDGETS)], &[]).await;
+    let mut c = s.client().await;
+    assert!(
+        is_ok(&call(&mut c, reserve("r1", 100_000)).await),
+        "{kind:?}"
+    );
+    assert_eq!(left(&mut c).await, 900_000, "{kind:?}");
+    // A refund of more than the hold took gives back the hold; the usage is charged.
+    call(&mut c, settle("r1", 150_000, Some(60_000))).await;
+    assert_eq!(left(&mut c).await, 940_000, "{kind:?}");
+    call(&mut c, settle("r1", 150_000, None)).await;
+    assert_eq!(left(&mut c).await, 940_000, "{kind:?}: settled once");
+    // With others' usage counted, a refund larger than its hold gives back the hold alone.
+    assert!(
+        is_ok(&call(&mut c, reserve("r3", 100_000)).await),
+        "{kind:?}"
+    );
+    call(&mut c, settle("r3", 150_000, None)).await;
+    assert_eq!(left(&mut c).await, 940_000, "{kind:?}: the hold's 100,000");
+    // A replayed id while held is refused; once settled, the id may be taken again.
+    assert!(is_ok(&call(&mut c, reserve("r2", 1_000)).await));
+    assert!(
+        is_over(&call(&mut c, reserve("r2", 1_000)).await),
+        "{kind:?}"
+    );
+    call(&mut c, settle("r2", 400, None)).await;
+    assert_eq!(left(&mut c).await, 939_400, "{kind:?}: a partial refund");
+    call(&mut c, settle("r2", 600, None)).await;
+    assert_eq!(left(&mut c).await, 939_400, "{kind:?}: the hold ended");
+    assert!(is_ok(&call(&mut c, reserve("r2", 1_000)).await), "{kind:?}");
+    assert_eq!(left(&mut c).await, 938_400, "{kind:?}");
+    // On a node that keeps holds, a refund naming none gives nothing back.
+    let mut unnamed = with_hits(request("budgets", &[&[("tenant", "acme")]]), 0, 5_000);
+    unnamed.descriptors[0].is_negative_hits = true;
+    call(&mut c, unnamed).await;
+    assert_eq!(left(&mut c).await, 938_400, "{kind:?}");
+}
+
+/// `ratelimit_places_in_use{domain,rule}` of `s`.
+async fn in_use(s: &TestServer) -> f64 {
+    let (_, text) = s.http_get("/metrics").await;
+    metric(
+        &text,
+        "ratelimit_places_in_use{domain=\"llm\",rule=\"tenant\"}",
+    )
+}
+
+async fn places_in_use_are_a_gauge_per_rule(kind: Kind) {
+    let s = start(kind, &[("llm.yaml", CONFIG)], &[]).await;
+    let mut c = s.client().await;
+    admitted(&mut c, "acme", &["a", "b"]).await;
+    admitted(&mut c, "other", &["a"]).await;
+    assert_eq!(in_use(&s).await, 3.0, "{kind:?}");
+    call(&mut c, release("acme", "a")).await;
+    call(&mut c, release("acme", "a")).await;
+    call(&mut c, release("acme", "never")).await;
+    assert_eq!(in_use(&s).await, 2.0, "{kind:?}: one released");
+}
+
+/// The admin API lists a descriptor's holds (ids as sent, a long one as its digest; what each
+/// took; when each ends) and ends them: places free again, a budget's hits still counted.
+async fn the_admin_api_lists_and_clears_holds(kind: Kind) {
+    use ratelimitd::admin::admin_client::AdminClient;
+    use ratelimitd::admin::{CounterRequest, Entry};
+    let s = start(
+        kind,
+        &[("llm.yaml", CONFIG), ("budgets.yaml", BUDGETS)],
+        &["--admin"],
+    )
+    .await;
+    let mut c = s.client().await;
+    let mut admin = AdminClient::connect(format!("http://{}", s.grpc))
+        .await
+        .unwrap();
+    let of = |domain: &str, key: &str| CounterRequest {
+        domain: domain.into(),
+        entries: vec![Entry {
+            key: key.into(),
+            value: "acme".into(),
+            escaped: false,
+        }],
+    };
+    let long = "x".repeat(100);
+    admitted(&mut c, "acme", &["a", &long, "c"]).await;
+    let holds = admin
+        .get_holds(of("llm", "tenant"))
+        .await
+        .unwrap()
+        .into_inner()
+        .limits;
+    assert_eq!(holds.len(), 1, "{kind:?}: {holds:?}");
+    assert_eq!(holds[0].algorithm, "concurrency");
+    let ids: Vec<(&str, bool, u64)> = holds[0]
+        .holds
+        .iter()
+        .map(|h| (h.id.as_str(), h.escaped, h.hits))
+        .collect();
+    assert_eq!(ids.len(), 3, "{kind:?}: {ids:?}");
+    assert_eq!(
+        (ids[0].0, ids[0].2),
+        ("a", 1),
+        "{kind:?}: the first to end first"
+    );
+    assert!(ids[1].0.starts_with("\\#sha256:") && ids[1].1, "{ids:?}");
+    assert!(
+        holds[0]
+            .holds
+            .iter()
+            .all(|h| h.ends_in_ms <= 600_000 && h.ends_in_ms > 590_000)
+    );
+    let cleared = admin.clear_holds(of("llm", "tenant")).await.unwrap();
+    assert_eq!(cleared.into_inner().cleared, 3, "{kind:?}");
+    assert_eq!(
+        admitted(&mut c, "acme", &["d", "e", "f", "g"]).await,
+        [true, true, true, false],
+        "{kind:?}: the places are free"
+    );
+
+    assert!(is_ok(&call(&mut c, reserve("r1", 100_000)).await));
+    let holds = admin
+        .get_holds(of("budgets", "tenant"))
+        .await
+        .unwrap()
+        .into_inner()
+        .limits;
+    assert_eq!(
+        holds[0]
+            .holds
+            .iter()
+            .map(|h| (h.id.as_str(), h.hits))
+            .collect::<Vec<_>>(),
+        [("r1", 100_000)]
+    );
+    admin.clear_holds(of("budgets", "tenant")).await.unwrap();
+    call(&mut c, settle("r1", 100_000, None)).await;
+    assert_eq!(
+        left(&mut c).await,
+        900_000,
+        "{kind:?}: the hits stay counted"
+    );
+}
+
+every_backend!(
+    the_admin_api_lists_and_clears_holds,
+    places_in_use_are_a_gauge_per_rule,
+    three_places_four_holds_and_a_release_frees_one,
+    releases_free_only_the_place_a_hold_took,
+    a_request_refused_by_another_limit_takes_no_place,
+    a_forged_refund_gives_nothing_back,
+    a_settlement_gives_back_what_its_hold_took_once,
+);
+
+const SEC: u64 = 1_000_000;
+/// 2026-01-01T00:06:40Z: a multiple of every window here.
+const T0: u64 = 1_767_226_000 * SEC;
+
+#[tokio::test]
+async fn places_never_released_end_at_their_lifetime_not_before() {
+    let config = "domain: llm
+descriptors:
+  - key: tenant
+    hold_key: request_id
+    rate_limit: {algorithm: concurrency, requests_per_unit: 2, unit: second, unit_multiplier: 1000}
+";
+    let (servers, _redis) = stepped_servers(&[("llm.yaml", config)], T0, T0).await;
+    for (name, server, clock) in &servers {
+        let mut c = server.client().await;
+        assert_eq!(
+            admitted(&mut c, "acme", &["a", "b", "c"]).await,
+            [true, true, false]
+        );
+        // Ten seconds before the lifetime ends (a running clock's slack): still held.
+        clock.set(T0 + 990 * SEC);
+        assert_eq!(admitted(&mut c, "acme", &["c"]).await, [false], "{name}");
+        // Ten seconds after (the running clock started ms after the places were taken).
+        clock.set(T0 + 1_010 * SEC);
+        assert_eq!(
+            admitted(&mut c, "acme", &["c", "d", "e"]).await,
+            [true, true, false],
+            "{name}: both places ended"
+        );
+        // Their releases, late, free nothing: the places are c's and d's now.
+        call(&mut c, release("acme", "a")).await;
+        call(&mut c, release("acme", "b")).await;
+        assert_eq!(admitted(&mut c, "acme", &["e"]).await, [false], "{name}");
+        // The two that ended unreleased are counted; in use are the two taken since.
+        let (_, text) = server.http_get("/metrics").await;
+        let ended = "ratelimit_places_ended_total{domain=\"llm\",rule=\"tenant\"}";
+        assert_eq!(metric(&text, ended), 2.0, "{name}: {text}");
+        assert_eq!(in_use(server).await, 2.0, "{name}");
+    }
+}
+
+#[tokio::test]
+async fn holds_refunded_after_their_window_free_nothing_in_the_next() {
+    let mut config = String::from("domain: w\ndescriptors:\n");
+    for a in [
+        "fixed_window",
+        "sliding_window",
+        "sliding_log",
+        "token_bucket",
+    ] {
+        config.push_str(&format!(
+            "  - key: {a}\n    hold_key: request_id\n    rate_limit: {{algorithm: {a}, unit: second, unit_multiplier: 1000, requests_per_unit: 10}}\n"
+        ));
+    }
+    let take = |a: &str, id: &str, hits: u32| {
+        weighted(request("w", &[&[(a, "t"), ("request_id", id)]]), hits)
+    };
+    let give = |a: &str, id: &str, hits: u64| {
+        let mut r = with_hits(request("w", &[&[(a, "t"), ("request_id", id)]]), 0, hits);
+        r.descriptors[0].is_negative_hits = true;
+        r
+    };
+    let (servers, _redis) = stepped_servers(&[("w.yaml", &config)], T0, T0).await;
+    for (name, server, clock) in &servers {
+        let mut c = server.client().await;
+        // Each algorithm 4,000 s after the last: the memory clock never runs back.
+        for (n, a) in [
+            "fixed_window",
+            "sliding_window",
+            "sliding_log",
+            "token_bucket",
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let at = |s: u64| T0 + (n as u64 * 4_000 + s) * SEC;
+            clock.set(at(0));
+            assert!(is_ok(&call(&mut c, take(a, "old", 10)).await), "{name} {a}");
+            // Within its window a hold's refund gives back what it took.
+            assert!(is_over(&call(&mut c, take(a, "x", 1)).await), "{name} {a}");
+            clock.set(at(10));
+            call(&mut c, give(a, "old", 4)).await;
+            assert!(is_ok(&call(&mut c, take(a, "new", 4)).await), "{name} {a}");
+            assert!(is_over(&call(&mut c, take(a, "y", 1)).await), "{name} {a}");
+            // Two windows later (a sliding window weighs the previous one; a bucket refills
+            // in one), what is taken then is not given back by the old holds' refunds.
+            clock.set(at(2_000));
+            assert!(
+                is_ok(&call(&mut c, take(a, "now", 10)).await),
+                "{name} {a}: a fresh window"
+            );
+            call(&mut c, give(a, "new", 4)).await;
+            call(&mut c, give(a, "old", 10)).await;
+            let r = call(&mut c, take(a, "z", 1)).await;
+            assert!(
+                is_over(&r),
+                "{name} {a}: a late refund credited a later window: {r:?}"
+            );
+        }
+    }
+}
+
+/// Two replicas on one Redis, 16 clients acquiring and releasing for 8 s: the clients never
+/// count more requests in flight than there are places.
+#[tokio::test]
+async fn replicas_on_one_redis_never_admit_more_than_the_places() {
+    let config = "domain: llm
+descriptors:
+  - key: tenant
+    hold_key: request_id
+    rate_limit: {algorithm: concurrency, requests_per_unit: 4, unit: minute}
+";
+    let redis = shared_standalone();
+    let prefix = unique_prefix();
+    let mut servers = Vec::new();
+    for _ in 0..2 {
+        servers.push(
+            redis_server(
+                &[("llm.yaml", config)],
+                &["--redis-url", &redis.url()],
+                &prefix,
+                "2s",
+            )
+            .await,
+        );
+    }
+    let in_flight = Arc::new(AtomicUsize::new(0));
+    let most = Arc::new(AtomicUsize::new(0));
+    let (admitted, refused) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let until = Instant::now() + Duration::from_secs(8);
+    let mut tasks = Vec::new();
+    for client in 0..16 {
+        let mut c = servers[client % 2].client().await;
+        let (in_flight, most) = (in_flight.clone(), most.clone());
+        let (admitted, refused) = (admitted.clone(), refused.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut rng = Rng(client as u64 + 1);
+            let mut n = 0;
+            while Instant::now() < until {
+                n += 1;
+                let id = format!("{client}-{n}");
+                if !is_ok(&call(&mut c, acquire("acme", &id)).await) {
+                    refused.fetch_add(1, Ordering::Relaxed);
+                    continue;
+                }
+                admitted.fetch_add(1, Ordering::Relaxed);
+                let now = in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+                most.fetch_max(now, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(rng.below(5))).await;
+                in_flight.fetch_sub(1, Ordering::SeqCst);
+                call(&mut c, release("acme", &id)).await;
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let (admitted, refused) = (
+        admitted.load(Ordering::Relaxed),
+        refused.load(Ordering::Relaxed),
+    );
+    let most = most.load(Ordering::SeqCst);
+    assert!(most <= 4, "{most} requests in flight at once, 4 places");
+    // Each replica's gauge is its share: a place taken on one and released on the other
+    // counts +1 there and -1 here. Summed, nothing is in use.
+    let mut sum = 0.0;
+    for s in &servers {
+        sum += in_use(s).await;
+    }
+    assert_eq!(sum, 0.0, "places in use over both replicas");
+    assert!(
+        admitted > 100 && refused > 0,
+        "too little contention to tell: {admitted} admitted, {refused} refused"
+    );
+    assert_eq!(most, 4, "the places were all used at some point");
+}
+
+/// The example: its route rate limits read into Envoy's messages (a place taken at the request,
+/// given back when the stream is done, both naming the request id last), and its timeline
+/// against the example limits: 5 places per tenant, a release frees one, a refused request's
+/// release frees none.
+#[tokio::test]
+async fn the_concurrency_example_meets_envoys_protos_and_holds() {
+    use envoy_types::pb::envoy::config::route::v3::rate_limit::action::ActionSpecifier;
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let text = std::fs::read_to_string(root.join("examples/envoy/concurrency.yaml")).unwrap();
+    let doc: serde_json::Value = serde_saphyr::from_str(&text).unwrap();
+    let hcm =
+        &doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"];
+    let route = &hcm["route_config"]["virtual_hosts"][0]["routes"][0]["route"];
+    let limits: Vec<_> = route["rate_limits"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(route_rate_limit)
+        .collect();
+    let [take, give_back] = &limits[..] else {
+        panic!("two rate limits")
+    };
+    assert!(!take.apply_on_stream_done && take.hits_addend.is_none());
+    assert!(give_back.apply_on_stream_done);
+    let addend = give_back.hits_addend.as_ref().unwrap();
+    assert!(addend.is_negative_hits && addend.number.as_ref().unwrap().value == 1);
+    for limit in [take, give_back] {
+        let keys: Vec<_> = limit
+            .actions
+            .iter()
+            .map(|a| match &a.action_specifier {
+                Some(ActionSpecifier::RequestHeaders(h)) => {
+                    (h.header_name.as_str(), h.descriptor_key.as_str())
+                }
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        assert_eq!(
+            keys,
+            [("x-tenant-id", "tenant"), ("x-request-id", "request_id")]
+        );
+    }
+    let domain = hcm["http_filters"][0]["typed_config"]["domain"]
+        .as_str()
+        .unwrap();
+    assert_eq!(domain, "llm");
+
+    let s = TestServer::start_at(
+        tempfile::tempdir().unwrap(),
+        Some(root.join("examples/envoy/limits")),
+        &[],
+        Arc::new(ratelimitd::testing::SystemClock),
+    )
+    .await;
+    let mut c = s.client().await;
+    let ids = ["1", "2", "3", "4", "5", "6"];
+    assert_eq!(
+        admitted(&mut c, "acme", &ids).await,
+        [true, true, true, true, true, false]
+    );
+    call(&mut c, release("acme", "6")).await;
+    assert_eq!(
+        admitted(&mut c, "acme", &["7"]).await,
+        [false],
+        "refused held none"
+    );
+    call(&mut c, release("acme", "3")).await;
+    assert_eq!(admitted(&mut c, "acme", &["7", "8"]).await, [true, false]);
+}
+
+/// `/top` counts a concurrency limit's refusals like any other limit's, under the tenant (the
+/// hold's id is no entry of it).
+#[tokio::test]
+async fn top_lists_who_is_refused_a_place() {
+    let s = start(Kind::Memory, &[("llm.yaml", CONFIG)], &[]).await;
+    let mut c = s.client().await;
+    let ids: Vec<String> = (0..8).map(|i| i.to_string()).collect();
+    let ids: Vec<&str> = ids.iter().map(String::as_str).collect();
+    admitted(&mut c, "acme", &ids).await;
+    admitted(&mut c, "quiet", &ids[..1]).await;
+    let (status, body) = s.http_get("/top").await;
+    assert_eq!(status, 200, "{body}");
+    let report: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let tenant = report["limits"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|l| l["domain"] == "llm" && l["rule"] == "tenant")
+        .unwrap_or_else(|| panic!("{body}"));
+    assert_eq!(tenant["algorithm"], "concurrency");
+    let first = &tenant["descriptors"][0];
+    assert_eq!(first["entries"].as_array().unwrap().len(), 1, "{body}");
+    assert_eq!(first["entries"][0]["value"], "acme", "{body}");
+    assert_eq!(
+        (first["hits"].as_u64(), first["over_limit"].as_u64()),
+        (Some(8), Some(5))
+    );
+}
