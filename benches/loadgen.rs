@@ -217,7 +217,11 @@ fn request(args: &Args, n: u64, client: u64, worker: u64) -> RateLimitRequest {
             descriptors: vec![RateLimitDescriptor {
                 entries: vec![
                     entry("place", format!("p{tenant}")),
-                    entry("request_id", format!("{worker}-{id}")),
+                    // This process's own ids: another run's held places are not replays.
+                    entry(
+                        "request_id",
+                        format!("{}-{worker}-{id}", std::process::id()),
+                    ),
                 ],
                 hits_addend: (!taking).then_some(UInt64Value { value: 1 }),
                 is_negative_hits: !taking,

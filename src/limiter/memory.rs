@@ -314,8 +314,9 @@ impl MemoryBackend {
                 }
                 _ => State::new(hit.limit.algorithm).check(&hit.limit, now, asked),
             };
+            // A refund's place verdict is never over, and the request it ends is done.
             if hit.limit.algorithm == Algorithm::Concurrency && hit.kind == HitKind::Refund {
-                verdict.over = false;
+                (verdict.over, verdict.reset) = (false, std::time::Duration::ZERO);
             }
             verdicts.push(verdict);
         }

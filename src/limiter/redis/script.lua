@@ -621,10 +621,10 @@ local function take_hold(i, id)
   if algo == 'c' then
     redis.call('ZADD', key, now + w, id)
     out[l_out[i]], out[l_out[i] + 1] = out[l_out[i]] + 1, now + w
-    -- Kept a lifetime past its last place's end, so that a request then still finds (and
-    -- counts) places that ended unreleased.
-    local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
-    expire_at_us(key, tonumber(last[2]) + w)
+    -- Kept a lifetime past its last place's end (this one: every place of a key has the
+    -- lifetime its key names), so that a request then still finds (and counts) places that
+    -- ended unreleased.
+    expire_at_us(key, now + 2 * w)
     return
   end
   local hk, hh = c_hk[c], c_hh[c]
@@ -662,7 +662,10 @@ local function decide()
   -- Refunds first: they happened, and the request's other limits see what they freed. Every
   -- counter is read before the first refund changes one (see decide_entry).
   if refunds then
-    for i = 1, n do accounting.preload(i) end
+    -- (A request of one limit has nothing a refund could change before its own read fails.)
+    if n > 1 then
+      for i = 1, n do accounting.preload(i) end
+    end
     for i = 1, n do
       if l_kind[i] == 'n' then accounting.give_back(i) end
     end
@@ -775,14 +778,20 @@ local function decide()
       end
     elseif algo == 'c' then
       -- Places: one per live hold, whatever the hits (a request in flight is one). Ended
-      -- holds leave first. A refund's verdict is the places as it left them, never over.
+      -- holds leave first. A refund's verdict is the places as it left them, never over (its
+      -- reset 0: the request it ends is done).
       local key = c_key[c]
-      l_ended[i] = l_ended[i] + redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+      local refund = l_kind[i] == 'n'
+      if not refund then
+        l_ended[i] = l_ended[i] + redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+      end
       local used = redis.call('ZCARD', key)
       local take = 0
       if hits > 0 then take = 1 end
-      o = l_kind[i] ~= 'n' and (rpu == 0 or used + 1 > rpu)
-      if not o then
+      o = not refund and (rpu == 0 or used + 1 > rpu)
+      if refund then
+        rem, rst = max(rpu - used, 0), 0
+      elseif not o then
         rem = rpu - used - take
         if take == 1 then
           rst = w
