@@ -367,7 +367,7 @@ fn shadow_quota_and_replaces_are_read() {
         .lookup(&[("service", "service_1")], &KeyFormat::default())
         .unwrap();
     assert!(m.node.soft);
-    assert!(m.node.metadata.is_some());
+    assert!(m.node.metadata().is_some());
     let m = d
         .lookup(&[("category", "account")], &KeyFormat::default())
         .unwrap();

@@ -989,6 +989,47 @@ descriptors:
     assert_eq!(other.until(&[("user", "u1")], |_| true).await, Told::Allow);
 }
 
+/// A concurrency limit is not assigned over RLQS (a quota report never releases a place): a
+/// bucket on a node with only places is allowed, even with none; beside a rate limit, only the
+/// rate limit is assigned; a hold's id entry is an unused key (docs/rlqs.md).
+#[tokio::test]
+async fn concurrency_limits_are_not_assigned() {
+    let yaml = "domain: c
+descriptors:
+  - key: places
+    hold_key: request_id
+    rate_limit: {algorithm: concurrency, unit: minute, requests_per_unit: 0}
+  - key: mixed
+    hold_key: request_id
+    rate_limits:
+      - {algorithm: concurrency, unit: minute, requests_per_unit: 2}
+      - {unit: hour, requests_per_unit: 50}
+";
+    let s = quota_server(&[("c.yaml", yaml)], FAST).await;
+    let board = Arc::new(Mutex::new(Board::default()));
+    let e = Envoy::connect(&s, 0, "c", &board).await;
+    let places: Pairs<'_> = &[("places", "x")];
+    let mixed: Pairs<'_> = &[("mixed", "x")];
+    let held: Pairs<'_> = &[("mixed", "x"), ("request_id", "r1")];
+    for pairs in [places, mixed, held] {
+        e.report(&[(pairs, 0, 0)], Duration::ZERO).await;
+    }
+    assert_eq!(e.until(places, |_| true).await, Told::Allow);
+    let told = e.until(mixed, |_| true).await;
+    assert!(
+        matches!(
+            told,
+            Told::Bucket {
+                tokens_per_fill: 50,
+                fill_s: 3600,
+                ..
+            }
+        ),
+        "{told:?}"
+    );
+    assert_eq!(e.until(held, |_| true).await, Told::Allow);
+}
+
 /// A reload that lowers a limit reaches every client within seconds, still adding up to the
 /// new limit; one that removes it allows everything.
 #[tokio::test]

@@ -13,7 +13,7 @@ use serde_saphyr::{Location, Spanned};
 
 use super::schema::{RawDescriptor, RawLimit, RawReplace};
 use super::{
-    ConfigError, Counted, Domain, Index, KeyNodes, Level, LimitRule, Node, NodeLimits, Unit,
+    ConfigError, Counted, Domain, Extra, Index, KeyNodes, Level, LimitRule, Node, NodeLimits, Unit,
     Wildcard, is_wildcard,
 };
 use crate::limiter::hold::MAX_HOLDS;
@@ -605,7 +605,6 @@ impl Compiler<'_> {
             _ => Counted::AsSent,
         };
         let node = Node {
-            hold_key: hold_key.map(|(k, _)| k),
             escaped_key: escaped_if_needed(&key),
             counted,
             value: value.map(String::into_boxed_str),
@@ -615,7 +614,12 @@ impl Compiler<'_> {
             share_threshold,
             value_to_metric: raw.value_to_metric.unwrap_or(false),
             soft: raw.quota_mode.unwrap_or(false),
-            metadata: raw.metadata.map(Box::new),
+            extra: (raw.metadata.is_some() || hold_key.is_some()).then(|| {
+                Box::new(Extra {
+                    metadata: raw.metadata,
+                    hold_key: hold_key.map(|(k, _)| k),
+                })
+            }),
             children,
             path: Arc::new(path),
             line: at.line(),

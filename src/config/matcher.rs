@@ -97,7 +97,7 @@ impl Domain {
         let mut hold = Hold::Unheld;
         for (i, (key, value)) in entries.iter().enumerate() {
             if i + 1 == entries.len()
-                && let Some(hold_key) = path.last().and_then(|n| n.hold_key.as_deref())
+                && let Some(hold_key) = path.last().and_then(|n| n.hold_key())
                 && hold_key.as_bytes() == key.as_ref()
             {
                 hold = Hold::Named(HoldId::new(value.as_ref()));
@@ -109,7 +109,7 @@ impl Domain {
         }
         let leaf = *path.last()?;
         leaf.limits.as_ref()?;
-        if leaf.hold_key.is_some() && hold == Hold::Unheld {
+        if leaf.hold_key().is_some() && hold == Hold::Unheld {
             hold = Hold::Unnamed;
         }
 

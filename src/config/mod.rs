@@ -185,9 +185,6 @@ pub enum NodeLimits {
 pub struct Node {
     /// The configured value: exact, a wildcard pattern, or none (any value).
     pub value: Option<Box<str>>,
-    /// `hold_key`: the key of the entry after this node's that names a request's hold (never
-    /// matched as a child, never part of a counter's key).
-    pub hold_key: Option<Box<str>>,
     /// The node's key escaped for counter keys, once, here, where escaping changes it; `None`
     /// (no allocation) where it is safe as it is.
     pub escaped_key: Option<Box<[u8]>>,
@@ -206,8 +203,9 @@ pub struct Node {
     /// Soft limit (the file's `quota_mode`): fails the request only when all of its soft
     /// descriptors are over.
     pub soft: bool,
-    /// Arbitrary user data (accepted; later returned as dynamic metadata).
-    pub metadata: Option<Box<serde_json::Value>>,
+    /// What few nodes carry (`metadata`, `hold_key`), boxed together: a node without them
+    /// costs one pointer (a per-customer config has tens of thousands of nodes).
+    pub extra: Option<Box<Extra>>,
     /// Nested descriptors.
     pub children: Level,
     /// The rule's config path for metrics and `/rlconfig`, e.g. `key1_value1.subkey1`.
@@ -216,6 +214,28 @@ pub struct Node {
     pub line: u64,
     /// Its decision counters, looked up on first use (for labels without request values).
     pub counters: crate::metrics::RuleCounters,
+}
+
+/// A node's rarely set fields.
+#[derive(Debug, Default)]
+pub struct Extra {
+    /// Arbitrary user data (accepted; later returned as dynamic metadata).
+    pub metadata: Option<serde_json::Value>,
+    /// `hold_key`: the key of the entry after this node's that names a request's hold (never
+    /// matched as a child, never part of a counter's key).
+    pub hold_key: Option<Box<str>>,
+}
+
+impl Node {
+    /// Its `metadata`, if any.
+    pub fn metadata(&self) -> Option<&serde_json::Value> {
+        self.extra.as_ref()?.metadata.as_ref()
+    }
+
+    /// Its `hold_key`, if any.
+    pub fn hold_key(&self) -> Option<&str> {
+        self.extra.as_ref()?.hold_key.as_deref()
+    }
 }
 
 /// The value a descriptor entry counts in its counter's key.
@@ -576,7 +596,7 @@ impl Snapshot {
                             if let Some(name) = &l.name {
                                 let _ = write!(line, ", name={name}");
                             }
-                            if let Some(hold_key) = &node.hold_key {
+                            if let Some(hold_key) = node.hold_key() {
                                 let _ = write!(line, ", hold_key={hold_key}");
                             }
                             let _ = write!(line, ", shadow_mode: {}", node.shadow_mode);

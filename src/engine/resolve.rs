@@ -191,7 +191,7 @@ pub(crate) fn resolve<'s>(
                 rule: matched.rule.clone(),
                 rule_has_values: matched.rule_has_values,
                 counters: Some(&matched.node.counters),
-                metadata: matched.node.metadata.as_deref(),
+                metadata: matched.node.metadata(),
                 path: matched.node.path.as_str(),
                 index: r as u16,
                 top_values: rule.top_values,
