@@ -495,14 +495,24 @@ async fn the_dashboard_and_the_alerts_ask_only_for_what_the_service_exports() {
     );
     assert!(queries.len() >= 30, "{}", queries.len());
 
-    // Scrapes of a memory and a Redis server that have decided a request, so that the families
-    // of both backends carry samples, and so labels.
+    // Scrapes of a memory and a Redis server that have decided a request and taken a place, so
+    // that the families of both backends carry samples, and so labels.
+    const CONFIG: &str = "domain: d
+descriptors:
+  - key: k
+    rate_limit: {unit: second, requests_per_unit: 1}
+  - key: tenant
+    hold_key: request_id
+    rate_limit: {algorithm: concurrency, unit: minute, requests_per_unit: 1}
+";
     let mut scrapes = Vec::new();
     for kind in [Kind::Memory, Kind::Redis] {
-        let s = start(kind, &[("d.yaml", "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: second, requests_per_unit: 1}\n")], &["--top-metrics", "3"]).await;
+        let s = start(kind, &[("d.yaml", CONFIG)], &["--top-metrics", "3"]).await;
         let mut c = s.client().await;
         call(&mut c, request("d", &[&[("k", "v")]])).await;
         call(&mut c, request("d", &[&[("k", "v")]])).await;
+        let place = request("d", &[&[("tenant", "t"), ("request_id", "r")]]);
+        assert!(is_ok(&call(&mut c, place).await), "{kind:?}: a place");
         scrapes.push(s.http_get("/metrics").await.1);
     }
     let exported = exported(&scrapes);

@@ -8,7 +8,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::raw::{RawClient, RawRequest, raw};
+use common::raw::{RawClient, RawEntry, RawRequest, raw};
 use common::*;
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
@@ -37,6 +37,11 @@ descriptors:
     rate_limit: {unit: hour, requests_per_unit: 1, algorithm: sliding_log}
   - key: token_bucket
     rate_limit: {unit: hour, requests_per_unit: 1, algorithm: token_bucket}
+  - key: held
+    hold_key: request_id
+    rate_limits:
+      - {algorithm: concurrency, requests_per_unit: 1, unit: hour}
+      - {unit: hour, requests_per_unit: 1000}
 "#;
 
 /// The values a client sends when its header is not UTF-8 (Latin-1 `café`, a byte-order mark,
@@ -213,6 +218,98 @@ async fn any_value_hits_and_refund_a_client_can_send_gets_a_decision(kind: Kind)
     }
 }
 
+/// A request of `held` `tenant` naming the hold `id`: with `release`, its stream done (a
+/// refund of one, Envoy's `is_negative_hits`).
+fn hold(tenant: &[u8], id: &[u8], release: bool) -> RawRequest {
+    let mut req = raw("values", "held", tenant);
+    req.descriptors[0].entries.push(RawEntry {
+        key: b"request_id".to_vec(),
+        value: id.to_vec(),
+    });
+    if release {
+        req.descriptors[0].hits_addend = Some(UInt64Value { value: 1 });
+        req.descriptors[0].is_negative_hits = true;
+    }
+    req
+}
+
+/// `id`, its last byte changed (to another a header may carry).
+fn last_changed(id: &[u8]) -> Vec<u8> {
+    let mut other = id.to_vec();
+    let last = other.last_mut().unwrap();
+    *last = if *last == b'a' { b'b' } else { b'a' };
+    other
+}
+
+/// A hold's id is a header value too (Envoy sends `x-request-id`, which a client chooses where
+/// it is kept): any bytes, any length. Each id holds its tenant's one place and only a release
+/// naming that id, byte for byte, frees it: ids that differ in their last byte of 60 KiB, or
+/// are not UTF-8, are never one hold, and no release, hits or refund on them fails a call.
+async fn any_hold_id_a_client_can_send_holds_and_releases_exactly(kind: Kind) {
+    let (_s, mut c) = server(kind).await;
+    let long: Vec<u8> = (0..60 << 10).map(|i| b'a' + (i % 26) as u8).collect();
+    let mut first_changed = long.clone();
+    first_changed[0] = 0xff;
+    let mut ids: Vec<Vec<u8>> = NOT_UTF8.iter().map(|v| v.to_vec()).collect();
+    ids.extend([long.clone(), first_changed, vec![0xe9; 64], vec![0xe9; 65]]);
+    let mut rng = Rng(0x5eed_0059);
+    ids.extend((0..40).map(|_| rng.value()));
+    for (i, id) in ids.iter().enumerate() {
+        let tenant = format!("t{i}").into_bytes();
+        let other = last_changed(id);
+        let show = String::from_utf8_lossy(&id[..id.len().min(16)]).into_owned();
+        let step = |what: &str| format!("{kind:?}: id {i} ({} bytes, {show:?}): {what}", id.len());
+        assert_eq!(
+            code(&mut c, hold(&tenant, id, false)).await,
+            Code::Ok,
+            "{}",
+            step("takes the place")
+        );
+        assert_eq!(
+            code(&mut c, hold(&tenant, id, false)).await,
+            Code::OverLimit,
+            "{}",
+            step("replayed while held")
+        );
+        assert_eq!(
+            code(&mut c, hold(&tenant, &other, false)).await,
+            Code::OverLimit,
+            "{}",
+            step("a second id")
+        );
+        // A release naming another id, however close, frees nothing.
+        decided(&mut c, hold(&tenant, &other, true)).await;
+        assert_eq!(
+            code(&mut c, hold(&tenant, &other, false)).await,
+            Code::OverLimit,
+            "{}",
+            step("after another's release")
+        );
+        decided(&mut c, hold(&tenant, id, true)).await;
+        assert_eq!(
+            code(&mut c, hold(&tenant, &other, false)).await,
+            Code::Ok,
+            "{}",
+            step("after its own release")
+        );
+        // Whatever hits or refund a client puts beside the id, the call is decided.
+        let mut req = hold(&tenant, id, rng.below(2) == 0);
+        req.descriptors[0].hits_addend = rng.hits().map(|value| UInt64Value { value });
+        req.hits_addend = rng.next() as u32;
+        decided(&mut c, req).await;
+    }
+    // The long id's hold is the long id's alone: its tenant's place, held by the id that differs
+    // in its last byte, is not freed by a release naming the long id.
+    let at = NOT_UTF8.len();
+    let tenant = format!("t{at}").into_bytes();
+    decided(&mut c, hold(&tenant, &long, true)).await;
+    assert_eq!(
+        code(&mut c, hold(&tenant, &long, false)).await,
+        Code::OverLimit,
+        "{kind:?}: the place is still held by the other id"
+    );
+}
+
 /// A value that is not UTF-8 is shown escaped (`\xHH` for such a byte, `\\` for a
 /// backslash), marked so where the output has room, and the admin API names it back; a UTF-8
 /// value is shown as it is, backslashes and all.
@@ -361,6 +458,7 @@ every_backend!(
     any_value_hits_and_refund_a_client_can_send_gets_a_decision,
     values_that_are_not_utf8_are_shown_escaped,
     amounts_past_2_pow_53_are_decided_exactly,
+    any_hold_id_a_client_can_send_holds_and_releases_exactly,
 );
 
 /// A long value is kept as its digest: 2,000 distinct values of 60 KiB, each decided and

@@ -74,12 +74,12 @@ impl Places {
             domain: domain.clone(),
             rule: Arc::new(rule.to_owned()),
         };
+        // At 0 from the rule's first change, so that a rate of it exists before one ends.
+        let ended = metrics.places_ended.get_or_create(&labels);
         if change.ended > 0 {
-            metrics
-                .places_ended
-                .get_or_create(&labels)
-                .inc_by(change.ended);
+            ended.inc_by(change.ended);
         }
+        drop(ended);
         let now = self.now(Some(change.at));
         let mut ledgers = self.ledgers.lock();
         if ledgers.is_empty() {

@@ -130,6 +130,9 @@ local l_hold = {}
 -- reply value is.
 local l_delta, l_end, l_ended, l_out = {}, {}, {}, {}
 local refunds, reports = false, false
+-- Whether one of the request's limits names a hold: then (and only then) `settle_holds` and
+-- `take_holds` run, so that a request naming none pays nothing per limit for holds.
+local named = false
 -- The reply's values so far (`#out` is a search each time: keep the length here). One table
 -- for every call (as `cache` and `order`): a table that grows costs Redis a resize at each
 -- power of two, and the garbage collector its memory, call after call. Only 1..out_n is sent.
@@ -183,6 +186,16 @@ local LOG_PRUNE_MAX = 1000
 local LOG_SCAN_MAX = 128
 local LOG_REFUND_MAX = 1000
 
+-- Stores a weighted log's total in its `#` member (negated, so that it scores below every
+-- entry's time), or drops the member when nothing is left.
+local function set_log_total(key, total)
+  if total <= 0 then
+    redis.call('ZREM', key, '#')
+  else
+    redis.call('ZADD', key, -total, '#')
+  end
+end
+
 -- The weighted log's total after dropping (up to LOG_PRUNE_MAX) entries at or before `upto`.
 -- Entries left unpruned still count: an over-count, which may over-reject until the next
 -- call prunes them, never over-admits.
@@ -194,13 +207,8 @@ local function log_total(key, upto)
     local freed = 0
     for _, m in ipairs(old) do freed = freed + tonumber(string.match(m, ':(%d+)$')) end
     redis.call('ZREM', key, unpack(old))
-    total = total - freed
-    if total <= 0 then
-      redis.call('ZREM', key, '#')
-      total = 0
-    else
-      redis.call('ZADD', key, -total, '#')
-    end
+    total = max(total - freed, 0)
+    set_log_total(key, total)
   end
   return total
 end
@@ -469,12 +477,7 @@ local function build_accounting()
       end
       if #gone > 0 then redis.call('ZREM', key, unpack(gone)) end
       for _, m in ipairs(shortened) do redis.call('ZADD', key, at, m) end
-      local left = total - (back - rest)
-      if left <= 0 then
-        redis.call('ZREM', key, '#')
-      else
-        redis.call('ZADD', key, -left, '#')
-      end
+      set_log_total(key, total - (back - rest))
     elseif algo == 'b' and rpu > 0 then
       local st = cache[key] or cached(key, load_b, w)
       local interval = w / rpu
@@ -537,12 +540,7 @@ local function build_accounting()
       end
       if #gone > 0 then redis.call('ZREM', key, unpack(gone)) end
       if shortened then redis.call('ZADD', key, shortened[1], shortened[2]) end
-      local left = total - (hits - rest)
-      if left <= 0 then
-        redis.call('ZREM', key, '#')
-      else
-        redis.call('ZADD', key, -left, '#')
-      end
+      set_log_total(key, total - (hits - rest))
     elseif algo == 'b' then
       if rpu > 0 then
         local st = cache[key] or cached(key, load_b, w)
@@ -610,51 +608,94 @@ local function build_accounting()
   return {give_back = give_back, record = record, preload = preload}
 end
 
--- The most holds one counter keeps (MAX_HOLDS in hold.rs): past it a rate limit's hold that
--- ends first is dropped (its hits stay counted); a concurrency limit has no more places.
-local MAX_HOLDS = 10000
+-- Holds (see "Holds" in the header), built on first use as `accounting` is: a request that names
+-- none never runs them.
+local holding
+local function build_holding()
+  -- The most holds one counter keeps (MAX_HOLDS in hold.rs): past it a rate limit's hold that
+  -- ends first is dropped (its hits stay counted); a concurrency limit has no more places.
+  local MAX_HOLDS = 10000
 
--- Takes limit i's hold `id` for what its admission just took (see "Holds" in the header).
-local function take_hold(i, id)
-  local c = l_c[i]
-  local key, algo, w = c_key[c], l_algo[i], c_w[c]
-  if algo == 'c' then
-    redis.call('ZADD', key, now + w, id)
-    out[l_out[i]], out[l_out[i] + 1] = out[l_out[i]] + 1, now + w
-    -- Kept a lifetime past its last place's end (this one: every place of a key has the
-    -- lifetime its key names), so that a request then still finds (and counts) places that
-    -- ended unreleased.
-    expire_at_us(key, now + 2 * w)
-    return
+  -- Takes limit i's hold `id` for what its admission just took (see "Holds" in the header).
+  local function take_hold(i, id)
+    local c = l_c[i]
+    local key, algo, w = c_key[c], l_algo[i], c_w[c]
+    if algo == 'c' then
+      redis.call('ZADD', key, now + w, id)
+      out[l_out[i]], out[l_out[i] + 1] = out[l_out[i]] + 1, now + w
+      -- Kept a lifetime past its last place's end (this one: every place of a key has the
+      -- lifetime its key names), so that a request then still finds (and counts) places that
+      -- ended unreleased.
+      expire_at_us(key, now + 2 * w)
+      return
+    end
+    local hk, hh = c_hk[c], c_hh[c]
+    if not hk then return end
+    local start, ends = c_start[c], 0
+    if algo == 'f' then
+      ends = start + w
+    elseif algo == 's' then
+      ends = start + 2 * w
+    elseif algo == 'w' then
+      ends = now + w
+    else
+      ends = next_tat[i]
+    end
+    redis.call('ZADD', hk, ends, id)
+    redis.call('HSET', hh, id, l_hits[i])
+    -- Ended holds leave (a bounded number per call), and past MAX_HOLDS the first to end.
+    local ended = redis.call('ZRANGEBYSCORE', hk, '-inf', now, 'LIMIT', 0, 100)
+    if #ended > 0 then
+      redis.call('ZREM', hk, unpack(ended))
+      redis.call('HDEL', hh, unpack(ended))
+    end
+    if redis.call('ZCARD', hk) > MAX_HOLDS then
+      local oldest = redis.call('ZPOPMIN', hk)
+      redis.call('HDEL', hh, oldest[1])
+    end
+    local last = redis.call('ZRANGE', hk, -1, -1, 'WITHSCORES')
+    local at = tonumber(last[2]) + 1
+    expire_at_us(hk, at)
+    expire_at_us(hh, at)
   end
-  local hk, hh = c_hk[c], c_hh[c]
-  if not hk then return end
-  local start, ends = c_start[c], 0
-  if algo == 'f' then
-    ends = start + w
-  elseif algo == 's' then
-    ends = start + 2 * w
-  elseif algo == 'w' then
-    ends = now + w
-  else
-    ends = next_tat[i]
+
+  -- A hold already held is refused (a replayed id): what a refund can give back stays what one
+  -- admission took. Run after the request's limits are checked, for a request that names a hold:
+  -- each limit whose hold is live is made over (its room 0, its reset when that hold ends), in
+  -- its reply values from `first` on, and the request's verdict is taken again from every
+  -- limit's, as `decide` takes it. Returns whether the request is admitted.
+  local function settle_holds(first, admitted)
+    local at, replayed = first, false
+    for i = 1, n do
+      local hold = l_hold[i]
+      if hold and hold ~= 'u' and l_hits[i] > 0 and l_kind[i] == 'a' then
+        local c = l_c[i]
+        local ends = tonumber(redis.call('ZSCORE', c_hk[c] or c_key[c], hold) or '')
+        if ends and ends > now then
+          over[i], out[at + 1], out[at + 2], replayed = true, -1, ends - now, true
+        end
+      end
+      if l_algo[i] == 'c' then at = at + 4 else at = at + 2 end
+    end
+    if not replayed then return admitted end
+    local quota_seen, quota_all_over = false, true
+    admitted = true
+    for i = 1, n do
+      local enforcement = l_enf[i]
+      if over[i] then
+        if enforcement == 'E' then
+          admitted = false
+        elseif enforcement == 'Q' then
+          quota_seen = true
+        end
+      elseif enforcement == 'Q' then
+        quota_seen, quota_all_over = true, false
+      end
+    end
+    return admitted and not (quota_seen and quota_all_over)
   end
-  redis.call('ZADD', hk, ends, id)
-  redis.call('HSET', hh, id, l_hits[i])
-  -- Ended holds leave (a bounded number per call), and past MAX_HOLDS the first to end.
-  local ended = redis.call('ZRANGEBYSCORE', hk, '-inf', now, 'LIMIT', 0, 100)
-  if #ended > 0 then
-    redis.call('ZREM', hk, unpack(ended))
-    redis.call('HDEL', hh, unpack(ended))
-  end
-  if redis.call('ZCARD', hk) > MAX_HOLDS then
-    local oldest = redis.call('ZPOPMIN', hk)
-    redis.call('HDEL', hh, oldest[1])
-  end
-  local last = redis.call('ZRANGE', hk, -1, -1, 'WITHSCORES')
-  local at = tonumber(last[2]) + 1
-  expire_at_us(hk, at)
-  expire_at_us(hh, at)
+
+  return {settle = settle_holds, take = take_hold}
 end
 
 -- Decides the current request and appends its reply to `out`.
@@ -807,13 +848,6 @@ local function decide()
     else
       error('ratelimitd: unknown algorithm ' .. tostring(algo))
     end
-    -- A hold already held is refused (a replayed id): what a refund can give back stays what
-    -- one admission took.
-    local hold = l_hold[i]
-    if hold and hold ~= 'u' and hits > 0 and l_kind[i] == 'a' then
-      local ends = tonumber(redis.call('ZSCORE', c_hk[c] or c_key[c], hold) or '')
-      if ends and ends > now then o, rem, rst = true, 0, ends - now end
-    end
     over[i] = o
     if rem < 0 then rem = 0 end
     local enforcement = l_enf[i]
@@ -836,6 +870,7 @@ local function decide()
     end
   end
   if quota_seen and quota_all_over then admitted = false end
+  if named then admitted = holding.settle(first, admitted) end
   out[first] = admitted and 1 or 0
   out_n = at
 
@@ -862,11 +897,17 @@ local function decide()
           elseif algo == 'b' then
             st.tat, st.dirty = next_tat[i], true
           end
-          local hold = l_hold[i]
-          if hold and hold ~= 'u' then take_hold(i, hold) end
         end
       elseif reports and hits > 0 and l_kind[i] == 'r' then
         accounting.record(i)
+      end
+    end
+    if named then
+      for i = 1, n do
+        local hold = l_hold[i]
+        if hold and hold ~= 'u' and not over[i] and l_hits[i] > 0 and l_kind[i] == 'a' then
+          holding.take(i, hold)
+        end
       end
     end
   elseif reports then
@@ -986,18 +1027,18 @@ local function main(KEYS, ARGV)
     else
       m, n, at_byte = unpack_numbers('<dd', blob, at_byte)
     end
-    local logged, stale, named = false, false, false
-    refunds, reports = false, false
+    local logged, stale = false, false
+    refunds, reports, named = false, false, false
     for i = 1, n do
       local c, hits, e
       c, hits, e, at_byte = unpack_numbers('<ddd', blob, at_byte)
       -- Holds: 10-18 names one (its id follows in ARGV), 19-27 keeps them and names none.
-      if e > 18 then
-        e, l_hold[i] = e - 18, 'u'
-      elseif e > 9 then
-        e, l_hold[i], named = e - 9, true, true
-      else
+      if e <= 9 then
         l_hold[i] = false
+      elseif e > 18 then
+        e, l_hold[i] = e - 18, 'u'
+      else
+        e, l_hold[i], named = e - 9, true, true
       end
       -- Kinds: a (admission), r (cost report), n (refund: its hits go to l_back; as to the
       -- request's admission it is a shadow limit, which never rejects).
@@ -1018,6 +1059,7 @@ local function main(KEYS, ARGV)
       if stale_any and c_stale[c] then stale = true end
     end
     if (refunds or reports) and not accounting then accounting = build_accounting() end
+    if named and not holding then holding = build_holding() end
     if not undoing and logged then
       nonce, next_nonce = ARGV[next_nonce], next_nonce + 1
     end
