@@ -15,7 +15,7 @@ use serde_json::Value;
 #[derive(Parser, Debug)]
 #[command(
     name = "ratelimitd top",
-    about = "Who is being limited: each limit's heaviest descriptors, from GET /top, refreshed"
+    about = "Who is being limited: each limit's most refused, then heaviest descriptors, from GET /top, refreshed"
 )]
 struct TopArgs {
     /// The service's HTTP port (or its debug port).
@@ -191,7 +191,10 @@ fn table(args: &TopArgs, report: &Value) -> String {
             let _ = writeln!(
                 out,
                 "{:>10} {:>10} {:>8} {:>10}  {}",
-                d["over_limit"].to_string(),
+                match d["over_limit_error"].as_u64() {
+                    Some(e) if e > 0 => format!("{}±{e}", d["over_limit"]),
+                    _ => d["over_limit"].to_string(),
+                },
                 d["hits"].to_string(),
                 d["error"].to_string(),
                 remaining,

@@ -32,6 +32,8 @@ descriptors:
   - key: shadow
     shadow_mode: true
     rate_limit: {unit: day, unit_multiplier: 1000, requests_per_unit: 1}
+  - key: user
+    rate_limit: {unit: day, unit_multiplier: 1000, requests_per_unit: 50}
 ";
 
 async fn daemon(kind: Kind, extra: &[&str]) -> (Daemon, tempfile::TempDir) {
@@ -165,6 +167,79 @@ async fn a_zipf_load_lists_the_heaviest_within_the_stated_error(kind: Kind) {
 }
 
 every_backend!(a_zipf_load_lists_the_heaviest_within_the_stated_error);
+
+/// The refused are a sliver of the traffic: 20,000 users ask 5 hits each (never refused) and
+/// 10 users 100 each against a limit of 50 (50 refused each: 500 of 101,000 hits), in a fixed
+/// shuffle. Counted by hits alone, a user refused 50 times is noise (N/64 = 1,578); the sketch
+/// of refused hits lists all 10 first, each with 50 refusals within its stated error, ahead of
+/// every user never refused, whose refusals are stated as none.
+async fn the_refused_are_found_among_the_many(kind: Kind) {
+    let (d, _dir) = daemon(kind, &[]).await;
+    let c = d.client().await;
+    let mut reqs = Vec::new();
+    let many: Vec<String> = (0..20_000).map(|i| format!("user-{i}")).collect();
+    for ten in many.chunks(10) {
+        let descriptors: Vec<[(&str, &str); 1]> =
+            ten.iter().map(|u| [("user", u.as_str())]).collect();
+        let descriptors: Vec<&[(&str, &str)]> = descriptors.iter().map(|d| &d[..]).collect();
+        reqs.push(weighted(request("top", &descriptors), 5));
+    }
+    let refused: Vec<String> = (0..10).map(|i| format!("refused-{i}")).collect();
+    for u in &refused {
+        reqs.extend((0..100).map(|_| request("top", &[&[("user", u)]])));
+    }
+    shuffle(&mut reqs);
+    send_all(&c, reqs, 16).await;
+
+    let report = top(&d, "?domain=top&limit=user&n=15").await;
+    let l = limit(&report, "top", "user").expect("user listed");
+    assert_eq!(l["hits"], 101_000, "{kind:?}: {l}");
+    let listed = l["descriptors"].as_array().unwrap();
+    assert_eq!(listed.len(), 15, "{kind:?}: {l}");
+    let count = |d: &Value, field: &str| d[field].as_u64().unwrap();
+    let mut found: Vec<&str> = Vec::new();
+    for (i, d) in listed.iter().enumerate() {
+        let v = first_value(d).unwrap();
+        let (over, over_error) = (count(d, "over_limit"), count(d, "over_limit_error"));
+        let (hits, error) = (count(d, "hits"), count(d, "error"));
+        let (true_over, true_hits) = if v.starts_with("refused-") {
+            (50, 100)
+        } else {
+            (0, 5)
+        };
+        assert!(
+            over.abs_diff(true_over) <= over_error,
+            "{kind:?}: {d}: {true_over} refused"
+        );
+        assert!(
+            hits >= true_hits && hits - error <= true_hits,
+            "{kind:?}: {d}: {true_hits} hits"
+        );
+        if i < 10 {
+            assert!(v.starts_with("refused-"), "{kind:?}: {i}: {d}: {l}");
+            // Ten refused descriptors in a sketch of 64: each counted exactly.
+            assert_eq!((over, over_error), (50, 0), "{kind:?}: {d}");
+            found.push(v);
+        } else {
+            assert!(v.starts_with("user-"), "{kind:?}: {d}: {l}");
+            assert_eq!((over, over_error), (0, 0), "{kind:?}: {d}");
+        }
+    }
+    found.sort_unstable();
+    let mut want: Vec<&str> = refused.iter().map(String::as_str).collect();
+    want.sort_unstable();
+    assert_eq!(found, want, "{kind:?}: {l}");
+}
+
+#[tokio::test]
+async fn the_refused_are_found_among_the_many_on_memory() {
+    the_refused_are_found_among_the_many(Kind::Memory).await;
+}
+
+#[tokio::test]
+async fn the_refused_are_found_among_the_many_on_redis() {
+    the_refused_are_found_among_the_many(Kind::Redis).await;
+}
 
 /// A cost report of 500 outweighs 100 admissions of 1; values come back exactly as sent,
 /// quotes, braces, separators, control characters, non-ASCII and 4 KiB ones included, never as

@@ -46,11 +46,13 @@ pub(crate) struct TopDescriptor {
     pub(crate) elided: bool,
     /// Hits asked for; may overestimate by up to `error`.
     pub(crate) hits: u64,
-    /// Hits refused (or that a shadow or soft limit would have refused); may miss up to
-    /// `error`.
+    /// Hits refused (or that a shadow or soft limit would have refused), within
+    /// `over_limit_error` of the true count.
     pub(crate) over_limit: u64,
     /// The most `hits` overestimates.
     pub(crate) error: u64,
+    /// The most `over_limit` is off, either way.
+    pub(crate) over_limit_error: u64,
     /// What is left of the limit for this descriptor now, where it could be looked up.
     pub(crate) remaining: Option<u64>,
 }
@@ -79,7 +81,8 @@ pub(crate) struct TopLimit {
     pub(crate) hits: u64,
     /// The most hits a descriptor the sketch does not hold may have had.
     pub(crate) floor: u64,
-    /// Heaviest first: most refused, then most hits.
+    /// The most refused first (from the sketch of refused hits), then the heaviest (most
+    /// refused, then most hits, as the sketch of all hits counts them).
     pub(crate) descriptors: Vec<TopDescriptor>,
 }
 
@@ -104,7 +107,102 @@ pub(crate) struct TopReport {
 /// counts.
 struct Listed {
     top: LimitTop,
-    descriptors: Vec<(OwnedEntries, Counter)>,
+    descriptors: Vec<(OwnedEntries, Counts)>,
+}
+
+/// A listed descriptor's counts, from both sketches (see [`TopDescriptor`]).
+pub(crate) struct Counts {
+    /// Counted with its entries.
+    pub(crate) kept: bool,
+    pub(crate) hits: u64,
+    pub(crate) error: u64,
+    pub(crate) over: u64,
+    pub(crate) over_error: u64,
+}
+
+/// Up to `n` of `top`'s descriptors that start with `prefix`: the most refused first, as the
+/// sketch of refused hits counts them (found there whatever their share of all hits), then
+/// the heaviest of the sketch of all hits not listed yet. A descriptor's hits come from the
+/// sketch of all hits (where it is absent, from that sketch's floor: the most it may have
+/// had), its refusals from the sketch of refused hits (where it is absent, at most that
+/// sketch's floor, at least what the other counted).
+pub(crate) fn listing(
+    top: &mut LimitTop,
+    prefix: &OwnedEntries,
+    n: usize,
+) -> Vec<(OwnedEntries, Counts)> {
+    let entries_of = |c: &Counter| -> Option<OwnedEntries> {
+        match &c.item {
+            Some(item) => Some(
+                decode(item)?
+                    .into_iter()
+                    .map(|(k, v)| (k.to_vec(), v.to_vec()))
+                    .collect(),
+            ),
+            None => Some(Vec::new()),
+        }
+    };
+    top.view.sort();
+    top.refused.sort();
+    let (view, refused) = (&top.view, &top.refused);
+    let by_item: std::collections::HashMap<&[u8], &Counter> = view
+        .counters
+        .iter()
+        .filter_map(|c| Some((c.item.as_deref()?, c)))
+        .collect();
+    let mut listed: std::collections::HashSet<&[u8]> = std::collections::HashSet::new();
+    let mut out = Vec::new();
+    for r in &refused.counters {
+        if out.len() == n {
+            return out;
+        }
+        let Some(entries) = entries_of(r).filter(|e| e.starts_with(prefix)) else {
+            continue;
+        };
+        let (over, over_error) = (r.hits, r.error);
+        let counted = r.item.as_deref().and_then(|i| by_item.get(i));
+        let (hits, error) = match counted {
+            Some(c) => (c.hits, c.error),
+            None => {
+                let hits = view.floor.max(over);
+                (hits, hits - over.saturating_sub(over_error))
+            }
+        };
+        if let Some(item) = r.item.as_deref() {
+            listed.insert(item);
+        }
+        let kept = r.item.is_some();
+        out.push((
+            entries,
+            Counts {
+                kept,
+                hits,
+                error,
+                over,
+                over_error,
+            },
+        ));
+    }
+    for c in &view.counters {
+        if out.len() == n {
+            break;
+        }
+        if c.item.as_deref().is_some_and(|i| listed.contains(i)) {
+            continue;
+        }
+        let Some(entries) = entries_of(c).filter(|e| e.starts_with(prefix)) else {
+            continue;
+        };
+        let counts = Counts {
+            kept: c.item.is_some(),
+            hits: c.hits,
+            error: c.error,
+            over: c.over,
+            over_error: refused.floor.saturating_sub(c.over),
+        };
+        out.push((entries, counts));
+    }
+    out
 }
 
 impl Engine {
@@ -143,21 +241,7 @@ impl Engine {
             .merged(wanted)
             .into_iter()
             .map(|mut top| {
-                top.view.sort();
-                let descriptors = std::mem::take(&mut top.view.counters)
-                    .into_iter()
-                    .filter_map(|c| {
-                        let entries: OwnedEntries = match &c.item {
-                            Some(item) => decode(item)?
-                                .into_iter()
-                                .map(|(k, v)| (k.to_vec(), v.to_vec()))
-                                .collect(),
-                            None => Vec::new(),
-                        };
-                        entries.starts_with(&query.prefix).then_some((entries, c))
-                    })
-                    .take(n)
-                    .collect();
+                let descriptors = listing(&mut top, &query.prefix, n);
                 Listed { top, descriptors }
             })
             .filter(|l| query.prefix.is_empty() || !l.descriptors.is_empty())
@@ -170,7 +254,7 @@ impl Engine {
                 descriptors: descriptors
                     .into_iter()
                     .map(|(entries, c)| TopDescriptor {
-                        elided: c.item.is_none(),
+                        elided: !c.kept,
                         entries: entries
                             .into_iter()
                             .map(|(k, v)| ShownEntry {
@@ -184,6 +268,7 @@ impl Engine {
                         hits: c.hits,
                         over_limit: c.over,
                         error: c.error,
+                        over_limit_error: c.over_error,
                         remaining: remaining.next().flatten(),
                     })
                     .collect(),
@@ -212,11 +297,10 @@ impl Engine {
         for l in listed {
             for (entries, c) in &l.descriptors {
                 // Hashed and hidden values are kept as digests: no counter can be named.
-                let hit = (c.item.is_some()
-                    && l.top.values == Values::Show
-                    && hits.len() < MAX_REMAINING_LOOKUPS)
-                    .then(|| self.counter_of(&snapshot, &l.top.info, entries))
-                    .flatten();
+                let hit =
+                    (c.kept && l.top.values == Values::Show && hits.len() < MAX_REMAINING_LOOKUPS)
+                        .then(|| self.counter_of(&snapshot, &l.top.info, entries))
+                        .flatten();
                 at.push(hit.map(|h| {
                     hits.push(h);
                     hits.len() - 1

@@ -196,6 +196,7 @@ impl pb::admin_server::Admin for Admin {
                             hits: d.hits,
                             over_limit: d.over_limit,
                             error: d.error,
+                            over_limit_error: d.over_limit_error,
                             remaining: d.remaining,
                             elided: d.elided,
                         })

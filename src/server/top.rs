@@ -89,6 +89,7 @@ pub(crate) fn report_json(report: &TopReport) -> Value {
                         "hits": d.hits,
                         "over_limit": d.over_limit,
                         "error": d.error,
+                        "over_limit_error": d.over_limit_error,
                         "remaining": d.remaining,
                     });
                     if d.elided {
@@ -134,20 +135,19 @@ pub(crate) fn metrics_text(top: &Top, longest: usize) -> String {
     use std::fmt::Write as _;
     let n = top.options().metrics;
     let mut series: Vec<(String, u64, u64)> = Vec::new();
-    for l in top.merged(|_| true) {
-        let mut view = l.view;
-        view.sort();
+    for mut l in top.merged(|_| true) {
+        let listed = crate::engine::top::listing(&mut l, &Vec::new(), n);
         let limit = match (&l.info.name, l.info.index) {
             (Some(name), _) => name.clone(),
             (None, OVERRIDE) => format!("override {}/{}", l.info.requests_per_unit, l.info.unit),
             (None, i) => i.to_string(),
         };
-        for c in view.counters.iter().take(n) {
+        for (entries, c) in &listed {
             if series.len() == MAX_TOP_SERIES {
                 break;
             }
-            let descriptor = match c.item.as_deref().and_then(crate::top::sketch::decode) {
-                Some(entries) => entries
+            let descriptor = if c.kept {
+                entries
                     .iter()
                     .map(|(k, v)| {
                         let k = crate::value::shown(k, usize::MAX);
@@ -155,8 +155,9 @@ pub(crate) fn metrics_text(top: &Top, longest: usize) -> String {
                         format!("{k}={}", v.unwrap_or_else(|| "-".into()))
                     })
                     .collect::<Vec<_>>()
-                    .join(","),
-                None => "(entries not kept)".to_owned(),
+                    .join(",")
+            } else {
+                "(entries not kept)".to_owned()
             };
             let labels = format!(
                 "domain=\"{}\",rule=\"{}\",limit=\"{}\",descriptor=\"{}\"",

@@ -686,7 +686,7 @@ pub(crate) struct Flags {
     #[arg(long, value_enum, default_value = "show")]
     pub(crate) top_values: TopValuesArg,
 
-    /// Export each limit's N heaviest descriptors on /metrics as `ratelimit_top_hits` and
+    /// Export each limit's first N descriptors (most refused, then heaviest) on /metrics as `ratelimit_top_hits` and
     /// `ratelimit_top_over_limit` (values as `--top-values` and the limit's `top_values` show
     /// them, cut to 128 characters; at most 1,000 series per family), for a dashboard panel.
     /// 0 (the default): not exported; `/top` answers either way.

@@ -1,5 +1,7 @@
-//! Who is being limited: per limit, the descriptors that asked for the most hits and were
-//! refused the most, in fixed memory (a [`sketch::Summary`] per limit), fed from decisions
+//! Who is being limited: per limit, the descriptors refused the most and those that asked for
+//! the most hits, in fixed memory (two [`sketch::Summary`]s per limit: of refused hits, where a
+//! descriptor refused often is found whatever its share of the traffic, and of every hit), fed
+//! from decisions
 //! already made (no extra Redis call on the request path), and shared among replicas in
 //! [`wire`]'s form (the engine's `top` exchanges it through Redis).
 //!
@@ -9,8 +11,8 @@
 //!
 //! **Memory.** Each worker thread records into a shard of its own (no lock that every worker
 //! takes on every request). A shard holds at most its share of `--top-memory-bytes`: a limit
-//! costs [`sketch::overhead`] when first counted in a window and each descriptor kept its
-//! entries' bytes. A new limit that does not fit takes the place of the lightest (the previous
+//! costs two [`sketch::overhead`]s when first counted in a window and each descriptor kept its
+//! entries' bytes in each summary that keeps it. A new limit that does not fit takes the place of the lightest (the previous
 //! window's first; fewest hits of a few sampled, a request's own `limit` override before a
 //! configured limit; an override never displaces a configured limit), so a flood of one-off
 //! limits (a client's distinct overrides) churns among itself; hits that find no room are
@@ -209,23 +211,27 @@ impl LimitRef<'_> {
     }
 }
 
-/// One limit's summary in one shard and window.
+/// One limit's summaries in one shard and window: of every hit, and of refused hits alone.
 struct LimitSketch {
     hash: u64,
     info: Arc<LimitInfo>,
     values: Values,
     summary: Summary,
+    /// Refused hits only: a descriptor refused often is kept here whatever its share of all
+    /// hits (in `summary`, refusals among a heavy tail of traffic are noise).
+    refused: Summary,
 }
 
 impl LimitSketch {
     /// What it holds against the shard's budget.
     fn bytes(&self, capacity: usize) -> usize {
-        limit_cost(&self.info, capacity) + self.summary.item_bytes()
+        limit_cost(&self.info, capacity) + self.summary.item_bytes() + self.refused.item_bytes()
     }
 }
 
+/// What a limit holds against the budget besides its descriptors' bytes: its two summaries.
 fn limit_cost(info: &LimitInfo, capacity: usize) -> usize {
-    sketch::overhead(capacity)
+    2 * sketch::overhead(capacity)
         + std::mem::size_of::<LimitSketch>()
         + info.domain.len()
         + info.rule.len()
@@ -320,8 +326,22 @@ pub(crate) struct LimitTop {
     pub(crate) info: LimitInfo,
     /// How its values are shown (the stricter of the limit's and the server's).
     pub(crate) values: Values,
-    /// Its descriptors.
+    /// Its descriptors, by hits.
     pub(crate) view: View,
+    /// Its descriptors, by refused hits (each counter's `hits` and `over` are refused hits).
+    pub(crate) refused: View,
+}
+
+impl LimitTop {
+    /// The bytes of descriptors both views keep.
+    fn item_bytes(&self) -> usize {
+        self.view
+            .counters
+            .iter()
+            .chain(&self.refused.counters)
+            .map(|c| c.item.as_ref().map_or(0, |i| i.len()))
+            .sum()
+    }
 }
 
 /// Every limit's sketches, this replica's and (with Redis) the others'.
@@ -450,6 +470,7 @@ impl Top {
                     info: Arc::new(info),
                     values,
                     summary: Summary::new(capacity),
+                    refused: Summary::new(capacity),
                 });
                 let current = &shard.current;
                 shard
@@ -463,6 +484,11 @@ impl Top {
         tracked
             .summary
             .record(dh, entries, hits, over, &mut shard.room);
+        if over {
+            tracked
+                .refused
+                .record(dh, entries, hits, true, &mut shard.room);
+        }
     }
 
     /// Ends the current window: its summaries become the previous ones, and the previous
@@ -509,6 +535,7 @@ impl Top {
                         info: (*t.info).clone(),
                         values: t.values,
                         view: t.summary.view(),
+                        refused: t.refused.view(),
                     }),
             );
         }
@@ -544,12 +571,7 @@ pub(crate) fn within_bytes(
     limits.sort_by_key(|l| std::cmp::Reverse(l.view.total));
     let mut left = budget;
     limits.retain(|l| {
-        let bytes = limit_cost(&l.info, capacity)
-            + l.view
-                .counters
-                .iter()
-                .map(|c| c.item.as_ref().map_or(0, |i| i.len()))
-                .sum::<usize>();
+        let bytes = limit_cost(&l.info, capacity) + l.item_bytes();
         let fits = bytes <= left;
         if fits {
             left -= bytes;
@@ -563,22 +585,33 @@ pub(crate) fn within_bytes(
 /// `limits` (several views of the same limits) merged per limit, each cut to `capacity`
 /// descriptors, in the limits' order.
 pub(crate) fn merge_limits(limits: Vec<LimitTop>, capacity: usize) -> Vec<LimitTop> {
-    let mut by_limit: HashMap<LimitInfo, (Values, Vec<View>)> = HashMap::new();
+    type Views = (Values, Vec<View>, Vec<View>);
+    let mut by_limit: HashMap<LimitInfo, Views> = HashMap::new();
     for l in limits {
-        let (values, views) = by_limit.entry(l.info).or_insert((l.values, Vec::new()));
+        let (values, views, refused) =
+            by_limit
+                .entry(l.info)
+                .or_insert((l.values, Vec::new(), Vec::new()));
         *values = (*values).max(l.values);
         views.push(l.view);
+        refused.push(l.refused);
     }
+    let merged = |views: Vec<View>| {
+        let mut view = if views.len() == 1 {
+            views.into_iter().next().expect("one view")
+        } else {
+            View::merge(&views)
+        };
+        view.truncate(capacity);
+        view
+    };
     let mut out: Vec<LimitTop> = by_limit
         .into_iter()
-        .map(|(info, (values, views))| {
-            let mut view = if views.len() == 1 {
-                views.into_iter().next().expect("one view")
-            } else {
-                View::merge(&views)
-            };
-            view.truncate(capacity);
-            LimitTop { info, values, view }
+        .map(|(info, (values, views, refused))| LimitTop {
+            info,
+            values,
+            view: merged(views),
+            refused: merged(refused),
         })
         .collect();
     out.sort_by(|a, b| a.info.cmp(&b.info));

@@ -17,6 +17,17 @@ struct WireLimit {
     total: u64,
     floor: u64,
     counters: Vec<WireCounter>,
+    /// The refused hits' view (absent from a replica of a release before it: read as empty).
+    #[serde(default)]
+    refused: WireView,
+}
+
+/// A view of refused hits: as a limit's own, without its limit.
+#[derive(Default, Serialize, Deserialize)]
+struct WireView {
+    total: u64,
+    floor: u64,
+    counters: Vec<WireCounter>,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -59,28 +70,14 @@ pub(crate) fn encode(limits: Vec<LimitTop>, capacity: usize) -> Vec<u8> {
     limits.sort_by_key(|l| std::cmp::Reverse(l.view.total));
     let mut out = b"[".to_vec();
     for l in limits {
+        let view = WireView::of(&l.view);
         let wire = WireLimit {
-            counters: l
-                .view
-                .counters
-                .iter()
-                .filter_map(|c| {
-                    let entries = decode(c.item.as_deref()?)?;
-                    Some(WireCounter {
-                        entries: entries
-                            .into_iter()
-                            .map(|(k, v)| (WireBytes::of(k), WireBytes::of(v)))
-                            .collect(),
-                        hits: c.hits,
-                        over: c.over,
-                        error: c.error,
-                    })
-                })
-                .collect(),
+            counters: view.counters,
             limit: l.info,
             values: l.values,
-            total: l.view.total,
-            floor: l.view.floor,
+            total: view.total,
+            floor: view.floor,
+            refused: WireView::of(&l.refused),
         };
         let one = serde_json::to_vec(&wire).expect("plain data serializes");
         if out.len() + one.len() + 2 > MAX_VIEW_BYTES {
@@ -107,31 +104,69 @@ pub(crate) fn decode_view(bytes: &[u8]) -> Option<Vec<LimitTop>> {
             .map(|l| LimitTop {
                 info: l.limit,
                 values: l.values,
-                view: View {
-                    counters: l
-                        .counters
-                        .into_iter()
-                        .map(|c| {
-                            let entries: Vec<(&[u8], &[u8])> = c
-                                .entries
-                                .iter()
-                                .map(|(k, v)| (k.as_bytes(), v.as_bytes()))
-                                .collect();
-                            Counter {
-                                hash: 0,
-                                item: Some(super::sketch::encode(&entries)),
-                                hits: c.hits,
-                                over: c.over,
-                                error: c.error,
-                            }
-                        })
-                        .collect(),
-                    floor: l.floor,
+                view: WireView {
                     total: l.total,
-                },
+                    floor: l.floor,
+                    counters: l.counters,
+                }
+                .view(),
+                refused: l.refused.view(),
             })
             .collect(),
     )
+}
+
+impl WireView {
+    /// `view` as published: descriptors kept without their entries are left out (another
+    /// replica could not tell them apart).
+    fn of(view: &View) -> WireView {
+        WireView {
+            total: view.total,
+            floor: view.floor,
+            counters: view
+                .counters
+                .iter()
+                .filter_map(|c| {
+                    let entries = decode(c.item.as_deref()?)?;
+                    Some(WireCounter {
+                        entries: entries
+                            .into_iter()
+                            .map(|(k, v)| (WireBytes::of(k), WireBytes::of(v)))
+                            .collect(),
+                        hits: c.hits,
+                        over: c.over,
+                        error: c.error,
+                    })
+                })
+                .collect(),
+        }
+    }
+
+    /// The view as read.
+    fn view(self) -> View {
+        View {
+            counters: self
+                .counters
+                .into_iter()
+                .map(|c| {
+                    let entries: Vec<(&[u8], &[u8])> = c
+                        .entries
+                        .iter()
+                        .map(|(k, v)| (k.as_bytes(), v.as_bytes()))
+                        .collect();
+                    Counter {
+                        hash: 0,
+                        item: Some(super::sketch::encode(&entries)),
+                        hits: c.hits,
+                        over: c.over,
+                        error: c.error,
+                    }
+                })
+                .collect(),
+            floor: self.floor,
+            total: self.total,
+        }
+    }
 }
 
 #[cfg(test)]
@@ -141,12 +176,15 @@ mod tests {
 
     #[test]
     fn a_view_round_trips_with_its_values_verbatim() {
-        let mut s = Summary::new(4);
+        let (mut s, mut refused) = (Summary::new(4), Summary::new(4));
         let mut room = usize::MAX;
         let odd = "\"}, {\"k\": [1]} \u{1F600}\n\0".repeat(200);
         for (v, n) in [(odd.as_str(), 5), ("plain", 2)] {
             let e = [("key", v), ("k2", "x")];
             s.record(v.len() as u64, &e, n, n == 5, &mut room);
+            if n == 5 {
+                refused.record(v.len() as u64, &e, n, true, &mut room);
+            }
         }
         let info = LimitInfo {
             domain: "d".into(),
@@ -162,6 +200,7 @@ mod tests {
             info: info.clone(),
             values: Values::Hash,
             view: s.view(),
+            refused: refused.view(),
         };
         let back = decode_view(&encode(vec![top], 4)).unwrap();
         assert_eq!(back.len(), 1);
@@ -176,6 +215,22 @@ mod tests {
         );
         assert_eq!((view.counters[0].hits, view.counters[0].over), (5, 5));
         assert_eq!(view.total, 7);
+        let refused = &back[0].refused;
+        assert_eq!((refused.total, refused.counters.len()), (5, 1));
+        assert_eq!(refused.counters[0].item, view.counters[0].item);
         assert!(decode_view(b"{not a view").is_none());
+    }
+
+    /// A replica of the release before the sketch of refused hits publishes no `refused`:
+    /// its view is read, with none refused, so that replicas of both releases merge.
+    #[test]
+    fn a_view_without_refused_hits_is_read() {
+        let old = br#"[{"limit": {"domain": "d", "rule": "k", "index": 0, "name": null,
+            "algorithm": "fixed_window", "unit": "MINUTE", "window_seconds": 60,
+            "requests_per_unit": 3}, "values": "show", "total": 4, "floor": 0,
+            "counters": [{"entries": [["k", "v"]], "hits": 4, "over": 1, "error": 0}]}]"#;
+        let back = decode_view(old).expect("read");
+        assert_eq!(back[0].view.counters[0].hits, 4);
+        assert_eq!(back[0].refused, View::default());
     }
 }

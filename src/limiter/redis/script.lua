@@ -130,8 +130,8 @@ local l_hold = {}
 -- reply value is.
 local l_delta, l_end, l_ended, l_out = {}, {}, {}, {}
 local refunds, reports = false, false
--- Whether one of the request's limits names a hold: then (and only then) `settle_holds` and
--- `take_holds` run, so that a request naming none pays nothing per limit for holds.
+-- Whether one of the request's limits names a hold: then (and only then) `holding.settle` and
+-- `holding.take` run, so that a request naming none pays nothing per limit for holds.
 local named = false
 -- The reply's values so far (`#out` is a search each time: keep the length here). One table
 -- for every call (as `cache` and `order`): a table that grows costs Redis a resize at each
@@ -678,6 +678,7 @@ local function build_holding()
       if l_algo[i] == 'c' then at = at + 4 else at = at + 2 end
     end
     if not replayed then return admitted end
+    -- As decide's loop takes it (inline there: a call per limit would show in every call).
     local quota_seen, quota_all_over = false, true
     admitted = true
     for i = 1, n do
