@@ -456,7 +456,9 @@ async fn two_replicas_on_one_redis_merge_within_15_seconds() {
         })
         .await;
     }
-    // The views and the set of replicas are keys of their own, under the prefix, all expiring.
+    // The views, the merges written for each replica, the set of replicas and the turns to
+    // merge are keys of their own, under the prefix, all expiring; none holds a hidden value in
+    // clear.
     let redis = common::redis::shared_standalone();
     let exchange = redis.cli(&[
         "--scan",
@@ -464,11 +466,28 @@ async fn two_replicas_on_one_redis_merge_within_15_seconds() {
         &format!("{prefix}{{ratelimitd-top}}*"),
     ]);
     let exchange: Vec<&str> = exchange.lines().filter(|k| !k.is_empty()).collect();
-    assert_eq!(exchange.len(), 3, "two views and the set: {exchange:?}");
+    let kind = |k: &str| {
+        k.rsplit_once("}:")
+            .map(|(_, rest)| rest.split(':').next().unwrap().to_owned())
+    };
+    let count = |what: &str| {
+        exchange
+            .iter()
+            .filter(|k| kind(k).as_deref() == Some(what))
+            .count()
+    };
+    assert_eq!(count("view"), 2, "two views: {exchange:?}");
+    assert_eq!(count("replicas"), 1, "the set: {exchange:?}");
+    assert!((1..=2).contains(&count("others")), "merges: {exchange:?}");
+    assert_eq!(
+        count("view") + count("replicas") + count("others") + count("turn"),
+        exchange.len(),
+        "nothing else: {exchange:?}"
+    );
     for k in exchange {
         let ttl: i64 = redis.cli(&["PTTL", k]).parse().unwrap();
         assert!(ttl > 0, "{k} expires: {ttl}");
-        if k.contains(":view:") {
+        if k.contains(":view:") || k.contains(":others:") {
             let view = redis.cli(&["GET", k]);
             assert!(view.contains("tenant"), "{k} is a view: {view}");
             for clear in ["s3cr3t", "h1dden"] {
@@ -481,6 +500,143 @@ async fn two_replicas_on_one_redis_merge_within_15_seconds() {
         (counts(top(&a, "?domain=top").await) == [("a".to_owned(), 30)]).then_some(())
     })
     .await;
+}
+
+/// Ten limits of 64 values of 200 bytes each, seen alike by every replica.
+fn full_view_limits() -> String {
+    let mut limits = String::from("domain: wide\ndescriptors:\n");
+    for k in 0..10 {
+        limits += &format!(
+            "  - key: k{k}\n    rate_limit: {{unit: day, unit_multiplier: 1000, requests_per_unit: 1000000}}\n"
+        );
+    }
+    limits
+}
+
+/// Bytes Redis sent and CPU seconds it used, from INFO.
+fn redis_sent_and_cpu(redis: &common::redis::RedisProc) -> (u64, f64) {
+    let info = redis.cli(&["INFO", "all"]);
+    let field = |name: &str| {
+        info.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+            .unwrap_or_else(|| panic!("INFO has {name}"))
+            .trim()
+            .to_owned()
+    };
+    let cpu: f64 = ["used_cpu_user", "used_cpu_sys"]
+        .iter()
+        .map(|f| field(f).parse::<f64>().unwrap())
+        .sum();
+    (field("total_net_output_bytes").parse().unwrap(), cpu)
+}
+
+/// What Redis sends each replica per second for the views' exchange, `replicas` replicas
+/// each with a full view (10 limits × 64 values of 200 bytes) publishing every second,
+/// measured over whole intervals once every replica lists every other's share; and Redis's CPU
+/// per replica per second.
+async fn exchange_cost(
+    redis: &common::redis::RedisProc,
+    daemons: &mut Vec<(Daemon, tempfile::TempDir)>,
+    replicas: usize,
+) -> (f64, f64) {
+    let flags = [
+        "--backend",
+        "redis",
+        "--redis-url",
+        &redis.url(),
+        "--redis-timeout",
+        "2s",
+        "--top-publish-interval",
+        "1s",
+    ];
+    let limits = full_view_limits();
+    let started = join_all((daemons.len()..replicas).map(|_| quiet(&limits, &flags))).await;
+    let value = |i: usize| format!("{i:0>200}");
+    // Each new replica sees every value once.
+    for (d, _) in &started {
+        let c = d.client().await;
+        let reqs = (0..64)
+            .map(|i| {
+                let v = value(i);
+                let ds: Vec<[(String, String); 1]> =
+                    (0..10).map(|k| [(format!("k{k}"), v.clone())]).collect();
+                let ds: Vec<[(&str, &str); 1]> = ds
+                    .iter()
+                    .map(|[(k, v)]| [(k.as_str(), v.as_str())])
+                    .collect();
+                let ds: Vec<&[(&str, &str)]> = ds.iter().map(|d| &d[..]).collect();
+                request("wide", &ds)
+            })
+            .collect();
+        send_all(&c, reqs, 16).await;
+    }
+    daemons.extend(started);
+    // Every replica lists each value once per replica: every view is in every merge.
+    for (d, _) in daemons.iter() {
+        poll(Duration::from_secs(30), || async {
+            let report = top(d, "?domain=wide&n=64").await;
+            let full = (0..10).all(|k| {
+                limit(&report, "wide", &format!("k{k}")).is_some_and(|l| {
+                    let ds = l["descriptors"].as_array().unwrap();
+                    ds.len() == 64 && ds.iter().all(|d| d["hits"] == replicas as u64)
+                })
+            });
+            full.then_some(())
+        })
+        .await;
+    }
+    // Over five whole intervals of the wall clock, read at 0.9 of an interval (each interval's
+    // publishing, merging and reading are done by half of it).
+    let at_point_nine = || async {
+        use ratelimitd::testing::{Clock, SystemClock};
+        let now = SystemClock.now_us() / 1000;
+        let next = (now / 1000) * 1000 + 900;
+        let next = if next <= now { next + 1000 } else { next };
+        tokio::time::sleep(Duration::from_millis(next - now)).await;
+    };
+    at_point_nine().await;
+    let (sent0, cpu0) = redis_sent_and_cpu(redis);
+    for _ in 0..5 {
+        at_point_nine().await;
+    }
+    let (sent1, cpu1) = redis_sent_and_cpu(redis);
+    let per_replica = |d: f64| d / 5.0 / replicas as f64;
+    (
+        per_replica((sent1 - sent0) as f64),
+        per_replica(cpu1 - cpu0),
+    )
+}
+
+/// What Redis sends each replica for the views' exchange does not grow with the replicas:
+/// with 6 replicas at most 1.6 times what it sends each of 2 (each replica reading every
+/// other's view, it was 5 times). `RATELIMITD_TOP_REPLICAS=4,12` measures other counts
+/// (`cargo test --test top exchange -- --nocapture` prints the figures).
+#[tokio::test]
+async fn redis_sends_each_replica_as_much_however_many_there_are() {
+    let counts: Vec<usize> = std::env::var("RATELIMITD_TOP_REPLICAS")
+        .unwrap_or_else(|_| "2,6".into())
+        .split(',')
+        .map(|n| n.trim().parse().unwrap())
+        .collect();
+    let redis = common::redis::RedisProc::start(&[]);
+    let mut daemons = Vec::new();
+    let mut costs = Vec::new();
+    for &n in &counts {
+        let (bytes, cpu) = exchange_cost(&redis, &mut daemons, n).await;
+        eprintln!(
+            "{n} replicas: Redis sent {:.1} KiB and used {:.0} µs of CPU per replica per second",
+            bytes / 1024.0,
+            cpu * 1e6
+        );
+        costs.push(bytes);
+    }
+    let (few, many) = (costs[0], costs[costs.len() - 1]);
+    assert!(
+        many <= 1.6 * few,
+        "{} replicas: {many:.0} B/s each; {}: {few:.0} B/s each",
+        counts[counts.len() - 1],
+        counts[0]
+    );
 }
 
 /// 100,000 distinct 1 KiB values, each under a `limit` override of its own (100,000 distinct

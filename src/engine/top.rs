@@ -222,6 +222,7 @@ impl Engine {
                 top.clone(),
                 redis,
                 self.keys.clone(),
+                replica_name(),
             )));
         }
     }
@@ -369,11 +370,17 @@ impl Engine {
     }
 }
 
-/// The Redis keys of the exchange: one set of replicas, one view per replica, all under one
-/// hash tag (one slot: one MGET reads every view, on a cluster too).
+/// The Redis keys of the exchange, all under one hash tag (one slot: one MGET reads many
+/// views, on a cluster too).
 struct ExchangeKeys {
+    /// The set of replicas publishing.
     replicas: Vec<u8>,
+    /// Each replica's own view: `view:<replica>`.
     view_prefix: Vec<u8>,
+    /// The other replicas' views merged, for each replica: `others:<replica>`.
+    others_prefix: Vec<u8>,
+    /// Who merges in an interval: `turn:<interval number>`.
+    turn_prefix: Vec<u8>,
 }
 
 impl ExchangeKeys {
@@ -382,63 +389,120 @@ impl ExchangeKeys {
         ExchangeKeys {
             replicas: [&base[..], b"replicas"].concat(),
             view_prefix: [&base[..], b"view:"].concat(),
+            others_prefix: [&base[..], b"others:"].concat(),
+            turn_prefix: [&base[..], b"turn:"].concat(),
         }
     }
 
     fn view(&self, replica: &str) -> Vec<u8> {
         [&self.view_prefix[..], replica.as_bytes()].concat()
     }
+
+    fn others(&self, replica: &str) -> Vec<u8> {
+        [&self.others_prefix[..], replica.as_bytes()].concat()
+    }
+
+    fn turn(&self, interval: u64) -> Vec<u8> {
+        [&self.turn_prefix[..], interval.to_string().as_bytes()].concat()
+    }
 }
 
-/// Most other replicas whose views are read.
+/// Most replicas whose views are merged.
 pub(crate) const MAX_REPLICAS: usize = 256;
 
-/// Every `every`: publishes this replica's view (expiring after three periods, so a dead
-/// replica's ages out) and reads every other replica's into `top`, until the service stops.
-pub(crate) async fn exchange(top: Arc<Top>, redis: Arc<RedisBackend>, keys: KeyFormat) {
+/// A name for this replica in the exchange, unlike any other's.
+pub(crate) fn replica_name() -> String {
+    // A RandomState's keys are drawn at random for each process.
+    let state = std::hash::RandomState::new();
+    format!(
+        "{:016x}",
+        std::hash::BuildHasher::hash_one(&state, std::process::id())
+    )
+}
+
+/// Where the wall clock is in intervals of `every`: the interval's number and how long until
+/// the next begins. Every replica's intervals begin at the same instants (as far as their
+/// clocks agree), so the exchange's steps line up across the fleet. The system's clock, as
+/// the sleeps between the steps are in real time.
+fn interval_of(every: Duration) -> (u64, Duration) {
+    use crate::limiter::clock::Clock;
+    let now = u128::from(crate::limiter::clock::SystemClock.now_us() / 1000);
+    let every = every.as_millis().max(1);
+    let next = (now / every + 1) * every;
+    (
+        (now / every) as u64,
+        Duration::from_millis((next - now) as u64),
+    )
+}
+
+/// The exchange of views among the replicas on one Redis, until the service stops. What Redis
+/// sends each replica per interval does not grow with the replicas: at the start of each
+/// interval of `--top-publish-interval` (on the wall clock), every replica publishes its own
+/// view (expiring after two intervals, so a dead replica's ages out); the first to take the
+/// interval's turn merges, a quarter interval later, every view into one per replica (all the
+/// others' views: each replica's share counted once, never its own) and writes them; at half
+/// the interval every other replica reads the one written for it. The merging replica reads
+/// every view once (on average one per replica), each other replica one merged view.
+pub(crate) async fn exchange(
+    top: Arc<Top>,
+    redis: Arc<RedisBackend>,
+    keys: KeyFormat,
+    replica: String,
+) {
     let every = top.options().publish_every;
     let keys = ExchangeKeys::new(&keys);
-    let replica = format!(
-        "{:016x}",
-        std::hash::BuildHasher::hash_one(&std::hash::RandomState::new(), std::process::id())
-    );
-    let mut tick = tokio::time::interval(every);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut failing = false;
+    // Intervals since a merged view was last read: past three, the others' views are dropped.
+    let mut unread = 0u32;
     loop {
-        tick.tick().await;
-        match exchange_once(&top, &redis, &keys, &replica, every * 3).await {
-            Ok(()) if failing => {
-                failing = false;
-                tracing::info!("heavy-hitter views: exchanging through Redis again");
+        let (_, wait) = interval_of(every);
+        tokio::time::sleep(wait).await;
+        let (interval, _) = interval_of(every);
+        let done = exchange_once(&top, &redis, &keys, &replica, interval, every).await;
+        match done {
+            Ok(read) => {
+                unread = if read { 0 } else { unread + 1 };
+                if failing {
+                    failing = false;
+                    tracing::info!("heavy-hitter views: exchanging through Redis again");
+                }
             }
-            Ok(()) => {}
-            Err(e) if !failing => {
-                failing = true;
-                tracing::warn!(error = %e, "heavy-hitter views: cannot exchange through Redis; /top shows this replica's own until it can");
+            Err(e) => {
+                unread += 1;
+                if !failing {
+                    failing = true;
+                    tracing::warn!(error = %e, "heavy-hitter views: cannot exchange through Redis; /top shows this replica's own until it can");
+                }
             }
-            Err(_) => {}
+        }
+        if unread > 3 {
+            top.set_remote(Vec::new());
         }
     }
 }
 
+/// One interval's exchange: publishes this replica's view, then merges every view (if this
+/// replica takes the turn) or reads the merge written for it. Whether the others' views were
+/// read.
 async fn exchange_once(
     top: &Top,
     redis: &RedisBackend,
     keys: &ExchangeKeys,
     replica: &str,
-    ttl: Duration,
-) -> Result<(), crate::limiter::BackendError> {
+    interval: u64,
+    every: Duration,
+) -> Result<bool, crate::limiter::BackendError> {
     let capacity = top.options().capacity;
+    let budget = top.options().memory_bytes;
     let view = wire::encode(top.local(|_| true), capacity);
-    let ttl_ms = ttl.as_millis().max(1) as u64;
+    let ms = every.as_millis().max(1) as u64;
     redis
         .command::<()>(
             redis::cmd("SET")
                 .arg(keys.view(replica))
                 .arg(view)
                 .arg("PX")
-                .arg(ttl_ms),
+                .arg(ms * 2),
         )
         .await?;
     redis
@@ -448,18 +512,61 @@ async fn exchange_once(
         .command::<()>(
             redis::cmd("PEXPIRE")
                 .arg(&keys.replicas)
-                .arg(ttl_ms.saturating_mul(20)),
+                .arg(ms.saturating_mul(20)),
         )
         .await?;
-    let mut others: Vec<String> = redis
+    let turn: Option<String> = redis
+        .command(
+            redis::cmd("SET")
+                .arg(keys.turn(interval))
+                .arg(replica)
+                .arg("NX")
+                .arg("PX")
+                .arg(ms * 2),
+        )
+        .await?;
+    if turn.is_some() {
+        // The others publish at the same instant, give or take their clocks' skew.
+        tokio::time::sleep(every / 4).await;
+        let others = merge_fleet(redis, keys, replica, capacity, budget, ms * 3).await?;
+        top.set_remote(others);
+        return Ok(true);
+    }
+    tokio::time::sleep(every / 2).await;
+    let blob: Option<Vec<u8>> = redis
+        .command(redis::cmd("GET").arg(keys.others(replica)))
+        .await?;
+    let Some(others) = blob.as_deref().and_then(wire::decode_view) else {
+        // Not merged yet (a replica that just started), or the merging replica died: the last
+        // read stands for a few intervals.
+        return Ok(false);
+    };
+    top.set_remote(crate::top::within_bytes(others, capacity, budget));
+    Ok(true)
+}
+
+/// Reads every replica's view and writes, for each, the merge of all the others' (each cut
+/// to `capacity` descriptors per limit and `budget` bytes, expiring after `ttl_ms`); the
+/// merge of the views other than `replica`'s is returned instead of written. Each merge is
+/// made from one prefix and one suffix of the replicas' views (every view merged about three
+/// times in all, whatever the number of replicas); replicas whose view has expired leave the
+/// set.
+async fn merge_fleet(
+    redis: &RedisBackend,
+    keys: &ExchangeKeys,
+    replica: &str,
+    capacity: usize,
+    budget: usize,
+    ttl_ms: u64,
+) -> Result<Vec<LimitTop>, crate::limiter::BackendError> {
+    let mut members: Vec<String> = redis
         .command(redis::cmd("SMEMBERS").arg(&keys.replicas))
         .await?;
-    others.retain(|r| r != replica);
-    others.sort();
-    others.truncate(MAX_REPLICAS);
-    let mut views = Vec::new();
+    members.sort();
+    members.truncate(MAX_REPLICAS);
+    let mut views: Vec<(String, Vec<LimitTop>)> = Vec::new();
     let mut gone = Vec::new();
-    for chunk in others.chunks(16) {
+    for chunk in members.chunks(16) {
         let mut mget = redis::cmd("MGET");
         for r in chunk {
             mget.arg(keys.view(r));
@@ -467,23 +574,46 @@ async fn exchange_once(
         let blobs: Vec<Option<Vec<u8>>> = redis.command(&mget).await?;
         for (r, blob) in chunk.iter().zip(blobs) {
             match blob {
-                Some(b) => views.extend(wire::decode_view(&b).unwrap_or_default()),
+                Some(b) => views.push((r.clone(), wire::decode_view(&b).unwrap_or_default())),
                 None => gone.push(r.clone()),
             }
         }
-        // One chunk at a time: what is held while reading is the merged view (within
-        // --top-memory-bytes) and at most 16 views of 1 MiB.
-        views = crate::top::within_bytes(
-            crate::top::merge_limits(views, capacity),
-            capacity,
-            top.options().memory_bytes,
-        );
     }
     if !gone.is_empty() {
         redis
             .command::<()>(redis::cmd("SREM").arg(&keys.replicas).arg(&gone))
             .await?;
     }
-    top.set_remote(views);
-    Ok(())
+    let merge = |a: &[LimitTop], b: &[LimitTop]| {
+        crate::top::within_bytes(
+            crate::top::merge_limits([a, b].concat(), capacity),
+            capacity,
+            budget,
+        )
+    };
+    // suffix[i]: the views from the i-th on, merged.
+    let mut suffix: Vec<Vec<LimitTop>> = vec![Vec::new(); views.len() + 1];
+    for i in (0..views.len()).rev() {
+        suffix[i] = merge(&suffix[i + 1], &views[i].1);
+    }
+    let mut prefix: Vec<LimitTop> = Vec::new();
+    let mut own = Vec::new();
+    for (i, (r, view)) in views.iter().enumerate() {
+        let others = merge(&prefix, &std::mem::take(&mut suffix[i + 1]));
+        if r == replica {
+            own = others;
+        } else {
+            redis
+                .command::<()>(
+                    redis::cmd("SET")
+                        .arg(keys.others(r))
+                        .arg(wire::encode(others, capacity))
+                        .arg("PX")
+                        .arg(ttl_ms),
+                )
+                .await?;
+        }
+        prefix = merge(&prefix, view);
+    }
+    Ok(own)
 }
