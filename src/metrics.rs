@@ -83,6 +83,33 @@ pub struct PlaceLabels {
     pub rule: Arc<String>,
 }
 
+/// Labels of the per-limit families (`ratelimit_rule_*`): the config's, never a request value,
+/// so the series are as many as the config's limits.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct LimitLabels {
+    /// The request's domain.
+    pub domain: Arc<String>,
+    /// The rule's config path (without the request values `detailed_metric` adds to
+    /// `ratelimit_decisions_total`'s).
+    pub rule: Arc<String>,
+    /// The limit's `name`, else its place among the rule's limits (`0`, `1`, …); `request` for
+    /// a limit the request sent.
+    pub limit: Arc<String>,
+}
+
+/// The `limit` label of a limit the request sent.
+pub(crate) const REQUEST_LIMIT: &str = "request";
+
+/// One limit of a rule, as the per-limit families label and gauge it.
+pub struct LimitSpec {
+    /// Its `limit` label ([`LimitLabels::limit`]).
+    pub label: Arc<String>,
+    /// Hits per window.
+    pub requests_per_unit: u64,
+    /// The window in seconds.
+    pub window_seconds: u64,
+}
+
 /// Labels of `ratelimit_accounted_hits_total`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct AccountedLabels {
@@ -249,6 +276,17 @@ pub struct DecisionMetrics {
     /// `ratelimit_places_ended_total{domain,rule}`: places that ended unreleased, counted when
     /// a request on their counter found them.
     pub places_ended: Family<PlaceLabels, Counter>,
+    /// `ratelimit_rule_hits_total{domain,rule,limit}`: hits asked of each limit.
+    pub rule_hits: Family<LimitLabels, Counter>,
+    /// `ratelimit_rule_over_limit_hits_total{domain,rule,limit}`: hits over each limit (refused,
+    /// or for a shadow-mode rule, that would have been).
+    pub rule_over_limit_hits: Family<LimitLabels, Counter>,
+    /// `ratelimit_rule_limit{domain,rule,limit}`: each limit's `requests_per_unit`, from its
+    /// rule's first decision under the config in force (cleared when another comes in force).
+    pub rule_limit: Family<LimitLabels, Gauge>,
+    /// `ratelimit_rule_window_seconds{domain,rule,limit}`: each limit's window, as
+    /// `rule_limit`.
+    pub rule_window: Family<LimitLabels, Gauge>,
     /// Who these families are, for [`RuleCounters`]: clones share it.
     owner: Arc<()>,
 }
@@ -266,6 +304,10 @@ impl DecisionMetrics {
             statsd: None,
             places_in_use: Family::default(),
             places_ended: Family::default(),
+            rule_hits: Family::default(),
+            rule_over_limit_hits: Family::default(),
+            rule_limit: Family::default(),
+            rule_window: Family::default(),
             owner: Arc::default(),
         }
     }
@@ -323,42 +365,113 @@ impl DecisionMetrics {
             .inc();
     }
 
-    /// `slot`'s counters for `rule` in `domain`, looked up in these families the first time;
-    /// `None` if another server's metrics filled the slot first.
+    /// `slot`'s counters for the rule at config path `rule` in `domain`, looked up in these
+    /// families the first time (its limits, from `limits`, gauged then); `None` if another
+    /// server's metrics filled the slot first. The decision counters are made only for a rule
+    /// whose `ratelimit_decisions_total` label is its path (`fixed`): one whose label carries
+    /// request values is recorded through [`DecisionMetrics::record`].
     pub fn rule<'a>(
         &self,
         slot: &'a RuleCounters,
         domain: &Arc<String>,
         rule: &Arc<String>,
+        fixed: bool,
+        limits: impl FnOnce() -> Vec<LimitSpec>,
     ) -> Option<&'a RuleHandles> {
         let handles = slot.0.get_or_init(|| {
+            let limit_counters = |label: Arc<String>| {
+                let labels = LimitLabels {
+                    domain: domain.clone(),
+                    rule: rule.clone(),
+                    limit: label,
+                };
+                LimitCounters {
+                    hits: self.rule_hits.get_or_create(&labels).clone(),
+                    over: self.rule_over_limit_hits.get_or_create(&labels).clone(),
+                }
+            };
+            let counters: Vec<LimitCounters> = limits()
+                .into_iter()
+                .map(|spec| {
+                    let labels = LimitLabels {
+                        domain: domain.clone(),
+                        rule: rule.clone(),
+                        limit: spec.label.clone(),
+                    };
+                    let gauge = |g: &Family<LimitLabels, Gauge>, v: u64| {
+                        g.get_or_create(&labels)
+                            .set(i64::try_from(v).unwrap_or(i64::MAX));
+                    };
+                    gauge(&self.rule_limit, spec.requests_per_unit);
+                    gauge(&self.rule_window, spec.window_seconds);
+                    limit_counters(spec.label)
+                })
+                .collect();
             Box::new(RuleHandles {
                 owner: self.owner.clone(),
-                decisions: [
-                    Decision::within_limit,
-                    Decision::near_limit,
-                    Decision::over_limit,
-                    Decision::shadow_mode,
-                ]
-                .map(|decision| {
-                    self.decisions
-                        .get_or_create(&DecisionLabels {
-                            domain: domain.clone(),
-                            rule: rule.clone(),
-                            decision,
-                        })
-                        .clone()
+                decisions: fixed.then(|| {
+                    [
+                        Decision::within_limit,
+                        Decision::near_limit,
+                        Decision::over_limit,
+                        Decision::shadow_mode,
+                    ]
+                    .map(|decision| {
+                        self.decisions
+                            .get_or_create(&DecisionLabels {
+                                domain: domain.clone(),
+                                rule: rule.clone(),
+                                decision,
+                            })
+                            .clone()
+                    })
                 }),
-                reference: self.reference.as_ref().map(|families| {
+                reference: self.reference.as_ref().filter(|_| fixed).map(|families| {
                     let labels = ReferenceLabels::of(domain, rule);
                     families
                         .families()
                         .map(|family| family.get_or_create(&labels).clone())
                 }),
-                statsd: self.statsd.as_ref().map(|rules| rules.of(domain, rule)),
+                statsd: self
+                    .statsd
+                    .as_ref()
+                    .filter(|_| fixed)
+                    .map(|rules| rules.of(domain, rule)),
+                limits: counters.into_boxed_slice(),
             })
         });
         Arc::ptr_eq(&handles.owner, &self.owner).then_some(handles)
+    }
+
+    /// Counts `hits` asked of the limit `limit` of `rule` in `domain`, looked up in the
+    /// families each time: for a limit no config rule holds (a request's own limit on a
+    /// descriptor no rule matches) and a rule whose handles another server's metrics hold.
+    pub fn count_limit(
+        &self,
+        domain: &Arc<String>,
+        rule: &Arc<String>,
+        limit: Arc<String>,
+        hits: u64,
+        over: bool,
+    ) {
+        let labels = LimitLabels {
+            domain: domain.clone(),
+            rule: rule.clone(),
+            limit,
+        };
+        self.rule_hits.get_or_create(&labels).inc_by(hits);
+        if over {
+            self.rule_over_limit_hits
+                .get_or_create(&labels)
+                .inc_by(hits);
+        }
+    }
+
+    /// A new config is in force: the limits' gauges are set again by each rule's first
+    /// decision under it (a rule gone stops being gauged; its counters stay, as counters do).
+    pub fn config_changed(&self) {
+        self.rule_limit.clear();
+        self.rule_window.clear();
     }
 }
 
@@ -380,15 +493,39 @@ impl std::fmt::Debug for RuleCounters {
 pub struct RuleHandles {
     /// The [`DecisionMetrics`] they belong to (kept alive, so the address is never reused).
     owner: Arc<()>,
-    /// By [`Decision`], in declaration order.
-    decisions: [Counter; 4],
+    /// By [`Decision`], in declaration order; `None` for a rule whose label carries request
+    /// values.
+    decisions: Option<[Counter; 4]>,
     /// As [`ReferenceMetrics::families`], when those are on.
     reference: Option<[BareCounter; 5]>,
     /// The rule's statsd counts, when the sink is on.
     statsd: Option<Arc<RuleStats>>,
+    /// By the limit's place on the rule.
+    limits: Box<[LimitCounters]>,
+}
+
+/// One limit's hits and hits over it.
+struct LimitCounters {
+    hits: Counter,
+    over: Counter,
 }
 
 impl RuleHandles {
+    /// Counts `hits` asked of the limit at `index` on the rule, over the limit if `over`;
+    /// `false` for a limit the rule does not have (the request's own: counted through
+    /// [`DecisionMetrics::count_limit`], so that a rule no request overrides has no series for
+    /// it).
+    pub fn count(&self, index: u16, hits: u64, over: bool) -> bool {
+        let Some(c) = self.limits.get(usize::from(index)) else {
+            return false;
+        };
+        c.hits.inc_by(hits);
+        if over {
+            c.over.inc_by(hits);
+        }
+        true
+    }
+
     /// Counts one decision, as [`DecisionMetrics::record`] does.
     pub fn record(&self, decision: Decision, reference: Option<[u64; 5]>) {
         if let (Some(counters), Some(counts)) = (&self.reference, reference) {
@@ -401,7 +538,9 @@ impl RuleHandles {
         if let (Some(stats), Some(counts)) = (&self.statsd, reference) {
             stats.add(counts);
         }
-        self.decisions[decision as usize].inc();
+        if let Some(decisions) = &self.decisions {
+            decisions[decision as usize].inc();
+        }
     }
 }
 
@@ -764,6 +903,26 @@ impl Metrics {
             decisions.places_in_use.clone(),
         );
         registry.register(
+            "ratelimit_rule_hits",
+            "Hits asked of each configured limit, by domain, rule (its config path) and limit (its name, or place on the rule): as many series as the config has limits, whatever the requests' values",
+            decisions.rule_hits.clone(),
+        );
+        registry.register(
+            "ratelimit_rule_over_limit_hits",
+            "Hits over each configured limit (refused, or for a shadow-mode rule, that would have been), labelled as ratelimit_rule_hits",
+            decisions.rule_over_limit_hits.clone(),
+        );
+        registry.register(
+            "ratelimit_rule_limit",
+            "Each configured limit's requests_per_unit, from its rule's first decision under the config in force",
+            decisions.rule_limit.clone(),
+        );
+        registry.register(
+            "ratelimit_rule_window_seconds",
+            "Each configured limit's window in seconds (unit times unit_multiplier), as ratelimit_rule_limit",
+            decisions.rule_window.clone(),
+        );
+        registry.register(
             "ratelimit_places_ended",
             "Places of a concurrency rule that ended unreleased (a crashed Envoy, or a lifetime shorter than a stream), counted when a request on their counter found them",
             decisions.places_ended.clone(),
@@ -996,11 +1155,11 @@ mod tests {
         let slot = RuleCounters::default();
 
         let handles = first
-            .rule(&slot, &domain, &rule)
+            .rule(&slot, &domain, &rule, true, Vec::new)
             .expect("an empty slot fills");
         handles.record(Decision::over_limit, Some([3, 0, 1, 2, 0]));
         first
-            .rule(&slot, &domain, &rule)
+            .rule(&slot, &domain, &rule, true, Vec::new)
             .expect("its own slot")
             .record(Decision::over_limit, Some([1, 0, 0, 1, 0]));
         assert_eq!(count(&first, Decision::over_limit), 2);
@@ -1012,11 +1171,16 @@ mod tests {
         assert_eq!(reference.within_limit.get_or_create(&labels).get(), 0);
 
         // Another server's metrics never count through the slot: they take the lookup path.
-        assert!(second.rule(&slot, &domain, &rule).is_none());
+        assert!(second.rule(&slot, &domain, &rule, true, Vec::new).is_none());
         second.record(&domain, rule.clone(), Decision::within_limit, None);
         assert_eq!(count(&second, Decision::within_limit), 1);
         assert_eq!(count(&first, Decision::within_limit), 0);
         // A clone is the same server.
-        assert!(first.clone().rule(&slot, &domain, &rule).is_some());
+        assert!(
+            first
+                .clone()
+                .rule(&slot, &domain, &rule, true, Vec::new)
+                .is_some()
+        );
     }
 }

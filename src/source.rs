@@ -124,6 +124,7 @@ impl Installer {
             }
         }
         self.config.store(Arc::new(snapshot));
+        self.metrics.decisions.config_changed();
         self.metrics.config_load(LoadResult::success);
         self.metrics.config_rules.set(rules as i64);
     }

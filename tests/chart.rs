@@ -487,7 +487,7 @@ async fn the_dashboard_and_the_alerts_ask_only_for_what_the_service_exports() {
         .unwrap()
         .iter()
         .collect();
-    assert_eq!(alerts.len(), 5, "every alert is on in all-on-values");
+    assert_eq!(alerts.len(), 6, "every alert is on in all-on-values");
     queries.extend(
         alerts
             .iter()
@@ -604,6 +604,14 @@ tests:
         values: '0+1100x30'
       - series: 'ratelimit_request_duration_seconds_bucket{job="rl-ratelimitd", namespace="default", pod="b", le="+Inf"}'
         values: '0+1100x30'
+      - series: 'ratelimit_rule_hits_total{job="rl-ratelimitd", namespace="default", pod="a", domain="d", rule="user", limit="0"}'
+        values: '0+600x30'
+      - series: 'ratelimit_rule_over_limit_hits_total{job="rl-ratelimitd", namespace="default", pod="a", domain="d", rule="user", limit="0"}'
+        values: '0+60x5 300+300x25'
+      - series: 'ratelimit_rule_hits_total{job="rl-ratelimitd", namespace="default", pod="a", domain="d", rule="global", limit="burst"}'
+        values: '0+600x30'
+      - series: 'ratelimit_rule_over_limit_hits_total{job="rl-ratelimitd", namespace="default", pod="a", domain="d", rule="global", limit="burst"}'
+        values: '0x30'
     alert_rule_test:
       - {eval_time: 4m, alertname: RatelimitdCircuitOpen, exp_alerts: []}
       - eval_time: 10m
@@ -645,4 +653,12 @@ tests:
             exp_annotations:
               summary: ShouldRateLimit's p99 latency is above 0.02 s.
               description: rl-ratelimitd in default answers 1% of its calls in more than 45.6ms; Envoy gives up after its own timeout (20 ms by default).
+      - {eval_time: 12m, alertname: RatelimitdRuleRefusing, exp_alerts: []}
+      - eval_time: 28m
+        alertname: RatelimitdRuleRefusing
+        exp_alerts:
+          - exp_labels: {severity: warning, namespace: default, job: rl-ratelimitd, domain: d, rule: user, limit: "0"}
+            exp_annotations:
+              summary: A rate-limit rule refuses more than 25% of its hits.
+              description: Rule user (limit 0) of domain d in default is over its limit for 50% of its hits; /top?limit=user lists whom it refuses.
 "#;

@@ -485,6 +485,83 @@ async fn metrics_keep_request_values_out_unless_asked(kind: Kind) {
     );
 }
 
+/// Each configured limit has its denominator and its hits on `/metrics`, labelled by the
+/// config (never a request value), and a refusal names the rule that refused: in the
+/// over-limit counters and in `/json`'s answer.
+async fn per_rule_metrics_give_each_limit_its_limit_and_name_the_refusing_rule(kind: Kind) {
+    let s = server(kind).await;
+    let mut c = s.client().await;
+    let mut refused = 0;
+    for _ in 0..5 {
+        let r = call(&mut c, request("test", &[&[("layered", "x")]])).await;
+        refused += usize::from(!is_ok(&r));
+    }
+    assert_eq!(refused, 3, "burst: 2 an hour");
+    for v in ["a", "b"] {
+        call(&mut c, request("test", &[&[("detailed", v)]])).await;
+    }
+    let (_, m) = s.http_get("/metrics").await;
+    let series = |family: &str, rule: &str, limit: &str| {
+        metric(
+            &m,
+            &format!(
+                "ratelimit_rule_{family}{{domain=\"test\",rule=\"{rule}\",limit=\"{limit}\"}}"
+            ),
+        )
+    };
+    for (limit, hits, over, rpu, window) in [
+        ("burst", 5.0, 3.0, 2.0, 3600.0),
+        ("daily", 5.0, 0.0, 5.0, 86400.0),
+    ] {
+        assert_eq!(series("hits_total", "layered", limit), hits, "{limit}\n{m}");
+        assert_eq!(
+            series("over_limit_hits_total", "layered", limit),
+            over,
+            "{limit}"
+        );
+        assert_eq!(series("limit", "layered", limit), rpu, "{limit}");
+        assert_eq!(
+            series("window_seconds", "layered", limit),
+            window,
+            "{limit}"
+        );
+    }
+    assert!(
+        m.contains(
+            r#"ratelimit_rule_over_limit_hits_total{domain="test",rule="layered",limit="daily"} 0"#
+        ),
+        "a limit never exceeded shows 0: {m}"
+    );
+    assert_eq!(
+        metric(
+            &m,
+            r#"ratelimit_decisions_total{domain="test",rule="layered",decision="over_limit"}"#
+        ),
+        3.0
+    );
+    // detailed_metric puts values in ratelimit_decisions_total's label, never in these.
+    assert_eq!(series("hits_total", "detailed", "0"), 2.0, "{m}");
+    assert_eq!(series("limit", "detailed", "0"), 10.0);
+    assert!(
+        !m.lines()
+            .any(|l| l.starts_with("ratelimit_rule_") && l.contains("detailed_")),
+        "{m}"
+    );
+    // /json names the refusing rule on each refused status, and on no other.
+    let body = r#"{"domain":"test","descriptors":[{"entries":[{"key":"three_per_minute","value":"j"}]},{"entries":[{"key":"roomy","value":"j"}]}]}"#;
+    for _ in 0..3 {
+        let (status, json) = post_json(s.http, body).await;
+        assert_eq!(status, 200, "{json}");
+        assert!(!json.contains("\"rule\""), "{json}");
+    }
+    let (status, json) = post_json(s.http, body).await;
+    assert_eq!(status, 429, "{json}");
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(v["statuses"][0]["rule"], "three_per_minute", "{json}");
+    assert_eq!(v["statuses"][0]["currentLimit"]["name"], "three", "{json}");
+    assert!(v["statuses"][1].get("rule").is_none(), "{json}");
+}
+
 async fn health_over_grpc_and_http(kind: Kind) {
     use tonic_health::pb::health_check_response::ServingStatus;
     use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
@@ -756,6 +833,7 @@ every_backend!(
     global_quota_mode_refuses_only_when_every_descriptor_is_over,
     share_threshold_wildcards_share_one_counter,
     metrics_keep_request_values_out_unless_asked,
+    per_rule_metrics_give_each_limit_its_limit_and_name_the_refusing_rule,
     health_over_grpc_and_http,
     concurrent_requests_admit_exactly_the_limit_for_every_algorithm,
     algorithms_recover_on_the_wall_clock_when_they_said,
@@ -807,6 +885,127 @@ async fn overrides_and_detailed_metrics_cannot_explode_metric_cardinality() {
         500.0
     );
     assert!(m.len() < 1 << 20, "/metrics is {} bytes", m.len());
+}
+
+/// 1,000 rules and 100,000 distinct values: the per-rule series are four per limit (hits,
+/// hits over, limit, window), whatever the values; a request's own limit adds its own series
+/// to the rule it lands on, once.
+#[tokio::test]
+async fn per_rule_series_are_as_many_as_the_rules_whatever_the_values() {
+    let mut yaml = String::from("domain: many\ndescriptors:\n");
+    for r in 0..1000 {
+        yaml += &format!(
+            "  - key: r{r}\n    rate_limit: {{unit: hour, requests_per_unit: {}}}\n",
+            r + 1
+        );
+    }
+    let s = TestServer::start(&[("many.yaml", &yaml)]).await;
+    let c = s.client().await;
+    let requests: Vec<_> = (0..2000)
+        .map(|i| {
+            let entries: Vec<(String, String)> = (0..50)
+                .map(|j| {
+                    let v = i * 50 + j;
+                    (format!("r{}", v % 1000), format!("value-{v}"))
+                })
+                .collect();
+            let entries: Vec<[(&str, &str); 1]> = entries
+                .iter()
+                .map(|(k, v)| [(k.as_str(), v.as_str())])
+                .collect();
+            let descriptors: Vec<&[(&str, &str)]> = entries.iter().map(|e| &e[..]).collect();
+            request("many", &descriptors)
+        })
+        .collect();
+    for chunk in requests.chunks(16) {
+        let calls = chunk.iter().cloned().map(|req| {
+            let mut c = c.clone();
+            async move { call(&mut c, req).await }
+        });
+        futures_util::future::join_all(calls).await;
+    }
+    let mut one = request("many", &[&[("r7", "own-limit")]]);
+    one.descriptors[0].limit = Some(RateLimitOverride {
+        requests_per_unit: 1,
+        unit: 1,
+    });
+    call(&mut c.clone(), one.clone()).await;
+    call(&mut c.clone(), one).await;
+    let (_, m) = s.http_get("/metrics").await;
+    let lines: Vec<&str> = m
+        .lines()
+        .filter(|l| l.starts_with("ratelimit_rule_"))
+        .collect();
+    assert_eq!(
+        lines.len(),
+        4 * 1000 + 2,
+        "{:?}",
+        &lines[..lines.len().min(20)]
+    );
+    assert!(!m.contains("value-"), "no value in any label");
+    let hits: f64 = lines
+        .iter()
+        .filter(|l| l.starts_with("ratelimit_rule_hits_total{") && !l.contains("limit=\"request\""))
+        .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
+        .sum();
+    assert_eq!(hits, 100_000.0);
+    let series = |family: &str, rule: &str, limit: &str| {
+        metric(
+            &m,
+            &format!(
+                "ratelimit_rule_{family}{{domain=\"many\",rule=\"{rule}\",limit=\"{limit}\"}}"
+            ),
+        )
+    };
+    assert_eq!(series("limit", "r999", "0"), 1000.0);
+    assert_eq!(series("hits_total", "r7", "0"), 100.0);
+    assert_eq!(series("hits_total", "r7", "request"), 2.0);
+    assert_eq!(series("over_limit_hits_total", "r7", "request"), 1.0);
+}
+
+/// A reload gauges the limits of the config now in force: a limit changed shows its new
+/// value, a rule gone is gauged no more, and counters carry on.
+#[tokio::test]
+async fn per_rule_limits_follow_the_config_in_force() {
+    let s = TestServer::start(&[(
+        "l.yaml",
+        "domain: r\ndescriptors:\n  - key: a\n    rate_limit: {unit: hour, requests_per_unit: 5}\n  - key: b\n    rate_limit: {unit: minute, requests_per_unit: 7}\n",
+    )])
+    .await;
+    let mut c = s.client().await;
+    call(&mut c, request("r", &[&[("a", "1")], &[("b", "1")]])).await;
+    let scrape = || async { s.http_get("/metrics").await.1 };
+    let m = scrape().await;
+    let series = |m: &str, family: &str, rule: &str| {
+        metric(
+            m,
+            &format!("ratelimit_rule_{family}{{domain=\"r\",rule=\"{rule}\",limit=\"0\"}}"),
+        )
+    };
+    assert_eq!(series(&m, "limit", "a"), 5.0);
+    assert_eq!(series(&m, "limit", "b"), 7.0);
+    assert_eq!(series(&m, "window_seconds", "b"), 60.0);
+    s.write(
+        "l.yaml",
+        "domain: r\ndescriptors:\n  - key: a\n    rate_limit: {unit: hour, requests_per_unit: 9}\n",
+    );
+    poll(Duration::from_secs(10), || async {
+        (metric(
+            &scrape().await,
+            r#"ratelimit_config_loads_total{result="success"}"#,
+        ) == 2.0)
+            .then_some(())
+    })
+    .await;
+    call(&mut c, request("r", &[&[("a", "1")], &[("b", "1")]])).await;
+    let m = scrape().await;
+    assert_eq!(series(&m, "limit", "a"), 9.0, "{m}");
+    assert!(
+        !m.contains(r#"ratelimit_rule_limit{domain="r",rule="b""#),
+        "{m}"
+    );
+    assert_eq!(series(&m, "hits_total", "a"), 2.0, "counted on");
+    assert_eq!(series(&m, "hits_total", "b"), 1.0, "kept");
 }
 
 /// `--reference-metrics`: envoyproxy/ratelimit's per-rule families as Envoy Gateway's statsd

@@ -6,9 +6,9 @@ use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::config::Node;
 use crate::config::Unit;
 use crate::limiter::Enforcement;
-use crate::metrics::RuleCounters;
 
 /// The limit reported for a descriptor.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -38,9 +38,9 @@ pub(crate) struct Applicable<'s> {
     pub(crate) rule: Cow<'s, Arc<String>>,
     /// The rule label carries request values (`detailed_metric`, `value_to_metric`).
     pub(crate) rule_has_values: bool,
-    /// The rule's metric counters, kept on its config node (`None` for a limit override no
-    /// node matches).
-    pub(crate) counters: Option<&'s RuleCounters>,
+    /// The config node whose rule this is (its metric counters, its path); `None` for a limit
+    /// override no node matches.
+    pub(crate) node: Option<&'s Node>,
     /// The config node's `metadata`, if any.
     pub(crate) metadata: Option<&'s serde_json::Value>,
     /// Which limit this is for the heavy-hitter sketches: the config node's path (never

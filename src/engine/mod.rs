@@ -195,12 +195,22 @@ impl Engine {
             &outcome,
             self.options.near_limit_ratio,
             |a, kind, decision, tally| {
-                self.record(domain, a, kind, decision, tally);
+                // The hits this descriptor asked for (not those of others sharing its counter).
+                let d = &req.descriptors[a.limit.descriptor];
+                let own = d.hits_addend.unwrap_or(req.hits_addend.max(1));
+                self.record(domain, a, kind, decision, tally, own);
                 if kind != HitKind::Refund {
-                    self.count_top(domain, req, a, &hits[a.hit], tally.over);
+                    self.count_top(domain, req, a, &hits[a.hit], own, tally.over);
                 }
             },
         );
+        if tracing::enabled!(tracing::Level::DEBUG) {
+            for (descriptor, s) in statuses.iter().enumerate() {
+                if let Some(rule) = &s.refused_by {
+                    tracing::debug!(domain = %domain, rule = %rule, descriptor, "over the limit");
+                }
+            }
+        }
         let overall = if outcome.admitted || self.options.global_shadow_mode {
             Code::Ok
         } else {
@@ -224,6 +234,7 @@ impl Engine {
         kind: HitKind,
         decision: Decision,
         tally: Tally,
+        own: u64,
     ) {
         // A refund is no decision (envoyproxy/ratelimit would count its hits as hits); a report
         // past the limit is a decision, and its hits are counted as recorded anyway.
@@ -246,16 +257,30 @@ impl Engine {
                 a.limit.enforcement == crate::limiter::Enforcement::Shadow,
             )
         });
-        if a.limit.rule_has_values {
-            return self
-                .decisions
-                .record(domain, self.rule_label(a), decision, reference);
+        let handles = a.limit.node.and_then(|node| {
+            self.decisions.rule(
+                &node.counters,
+                domain,
+                &node.path,
+                !a.limit.rule_has_values,
+                || limit_specs(node),
+            )
+        });
+        let counted = handles.is_some_and(|h| h.count(a.limit.index, own, tally.over));
+        if !counted {
+            // The request's own limit, or a rule whose handles another server's metrics hold
+            // (tests run several).
+            let (rule, limit) = match a.limit.node {
+                Some(node) => (&node.path, limit_label(node, a.limit.index)),
+                None => (
+                    &*a.limit.rule,
+                    Arc::new(crate::metrics::REQUEST_LIMIT.to_owned()),
+                ),
+            };
+            self.decisions
+                .count_limit(domain, rule, limit, own, tally.over);
         }
-        match a
-            .limit
-            .counters
-            .and_then(|slot| self.decisions.rule(slot, domain, &a.limit.rule))
-        {
+        match handles.filter(|_| !a.limit.rule_has_values) {
             Some(counters) => counters.record(decision, reference),
             None => self
                 .decisions
@@ -263,7 +288,7 @@ impl Engine {
         }
     }
 
-    /// Counts `a`'s descriptor in its limit's heavy-hitter sketch: the hits it asked for
+    /// Counts `a`'s descriptor in its limit's heavy-hitter sketch: the `hits` it asked for
     /// (its own, not those of other descriptors sharing its counter), refused if `over`.
     fn count_top(
         &self,
@@ -271,13 +296,13 @@ impl Engine {
         req: &Request<'_>,
         a: &Applied<'_>,
         hit: &crate::limiter::Hit,
+        hits: u64,
         over: bool,
     ) {
         if !self.top.is_on() {
             return;
         }
         let d = &req.descriptors[a.limit.descriptor];
-        let hits = d.hits_addend.unwrap_or(req.hits_addend.max(1));
         let reported = &a.limit.reported;
         let limit = LimitRef {
             domain,
@@ -432,4 +457,35 @@ impl Engine {
         }));
         Ok(self.backend.reset(&hits).await?)
     }
+}
+
+/// The limits of `node`'s rule as the per-limit metrics label and gauge them.
+fn limit_specs(node: &crate::config::Node) -> Vec<crate::metrics::LimitSpec> {
+    let Some(crate::config::NodeLimits::Limits(rules)) = &node.limits else {
+        return Vec::new();
+    };
+    rules
+        .iter()
+        .enumerate()
+        .map(|(i, r)| crate::metrics::LimitSpec {
+            label: Arc::new(
+                r.name
+                    .as_deref()
+                    .map_or_else(|| i.to_string(), str::to_owned),
+            ),
+            requests_per_unit: r.requests_per_unit,
+            window_seconds: r.window_seconds(),
+        })
+        .collect()
+}
+
+/// The `limit` label of the limit at `index` on `node`'s rule (`u16::MAX`: the request's own).
+fn limit_label(node: &crate::config::Node, index: u16) -> Arc<String> {
+    limit_specs(node)
+        .into_iter()
+        .nth(usize::from(index))
+        .map_or_else(
+            || Arc::new(crate::metrics::REQUEST_LIMIT.to_owned()),
+            |s| s.label,
+        )
 }

@@ -1,6 +1,7 @@
 //! The report step: verdicts back into per-descriptor statuses, the overall code and the
 //! passed descriptors' metadata, with one decision per applied limit for the metrics.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use super::applied::{Applied, ReportedLimit};
@@ -27,6 +28,9 @@ pub struct Status {
     pub remaining: u64,
     /// Time until the limit resets (or the request would fit).
     pub reset: Option<Duration>,
+    /// The config path of the rule whose limit refused the descriptor (`None` when it passed):
+    /// never a request value.
+    pub refused_by: Option<Arc<String>>,
 }
 
 impl Status {
@@ -37,6 +41,7 @@ impl Status {
             limit: None,
             remaining: 0,
             reset: None,
+            refused_by: None,
         }
     }
 }
@@ -153,6 +158,10 @@ pub(crate) fn statuses(
                 limit: Some(applied[k].limit.reported.clone()),
                 remaining,
                 reset: Some(outcome.verdicts[applied[k].hit].reset),
+                refused_by: rejects.then(|| {
+                    let a = &applied[k].limit;
+                    a.node.map_or_else(|| (*a.rule).clone(), |n| n.path.clone())
+                }),
             },
         })
         .collect()

@@ -119,11 +119,11 @@ pub(crate) fn resolve<'s>(
         if let Some(o) = d.limit_override {
             // The metric label comes from the config, never from the request's entries: the
             // node the descriptor matches, else a constant.
-            let (rule, rule_has_values, counters, path) = match domain.lookup(&d.entries, keys) {
+            let (rule, rule_has_values, node, path) = match domain.lookup(&d.entries, keys) {
                 Some(m) => (
                     m.rule,
                     m.rule_has_values,
-                    Some(&m.node.counters),
+                    Some(m.node),
                     m.node.path.as_str(),
                 ),
                 None => (Cow::Borrowed(override_rule), false, None, OVERRIDE_RULE),
@@ -140,7 +140,7 @@ pub(crate) fn resolve<'s>(
                 enforcement: enforce,
                 rule,
                 rule_has_values,
-                counters,
+                node,
                 metadata: None,
                 path,
                 index: crate::top::OVERRIDE,
@@ -190,7 +190,7 @@ pub(crate) fn resolve<'s>(
                 enforcement,
                 rule: matched.rule.clone(),
                 rule_has_values: matched.rule_has_values,
-                counters: Some(&matched.node.counters),
+                node: Some(matched.node),
                 metadata: matched.node.metadata(),
                 path: matched.node.path.as_str(),
                 index: r as u16,
@@ -535,7 +535,7 @@ descriptors:
             enforcement: Enforcement::Enforce,
             rule: Cow::Owned(Arc::new(String::new())),
             rule_has_values: false,
-            counters: None,
+            node: None,
             metadata: None,
             path: "",
             index: 0,

@@ -214,6 +214,7 @@ mod tests {
             }),
             remaining,
             reset: Some(Duration::from_millis(reset_ms)),
+            refused_by: None,
         }
     }
 

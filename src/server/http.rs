@@ -174,6 +174,7 @@ async fn json_decide(State(state): State<Arc<HttpState>>, body: Bytes) -> axum::
                 Code::Ok => StatusCode::OK,
                 Code::OverLimit => StatusCode::TOO_MANY_REQUESTS,
             };
+            let refused_by: Vec<_> = resp.statuses.iter().map(|s| s.refused_by.clone()).collect();
             let out = to_response(
                 &req,
                 resp,
@@ -184,7 +185,7 @@ async fn json_decide(State(state): State<Arc<HttpState>>, body: Bytes) -> axum::
             (
                 status,
                 [(header::CONTENT_TYPE, "application/json")],
-                response_json(&out).to_string(),
+                response_json(&out, &refused_by).to_string(),
             )
                 .into_response()
         }

@@ -6,6 +6,8 @@
 //! in the proto, 64-bit integers as numbers or strings, enums by name or number, wrappers as
 //! their value, defaults left out), so no JSON runtime for protobuf is needed.
 
+use std::sync::Arc;
+
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::{
     Entry, RateLimitOverride,
@@ -208,16 +210,22 @@ fn value_json(v: &envoy_types::pb::google::protobuf::Value) -> Value {
     }
 }
 
-/// A `RateLimitResponse` in proto3 JSON (default values left out, as protojson does).
-pub(crate) fn response_json(r: &RateLimitResponse) -> Value {
+/// A `RateLimitResponse` in proto3 JSON (default values left out, as protojson does), each
+/// refused status with the config path of the rule that refused it (`refused_by`, by status)
+/// as `"rule"`: a field of this service's, unknown to the proto.
+pub(crate) fn response_json(r: &RateLimitResponse, refused_by: &[Option<Arc<String>>]) -> Value {
     let mut o = Object::new();
     o.insert("overallCode".into(), code_name(r.overall_code));
     let statuses: Vec<Value> = r
         .statuses
         .iter()
-        .map(|s| {
+        .enumerate()
+        .map(|(i, s)| {
             let mut st = Object::new();
             st.insert("code".into(), code_name(s.code));
+            if let Some(Some(rule)) = refused_by.get(i) {
+                st.insert("rule".into(), json!(rule.as_str()));
+            }
             if let Some(l) = &s.current_limit {
                 let mut cl = Object::new();
                 if !l.name.is_empty() {
