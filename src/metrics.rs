@@ -379,24 +379,13 @@ impl DecisionMetrics {
         limits: impl FnOnce() -> Vec<LimitSpec>,
     ) -> Option<&'a RuleHandles> {
         let handles = slot.0.get_or_init(|| {
-            let limit_counters = |label: Arc<String>| {
-                let labels = LimitLabels {
-                    domain: domain.clone(),
-                    rule: rule.clone(),
-                    limit: label,
-                };
-                LimitCounters {
-                    hits: self.rule_hits.get_or_create(&labels).clone(),
-                    over: self.rule_over_limit_hits.get_or_create(&labels).clone(),
-                }
-            };
             let counters: Vec<LimitCounters> = limits()
                 .into_iter()
                 .map(|spec| {
                     let labels = LimitLabels {
                         domain: domain.clone(),
                         rule: rule.clone(),
-                        limit: spec.label.clone(),
+                        limit: spec.label,
                     };
                     let gauge = |g: &Family<LimitLabels, Gauge>, v: u64| {
                         g.get_or_create(&labels)
@@ -404,7 +393,10 @@ impl DecisionMetrics {
                     };
                     gauge(&self.rule_limit, spec.requests_per_unit);
                     gauge(&self.rule_window, spec.window_seconds);
-                    limit_counters(spec.label)
+                    LimitCounters {
+                        hits: self.rule_hits.get_or_create(&labels).clone(),
+                        over: self.rule_over_limit_hits.get_or_create(&labels).clone(),
+                    }
                 })
                 .collect();
             Box::new(RuleHandles {

@@ -148,6 +148,21 @@ impl Engine {
 
     /// Decides a request: all-or-nothing across its descriptors.
     pub async fn should_rate_limit(&self, req: &Request<'_>) -> Result<Response, EngineError> {
+        self.decide(req, false).await
+    }
+
+    /// As [`Engine::should_rate_limit`], each refused status naming its rule
+    /// ([`Status::refused_by`]): for answers that show it (`POST /json`). Envoy's answer has no
+    /// place for it, so its path does not take the rule's name for each refusal (a reference
+    /// count every worker would write).
+    pub async fn should_rate_limit_naming_rules(
+        &self,
+        req: &Request<'_>,
+    ) -> Result<Response, EngineError> {
+        self.decide(req, true).await
+    }
+
+    async fn decide(&self, req: &Request<'_>, name_rules: bool) -> Result<Response, EngineError> {
         request::validate(req, &self.options.request_limits)?;
         let snapshot = self.config.load();
         if !snapshot.is_loaded() {
@@ -194,6 +209,7 @@ impl Engine {
             &hits,
             &outcome,
             self.options.near_limit_ratio,
+            name_rules || tracing::enabled!(tracing::Level::DEBUG),
             |a, kind, decision, tally| {
                 // The hits this descriptor asked for (not those of others sharing its counter).
                 let d = &req.descriptors[a.limit.descriptor];
@@ -205,6 +221,7 @@ impl Engine {
             },
         );
         if tracing::enabled!(tracing::Level::DEBUG) {
+            // A refusal's line: the rule, never the values.
             for (descriptor, s) in statuses.iter().enumerate() {
                 if let Some(rule) = &s.refused_by {
                     tracing::debug!(domain = %domain, rule = %rule, descriptor, "over the limit");

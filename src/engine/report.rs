@@ -28,8 +28,8 @@ pub struct Status {
     pub remaining: u64,
     /// Time until the limit resets (or the request would fit).
     pub reset: Option<Duration>,
-    /// The config path of the rule whose limit refused the descriptor (`None` when it passed):
-    /// never a request value.
+    /// The config path of the rule whose limit refused the descriptor (`None` when it passed,
+    /// or when not asked for): never a request value.
     pub refused_by: Option<Arc<String>>,
 }
 
@@ -105,6 +105,7 @@ pub(crate) fn statuses(
     hits: &[Hit],
     outcome: &Outcome,
     near_limit_ratio: f64,
+    name_rules: bool,
     mut decided: impl FnMut(&Applied<'_>, HitKind, Decision, Tally),
 ) -> Vec<Status> {
     let soft_rejects = soft_rejects(hits, |i| outcome.verdicts[i].over);
@@ -158,7 +159,7 @@ pub(crate) fn statuses(
                 limit: Some(applied[k].limit.reported.clone()),
                 remaining,
                 reset: Some(outcome.verdicts[applied[k].hit].reset),
-                refused_by: rejects.then(|| {
+                refused_by: (rejects && name_rules).then(|| {
                     let a = &applied[k].limit;
                     a.node.map_or_else(|| (*a.rule).clone(), |n| n.path.clone())
                 }),

@@ -166,7 +166,7 @@ async fn json_decide(State(state): State<Arc<HttpState>>, body: Bytes) -> axum::
     };
     let decided = match to_request(&req) {
         Err(e) => return text(StatusCode::BAD_REQUEST, e.to_string()),
-        Ok(r) => state.engine.should_rate_limit(&r).await,
+        Ok(r) => state.engine.should_rate_limit_naming_rules(&r).await,
     };
     match decided {
         Ok(resp) => {
