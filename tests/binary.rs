@@ -195,6 +195,32 @@ async fn sigterm_finishes_and_exits_zero() {
     assert!(stderr.contains("\"shutting down"), "json logs: {stderr}");
 }
 
+/// A refusal's `debug` line names the domain and the rule that refused, never the request's
+/// values; a request that passes writes none.
+#[tokio::test]
+async fn a_refusal_is_logged_with_its_rule_at_debug() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("l.yaml"), LIMITS).unwrap();
+    let d = Daemon::start(ratelimitd(dir.path(), &["--log-level", "debug"])).await;
+    let mut client = d.client().await;
+    for _ in 0..5 {
+        let r = call(&mut client, request("d", &[&[("k", "secret-value")]])).await;
+        assert!(is_ok(&r));
+    }
+    let r = call(&mut client, request("d", &[&[("k", "secret-value")]])).await;
+    assert!(!is_ok(&r), "the sixth in a second is refused");
+    let (_, stderr) = d.terminate().await;
+    let lines: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.contains("over the limit"))
+        .collect();
+    assert_eq!(lines.len(), 1, "{stderr}");
+    for part in ["domain=d", "rule=k", "descriptor=0"] {
+        assert!(lines[0].contains(part), "{part} in {}", lines[0]);
+    }
+    assert!(!stderr.contains("secret-value"), "{stderr}");
+}
+
 /// Starts ratelimitd on a Redis that requires `password`, given unencoded in the URL: it
 /// authenticates, and none of `fragments` of the password shows in the logs (at trace level),
 /// `/rlconfig` or `/metrics`, while the redacted target does.
