@@ -485,24 +485,29 @@ fn limit_specs(node: &crate::config::Node) -> Vec<crate::metrics::LimitSpec> {
         .iter()
         .enumerate()
         .map(|(i, r)| crate::metrics::LimitSpec {
-            label: Arc::new(
-                r.name
-                    .as_deref()
-                    .map_or_else(|| i.to_string(), str::to_owned),
-            ),
+            label: rule_limit_label(i, r),
             requests_per_unit: r.requests_per_unit,
             window_seconds: r.window_seconds(),
         })
         .collect()
 }
 
+/// The `limit` label of the limit `r` at place `i` on its rule: its name, else its place.
+fn rule_limit_label(i: usize, r: &crate::config::LimitRule) -> Arc<String> {
+    Arc::new(
+        r.name
+            .as_deref()
+            .map_or_else(|| i.to_string(), str::to_owned),
+    )
+}
+
 /// The `limit` label of the limit at `index` on `node`'s rule (`u16::MAX`: the request's own).
 fn limit_label(node: &crate::config::Node, index: u16) -> Arc<String> {
-    limit_specs(node)
-        .into_iter()
-        .nth(usize::from(index))
-        .map_or_else(
-            || Arc::new(crate::metrics::REQUEST_LIMIT.to_owned()),
-            |s| s.label,
-        )
+    let i = usize::from(index);
+    match &node.limits {
+        Some(crate::config::NodeLimits::Limits(rules)) if i < rules.len() => {
+            rule_limit_label(i, &rules[i])
+        }
+        _ => Arc::new(crate::metrics::REQUEST_LIMIT.to_owned()),
+    }
 }

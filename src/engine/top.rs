@@ -584,22 +584,20 @@ async fn merge_fleet(
             .command::<()>(redis::cmd("SREM").arg(&keys.replicas).arg(&gone))
             .await?;
     }
-    let merge = |a: &[LimitTop], b: &[LimitTop]| {
-        crate::top::within_bytes(
-            crate::top::merge_limits([a, b].concat(), capacity),
-            capacity,
-            budget,
-        )
+    let merge = |mut a: Vec<LimitTop>, b: &[LimitTop]| {
+        a.extend_from_slice(b);
+        crate::top::within_bytes(crate::top::merge_limits(a, capacity), capacity, budget)
     };
-    // suffix[i]: the views from the i-th on, merged.
+    // suffix[i]: the views from the i-th on, merged (the first's, all of them, is never
+    // wanted: each replica's merge leaves its own view out).
     let mut suffix: Vec<Vec<LimitTop>> = vec![Vec::new(); views.len() + 1];
-    for i in (0..views.len()).rev() {
-        suffix[i] = merge(&suffix[i + 1], &views[i].1);
+    for i in (1..views.len()).rev() {
+        suffix[i] = merge(suffix[i + 1].clone(), &views[i].1);
     }
     let mut prefix: Vec<LimitTop> = Vec::new();
     let mut own = Vec::new();
     for (i, (r, view)) in views.iter().enumerate() {
-        let others = merge(&prefix, &std::mem::take(&mut suffix[i + 1]));
+        let others = merge(std::mem::take(&mut suffix[i + 1]), &prefix);
         if r == replica {
             own = others;
         } else {
@@ -613,7 +611,7 @@ async fn merge_fleet(
                 )
                 .await?;
         }
-        prefix = merge(&prefix, view);
+        prefix = merge(prefix, view);
     }
     Ok(own)
 }
