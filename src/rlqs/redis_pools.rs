@@ -247,8 +247,11 @@ impl RedisPools {
     /// down, its pushes would otherwise be as many script calls again. Redis keeps counting
     /// the larger grant recorded until the member's next report replaces it (the limit holds,
     /// with room to spare meanwhile), and the lower grant is leased no longer than Redis
-    /// counts that one, in whole seconds. `None`: not lower, or too little lease left; the
-    /// push calls Redis.
+    /// counts that one, in whole seconds. A push whose share no longer moved far from what
+    /// the member holds (marked at one pass end, answered after a later report or pass put it
+    /// back) is answered with what it holds, also without a call: under load such pushes
+    /// were a script call each. `None`: a rise past the threshold, or too little lease left;
+    /// the push calls Redis.
     fn lowered(
         &self,
         pid: ParticipantId,
@@ -263,9 +266,12 @@ impl RedisPools {
         if told.counted_until.saturating_duration_since(now) < Duration::from_secs(1) {
             return None;
         }
-        let tokens = share(&terms, demand);
+        let mut tokens = share(&terms, demand);
         if tokens >= told.tokens {
-            return None;
+            if moved_far(told.tokens, tokens) {
+                return None;
+            }
+            tokens = told.tokens;
         }
         told.tokens = tokens;
         Some(Grant {
