@@ -10,6 +10,7 @@ mod engine;
 mod limiter;
 mod logs;
 mod metrics;
+mod overrides;
 mod rlqs;
 pub mod runtime;
 mod server;
@@ -74,6 +75,9 @@ pub enum RunError {
     /// The RLQS thread could not be started.
     #[error("cannot start the RLQS thread: {0}")]
     Thread(std::io::Error),
+    /// The operator's overrides could not be read (`--overrides-file`).
+    #[error("{0}")]
+    Overrides(String),
     /// A bound socket could not listen.
     #[error(transparent)]
     Listen(#[from] ListenError),
@@ -166,13 +170,23 @@ pub async fn run_with_clock(
         metrics.rlqs.clone(),
     )
     .map_err(RunError::Thread)?;
-    let engine = Arc::new(Engine::new(
-        source.config,
-        started.backend.clone(),
-        options.keys,
-        metrics.decisions.clone(),
-        options.engine,
-    ));
+    let overrides = overrides::Overrides::start(
+        options.overrides.clone(),
+        redis.as_ref().map(|r| (r.clone(), options.keys.prefix())),
+        metrics.admin.clone(),
+    )
+    .map_err(RunError::Overrides)?;
+    tasks.push(tokio::spawn(overrides.clone().run()));
+    let engine = Arc::new(
+        Engine::new(
+            source.config,
+            started.backend.clone(),
+            options.keys,
+            metrics.decisions.clone(),
+            options.engine,
+        )
+        .with_overrides(overrides.applied()),
+    );
     engine.spawn_top(redis, &mut tasks);
     engine.spawn_places(&mut tasks);
     // Listening only now: the config is in force and the backend ready.
@@ -181,6 +195,8 @@ pub async fn run_with_clock(
         rlqs,
         health: health_service,
         backend: started.backend,
+        overrides,
+        compile: options.overrides.compile,
     };
     let (grpc, http) = server::serve::serve(
         &options.server,

@@ -48,6 +48,12 @@ async fn serve(startup: Startup, options: Options) -> anyhow::Result<()> {
         }
         None => None,
     };
+    let admin = match startup.admin_addr {
+        Some(addr) => {
+            Some(bind(addr).with_context(|| format!("--admin-addr: cannot bind {addr}"))?)
+        }
+        None => None,
+    };
     for note in &startup.ignored_env {
         tracing::warn!("{note}");
     }
@@ -58,6 +64,7 @@ async fn serve(startup: Startup, options: Options) -> anyhow::Result<()> {
             http,
             extra_http,
             debug_http,
+            admin,
         },
         shutdown_signal(),
     )

@@ -99,6 +99,8 @@ pub struct LimitLabels {
 
 /// The `limit` label of a limit the request sent.
 pub(crate) const REQUEST_LIMIT: &str = "request";
+/// The `limit` label of an operator's override (`PUT /v1/overrides`), whichever of its limits.
+pub(crate) const OPERATOR_LIMIT: &str = "override";
 
 /// One limit of a rule, as the per-limit families label and gauge it.
 pub struct LimitSpec {
@@ -746,6 +748,64 @@ pub struct Metrics {
     pub tls_reloads: Family<LoadLabels, Counter>,
     /// The quota server's.
     pub rlqs: RlqsMetrics,
+    /// The operator's overrides and the admin listener's.
+    pub admin: AdminMetrics,
+}
+
+/// Labels of `ratelimit_override_changes_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ActionLabels {
+    /// set, delete or expire.
+    pub action: &'static str,
+}
+
+/// Labels of `ratelimit_admin_requests_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct AdminLabels {
+    /// ok, unauthenticated, invalid or refused.
+    pub result: &'static str,
+}
+
+/// The overrides in force, their changes by action (never by value), and the admin
+/// listener's calls by result.
+#[derive(Clone, Default)]
+pub struct AdminMetrics {
+    /// `ratelimit_overrides`: overrides in force on this replica.
+    pub overrides: Gauge,
+    /// `ratelimit_override_changes_total{action}`.
+    pub changes: Family<ActionLabels, Counter>,
+    /// `ratelimit_admin_requests_total{result}`.
+    pub requests: Family<AdminLabels, Counter>,
+}
+
+impl AdminMetrics {
+    fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "ratelimit_overrides",
+            "Operator overrides of limits in force on this replica",
+            self.overrides.clone(),
+        );
+        registry.register(
+            "ratelimit_override_changes",
+            "Overrides set, deleted or ended by their TTL (the last counted by the replica that saw it end)",
+            self.changes.clone(),
+        );
+        registry.register(
+            "ratelimit_admin_requests",
+            "Calls on the admin listener by result (unauthenticated: no valid token)",
+            self.requests.clone(),
+        );
+    }
+
+    /// Counts one change of the overrides.
+    pub fn changed(&self, action: &'static str) {
+        self.changes.get_or_create(&ActionLabels { action }).inc();
+    }
+
+    /// Counts one call of the admin listener.
+    pub fn request(&self, result: &'static str) {
+        self.requests.get_or_create(&AdminLabels { result }).inc();
+    }
 }
 
 impl ReferenceMetrics {
@@ -986,7 +1046,10 @@ impl Metrics {
         );
         let rlqs = RlqsMetrics::default();
         rlqs.register(&mut registry);
+        let admin = AdminMetrics::default();
+        admin.register(&mut registry);
         Metrics {
+            admin,
             rlqs,
             tls_reloads,
             memory,

@@ -24,7 +24,7 @@ const FLOORS: &[&[&str]] = &[
     &["cli", "metrics", "shutdown", "trace"],
     &["limiter", "statsd", "telemetry", "top"],
     &["config"],
-    &["engine", "rlqs", "xds"],
+    &["engine", "overrides", "rlqs", "xds"],
     &["server", "source"],
     &["settings"],
     &["root"],

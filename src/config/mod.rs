@@ -8,6 +8,7 @@ mod compile;
 mod error;
 mod load;
 mod matcher;
+pub(crate) mod overrides;
 pub(crate) mod schema;
 pub(crate) mod watch;
 

@@ -53,6 +53,8 @@ pub(crate) struct Applicable<'s> {
     pub(crate) top_values: crate::top::Values,
     /// The descriptor's last entry names a hold (it is not counted as part of who asked).
     pub(crate) named_hold: bool,
+    /// The id of the operator's override whose limit this is, in place of the rule's.
+    pub(crate) operator: Option<&'s Arc<str>>,
 }
 
 /// An applicable limit and the hit its counter is decided in, once hits on the same counter

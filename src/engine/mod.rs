@@ -27,6 +27,7 @@ pub(crate) use self::request::{Descriptor, EngineError, LimitOverride, Request, 
 pub(crate) use self::resolve::OVERRIDE_RULE;
 use self::resolve::{Resolved, resolve};
 use crate::config::Snapshot;
+use crate::config::overrides::OverrideSet;
 use crate::limiter::key::KeyFormat;
 use crate::limiter::{Accounting, Algorithm, Backend, HitKind};
 use crate::metrics::{Accounted, Decision, DecisionMetrics};
@@ -105,6 +106,8 @@ pub struct Engine {
     top: Arc<Top>,
     /// Concurrency rules' places in use.
     places: Arc<places::Places>,
+    /// The operator's overrides in force (`crate::overrides` swaps them).
+    overrides: Arc<ArcSwap<OverrideSet>>,
 }
 
 impl Engine {
@@ -127,7 +130,14 @@ impl Engine {
             override_rule: Arc::new(OVERRIDE_RULE.to_owned()),
             top: Arc::new(Top::new(options.top)),
             places: Arc::default(),
+            overrides: Arc::default(),
         }
+    }
+
+    /// This engine, applying the overrides `overrides` holds.
+    pub(crate) fn with_overrides(mut self, overrides: Arc<ArcSwap<OverrideSet>>) -> Engine {
+        self.overrides = overrides;
+        self
     }
 
     /// Starts the task that keeps the places-in-use gauges current (it sleeps until a
@@ -171,12 +181,14 @@ impl Engine {
         // A request this large is costly from its first step: the worker gate lets every
         // worker take tasks while it is handled.
         let costly = crate::runtime::Costly::of(req.descriptors.len());
+        let overrides = self.overrides.load();
         let Resolved {
             domain,
             applied,
             hits,
         } = resolve(
             &snapshot,
+            &overrides,
             req,
             &self.keys,
             &self.override_rule,
@@ -283,11 +295,16 @@ impl Engine {
                 || limit_specs(node),
             )
         });
-        let counted = handles.is_some_and(|h| h.count(a.limit.index, own, tally.over));
+        let counted = a.limit.operator.is_none()
+            && handles.is_some_and(|h| h.count(a.limit.index, own, tally.over));
         if !counted {
-            // The request's own limit, or a rule whose handles another server's metrics hold
-            // (tests run several).
+            // The request's own limit, an operator's override, or a rule whose handles another
+            // server's metrics hold (tests run several).
             let (rule, limit) = match a.limit.node {
+                Some(node) if a.limit.operator.is_some() => (
+                    &node.path,
+                    Arc::new(crate::metrics::OPERATOR_LIMIT.to_owned()),
+                ),
                 Some(node) => (&node.path, limit_label(node, a.limit.index)),
                 None => (
                     &*a.limit.rule,
@@ -373,8 +390,10 @@ impl Engine {
         };
         request::validate(&req, &self.options.request_limits)?;
         let snapshot = self.config.load();
+        let overrides = self.overrides.load();
         let Resolved { applied, hits, .. } = resolve(
             &snapshot,
+            &overrides,
             &req,
             &self.keys,
             &self.override_rule,

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use super::applied::{Applicable, Applied, ReportedLimit};
 use super::request::{LimitOverride, Request};
+use crate::config::overrides::OverrideSet;
 use crate::config::{LimitRule, NodeLimits, Snapshot};
 use crate::limiter::key::KeyFormat;
 use crate::limiter::{Accounting, Algorithm, Enforcement, Hit, HitKind, Hold, HoldId, Limit};
@@ -84,6 +85,7 @@ type Named<'s> = (usize, Option<&'s Arc<str>>, &'s [Arc<str>]);
 /// not count.
 pub(crate) fn resolve<'s>(
     snapshot: &'s Snapshot,
+    overrides: &'s OverrideSet,
     req: &Request<'_>,
     keys: &KeyFormat,
     override_rule: &'s Arc<String>,
@@ -92,6 +94,11 @@ pub(crate) fn resolve<'s>(
 ) -> Resolved<'s> {
     let Some(domain) = snapshot.domain(req.domain) else {
         return Resolved::default();
+    };
+    // The operator's overrides of this domain: looked up only where there are some.
+    let operators = match overrides.is_empty() {
+        true => None,
+        false => overrides.domain(req.domain),
     };
     let default_hits = req.hits_addend.max(1);
     // `found[i]` comes with `hits[i]` until `merge` pairs them (most descriptors have one
@@ -116,7 +123,18 @@ pub(crate) fn resolve<'s>(
                 limit.unwrap_or(accounting).kind(d.hits_addend)
             }
         };
-        if let Some(o) = d.limit_override {
+        // An operator's override of these entries, where a rule matches them, comes first:
+        // before the request's own limit and the rule's.
+        let (operator, matched) = match operators.and_then(|o| o.get(&d.entries)) {
+            Some(op) => match domain.lookup(&d.entries, keys) {
+                Some(m) => (Some(op), Some(m)),
+                None => (None, None),
+            },
+            None => (None, None),
+        };
+        if operator.is_none()
+            && let Some(o) = d.limit_override
+        {
             // The metric label comes from the config, never from the request's entries: the
             // node the descriptor matches, else a constant.
             let (rule, rule_has_values, node, path) = match domain.lookup(&d.entries, keys) {
@@ -146,6 +164,7 @@ pub(crate) fn resolve<'s>(
                 index: crate::top::OVERRIDE,
                 top_values: crate::top::Values::Show,
                 named_hold: false,
+                operator: None,
             }));
             hits.push(Hit {
                 enforcement: enforce,
@@ -153,12 +172,14 @@ pub(crate) fn resolve<'s>(
             });
             continue;
         }
-        let Some(matched) = domain.lookup(&d.entries, keys) else {
+        let Some(matched) = matched.or_else(|| domain.lookup(&d.entries, keys)) else {
             soft_passes |= quota_mode;
             continue;
         };
-        let Some(NodeLimits::Limits(rules)) = &matched.node.limits else {
-            continue; // unlimited
+        let rules: &[LimitRule] = match (operator, &matched.node.limits) {
+            (Some(op), _) => &op.limits,
+            (None, Some(NodeLimits::Limits(rules))) => rules,
+            (None, _) => continue, // unlimited
         };
         let enforcement = if matched.node.shadow_mode {
             soft_passes |= quota_mode || matched.node.soft;
@@ -196,6 +217,7 @@ pub(crate) fn resolve<'s>(
                 index: r as u16,
                 top_values: rule.top_values,
                 named_hold: matched.hold.id().is_some(),
+                operator: operator.map(|op| &op.id),
             }));
             // A concurrency limit's hits are places: taken by an admission, released by a
             // refund, never reported.
@@ -346,6 +368,9 @@ mod tests {
     use std::path::Path;
 
     use super::*;
+
+    static NO_OVERRIDES: std::sync::LazyLock<OverrideSet> =
+        std::sync::LazyLock::new(OverrideSet::default);
     use crate::config::compile_file;
     use crate::engine::request::Descriptor;
 
@@ -386,7 +411,15 @@ descriptors:
         let keys = KeyFormat::new("p:", crate::limiter::key::HashTag::Domain).unwrap();
         let rule = Arc::new(OVERRIDE_RULE.to_owned());
         let req = request(&[&[("a", "1")], &[("b", "x")], &[("a", "1")], &[("c", "y")]]);
-        let r = resolve(&s, &req, &keys, &rule, Accounting::Auto, false);
+        let r = resolve(
+            &s,
+            &NO_OVERRIDES,
+            &req,
+            &keys,
+            &rule,
+            Accounting::Auto,
+            false,
+        );
         // Two limits for each `a` descriptor, both descriptors sharing the two counters.
         assert_eq!(r.applied.len(), 4);
         assert_eq!(r.hits.len(), 2);
@@ -401,15 +434,31 @@ descriptors:
         assert_eq!(r.hits[0].key.as_bytes(), b"p:{d}:a:1:f1000000:0");
         assert_eq!(r.hits[1].key.as_bytes(), b"p:{d}:a:1:s60000000:0");
         // The same inputs give the same hits: nothing but the arguments decides them.
-        let again = resolve(&s, &req, &keys, &rule, Accounting::Auto, false);
+        let again = resolve(
+            &s,
+            &NO_OVERRIDES,
+            &req,
+            &keys,
+            &rule,
+            Accounting::Auto,
+            false,
+        );
         assert_eq!(again.hits.len(), 2);
         assert_eq!(again.hits[1].key, r.hits[1].key);
         // An unknown domain resolves to nothing.
         let other = Request { domain: "x", ..req };
         assert!(
-            resolve(&s, &other, &keys, &rule, Accounting::Auto, false)
-                .hits
-                .is_empty()
+            resolve(
+                &s,
+                &NO_OVERRIDES,
+                &other,
+                &keys,
+                &rule,
+                Accounting::Auto,
+                false
+            )
+            .hits
+            .is_empty()
         );
     }
 
@@ -463,7 +512,15 @@ descriptors:
                     }],
                     hits_addend: 0,
                 };
-                let r = resolve(&s, &req, &keys, &rule, Accounting::Auto, false);
+                let r = resolve(
+                    &s,
+                    &NO_OVERRIDES,
+                    &req,
+                    &keys,
+                    &rule,
+                    Accounting::Auto,
+                    false,
+                );
                 let want = keys
                     .descriptor_key("d o%", [(entry.0, counted)])
                     .with_limit(&limit, 0);
@@ -505,7 +562,15 @@ descriptors:
             ],
             hits_addend: 0,
         };
-        let r = resolve(&s, &req, &keys, &rule, Accounting::Auto, false);
+        let r = resolve(
+            &s,
+            &NO_OVERRIDES,
+            &req,
+            &keys,
+            &rule,
+            Accounting::Auto,
+            false,
+        );
         let got: Vec<(HitKind, u64)> = r.hits.iter().map(|h| (h.kind, h.hits)).collect();
         assert_eq!(
             got,
@@ -516,9 +581,25 @@ descriptors:
             ]
         );
         // The server's accounting applies where the limit sets none.
-        let r = resolve(&s, &req, &keys, &rule, Accounting::Admission, false);
+        let r = resolve(
+            &s,
+            &NO_OVERRIDES,
+            &req,
+            &keys,
+            &rule,
+            Accounting::Admission,
+            false,
+        );
         assert_eq!(r.hits[0].kind, HitKind::Admission);
-        let r = resolve(&s, &req, &keys, &rule, Accounting::Report, false);
+        let r = resolve(
+            &s,
+            &NO_OVERRIDES,
+            &req,
+            &keys,
+            &rule,
+            Accounting::Report,
+            false,
+        );
         assert_eq!(r.hits[2].kind, HitKind::Admission, "the limit's own wins");
     }
 
@@ -541,6 +622,7 @@ descriptors:
             index: 0,
             top_values: crate::top::Values::Show,
             named_hold: false,
+            operator: None,
         }
     }
 

@@ -1,7 +1,10 @@
 //! Protocol front ends: gRPC (Envoy's RateLimitService, RLQS, health and the admin API) and
-//! HTTP (operations), and the servers that carry them (`serve.rs`).
+//! HTTP (operations), the admin listener (the admin API and the operator's overrides, behind
+//! tokens), and the servers that carry them (`serve.rs`).
 
 pub(crate) mod admin;
+pub(crate) mod admin_listener;
+pub(crate) mod auth;
 pub(crate) mod conn;
 pub(crate) mod debug;
 pub(crate) mod grpc;

@@ -40,8 +40,11 @@ pub(crate) struct ServerOptions {
     pub(crate) grpc_tls: Option<GrpcTls>,
     /// Rate-limit headers added to responses.
     pub(crate) response_headers: HeaderMode,
-    /// Serve the admin API.
+    /// Serve the admin API on the gRPC port (`--admin`, until it is gone; not with
+    /// `admin_listener`).
     pub(crate) admin: bool,
+    /// The admin listener (`--admin-addr`): the tokens it takes.
+    pub(crate) admin_listener: Option<AdminListenerOptions>,
     /// Bounds of each gRPC connection.
     pub(crate) grpc_connections: ConnLimits,
     /// Bounds of the HTTP ports' connections.
@@ -50,6 +53,13 @@ pub(crate) struct ServerOptions {
     pub(crate) request_timeout: Duration,
     /// How long in-flight calls may finish after shutdown begins.
     pub(crate) shutdown_grace: Duration,
+}
+
+/// How the admin listener knows who calls.
+#[derive(Clone, Debug)]
+pub(crate) struct AdminListenerOptions {
+    /// `--admin-token-file`.
+    pub(crate) token_file: std::path::PathBuf,
 }
 
 /// The sockets the service serves on, bound by the caller (so that a port taken fails at
@@ -65,6 +75,8 @@ pub struct Listeners {
     pub extra_http: Vec<TcpSocket>,
     /// The debug port (`--debug-addr`): the HTTP endpoints, `/stats` and the CPU profile.
     pub debug_http: Option<TcpSocket>,
+    /// The admin listener (`--admin-addr`).
+    pub admin: Option<TcpSocket>,
 }
 
 /// Where gRPC is served: a TCP socket, or a Unix socket (`--grpc-uds`).
@@ -201,6 +213,7 @@ pub(crate) struct Listening {
     http: TcpListener,
     extra_http: Vec<TcpListener>,
     debug_http: Option<TcpListener>,
+    admin: Option<TcpListener>,
 }
 
 impl Listeners {
@@ -221,6 +234,7 @@ impl Listeners {
                 .map(listen)
                 .collect::<Result<_, _>>()?,
             debug_http: self.debug_http.map(listen).transpose()?,
+            admin: self.admin.map(listen).transpose()?,
         })
     }
 }
@@ -235,6 +249,10 @@ pub(crate) struct Services<H> {
     pub(crate) health: tonic_health::pb::health_server::HealthServer<H>,
     /// The backend, for `/healthcheck`.
     pub(crate) backend: Arc<dyn crate::limiter::Backend>,
+    /// The operator's overrides (the admin listener changes them).
+    pub(crate) overrides: Arc<crate::overrides::Overrides>,
+    /// How overrides' limits compile.
+    pub(crate) compile: crate::config::CompileOptions,
 }
 
 /// Serves `services` on `listening` until `stop`; returns the two servers' futures.
@@ -262,6 +280,9 @@ pub(crate) fn serve<H: tonic_health::pb::health_server::Health>(
         backend: services.backend.clone(),
         headers: options.response_headers,
     });
+    if let Some(listener) = listening.admin {
+        serve_admin(options, listener, &services, &metrics, stop, tasks);
+    }
     let grpc = serve_grpc(options, listening.grpc, services, &metrics, stop, tasks);
     let http = serve_http(
         listening.http,
@@ -287,14 +308,14 @@ fn serve_grpc<H: tonic_health::pb::health_server::Health>(
         engine,
         rlqs,
         health,
-        backend: _,
+        ..
     }: Services<H>,
     metrics: &Arc<Metrics>,
     stop: &Stop,
     tasks: &mut Tasks,
 ) -> Serving<tonic::transport::Error> {
-    let admin = options.admin.then(|| {
-        tracing::info!("admin API on the gRPC port");
+    let admin = (options.admin && options.admin_listener.is_none()).then(|| {
+        tracing::warn!("admin API on the gRPC port (--admin), which every Envoy reaches, without asking who calls: use --admin-addr with --admin-token-file; --admin goes in a later release");
         AdminServer::new(Admin::new(engine.clone()))
     });
     let conns = options.grpc_connections;
@@ -372,6 +393,49 @@ fn serve_grpc<H: tonic_health::pb::health_server::Health>(
             serve_lanes(lanes, guarded(incoming, false), stop)
         }
     }
+}
+
+/// The admin listener on `listener`: the Admin gRPC service and the overrides' JSON API,
+/// behind the tokens of `--admin-token-file`, under the HTTP ports' connection bounds.
+fn serve_admin<H>(
+    options: &ServerOptions,
+    listener: TcpListener,
+    services: &Services<H>,
+    metrics: &Arc<Metrics>,
+    stop: &Stop,
+    tasks: &mut Tasks,
+) {
+    let Some(admin) = &options.admin_listener else {
+        return;
+    };
+    let tokens = match super::auth::Tokens::load(&admin.token_file) {
+        Ok(t) => t,
+        Err(e) => {
+            tracing::error!(error = %e, "admin listener not started: no tokens");
+            return;
+        }
+    };
+    tasks.push(tokio::spawn(tokens.clone().keep()));
+    let grpc = tonic::service::Routes::new(
+        AdminServer::new(Admin::new(services.engine.clone()))
+            .max_decoding_message_size(MAX_MESSAGE_BYTES),
+    )
+    .into_axum_router();
+    let state = Arc::new(super::admin_listener::AdminState {
+        tokens,
+        overrides: services.overrides.clone(),
+        compile: services.compile,
+        metrics: metrics.admin.clone(),
+    });
+    let routes = super::admin_listener::router(state, grpc, options.request_timeout);
+    tracing::info!(admin = ?listener.local_addr().ok(), "admin listener: the admin API and overrides, with tokens");
+    let tracker = Tracker::new(options.http_connections);
+    let serve = super::admin_listener::serve(listener, routes, tracker, stop.stopped());
+    tasks.push(tokio::spawn(async move {
+        if let Err(e) = serve.await {
+            tracing::error!(error = %e, "admin listener failed");
+        }
+    }));
 }
 
 /// The connections `accepted` yields, their frames read through [`H2Guard`] (`unix`: they

@@ -22,7 +22,7 @@ use crate::rlqs::BucketOptions;
 use crate::server::conn::{ConnLimits, ConnectionAge};
 use crate::server::headers::{HeaderMode, ReferenceNames};
 use crate::server::rlqs::RlqsOptions;
-use crate::server::serve::{MAX_HTTP_CONNECTIONS, ServerOptions};
+use crate::server::serve::{AdminListenerOptions, MAX_HTTP_CONNECTIONS, ServerOptions};
 use crate::server::tls::GrpcTls;
 use crate::source::{ConfigSource, SourceOptions};
 use crate::statsd::{Format, StatsdOptions, Transport};
@@ -35,6 +35,19 @@ impl Flags {
     pub(super) fn check(&self) -> Result<Options, SettingsError> {
         if self.rlqs_assignment_ttl <= self.rlqs_report_interval {
             return Err(SettingsError::RlqsTtl);
+        }
+        let admin_listener = match (&self.admin_addr, &self.admin_token_file) {
+            (None, _) => None,
+            (Some(_), None) => return Err(SettingsError::AdminWithoutTokens),
+            (Some(_), Some(file)) => {
+                crate::server::auth::check_file(file).map_err(SettingsError::AdminTokens)?;
+                Some(AdminListenerOptions {
+                    token_file: file.clone(),
+                })
+            }
+        };
+        if self.overrides_file.is_some() && !matches!(self.backend, BackendArg::Memory) {
+            return Err(SettingsError::OverridesFileWithRedis);
         }
         let (kind, keys): (_, KeyFormat) = match self.backend {
             BackendArg::Memory => (BackendKind::Memory, KeyFormat::default()),
@@ -85,6 +98,14 @@ impl Flags {
                 },
             },
         };
+        let compile = CompileOptions {
+            default_algorithm: self.default_algorithm(),
+            merge_domains: self.merge_domain_config,
+            calendar: self
+                .calendar_timezone
+                .as_deref()
+                .and_then(crate::limiter::calendar::zone),
+        };
         let grpc_connections = ConnLimits {
             max_connections: self.max_connections,
             idle_timeout: self.connection_idle_timeout,
@@ -97,14 +118,7 @@ impl Flags {
         Ok(Options {
             source: SourceOptions {
                 from: self.config_source()?,
-                compile: CompileOptions {
-                    default_algorithm: self.default_algorithm(),
-                    merge_domains: self.merge_domain_config,
-                    calendar: self
-                        .calendar_timezone
-                        .as_deref()
-                        .and_then(crate::limiter::calendar::zone),
-                },
+                compile,
                 start_without_config: self.start_without_config,
                 unhealthy_until_config: self.unhealthy_until_config,
             },
@@ -131,6 +145,7 @@ impl Flags {
                 grpc_tls,
                 response_headers: self.header_mode(),
                 admin: self.admin,
+                admin_listener,
                 grpc_connections,
                 // The HTTP ports share one cap of their own, with the gRPC port's silence bound;
                 // HTTP/1 has no GOAWAY, and those connections are not Envoy's to rebalance.
@@ -141,6 +156,11 @@ impl Flags {
                 },
                 request_timeout: self.request_timeout,
                 shutdown_grace: self.shutdown_grace,
+            },
+            overrides: crate::overrides::OverrideOptions {
+                file: self.overrides_file.clone(),
+                max: self.max_overrides,
+                compile,
             },
             reference_metrics: self.reference_metrics,
             statsd: self.statsd_addr.clone().map(|addr| StatsdOptions {
@@ -178,6 +198,7 @@ impl Flags {
                 .filter_map(|(flag, addr)| Some((flag, addr?)))
                 .collect(),
             debug_addr: self.debug_addr,
+            admin_addr: self.admin_addr,
             ignored_env: self.ignored_env,
             check: self.check,
             worker_gate: self.worker_gate,
@@ -455,6 +476,8 @@ pub struct Options {
     pub(crate) rlqs: RlqsOptions,
     /// How the servers serve.
     pub(crate) server: ServerOptions,
+    /// Where the operator's overrides are kept, and their bound.
+    pub(crate) overrides: crate::overrides::OverrideOptions,
     /// Export envoyproxy/ratelimit's metric families too.
     pub(crate) reference_metrics: bool,
     /// The statsd sink, if on.
@@ -517,6 +540,17 @@ impl StoreFlags<'_> {
 /// Flags that are individually valid but do not fit together, or name missing files.
 #[derive(Debug, thiserror::Error)]
 pub enum SettingsError {
+    /// The admin listener with no way to know who calls.
+    #[error(
+        "--admin-addr needs --admin-token-file: the admin listener changes limits, and does not start without knowing who calls"
+    )]
+    AdminWithoutTokens,
+    /// A token file that cannot be used.
+    #[error("--admin-token-file {0}")]
+    AdminTokens(String),
+    /// `--overrides-file` with Redis, where overrides live in Redis.
+    #[error("--overrides-file is for the memory backend; with Redis, overrides live in Redis")]
+    OverridesFileWithRedis,
     /// A user without a password (of the store whose flags start so).
     #[error("{0}-username needs {0}-password")]
     UsernameWithoutPassword(&'static str),

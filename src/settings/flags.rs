@@ -482,10 +482,30 @@ pub(crate) struct Flags {
     #[arg(long, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
     pub(crate) merge_domain_config: bool,
 
-    /// Serve the admin API (inspect and reset counters) on the gRPC port. Off by default:
-    /// anyone who can reach the port could reset limits.
+    /// Serve the admin API (inspect and reset counters) on the gRPC port, without asking who
+    /// calls. Deprecated: use --admin-addr, which asks for a token. Ignored with --admin-addr.
     #[arg(long, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
     pub(crate) admin: bool,
+
+    /// The admin listener: the admin API and the operator's overrides (/v1/overrides), on a
+    /// port of its own, every call with a token of --admin-token-file. Off unless set; once
+    /// set, the gRPC port no longer serves the admin API.
+    #[arg(long)]
+    pub(crate) admin_addr: Option<SocketAddr>,
+
+    /// The admin listener's bearer tokens: one name:token per line (a token 16 bytes or
+    /// more), read again within a second of a change.
+    #[arg(long)]
+    pub(crate) admin_token_file: Option<std::path::PathBuf>,
+
+    /// On the memory backend, where the operator's overrides are kept across restarts
+    /// (written atomically). With Redis they live in Redis.
+    #[arg(long)]
+    pub(crate) overrides_file: Option<std::path::PathBuf>,
+
+    /// Most operator overrides in force at once; a PUT past it is refused.
+    #[arg(long, default_value_t = crate::config::overrides::DEFAULT_MAX_OVERRIDES)]
+    pub(crate) max_overrides: usize,
 
     /// Rate-limit headers for Envoy to add to the client's response.
     #[arg(long, value_enum, default_value = "off")]

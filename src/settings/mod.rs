@@ -31,6 +31,8 @@ pub struct Startup {
     pub extra_http: Vec<(&'static str, SocketAddr)>,
     /// The debug port (`--debug-addr`): the HTTP endpoints and the debug pages.
     pub debug_addr: Option<SocketAddr>,
+    /// The admin listener (`--admin-addr`).
+    pub admin_addr: Option<SocketAddr>,
     /// envoyproxy/ratelimit variables that were set but change nothing here (logged at start).
     pub ignored_env: Vec<String>,
     /// `--check`: load the config files, print their rules and exit.

@@ -140,6 +140,9 @@ macro_rules! every_backend {
 pub(crate) struct TestServer {
     pub grpc: SocketAddr,
     pub http: SocketAddr,
+    /// The admin listener, when the flags name one (`--admin-addr`; the server listens on a
+    /// free loopback port instead of the one named).
+    pub admin: Option<SocketAddr>,
     pub dir: tempfile::TempDir,
     /// The flags it was started with.
     pub flags: Vec<String>,
@@ -219,6 +222,11 @@ impl TestServer {
         let http_listener = ratelimitd::bind(loopback).unwrap();
         let grpc = grpc_listener.local_addr().unwrap();
         let http = http_listener.local_addr().unwrap();
+        let admin_listener = args
+            .iter()
+            .any(|a| a.starts_with("--admin-addr"))
+            .then(|| ratelimitd::bind(loopback).unwrap());
+        let admin = admin_listener.as_ref().map(|l| l.local_addr().unwrap());
         let (stop, stopped) = oneshot::channel::<()>();
         let task = tokio::spawn(run_with_clock(
             options,
@@ -227,6 +235,7 @@ impl TestServer {
                 http: http_listener,
                 extra_http: Vec::new(),
                 debug_http: None,
+                admin: admin_listener,
             },
             async {
                 let _ = stopped.await;
@@ -248,6 +257,7 @@ impl TestServer {
         TestServer {
             grpc,
             http,
+            admin,
             dir,
             flags: args,
             stop: Some(stop),
@@ -328,6 +338,46 @@ pub(crate) async fn try_http_get(addr: SocketAddr, path: &str) -> std::io::Resul
         body.to_string()
     };
     Ok((status, body))
+}
+
+/// A minimal HTTP/1.1 call with `headers` and `body`: status and body.
+pub(crate) async fn http_call(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> (u16, String) {
+    let mut stream = TcpStream::connect(addr).await.unwrap();
+    let mut req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\nContent-Length: {}\r\n",
+        body.len()
+    );
+    for (k, v) in headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    req.push_str("\r\n");
+    stream.write_all(req.as_bytes()).await.unwrap();
+    // A server may answer (and close) before it has read a body it refuses.
+    let _ = stream.write_all(body).await;
+    let mut raw = Vec::new();
+    let _ = stream.read_to_end(&mut raw).await;
+    let text = String::from_utf8_lossy(&raw).to_string();
+    let status: u16 = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("{method} {path}: no status in {text:?}"));
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let body = if head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        dechunk(body)
+    } else {
+        body.to_string()
+    };
+    (status, body)
 }
 
 fn dechunk(mut body: &str) -> String {

@@ -1,0 +1,493 @@
+//! Limits changed at runtime: the admin listener (`--admin-addr`), which asks every caller for
+//! a token of `--admin-token-file`, and the operator's overrides it sets, applied by every
+//! replica on Redis within two seconds and kept across restarts.
+
+mod common;
+
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use common::*;
+use ratelimitd::admin::admin_client::AdminClient;
+use ratelimitd::admin::{CounterRequest, Entry};
+
+const LIMITS: &str = "domain: d
+descriptors:
+  - key: tenant
+    rate_limit: {unit: hour, requests_per_unit: 100}
+";
+
+const ALICE: &str = "0123456789abcdef-alice";
+const BOB: &str = "fedcba9876543210-bob";
+
+/// A token file naming alice and bob, in a directory of its own.
+fn tokens() -> (tempfile::TempDir, std::path::PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tokens");
+    std::fs::write(&path, format!("alice:{ALICE}\nbob:{BOB}\n")).unwrap();
+    (dir, path)
+}
+
+/// A server on `kind` with the admin listener, the tokens of `file`, and `extra` flags.
+async fn admin_server(kind: Kind, file: &std::path::Path, extra: &[&str]) -> TestServer {
+    let file = file.display().to_string();
+    let mut flags = vec!["--admin-addr", "127.0.0.1:0", "--admin-token-file", &file];
+    flags.extend_from_slice(extra);
+    start(kind, &[("d.yaml", LIMITS)], &flags).await
+}
+
+fn bearer(token: &str) -> String {
+    format!("Bearer {token}")
+}
+
+/// `PUT /v1/overrides` of `body` as alice: status and body.
+async fn put(s: &TestServer, body: &str) -> (u16, serde_json::Value) {
+    let auth = bearer(ALICE);
+    let (status, text) = http_call(
+        s.admin.unwrap(),
+        "PUT",
+        "/v1/overrides",
+        &[
+            ("Authorization", &auth),
+            ("Content-Type", "application/json"),
+        ],
+        body.as_bytes(),
+    )
+    .await;
+    (status, serde_json::from_str(&text).unwrap_or_default())
+}
+
+/// An override of tenant=`tenant` to `per_hour` an hour (with `more` JSON fields); its id.
+async fn set(s: &TestServer, tenant: &str, per_hour: u64, more: &str) -> String {
+    let body = format!(
+        r#"{{"domain": "d", "entries": [{{"key": "tenant", "value": "{tenant}"}}],
+            "limits": [{{"requests_per_unit": {per_hour}, "unit": "hour"}}]{more}}}"#
+    );
+    let (status, answer) = put(s, &body).await;
+    assert_eq!(status, 200, "{answer}");
+    answer["id"].as_str().unwrap().to_owned()
+}
+
+async fn list(s: &TestServer) -> Vec<serde_json::Value> {
+    let auth = bearer(ALICE);
+    let (status, text) = http_call(
+        s.admin.unwrap(),
+        "GET",
+        "/v1/overrides?domain=d",
+        &[("Authorization", &auth)],
+        b"",
+    )
+    .await;
+    assert_eq!(status, 200, "{text}");
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    v["overrides"].as_array().unwrap().clone()
+}
+
+async fn delete(s: &TestServer, id: &str) -> u16 {
+    let auth = bearer(BOB);
+    let path = format!("/v1/overrides/{id}");
+    http_call(
+        s.admin.unwrap(),
+        "DELETE",
+        &path,
+        &[("Authorization", &auth)],
+        b"",
+    )
+    .await
+    .0
+}
+
+/// Whether one request of tenant=`tenant` passes.
+async fn passes(c: &mut Client, tenant: &str) -> bool {
+    is_ok(&call(c, request("d", &[&[("tenant", tenant)]])).await)
+}
+
+/// How many of `n` requests of tenant=`tenant` pass.
+async fn passing(c: &mut Client, tenant: &str, n: usize) -> usize {
+    let mut passed = 0;
+    for _ in 0..n {
+        passed += usize::from(passes(c, tenant).await);
+    }
+    passed
+}
+
+/// No token, a wrong one, a malformed header and a token removed from the file are refused
+/// (401; gRPC UNAUTHENTICATED) before anything changes; the Envoy-facing port no longer
+/// serves the admin API.
+#[tokio::test]
+async fn the_admin_listener_asks_who_calls() {
+    let (_dir, file) = tokens();
+    let s = admin_server(Kind::Memory, &file, &[]).await;
+    let admin = s.admin.unwrap();
+    let body = r#"{"domain": "d", "entries": [{"key": "tenant", "value": "acme"}],
+        "limits": [{"requests_per_unit": 0, "unit": "hour"}]}"#;
+    let wrong = bearer("0123456789abcdef-alicf");
+    for headers in [
+        vec![],
+        vec![("Authorization", wrong.as_str())],
+        vec![("Authorization", "Basic YWxpY2U6c2VjcmV0")],
+        vec![("Authorization", ALICE)],
+    ] {
+        let (status, text) =
+            http_call(admin, "PUT", "/v1/overrides", &headers, body.as_bytes()).await;
+        assert_eq!(status, 401, "{headers:?}: {text}");
+        assert!(text.contains("token"), "{text}");
+        let (status, _) = http_call(admin, "GET", "/v1/overrides", &headers, b"").await;
+        assert_eq!(status, 401, "{headers:?}");
+    }
+    let mut c = s.client().await;
+    assert!(passes(&mut c, "acme").await, "nothing was set");
+    assert!(list(&s).await.is_empty());
+
+    // gRPC on the admin listener: the same tokens, as metadata.
+    let mut grpc = AdminClient::connect(format!("http://{admin}"))
+        .await
+        .unwrap();
+    let ask = || {
+        tonic::Request::new(CounterRequest {
+            domain: "d".into(),
+            entries: vec![Entry {
+                key: "tenant".into(),
+                value: "acme".into(),
+                escaped: false,
+            }],
+        })
+    };
+    let refused = grpc.get_counters(ask()).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::Unauthenticated, "{refused:?}");
+    let mut with_token = ask();
+    with_token
+        .metadata_mut()
+        .insert("authorization", bearer(BOB).parse().unwrap());
+    let counters = grpc.get_counters(with_token).await.unwrap().into_inner();
+    assert_eq!(counters.counters[0].requests_per_unit, 100);
+
+    // The Envoy-facing port: no admin API once the admin listener is set.
+    let mut envoy_port = AdminClient::connect(format!("http://{}", s.grpc))
+        .await
+        .unwrap();
+    let mut with_token = ask();
+    with_token
+        .metadata_mut()
+        .insert("authorization", bearer(BOB).parse().unwrap());
+    let gone = envoy_port.get_counters(with_token).await.unwrap_err();
+    assert_eq!(gone.code(), tonic::Code::Unimplemented, "{gone:?}");
+
+    // Bob's token removed from the file: refused within a few seconds, alice's still taken.
+    std::fs::write(&file, format!("alice:{ALICE}\n")).unwrap();
+    let auth = bearer(BOB);
+    poll(Duration::from_secs(10), || async {
+        let (status, _) = http_call(
+            admin,
+            "GET",
+            "/v1/overrides",
+            &[("Authorization", &auth)],
+            b"",
+        )
+        .await;
+        (status == 401).then_some(())
+    })
+    .await;
+    assert!(list(&s).await.is_empty());
+}
+
+/// Raise, lower, block and delete one tenant's limit; the others keep the config's; the
+/// count already used carries over when the algorithm and window stay.
+async fn an_override_changes_one_descriptors_limit(kind: Kind) {
+    let (_dir, file) = tokens();
+    let s = admin_server(kind, &file, &[]).await;
+    let mut c = s.client().await;
+    set(&s, "acme", 3, "").await;
+    assert_eq!(
+        passing(&mut c, "acme", 4).await,
+        3,
+        "3 an hour: the fourth refused"
+    );
+    assert_eq!(
+        passing(&mut c, "other", 10).await,
+        10,
+        "another tenant keeps 100"
+    );
+    let listed = list(&s).await;
+    assert_eq!(listed.len(), 1);
+    assert_eq!(listed[0]["created_by"], "alice");
+    assert_eq!(listed[0]["entries"][0]["value"], "acme");
+    // Raised to 5 after 3 (and a refusal) were used: 2 more pass.
+    let raised = set(&s, "acme", 5, r#", "reason": "plan upgrade""#).await;
+    assert_eq!(
+        passing(&mut c, "acme", 3).await,
+        2,
+        "5 an hour after 3 used"
+    );
+    let listed = list(&s).await;
+    assert_eq!(listed.len(), 1, "one override per descriptor: {listed:?}");
+    assert_eq!(listed[0]["id"], raised.as_str());
+    assert_eq!(listed[0]["reason"], "plan upgrade");
+    // What is in force is what the admin API shows for the descriptor.
+    let auth = bearer(ALICE);
+    let mut grpc = AdminClient::connect(format!("http://{}", s.admin.unwrap()))
+        .await
+        .unwrap();
+    let mut ask = tonic::Request::new(CounterRequest {
+        domain: "d".into(),
+        entries: vec![Entry {
+            key: "tenant".into(),
+            value: "acme".into(),
+            escaped: false,
+        }],
+    });
+    ask.metadata_mut()
+        .insert("authorization", auth.parse().unwrap());
+    let counters = grpc.get_counters(ask).await.unwrap().into_inner().counters;
+    assert_eq!((counters[0].requests_per_unit, counters[0].used), (5, 5));
+    // Blocked: refused at once, with 0 as the limit Envoy is told.
+    set(&s, "fresh", 0, "").await;
+    let r = call(&mut c, request("d", &[&[("tenant", "fresh")]])).await;
+    assert!(is_over(&r));
+    assert_eq!(rpu_of(&r, 0), Some(0));
+    // Deleted: the config's 100 again, at once.
+    assert_eq!(delete(&s, &raised).await, 200);
+    assert_eq!(delete(&s, &raised).await, 404, "deleted once");
+    assert!(passes(&mut c, "acme").await);
+    let r = call(&mut c, request("d", &[&[("tenant", "acme")]])).await;
+    assert_eq!(rpu_of(&r, 0), Some(100));
+}
+
+every_backend!(an_override_changes_one_descriptors_limit);
+
+/// An override's TTL: in force until it ends, the config's limit again within a second after.
+#[tokio::test]
+async fn an_override_ends_at_its_ttl() {
+    let (_dir, file) = tokens();
+    let s = admin_server(Kind::Memory, &file, &[]).await;
+    let mut c = s.client().await;
+    let body = r#"{"domain": "d", "entries": [{"key": "tenant", "value": "acme"}],
+        "limits": [{"requests_per_unit": 0, "unit": "hour"}], "ttl": "3s"}"#;
+    let set_at = Instant::now();
+    let (status, answer) = put(&s, body).await;
+    assert_eq!(status, 200, "{answer}");
+    assert!(
+        answer["expires_at"]
+            .as_str()
+            .is_some_and(|t| t.ends_with('Z')),
+        "{answer}"
+    );
+    assert!(!passes(&mut c, "acme").await, "blocked while in force");
+    poll(Duration::from_secs(10), || {
+        let mut c = c.clone();
+        async move { passes(&mut c, "acme").await.then_some(()) }
+    })
+    .await;
+    let took = set_at.elapsed();
+    println!("a 3 s override: the config's limit again after {took:?}");
+    assert!(
+        took >= Duration::from_millis(2_900) && took <= Duration::from_secs(4),
+        "the config's limit again after {took:?} (TTL 3 s)"
+    );
+    assert!(
+        list(&s).await.is_empty(),
+        "an ended override is listed nowhere"
+    );
+}
+
+/// Malformed overrides are refused with the field named, and change nothing.
+#[tokio::test]
+async fn malformed_overrides_are_refused_and_change_nothing() {
+    let (_dir, file) = tokens();
+    let s = admin_server(Kind::Memory, &file, &[]).await;
+    let entries = r#""entries": [{"key": "tenant", "value": "acme"}]"#;
+    let huge = format!(
+        r#"{{"domain": "d", {entries}, "limits": [{{"requests_per_unit": 1, "unit": "hour"}}], "reason": "{}"}}"#,
+        "x".repeat(1 << 20)
+    );
+    let cases = [
+        (
+            format!(
+                r#"{{"domain": "d", {entries}, "limits": [{{"requests_per_unit": 1, "unit": "fortnight"}}]}}"#
+            ),
+            "limits[0].unit",
+        ),
+        (
+            format!(r#"{{{entries}, "limits": [{{"requests_per_unit": 1, "unit": "hour"}}]}}"#),
+            "domain",
+        ),
+        (
+            format!(
+                r#"{{"domain": "d", {entries}, "limits": [{{"requests_per_unit": -1, "unit": "hour"}}]}}"#
+            ),
+            "limits[0].requests_per_unit",
+        ),
+        (huge, "body"),
+        ("{".to_owned(), "body"),
+    ];
+    for (body, field) in cases {
+        let (status, answer) = put(&s, &body).await;
+        assert_eq!(status, 400, "{field}: {answer}");
+        assert_eq!(answer["field"], field, "{answer}");
+    }
+    assert!(list(&s).await.is_empty());
+    let mut c = s.client().await;
+    assert_eq!(passing(&mut c, "acme", 5).await, 5);
+}
+
+/// Past `--max-overrides` a new override is refused with a message; replacing one is not.
+#[tokio::test]
+async fn overrides_are_bounded() {
+    let (_dir, file) = tokens();
+    let s = admin_server(Kind::Memory, &file, &["--max-overrides", "2"]).await;
+    set(&s, "a", 1, "").await;
+    set(&s, "b", 1, "").await;
+    let body = r#"{"domain": "d", "entries": [{"key": "tenant", "value": "c"}],
+        "limits": [{"requests_per_unit": 1, "unit": "hour"}]}"#;
+    let (status, answer) = put(&s, body).await;
+    assert_eq!(status, 409, "{answer}");
+    assert!(
+        answer["error"]
+            .as_str()
+            .unwrap()
+            .contains("--max-overrides")
+    );
+    set(&s, "a", 2, "").await;
+    assert_eq!(list(&s).await.len(), 2);
+}
+
+/// The operator's override comes before a limit the request sends, and the config's.
+#[tokio::test]
+async fn an_override_comes_before_the_requests_own_limit() {
+    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::RateLimitOverride;
+    let (_dir, file) = tokens();
+    let s = admin_server(Kind::Memory, &file, &[]).await;
+    let mut c = s.client().await;
+    set(&s, "acme", 2, "").await;
+    let mut req = request("d", &[&[("tenant", "acme")]]);
+    req.descriptors[0].limit = Some(RateLimitOverride {
+        requests_per_unit: 50,
+        unit: 3, // HOUR
+    });
+    let mut passed = 0;
+    for _ in 0..4 {
+        passed += usize::from(is_ok(&call(&mut c, req.clone()).await));
+    }
+    assert_eq!(passed, 2, "the operator's 2, not the request's 50");
+}
+
+/// Two replicas on one Redis: an override set on one is applied by the other within 2 s, and
+/// by a replica started after it.
+#[tokio::test]
+async fn replicas_on_redis_apply_an_override_within_two_seconds() {
+    let (_dir, file) = tokens();
+    let url = common::redis::shared_standalone().url();
+    let prefix = common::redis::unique_prefix();
+    let token_file = file.display().to_string();
+    let flags = [
+        "--backend",
+        "redis",
+        "--redis-url",
+        &url,
+        "--redis-key-prefix",
+        &prefix,
+        "--admin-addr",
+        "127.0.0.1:0",
+        "--admin-token-file",
+        &token_file,
+    ];
+    let a = TestServer::start_with(
+        &[("d.yaml", LIMITS)],
+        &flags,
+        std::sync::Arc::new(ratelimitd::testing::SystemClock),
+    )
+    .await;
+    let b = TestServer::start_with(
+        &[("d.yaml", LIMITS)],
+        &flags,
+        std::sync::Arc::new(ratelimitd::testing::SystemClock),
+    )
+    .await;
+    let mut on_b = b.client().await;
+    assert!(passes(&mut on_b, "acme").await);
+    let set_at = Instant::now();
+    set(&a, "acme", 0, "").await;
+    poll(Duration::from_secs(5), || {
+        let mut c = on_b.clone();
+        async move { (!passes(&mut c, "acme").await).then_some(()) }
+    })
+    .await;
+    let took = set_at.elapsed();
+    println!("set on one replica, applied by the other after {took:?}");
+    assert!(
+        took <= Duration::from_secs(2),
+        "applied by the other replica after {took:?}"
+    );
+    // Listed by either; a replica started now applies it at once.
+    assert_eq!(list(&b).await.len(), 1);
+    drop(b);
+    let c = TestServer::start_with(
+        &[("d.yaml", LIMITS)],
+        &flags,
+        std::sync::Arc::new(ratelimitd::testing::SystemClock),
+    )
+    .await;
+    let mut on_c = c.client().await;
+    assert!(!passes(&mut on_c, "acme").await, "a new replica applies it");
+    assert!(passes(&mut on_c, "other").await);
+}
+
+/// On the memory backend, `--overrides-file` keeps overrides across a restart.
+#[tokio::test]
+async fn the_overrides_file_keeps_them_across_a_restart() {
+    let (dir, file) = tokens();
+    let kept = dir.path().join("overrides.json");
+    let kept_flag = kept.display().to_string();
+    let mut s = admin_server(Kind::Memory, &file, &["--overrides-file", &kept_flag]).await;
+    let id = set(&s, "acme", 0, r#", "reason": "attack""#).await;
+    s.shutdown().await.unwrap();
+    assert!(std::fs::read_to_string(&kept).unwrap().contains(&id));
+    let s = admin_server(Kind::Memory, &file, &["--overrides-file", &kept_flag]).await;
+    let mut c = s.client().await;
+    assert!(!passes(&mut c, "acme").await, "applied after the restart");
+    let listed = list(&s).await;
+    assert_eq!(listed[0]["id"], id.as_str());
+    assert_eq!(listed[0]["reason"], "attack");
+}
+
+/// The admin listener does not start without tokens: a usage error naming the flags.
+#[test]
+fn the_admin_listener_needs_a_token_file() {
+    let err = ratelimitd::settings::parse(
+        [
+            "ratelimitd",
+            "--config",
+            "/tmp",
+            "--admin-addr",
+            "127.0.0.1:0",
+        ],
+        |_| None,
+    )
+    .err()
+    .expect("refused");
+    let text = err.to_string();
+    assert!(
+        text.contains("--admin-addr") && text.contains("--admin-token-file"),
+        "{text}"
+    );
+    assert_eq!(err.exit_code(), 2);
+    let dir = tempfile::tempdir().unwrap();
+    let weak = dir.path().join("tokens");
+    std::fs::write(&weak, "alice:short\n").unwrap();
+    let err = ratelimitd::settings::parse(
+        [
+            "ratelimitd",
+            "--config",
+            "/tmp",
+            "--admin-addr",
+            "127.0.0.1:0",
+            "--admin-token-file",
+            weak.to_str().unwrap(),
+        ],
+        |_| None,
+    )
+    .err()
+    .expect("refused");
+    assert!(err.to_string().contains(":1:"), "names the line: {err}");
+}
