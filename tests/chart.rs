@@ -199,6 +199,8 @@ fn every_feature_switched_on() {
         "--grpc-max-connection-age-grace=5m",
         "--redis-per-second-cluster-nodes=redis://fast-0:6379,redis://fast-1:6379",
         "--redis-per-second-tls",
+        "--admin-addr=0.0.0.0:9191",
+        "--admin-token-file=/etc/ratelimitd/admin/tokens",
     ] {
         assert!(a.contains(&expected.to_owned()), "{expected} in {a:?}");
     }
@@ -229,10 +231,42 @@ fn every_feature_switched_on() {
     let volumes = d["spec"]["template"]["spec"]["volumes"].as_array().unwrap();
     assert_eq!(volumes[0]["configMap"]["name"], "my-limits");
     assert_eq!(volumes[1]["secret"]["secretName"], "redis-ca");
+    assert_eq!(volumes[2]["secret"]["secretName"], "ratelimitd-admin-tokens");
+    // The admin port: its own Service, and a NetworkPolicy that opens it to the operators'
+    // namespaces only while Envoy's ports stay open.
+    let admin_service = objects
+        .iter()
+        .find(|o| o["kind"] == "Service" && o["metadata"]["name"] == "rl-ratelimitd-admin")
+        .expect("the admin Service");
+    assert_eq!(admin_service["spec"]["ports"][0]["port"], 9191);
+    let envoy_service = objects
+        .iter()
+        .find(|o| o["kind"] == "Service" && o["metadata"]["name"] == "rl-ratelimitd")
+        .unwrap();
+    assert!(
+        envoy_service["spec"]["ports"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|p| p["name"] != "admin"),
+        "Envoy's Service never exposes the admin port"
+    );
+    let policy = of(&objects, "NetworkPolicy").expect("the NetworkPolicy");
+    let rules = policy["spec"]["ingress"].as_array().unwrap();
+    assert_eq!(rules[0]["ports"].as_array().unwrap().len(), 2);
+    assert!(rules[0].get("from").is_none());
+    assert_eq!(
+        rules[1]["from"][0]["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"],
+        "operators"
+    );
+    assert_eq!(rules[1]["ports"][0]["port"], "admin");
     // And the binary accepts them all (a value YAML would read as a mapping would not be a
-    // string at all); the CA file exists only in the pod.
+    // string at all); the CA and token files exist only in the pod.
     let mut cli = vec!["ratelimitd".to_owned()];
-    cli.extend(a.into_iter().filter(|a| !a.starts_with("--redis-tls-")));
+    cli.extend(
+        a.into_iter()
+            .filter(|a| !a.starts_with("--redis-tls-") && !a.starts_with("--admin-")),
+    );
     ratelimitd::settings::parse(cli, |_| None).unwrap();
     let hpa = of(&objects, "HorizontalPodAutoscaler").unwrap();
     assert_eq!(hpa["spec"]["maxReplicas"], 12);
