@@ -175,6 +175,7 @@ pub async fn run_with_clock(
         redis.as_ref().map(|r| (r.clone(), options.keys.prefix())),
         metrics.admin.clone(),
     )
+    .await
     .map_err(RunError::Overrides)?;
     tasks.push(tokio::spawn(overrides.clone().run()));
     let engine = Arc::new(

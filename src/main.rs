@@ -77,6 +77,10 @@ fn main() -> ExitCode {
     if std::env::args().nth(1).as_deref() == Some("top") {
         return ratelimitd::cli::top(std::env::args().skip(2));
     }
+    // `ratelimitd override`: the admin listener's overrides.
+    if std::env::args().nth(1).as_deref() == Some("override") {
+        return ratelimitd::cli::overrides(std::env::args().skip(2), |k| std::env::var(k).ok());
+    }
     let (startup, options) =
         match ratelimitd::settings::parse(std::env::args(), |k| std::env::var(k).ok()) {
             Ok(parsed) => parsed,

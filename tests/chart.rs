@@ -231,7 +231,10 @@ fn every_feature_switched_on() {
     let volumes = d["spec"]["template"]["spec"]["volumes"].as_array().unwrap();
     assert_eq!(volumes[0]["configMap"]["name"], "my-limits");
     assert_eq!(volumes[1]["secret"]["secretName"], "redis-ca");
-    assert_eq!(volumes[2]["secret"]["secretName"], "ratelimitd-admin-tokens");
+    assert_eq!(
+        volumes[2]["secret"]["secretName"],
+        "ratelimitd-admin-tokens"
+    );
     // The admin port: its own Service, and a NetworkPolicy that opens it to the operators'
     // namespaces only while Envoy's ports stay open.
     let admin_service = objects

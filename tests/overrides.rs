@@ -174,6 +174,14 @@ async fn the_admin_listener_asks_who_calls() {
     let gone = envoy_port.get_counters(with_token).await.unwrap_err();
     assert_eq!(gone.code(), tonic::Code::Unimplemented, "{gone:?}");
 
+    // Every refusal counted, by result only.
+    let (_, text) = s.http_get("/metrics").await;
+    let refused = metric(
+        &text,
+        "ratelimit_admin_requests_total{result=\"unauthenticated\"}",
+    );
+    assert!(refused >= 8.0, "{refused} refusals counted");
+
     // Bob's token removed from the file: refused within a few seconds, alice's still taken.
     std::fs::write(&file, format!("alice:{ALICE}\n")).unwrap();
     let auth = bearer(BOB);
@@ -246,6 +254,16 @@ async fn an_override_changes_one_descriptors_limit(kind: Kind) {
     let r = call(&mut c, request("d", &[&[("tenant", "fresh")]])).await;
     assert!(is_over(&r));
     assert_eq!(rpu_of(&r, 0), Some(0));
+    let (_, text) = s.http_get("/metrics").await;
+    assert_eq!(
+        metric(&text, "ratelimit_overrides"),
+        2.0,
+        "acme's and fresh's in force"
+    );
+    assert_eq!(
+        metric(&text, "ratelimit_override_changes_total{action=\"set\"}"),
+        3.0
+    );
     // Deleted: the config's 100 again, at once.
     assert_eq!(delete(&s, &raised).await, 200);
     assert_eq!(delete(&s, &raised).await, 404, "deleted once");
@@ -490,4 +508,161 @@ fn the_admin_listener_needs_a_token_file() {
     .err()
     .expect("refused");
     assert!(err.to_string().contains(":1:"), "names the line: {err}");
+}
+
+/// The same three as gRPC methods of `Admin` on the admin listener (the caller's token name
+/// kept as `created_by`); the deprecated `--admin` port, which does not know who calls, refuses
+/// them.
+#[tokio::test]
+async fn overrides_over_grpc() {
+    use ratelimitd::admin::{
+        DeleteOverrideRequest, ListOverridesRequest, OverrideLimit, SetOverrideRequest,
+    };
+    let (_dir, file) = tokens();
+    let s = admin_server(Kind::Memory, &file, &[]).await;
+    let mut grpc = AdminClient::connect(format!("http://{}", s.admin.unwrap()))
+        .await
+        .unwrap();
+    fn as_bob<M>(m: M) -> tonic::Request<M> {
+        let mut r = tonic::Request::new(m);
+        r.metadata_mut()
+            .insert("authorization", bearer(BOB).parse().unwrap());
+        r
+    }
+    let set = SetOverrideRequest {
+        domain: "d".into(),
+        entries: vec![Entry {
+            key: "tenant".into(),
+            value: "acme".into(),
+            escaped: false,
+        }],
+        limits: vec![OverrideLimit {
+            requests_per_unit: 2,
+            unit: "minute".into(),
+            algorithm: "sliding_window".into(),
+            ..OverrideLimit::default()
+        }],
+        ttl: "1h".into(),
+        reason: "trial".into(),
+    };
+    let made = grpc
+        .set_override(as_bob(set.clone()))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(made.expires_at.ends_with('Z'), "{made:?}");
+    let mut c = s.client().await;
+    assert_eq!(passing(&mut c, "acme", 3).await, 2);
+    let listed = grpc
+        .list_overrides(as_bob(ListOverridesRequest { domain: "d".into() }))
+        .await
+        .unwrap()
+        .into_inner()
+        .overrides;
+    assert_eq!(listed.len(), 1);
+    assert_eq!(listed[0].id, made.id);
+    assert_eq!(listed[0].created_by, "bob");
+    assert_eq!(listed[0].limits[0].algorithm, "sliding_window");
+    assert_eq!(listed[0].limits[0].requests_per_unit, 2);
+    // Malformed: INVALID_ARGUMENT naming the field; nothing changes.
+    let mut bad = set.clone();
+    bad.limits[0].unit = "fortnight".into();
+    let e = grpc.set_override(as_bob(bad)).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument);
+    assert!(e.message().contains("limits[0].unit"), "{e:?}");
+    let gone = grpc
+        .delete_override(as_bob(DeleteOverrideRequest {
+            id: made.id.clone(),
+        }))
+        .await
+        .unwrap();
+    assert_eq!(gone.into_inner().id, made.id);
+    let again = grpc
+        .delete_override(as_bob(DeleteOverrideRequest { id: made.id }))
+        .await
+        .unwrap_err();
+    assert_eq!(again.code(), tonic::Code::NotFound);
+    assert!(passes(&mut c, "acme").await);
+
+    // The deprecated port: counters yes, overrides no.
+    let legacy = start(Kind::Memory, &[("d.yaml", LIMITS)], &["--admin"]).await;
+    let mut on_grpc_port = AdminClient::connect(format!("http://{}", legacy.grpc))
+        .await
+        .unwrap();
+    let e = on_grpc_port.set_override(set).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
+}
+
+/// `ratelimitd override set|list|delete` against the binary's admin listener, the token from a
+/// file; a wrong token fails (exit 1) with the listener's answer.
+#[tokio::test]
+async fn the_override_command_sets_lists_and_deletes() {
+    use common::daemon::{BIN, Daemon, ratelimitd};
+    let (dir, file) = tokens();
+    std::fs::write(dir.path().join("d.yaml"), LIMITS).unwrap();
+    let admin_port = common::redis::free_port();
+    let admin = format!("127.0.0.1:{admin_port}");
+    let token_file = file.display().to_string();
+    let config = dir.path().join("d.yaml");
+    let d = Daemon::start(ratelimitd(
+        &config,
+        &["--admin-addr", &admin, "--admin-token-file", &token_file],
+    ))
+    .await;
+    let mine = dir.path().join("my-token");
+    std::fs::write(&mine, format!("{ALICE}\n")).unwrap();
+    let mine = mine.display().to_string();
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new(BIN)
+            .arg("override")
+            .args(["--addr", &admin, "--token-file", &mine])
+            .args(args)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        (
+            out.status.code(),
+            text,
+            String::from_utf8_lossy(&out.stderr).to_string(),
+        )
+    };
+    let (code, out, err) = run(&[
+        "set",
+        "--domain",
+        "d",
+        "--entry",
+        "tenant=acme",
+        "--limit",
+        "1/hour",
+        "--ttl",
+        "1h",
+        "--reason",
+        "from the command line",
+    ]);
+    assert_eq!(code, Some(0), "{out} {err}");
+    let id = serde_json::from_str::<serde_json::Value>(&out).unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let mut c = d.client().await;
+    assert_eq!(passing(&mut c, "acme", 2).await, 1);
+    let (code, out, _) = run(&["list", "--domain", "d"]);
+    assert_eq!(code, Some(0));
+    assert!(
+        out.contains(&id) && out.contains("\"created_by\":\"alice\""),
+        "{out}"
+    );
+    let (code, _, _) = run(&["delete", &id]);
+    assert_eq!(code, Some(0));
+    let (code, _, err) = run(&["delete", &id]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("HTTP 404"), "{err}");
+    // The token from the environment; a wrong one is refused.
+    let out = std::process::Command::new(BIN)
+        .args(["override", "--addr", &admin, "list"])
+        .env("RATELIMITD_ADMIN_TOKEN", "not-a-token-of-the-file")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("HTTP 401"));
 }

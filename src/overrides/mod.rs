@@ -134,6 +134,8 @@ pub(crate) struct Overrides {
     applied: Arc<ArcSwap<OverrideSet>>,
     /// Wakes the task that keeps `applied` current.
     changed: tokio::sync::Notify,
+    /// The Redis `:version` last read (`i64::MIN`: none yet).
+    version: std::sync::atomic::AtomicI64,
     metrics: AdminMetrics,
 }
 
@@ -157,9 +159,11 @@ fn new_id() -> String {
 
 impl Overrides {
     /// The overrides of this service: in `redis` when the backend is Redis, else in this
-    /// process and `options.file`, which is read now (an unreadable or malformed file is an
-    /// error naming it: the service does not start without the overrides it was given).
-    pub(crate) fn start(
+    /// process and `options.file`. Either is read now, before the service serves: a replica
+    /// started applies every override in force from its first request (an unreadable or
+    /// malformed file is an error naming it; Redis unreachable is logged, and the overrides are
+    /// read once it answers).
+    pub(crate) async fn start(
         options: OverrideOptions,
         redis: Option<(Arc<RedisBackend>, &[u8])>,
         metrics: AdminMetrics,
@@ -182,8 +186,14 @@ impl Overrides {
             records: Mutex::new(records),
             applied: Arc::default(),
             changed: tokio::sync::Notify::new(),
+            version: std::sync::atomic::AtomicI64::new(i64::MIN),
             metrics,
         });
+        if let OverrideStore::Redis(redis, keys) = &o.store
+            && let Err(e) = o.read_redis(redis, keys).await
+        {
+            tracing::warn!(error = %e, "overrides: cannot read Redis at start; applied once it answers");
+        }
         o.apply();
         Ok(o)
     }
@@ -210,11 +220,10 @@ impl Overrides {
     /// Keeps the set in force current until the process ends: at every change, at every
     /// expiry, and (with Redis) after every change another replica made, read each second.
     pub(crate) async fn run(self: Arc<Self>) {
-        let mut version: Option<i64> = None;
         let mut failing = false;
         loop {
             if let OverrideStore::Redis(redis, keys) = &self.store {
-                match self.read_redis(redis, keys, &mut version).await {
+                match self.read_redis(redis, keys).await {
                     Ok(()) => {
                         if failing {
                             tracing::info!("overrides: reading Redis again");
@@ -245,16 +254,12 @@ impl Overrides {
         }
     }
 
-    /// Reads every override from Redis when `:version` moved since `version`.
-    async fn read_redis(
-        &self,
-        redis: &RedisBackend,
-        keys: &Keys,
-        version: &mut Option<i64>,
-    ) -> Result<(), BackendError> {
+    /// Reads every override from Redis when `:version` moved since it was last read.
+    async fn read_redis(&self, redis: &RedisBackend, keys: &Keys) -> Result<(), BackendError> {
+        use std::sync::atomic::Ordering;
         let now: Option<i64> = redis.command(redis::cmd("GET").arg(&keys.version)).await?;
         let now = now.unwrap_or(0);
-        if *version == Some(now) {
+        if self.version.load(Ordering::Acquire) == now {
             return Ok(());
         }
         let all: HashMap<String, String> =
@@ -271,7 +276,7 @@ impl Overrides {
             }
         }
         *self.records.lock() = records;
-        *version = Some(now);
+        self.version.store(now, Ordering::Release);
         Ok(())
     }
 

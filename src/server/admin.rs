@@ -1,5 +1,7 @@
-//! The admin API (`proto/ratelimitd/admin/v1/admin.proto`), served on the gRPC port with
-//! `--admin`: inspect the counters of a descriptor without consuming, and reset them.
+//! The admin API (`proto/ratelimitd/admin/v1/admin.proto`), served on the admin listener
+//! (`--admin-addr`, behind tokens) or, deprecated, on the gRPC port with `--admin`: inspect the
+//! counters of a descriptor without consuming, reset them, and the operator's overrides (on
+//! the admin listener only: they need to know who calls).
 
 use std::sync::Arc;
 
@@ -15,22 +17,132 @@ pub mod pb {
     tonic::include_proto!("ratelimitd.admin.v1");
 }
 
+use super::admin_listener::{Caller, rfc3339};
+use crate::config::CompileOptions;
+use crate::config::overrides::{OverrideRecord, parse_request};
+use crate::overrides::{ChangeError, Overrides};
 use crate::value::{OwnedEntries, borrowed};
 pub(crate) use pb::admin_server::AdminServer;
 use pb::{
-    ClearHoldsResponse, Counter, CounterRequest, CounterResponse, HoldsResponse, LimitHolds,
-    ResetResponse, TopDescriptor, TopEntry, TopLimit, TopRequest, TopResponse,
+    ClearHoldsResponse, Counter, CounterRequest, CounterResponse, DeleteOverrideRequest,
+    DeleteOverrideResponse, HoldsResponse, LimitHolds, ListOverridesRequest, ListOverridesResponse,
+    OverrideLimit, ResetResponse, SetOverrideRequest, SetOverrideResponse, TopDescriptor, TopEntry,
+    TopLimit, TopRequest, TopResponse,
 };
 
 /// The admin service over an [`Engine`].
 pub(crate) struct Admin {
     engine: Arc<Engine>,
+    /// The overrides and how their limits compile; `None` where the caller is not known (the
+    /// gRPC port's `--admin`).
+    overrides: Option<(Arc<Overrides>, CompileOptions)>,
 }
 
 impl Admin {
     /// Serves `engine`'s counters.
     pub(crate) fn new(engine: Arc<Engine>) -> Self {
-        Admin { engine }
+        Admin {
+            engine,
+            overrides: None,
+        }
+    }
+
+    /// Serves the operator's `overrides` too (behind the admin listener's tokens).
+    pub(crate) fn with_overrides(
+        mut self,
+        overrides: Arc<Overrides>,
+        compile: CompileOptions,
+    ) -> Self {
+        self.overrides = Some((overrides, compile));
+        self
+    }
+
+    fn overrides(&self) -> Result<(&Overrides, CompileOptions), Status> {
+        self.overrides
+            .as_ref()
+            .map(|(o, c)| (&**o, *c))
+            .ok_or_else(|| {
+                Status::failed_precondition(
+                    "overrides are set on the admin listener (--admin-addr), which asks who calls",
+                )
+            })
+    }
+}
+
+/// The name of the token the call bore (the admin listener notes it).
+fn caller<T>(request: &Request<T>) -> String {
+    request
+        .extensions()
+        .get::<Caller>()
+        .map_or_else(|| "unknown".to_owned(), |c| c.0.to_string())
+}
+
+/// A limit of the API as the JSON an override keeps (unset fields left out).
+fn limit_json(l: &OverrideLimit) -> serde_json::Value {
+    let mut m = serde_json::Map::new();
+    m.insert("requests_per_unit".into(), l.requests_per_unit.into());
+    for (name, value) in [
+        ("unit", &l.unit),
+        ("name", &l.name),
+        ("algorithm", &l.algorithm),
+        ("accounting", &l.accounting),
+        ("calendar", &l.calendar),
+        ("top_values", &l.top_values),
+    ] {
+        if !value.is_empty() {
+            m.insert(name.into(), value.clone().into());
+        }
+    }
+    for (name, value) in [("burst", l.burst), ("unit_multiplier", l.unit_multiplier)] {
+        if value > 0 {
+            m.insert(name.into(), value.into());
+        }
+    }
+    serde_json::Value::Object(m)
+}
+
+/// A kept limit as the API shows it.
+fn limit_pb(v: &serde_json::Value) -> OverrideLimit {
+    let text = |name: &str| v[name].as_str().unwrap_or_default().to_owned();
+    let number = |name: &str| v[name].as_u64().unwrap_or_default();
+    OverrideLimit {
+        requests_per_unit: number("requests_per_unit"),
+        unit: text("unit"),
+        name: text("name"),
+        algorithm: text("algorithm"),
+        burst: number("burst"),
+        unit_multiplier: number("unit_multiplier"),
+        accounting: text("accounting"),
+        calendar: text("calendar"),
+        top_values: text("top_values"),
+    }
+}
+
+fn override_pb(r: &OverrideRecord) -> pb::Override {
+    pb::Override {
+        id: r.id.clone(),
+        domain: r.domain.clone(),
+        entries: r
+            .entries
+            .iter()
+            .map(|e| pb::Entry {
+                key: e.key.clone(),
+                value: e.value.clone(),
+                escaped: false,
+            })
+            .collect(),
+        limits: r.limits.iter().map(limit_pb).collect(),
+        expires_at: r.expires_at_ms.map(rfc3339).unwrap_or_default(),
+        reason: r.reason.clone(),
+        created_by: r.created_by.clone(),
+        created_at: rfc3339(r.created_at_ms),
+    }
+}
+
+fn change_status(e: ChangeError) -> Status {
+    match e {
+        ChangeError::Full(_) => Status::resource_exhausted(e.to_string()),
+        ChangeError::Store(_) => Status::unavailable(e.to_string()),
     }
 }
 
@@ -147,6 +259,66 @@ impl pb::admin_server::Admin for Admin {
         Ok(Response::new(ClearHoldsResponse {
             cleared: u32::try_from(cleared).unwrap_or(u32::MAX),
         }))
+    }
+
+    async fn set_override(
+        &self,
+        request: Request<SetOverrideRequest>,
+    ) -> Result<Response<SetOverrideResponse>, Status> {
+        let (overrides, compile) = self.overrides()?;
+        let by = caller(&request);
+        let req = request.into_inner();
+        if req.entries.iter().any(|e| e.escaped) {
+            return Err(Status::invalid_argument(
+                "entries: an override names text; escaped entries are not taken",
+            ));
+        }
+        let mut body = serde_json::json!({
+            "domain": req.domain,
+            "entries": req.entries.iter().map(|e| {
+                serde_json::json!({ "key": e.key, "value": e.value })
+            }).collect::<Vec<_>>(),
+            "limits": req.limits.iter().map(limit_json).collect::<Vec<_>>(),
+            "reason": req.reason,
+        });
+        if !req.ttl.is_empty() {
+            body["ttl"] = serde_json::Value::String(req.ttl);
+        }
+        let parsed = parse_request(body.to_string().as_bytes(), compile)
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let (record, _) = overrides.set(parsed, &by).await.map_err(change_status)?;
+        Ok(Response::new(SetOverrideResponse {
+            id: record.id,
+            expires_at: record.expires_at_ms.map(rfc3339).unwrap_or_default(),
+        }))
+    }
+
+    async fn list_overrides(
+        &self,
+        request: Request<ListOverridesRequest>,
+    ) -> Result<Response<ListOverridesResponse>, Status> {
+        let (overrides, _) = self.overrides()?;
+        let domain = &request.get_ref().domain;
+        let all = overrides
+            .list((!domain.is_empty()).then_some(domain.as_str()))
+            .await
+            .map_err(change_status)?;
+        Ok(Response::new(ListOverridesResponse {
+            overrides: all.iter().map(override_pb).collect(),
+        }))
+    }
+
+    async fn delete_override(
+        &self,
+        request: Request<DeleteOverrideRequest>,
+    ) -> Result<Response<DeleteOverrideResponse>, Status> {
+        let (overrides, _) = self.overrides()?;
+        let by = caller(&request);
+        let id = request.into_inner().id;
+        match overrides.delete(&id, &by).await.map_err(change_status)? {
+            Some(_) => Ok(Response::new(DeleteOverrideResponse { id })),
+            None => Err(Status::not_found(format!("no override '{id}' is in force"))),
+        }
     }
 
     async fn get_top(&self, request: Request<TopRequest>) -> Result<Response<TopResponse>, Status> {

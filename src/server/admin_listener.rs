@@ -128,7 +128,7 @@ fn change_error(state: &AdminState, e: ChangeError) -> Response {
 }
 
 /// An instant in milliseconds since the epoch as RFC 3339, UTC.
-fn rfc3339(ms: u64) -> String {
+pub(crate) fn rfc3339(ms: u64) -> String {
     i64::try_from(ms)
         .ok()
         .and_then(|ms| jiff::Timestamp::from_millisecond(ms).ok())

@@ -417,8 +417,11 @@ fn serve_admin<H>(
     };
     tasks.push(tokio::spawn(tokens.clone().keep()));
     let grpc = tonic::service::Routes::new(
-        AdminServer::new(Admin::new(services.engine.clone()))
-            .max_decoding_message_size(MAX_MESSAGE_BYTES),
+        AdminServer::new(
+            Admin::new(services.engine.clone())
+                .with_overrides(services.overrides.clone(), services.compile),
+        )
+        .max_decoding_message_size(MAX_MESSAGE_BYTES),
     )
     .into_axum_router();
     let state = Arc::new(super::admin_listener::AdminState {
