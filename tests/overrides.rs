@@ -217,6 +217,34 @@ async fn an_override_changes_one_descriptors_limit(kind: Kind) {
         10,
         "another tenant keeps 100"
     );
+    // POST /json and /top show the limit in force.
+    let (status, answer) = post_json(
+        s.http,
+        r#"{"domain": "d", "descriptors": [{"entries": [{"key": "tenant", "value": "acme"}]}]}"#,
+    )
+    .await;
+    assert_eq!(status, 429, "refused, consuming nothing: {answer}");
+    let answer: serde_json::Value = serde_json::from_str(&answer).unwrap();
+    assert_eq!(
+        answer["statuses"][0]["currentLimit"]["requestsPerUnit"], 3,
+        "{answer}"
+    );
+    let (status, top) = s.http_get("/top?domain=d").await;
+    assert_eq!(status, 200, "{top}");
+    let top: serde_json::Value = serde_json::from_str(&top).unwrap();
+    let limits = top["limits"].as_array().unwrap();
+    let under = |rpu: u64, value: &str| {
+        limits.iter().any(|l| {
+            l["requests_per_unit"] == rpu
+                && l["descriptors"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .any(|d| d["entries"][0]["value"] == value)
+        })
+    };
+    assert!(under(3, "acme") && under(100, "other"), "{top}");
+    assert!(!under(100, "acme"), "{top}");
     let listed = list(&s).await;
     assert_eq!(listed.len(), 1);
     assert_eq!(listed[0]["created_by"], "alice");
@@ -273,6 +301,41 @@ async fn an_override_changes_one_descriptors_limit(kind: Kind) {
 }
 
 every_backend!(an_override_changes_one_descriptors_limit);
+
+/// An override of entries no rule matches is kept, and applies once a reload adds a rule
+/// they match.
+#[tokio::test]
+async fn an_override_applies_once_a_rule_matches_it() {
+    let (_dir, file) = tokens();
+    let s = admin_server(Kind::Memory, &file, &[]).await;
+    let mut c = s.client().await;
+    let body = r#"{"domain": "d", "entries": [{"key": "plan", "value": "free"}],
+        "limits": [{"requests_per_unit": 1, "unit": "hour"}]}"#;
+    let (status, answer) = put(&s, body).await;
+    assert_eq!(status, 200, "{answer}");
+    let free = request("d", &[&[("plan", "free")]]);
+    for _ in 0..3 {
+        assert!(
+            is_ok(&call(&mut c, free.clone()).await),
+            "no rule: not limited"
+        );
+    }
+    s.write(
+        "d.yaml",
+        &format!("{LIMITS}  - key: plan\n    rate_limit: {{unit: hour, requests_per_unit: 50}}\n"),
+    );
+    // Once the reload is in force, the override's 1 an hour, not the rule's 50.
+    poll(Duration::from_secs(10), || {
+        let mut c = c.clone();
+        let free = free.clone();
+        async move {
+            let r = call(&mut c, free).await;
+            (rpu_of(&r, 0) == Some(1)).then_some(())
+        }
+    })
+    .await;
+    assert!(is_over(&call(&mut c, free).await));
+}
 
 /// An override's TTL: in force until it ends, the config's limit again within a second after.
 #[tokio::test]
@@ -665,4 +728,113 @@ async fn the_override_command_sets_lists_and_deletes() {
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("HTTP 401"));
+    // Every change logged with the token's name, the entries and the limits; never a token.
+    let (_, log) = d.terminate().await;
+    let set_line = log
+        .lines()
+        .find(|l| l.contains("override set"))
+        .unwrap_or_else(|| panic!("{log}"));
+    assert!(
+        set_line.contains("alice") && set_line.contains("tenant=acme"),
+        "{set_line}"
+    );
+    assert!(
+        log.lines()
+            .any(|l| l.contains("override deleted") && l.contains("alice")),
+        "{log}"
+    );
+    assert!(
+        !log.contains(ALICE) && !log.contains(BOB),
+        "a token in the log: {log}"
+    );
+}
+
+/// The admin listener over mutual TLS, without a token file: a client certificate from the
+/// CA is who calls (`created_by` names it by its SHA-256); a client without one is refused at
+/// the handshake, and one with a token but no certificate gets nowhere.
+#[tokio::test]
+async fn the_admin_listener_over_mutual_tls_knows_callers_by_their_certificate() {
+    use ratelimitd::admin::{ListOverridesRequest, OverrideLimit, SetOverrideRequest};
+    use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
+    let tmp = tempfile::tempdir().unwrap();
+    let certs = common::redis::make_certs(tmp.path());
+    let path = |f: &str| certs.join(f).display().to_string();
+    let (cert, key, ca) = (path("server.crt"), path("server.key"), path("ca.crt"));
+    let s = start(
+        Kind::Memory,
+        &[("d.yaml", LIMITS)],
+        &[
+            "--admin-addr",
+            "127.0.0.1:0",
+            "--admin-tls-cert",
+            &cert,
+            "--admin-tls-key",
+            &key,
+            "--admin-tls-client-ca",
+            &ca,
+        ],
+    )
+    .await;
+    let admin = s.admin.unwrap();
+    let channel = |identity: bool| {
+        let mut tls = ClientTlsConfig::new()
+            .ca_certificate(Certificate::from_pem(std::fs::read(&ca).unwrap()))
+            .domain_name("localhost");
+        if identity {
+            tls = tls.identity(Identity::from_pem(
+                std::fs::read(certs.join("client.crt")).unwrap(),
+                std::fs::read(certs.join("client.key")).unwrap(),
+            ));
+        }
+        Channel::from_shared(format!("https://127.0.0.1:{}", admin.port()))
+            .unwrap()
+            .tls_config(tls)
+            .unwrap()
+            .connect_timeout(Duration::from_secs(5))
+    };
+    let set = SetOverrideRequest {
+        domain: "d".into(),
+        entries: vec![Entry {
+            key: "tenant".into(),
+            value: "acme".into(),
+            escaped: false,
+        }],
+        limits: vec![OverrideLimit {
+            requests_per_unit: 0,
+            unit: "hour".into(),
+            ..OverrideLimit::default()
+        }],
+        ttl: String::new(),
+        reason: "mtls".into(),
+    };
+    // No certificate: no connection, so nothing set.
+    let refused = match channel(false).connect().await {
+        Err(_) => true,
+        Ok(ch) => AdminClient::new(ch)
+            .set_override(set.clone())
+            .await
+            .is_err(),
+    };
+    assert!(refused, "a client without a certificate was served");
+    let mut grpc = AdminClient::new(
+        poll(Duration::from_secs(10), || async {
+            channel(true).connect().await.ok()
+        })
+        .await,
+    );
+    grpc.set_override(set).await.unwrap();
+    let listed = grpc
+        .list_overrides(ListOverridesRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .overrides;
+    assert_eq!(listed.len(), 1);
+    assert!(
+        listed[0].created_by.starts_with("cert:sha256:") && listed[0].created_by.len() == 28,
+        "{}",
+        listed[0].created_by
+    );
+    let mut c = s.client().await;
+    assert!(!passes(&mut c, "acme").await);
 }

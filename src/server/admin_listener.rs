@@ -23,8 +23,11 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get};
 use serde_json::{Value, json};
 
+use futures_util::Stream;
+
 use super::auth::Tokens;
-use super::conn::{Tracker, accept};
+use super::conn::{Tracked, Tracker, accept};
+use super::tls::Accepted;
 use crate::config::CompileOptions;
 use crate::config::overrides::{OverrideRecord, parse_request};
 use crate::metrics::AdminMetrics;
@@ -35,13 +38,19 @@ const MAX_ADMIN_BODY_BYTES: usize = 2 << 20;
 /// Streams one HTTP/2 connection to the admin listener may have open.
 const MAX_ADMIN_STREAMS: u32 = 64;
 
-/// Who called: the name of the token presented.
+/// Who called: the name of the token presented (or, on a listener with client certificates
+/// and no tokens, the certificate's).
 #[derive(Clone, Debug)]
 pub(crate) struct Caller(pub(crate) Arc<str>);
 
+/// The name of the verified client certificate a connection presented.
+#[derive(Clone, Debug)]
+struct Certified(Arc<str>);
+
 /// What the admin listener's handlers read.
 pub(crate) struct AdminState {
-    pub(crate) tokens: Arc<Tokens>,
+    /// `None`: no token file; a verified client certificate is who calls.
+    pub(crate) tokens: Option<Arc<Tokens>>,
     pub(crate) overrides: Arc<Overrides>,
     pub(crate) compile: CompileOptions,
     pub(crate) metrics: AdminMetrics,
@@ -81,7 +90,11 @@ async fn authenticate(
         .headers()
         .get(header::AUTHORIZATION)
         .map(|v| v.as_bytes());
-    match state.tokens.caller(bearer) {
+    let who = match &state.tokens {
+        Some(tokens) => tokens.caller(bearer),
+        None => req.extensions().get::<Certified>().map(|c| c.0.clone()),
+    };
+    match who {
         Some(name) => {
             req.extensions_mut().insert(Caller(name));
             next.run(req).await
@@ -225,15 +238,60 @@ async fn remove(
     }
 }
 
-/// Serves `router` on `listener`, HTTP/1.1 and HTTP/2 alike, until `stopped`, then lets calls
-/// in flight finish. Connections are [`Tracked`](super::conn::Tracked) as the HTTP ports'
-/// are; headers must arrive within the HTTP ports' bound.
-pub(crate) async fn serve(
+/// The connections accepted on `listener` under `tracker`'s bounds, none with a certificate.
+pub(crate) fn plain(
     listener: tokio::net::TcpListener,
-    router: Router,
     tracker: Tracker,
+) -> impl Stream<Item = (Tracked<tokio::net::TcpStream>, Option<Arc<str>>)> + Send {
+    futures_util::stream::unfold((listener, tracker), |(listener, tracker)| async move {
+        loop {
+            let (tcp, _) = accept(&listener, "admin").await;
+            if let Some(io) = tracker.admit(tcp) {
+                return Some(((io, None), (listener, tracker)));
+            }
+        }
+    })
+}
+
+/// TLS connections, each with the name of the client certificate it presented when `mutual`
+/// (the TLS config then required one from the client CA): `cert:sha256:` and the first 16
+/// hex digits of the certificate's SHA-256, which `created_by` and the log lines carry.
+pub(crate) fn certified(
+    incoming: impl Stream<Item = std::io::Result<Accepted>> + Send,
+    mutual: bool,
+) -> impl Stream<Item = (Accepted, Option<Arc<str>>)> + Send {
+    use futures_util::StreamExt;
+    incoming.filter_map(move |tls| {
+        std::future::ready(tls.ok().map(|tls| {
+            let name = mutual
+                .then(|| tls.get_ref().1.peer_certificates()?.first().map(cert_name))
+                .flatten();
+            (tls, name)
+        }))
+    })
+}
+
+fn cert_name(cert: &tokio_rustls::rustls::pki_types::CertificateDer<'_>) -> Arc<str> {
+    let digest = ring::digest::digest(&ring::digest::SHA256, cert.as_ref());
+    let hex: String = digest.as_ref()[..8]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    format!("cert:sha256:{hex}").into()
+}
+
+/// Serves `router` on the connections `incoming` yields, HTTP/1.1 and HTTP/2 alike, until
+/// `stopped`, then lets calls in flight finish. Connections are bounded as the HTTP ports' are
+/// (see [`plain`]); headers must arrive within the HTTP ports' bound. A connection that
+/// presented a client certificate carries its name to every call on it.
+pub(crate) async fn serve<IO>(
+    incoming: impl Stream<Item = (IO, Option<Arc<str>>)> + Send,
+    router: Router,
     stopped: impl std::future::Future<Output = ()>,
-) -> std::io::Result<()> {
+) where
+    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    use futures_util::StreamExt;
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     let mut builder =
         hyper_util::server::conn::auto::Builder::new(hyper_util::rt::TokioExecutor::new());
@@ -248,15 +306,20 @@ pub(crate) async fn serve(
         .max_concurrent_streams(MAX_ADMIN_STREAMS)
         .max_header_list_size(16 << 10);
     tokio::pin!(stopped);
+    let mut incoming = std::pin::pin!(incoming);
     loop {
-        let (tcp, _) = tokio::select! {
-            accepted = accept(&listener, "admin") => accepted,
+        let (io, certificate) = tokio::select! {
+            next = incoming.next() => match next {
+                Some(next) => next,
+                None => break,
+            },
             () = &mut stopped => break,
         };
-        let Some(io) = tracker.admit(tcp) else {
-            continue;
+        let routes = match certificate {
+            Some(name) => router.clone().layer(axum::Extension(Certified(name))),
+            None => router.clone(),
         };
-        let service = hyper_util::service::TowerToHyperService::new(router.clone());
+        let service = hyper_util::service::TowerToHyperService::new(routes);
         let conn = builder
             .serve_connection(hyper_util::rt::TokioIo::new(io), service)
             .into_owned();
@@ -268,5 +331,4 @@ pub(crate) async fn serve(
         });
     }
     graceful.shutdown().await;
-    Ok(())
 }

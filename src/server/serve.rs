@@ -16,7 +16,7 @@ use super::h2guard::H2Guard;
 use super::headers::HeaderMode;
 use super::http::HttpState;
 use super::rlqs::RlqsService;
-use super::tls::GrpcTls;
+use super::tls::{GrpcTls, Served};
 use crate::engine::Engine;
 use crate::metrics::Metrics;
 use crate::shutdown::{Serving, Stop, Tasks};
@@ -43,7 +43,7 @@ pub(crate) struct ServerOptions {
     /// Serve the admin API on the gRPC port (`--admin`, until it is gone; not with
     /// `admin_listener`).
     pub(crate) admin: bool,
-    /// The admin listener (`--admin-addr`): the tokens it takes.
+    /// The admin listener (`--admin-addr`): how it knows who calls.
     pub(crate) admin_listener: Option<AdminListenerOptions>,
     /// Bounds of each gRPC connection.
     pub(crate) grpc_connections: ConnLimits,
@@ -55,11 +55,12 @@ pub(crate) struct ServerOptions {
     pub(crate) shutdown_grace: Duration,
 }
 
-/// How the admin listener knows who calls.
-#[derive(Clone, Debug)]
+/// How the admin listener knows who calls: tokens, a client certificate, or both.
 pub(crate) struct AdminListenerOptions {
-    /// `--admin-token-file`.
-    pub(crate) token_file: std::path::PathBuf,
+    /// `--admin-token-file`: every call needs one of its tokens.
+    pub(crate) token_file: Option<std::path::PathBuf>,
+    /// `--admin-tls-*`: TLS, and with a client CA, a certificate from it for every connection.
+    pub(crate) tls: Option<GrpcTls>,
 }
 
 /// The sockets the service serves on, bound by the caller (so that a port taken fails at
@@ -386,6 +387,7 @@ fn serve_grpc<H: tonic_health::pb::health_server::Health>(
                 config.clone(),
                 tracker,
                 metrics.clone(),
+                Served::Grpc,
             );
             for task in tls_tasks {
                 tasks.push(task);
@@ -408,14 +410,17 @@ fn serve_admin<H>(
     let Some(admin) = &options.admin_listener else {
         return;
     };
-    let tokens = match super::auth::Tokens::load(&admin.token_file) {
-        Ok(t) => t,
-        Err(e) => {
+    let tokens = match admin.token_file.as_deref().map(super::auth::Tokens::load) {
+        None => None,
+        Some(Ok(t)) => {
+            tasks.push(tokio::spawn(t.clone().keep()));
+            Some(t)
+        }
+        Some(Err(e)) => {
             tracing::error!(error = %e, "admin listener not started: no tokens");
             return;
         }
     };
-    tasks.push(tokio::spawn(tokens.clone().keep()));
     let grpc = tonic::service::Routes::new(
         AdminServer::new(
             Admin::new(services.engine.clone())
@@ -431,14 +436,45 @@ fn serve_admin<H>(
         metrics: metrics.admin.clone(),
     });
     let routes = super::admin_listener::router(state, grpc, options.request_timeout);
-    tracing::info!(admin = ?listener.local_addr().ok(), "admin listener: the admin API and overrides, with tokens");
+    let mutual = admin
+        .tls
+        .as_ref()
+        .is_some_and(|t| t.files.client_ca.is_some());
+    tracing::info!(
+        admin = ?listener.local_addr().ok(),
+        tokens = admin.token_file.is_some(),
+        tls = admin.tls.is_some(),
+        client_certificates = mutual,
+        "admin listener: the admin API and the overrides"
+    );
     let tracker = Tracker::new(options.http_connections);
-    let serve = super::admin_listener::serve(listener, routes, tracker, stop.stopped());
-    tasks.push(tokio::spawn(async move {
-        if let Err(e) = serve.await {
-            tracing::error!(error = %e, "admin listener failed");
+    let stopped = stop.stopped();
+    let serve: futures_util::future::BoxFuture<'static, ()> = match &admin.tls {
+        None => Box::pin(super::admin_listener::serve(
+            super::admin_listener::plain(listener, tracker),
+            routes,
+            stopped,
+        )),
+        Some(GrpcTls { files, config }) => {
+            let (incoming, tls_tasks) = super::tls::incoming(
+                listener,
+                files.clone(),
+                Served::Admin.offered(config.clone()),
+                tracker,
+                metrics.clone(),
+                Served::Admin,
+            );
+            for task in tls_tasks {
+                tasks.push(task);
+            }
+            Box::pin(super::admin_listener::serve(
+                super::admin_listener::certified(incoming, mutual),
+                routes,
+                stopped,
+            ))
         }
-    }));
+    };
+    tasks.push(tokio::spawn(serve));
 }
 
 /// The connections `accepted` yields, their frames read through [`H2Guard`] (`unix`: they

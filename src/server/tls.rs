@@ -200,14 +200,44 @@ impl InLane for Accepted {
     }
 }
 
-/// TLS connections accepted on `listener`, for tonic's `serve_with_incoming`, with the
-/// tasks that accept them and reload the files (abort them to stop).
+/// Which listener a TLS config serves: the protocols it offers (ALPN), and its name in logs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Served {
+    /// The gRPC listener: HTTP/2 only.
+    Grpc,
+    /// The admin listener: HTTP/2 and HTTP/1.1.
+    Admin,
+}
+
+impl Served {
+    /// `config` offering this listener's protocols.
+    pub(crate) fn offered(self, config: Arc<ServerConfig>) -> Arc<ServerConfig> {
+        if self == Served::Grpc {
+            return config;
+        }
+        let mut config = (*config).clone();
+        config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+        Arc::new(config)
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Served::Grpc => "gRPC",
+            Served::Admin => "admin",
+        }
+    }
+}
+
+/// TLS connections accepted on `listener` (the `served` one), for tonic's
+/// `serve_with_incoming` or the admin listener, with the tasks that accept them and reload the
+/// files (abort them to stop).
 pub(crate) fn incoming(
     listener: TcpListener,
     files: ListenerTlsFiles,
     config: Arc<ServerConfig>,
     tracker: Tracker,
     metrics: Arc<Metrics>,
+    served: Served,
 ) -> (
     impl Stream<Item = Result<Accepted, std::io::Error>>,
     Vec<JoinHandle<()>>,
@@ -228,13 +258,13 @@ pub(crate) fn incoming(
                 let f = files.clone();
                 match tokio::task::spawn_blocking(move || f.load()).await {
                     Ok(Ok(config)) => {
-                        current.store(config);
+                        current.store(served.offered(config));
                         metrics.tls_reload(LoadResult::success);
-                        tracing::info!("gRPC TLS files reloaded");
+                        tracing::info!("{} TLS files reloaded", served.name());
                     }
                     Ok(Err(e)) => {
                         metrics.tls_reload(LoadResult::error);
-                        tracing::error!(error = %e, "gRPC TLS reload refused; the previous certificate stays in force");
+                        tracing::error!(error = %e, "{} TLS reload refused; the previous certificate stays in force", served.name());
                     }
                     Err(_) => {}
                 }
@@ -244,7 +274,7 @@ pub(crate) fn incoming(
     let (tx, rx) = tokio::sync::mpsc::channel::<Accepted>(128);
     let accept = tokio::spawn(async move {
         loop {
-            let (tcp, peer) = accept(&listener, "gRPC").await;
+            let (tcp, peer) = accept(&listener, served.name()).await;
             let _ = tcp.set_nodelay(true);
             // Counted and bounded from accept: handshakes in progress hold a place too.
             let Some(tcp) = tracker.admit(tcp) else {

@@ -36,13 +36,27 @@ impl Flags {
         if self.rlqs_assignment_ttl <= self.rlqs_report_interval {
             return Err(SettingsError::RlqsTtl);
         }
-        let admin_listener = match (&self.admin_addr, &self.admin_token_file) {
-            (None, _) => None,
-            (Some(_), None) => return Err(SettingsError::AdminWithoutTokens),
-            (Some(_), Some(file)) => {
-                crate::server::auth::check_file(file).map_err(SettingsError::AdminTokens)?;
+        let admin_listener = match &self.admin_addr {
+            None => None,
+            Some(_) => {
+                if let Some(file) = &self.admin_token_file {
+                    crate::server::auth::check_file(file).map_err(SettingsError::AdminTokens)?;
+                }
+                let tls = self.admin_tls();
+                let mutual = tls.as_ref().is_some_and(|t| t.client_ca.is_some());
+                if self.admin_token_file.is_none() && !mutual {
+                    return Err(SettingsError::AdminWithoutTokens);
+                }
+                let tls = match tls {
+                    None => None,
+                    Some(files) => {
+                        let config = files.load().map_err(SettingsError::AdminTls)?;
+                        Some(GrpcTls { files, config })
+                    }
+                };
                 Some(AdminListenerOptions {
-                    token_file: file.clone(),
+                    token_file: self.admin_token_file.clone(),
+                    tls,
                 })
             }
         };
@@ -286,6 +300,15 @@ impl Flags {
     }
 
     /// The gRPC listener's TLS files, when TLS is asked for.
+    fn admin_tls(&self) -> Option<crate::server::tls::ListenerTlsFiles> {
+        Some(crate::server::tls::ListenerTlsFiles {
+            cert: self.admin_tls_cert.clone()?,
+            key: self.admin_tls_key.clone()?,
+            client_ca: self.admin_tls_client_ca.clone(),
+            client_san: None,
+        })
+    }
+
     fn grpc_tls(&self) -> Option<crate::server::tls::ListenerTlsFiles> {
         Some(crate::server::tls::ListenerTlsFiles {
             cert: self.grpc_tls_cert.clone()?,
@@ -542,9 +565,12 @@ impl StoreFlags<'_> {
 pub enum SettingsError {
     /// The admin listener with no way to know who calls.
     #[error(
-        "--admin-addr needs --admin-token-file: the admin listener changes limits, and does not start without knowing who calls"
+        "--admin-addr needs --admin-token-file, or --admin-tls-cert, --admin-tls-key and --admin-tls-client-ca: the admin listener changes limits, and does not start without knowing who calls"
     )]
     AdminWithoutTokens,
+    /// The admin listener's TLS files do not load.
+    #[error("--admin-tls-*: {0}")]
+    AdminTls(crate::server::tls::TlsError),
     /// A token file that cannot be used.
     #[error("--admin-token-file {0}")]
     AdminTokens(String),
@@ -607,7 +633,7 @@ impl SettingsError {
     /// As a usage error (exit 2), like a bad flag.
     pub(super) fn to_clap(&self) -> clap::Error {
         let kind = match self {
-            SettingsError::GrpcTls(_) | SettingsError::File { .. } => {
+            SettingsError::GrpcTls(_) | SettingsError::AdminTls(_) | SettingsError::File { .. } => {
                 clap::error::ErrorKind::ValueValidation
             }
             _ => clap::error::ErrorKind::ArgumentConflict,

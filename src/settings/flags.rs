@@ -498,6 +498,20 @@ pub(crate) struct Flags {
     #[arg(long)]
     pub(crate) admin_token_file: Option<std::path::PathBuf>,
 
+    /// Serve the admin listener over TLS with this certificate chain (PEM), reloaded when it
+    /// changes.
+    #[arg(long, requires = "admin_tls_key")]
+    pub(crate) admin_tls_cert: Option<std::path::PathBuf>,
+
+    /// The admin listener's private key (PEM).
+    #[arg(long, requires = "admin_tls_cert")]
+    pub(crate) admin_tls_key: Option<std::path::PathBuf>,
+
+    /// Require admin callers' certificates from this CA (mutual TLS); without
+    /// --admin-token-file, a verified certificate is who calls (named by its SHA-256).
+    #[arg(long, requires = "admin_tls_cert")]
+    pub(crate) admin_tls_client_ca: Option<std::path::PathBuf>,
+
     /// On the memory backend, where the operator's overrides are kept across restarts
     /// (written atomically). With Redis they live in Redis.
     #[arg(long)]
