@@ -203,28 +203,27 @@ impl Overrides {
         self.applied.clone()
     }
 
-    /// Rebuilds the set in force from the records; returns the earliest expiry still ahead.
-    fn apply(&self) -> Option<u64> {
-        let now = now_ms();
+    /// Rebuilds the set in force from the records (each override's limits compiled again:
+    /// only when they changed, or one ended).
+    fn apply(&self) {
         let records = self.records.lock();
-        let set = OverrideSet::build(records.values(), now, self.options.compile);
+        let set = OverrideSet::build(records.values(), now_ms(), self.options.compile);
         self.metrics.overrides.set(set.len() as i64);
         self.applied.store(Arc::new(set));
-        records
-            .values()
-            .filter_map(|r| r.expires_at_ms)
-            .filter(|at| *at > now)
-            .min()
     }
 
     /// Keeps the set in force current until the process ends: at every change, at every
     /// expiry, and (with Redis) after every change another replica made, read each second.
+    /// Nothing is rebuilt while nothing changes.
     pub(crate) async fn run(self: Arc<Self>) {
         let mut failing = false;
+        let mut rebuild_at = next_expiry(self.records.lock().values(), now_ms());
         loop {
+            let mut changed = false;
             if let OverrideStore::Redis(redis, keys) = &self.store {
                 match self.read_redis(redis, keys).await {
-                    Ok(()) => {
+                    Ok(read) => {
+                        changed |= read;
                         if failing {
                             tracing::info!("overrides: reading Redis again");
                         }
@@ -238,13 +237,18 @@ impl Overrides {
                     }
                 }
             }
-            self.remove_ended().await;
-            let next_expiry = self.apply();
+            changed |= self.remove_ended().await;
+            if changed || rebuild_at.is_some_and(|at| at <= now_ms()) {
+                self.apply();
+            }
+            // What set and delete changed meanwhile they applied themselves; only their
+            // expiries are new here.
+            rebuild_at = next_expiry(self.records.lock().values(), now_ms());
             let mut wait = match self.store {
                 OverrideStore::Redis(..) => POLL,
                 OverrideStore::Memory(_) => Duration::from_secs(3_600),
             };
-            if let Some(at) = next_expiry {
+            if let Some(at) = rebuild_at {
                 wait = wait.min(Duration::from_millis(at.saturating_sub(now_ms())));
             }
             tokio::select! {
@@ -254,13 +258,14 @@ impl Overrides {
         }
     }
 
-    /// Reads every override from Redis when `:version` moved since it was last read.
-    async fn read_redis(&self, redis: &RedisBackend, keys: &Keys) -> Result<(), BackendError> {
+    /// Reads every override from Redis when `:version` moved since it was last read; whether
+    /// it had.
+    async fn read_redis(&self, redis: &RedisBackend, keys: &Keys) -> Result<bool, BackendError> {
         use std::sync::atomic::Ordering;
         let now: Option<i64> = redis.command(redis::cmd("GET").arg(&keys.version)).await?;
         let now = now.unwrap_or(0);
         if self.version.load(Ordering::Acquire) == now {
-            return Ok(());
+            return Ok(false);
         }
         let all: HashMap<String, String> =
             redis.command(redis::cmd("HGETALL").arg(&keys.all)).await?;
@@ -277,11 +282,12 @@ impl Overrides {
         }
         *self.records.lock() = records;
         self.version.store(now, Ordering::Release);
-        Ok(())
+        Ok(true)
     }
 
-    /// Removes from the store the overrides that have ended (counted, logged).
-    async fn remove_ended(&self) {
+    /// Removes from the store the overrides that have ended (counted, logged); whether any
+    /// left this replica's records.
+    async fn remove_ended(&self) -> bool {
         let now = now_ms();
         let ended: Vec<OverrideRecord> = self
             .records
@@ -290,18 +296,22 @@ impl Overrides {
             .filter(|r| r.expired(now))
             .cloned()
             .collect();
+        let mut left = false;
         for r in ended {
             match self.remove(&r).await {
                 Ok(true) => {
+                    left = true;
                     self.metrics.changed("expire");
                     tracing::info!(id = %r.id, domain = %r.domain, entries = %entries_text(&r), limits = %limits_text(&r), "override ended; the config's limits apply again");
                 }
-                Ok(false) => {}
+                // Another replica removed it first.
+                Ok(false) => left = true,
                 Err(e) => {
                     tracing::debug!(error = %e, "overrides: an ended override not removed yet")
                 }
             }
         }
+        left
     }
 
     /// Removes `r` from the store if it is still there as read. Whether it was.
@@ -489,6 +499,14 @@ impl Overrides {
         );
         Ok(Some(record))
     }
+}
+
+/// The earliest expiry of `records` after `now`.
+fn next_expiry<'a>(records: impl Iterator<Item = &'a OverrideRecord>, now: u64) -> Option<u64> {
+    records
+        .filter_map(|r| r.expires_at_ms)
+        .filter(|at| *at > now)
+        .min()
 }
 
 /// `key=value,...` of an override, for its log lines.
