@@ -841,3 +841,35 @@ async fn the_admin_listener_over_mutual_tls_knows_callers_by_their_certificate()
     let mut c = s.client().await;
     assert!(!passes(&mut c, "acme").await);
 }
+
+/// The deprecated `--admin` still serves the admin API on the gRPC port, and says at start
+/// that it is going.
+#[tokio::test]
+async fn the_old_admin_flag_warns() {
+    use common::daemon::{Daemon, ratelimitd};
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("d.yaml");
+    std::fs::write(&config, LIMITS).unwrap();
+    let d = Daemon::start(ratelimitd(&config, &["--admin"])).await;
+    let mut admin = AdminClient::connect(format!("http://127.0.0.1:{}", d.grpc))
+        .await
+        .unwrap();
+    let counters = admin
+        .get_counters(CounterRequest {
+            domain: "d".into(),
+            entries: vec![Entry {
+                key: "tenant".into(),
+                value: "acme".into(),
+                escaped: false,
+            }],
+        })
+        .await
+        .unwrap();
+    assert_eq!(counters.into_inner().counters[0].requests_per_unit, 100);
+    let (_, log) = d.terminate().await;
+    let warning = log
+        .lines()
+        .find(|l| l.contains("--admin-addr"))
+        .unwrap_or_else(|| panic!("no warning: {log}"));
+    assert!(warning.contains("WARN"), "{warning}");
+}
