@@ -873,3 +873,40 @@ async fn the_old_admin_flag_warns() {
         .unwrap_or_else(|| panic!("no warning: {log}"));
     assert!(warning.contains("WARN"), "{warning}");
 }
+
+/// A rule whose requests name a hold (`hold_key`): the override is of the descriptor's entries
+/// less the hold's id, which every request has its own of.
+#[tokio::test]
+async fn an_override_of_a_rule_with_holds_is_of_the_entries_before_the_hold() {
+    let (_dir, file) = tokens();
+    let token_file = file.display().to_string();
+    let limits = format!(
+        "{LIMITS}  - key: user\n    hold_key: request_id\n    rate_limit: {{unit: hour, requests_per_unit: 100}}\n"
+    );
+    let s = start(
+        Kind::Memory,
+        &[("d.yaml", &limits)],
+        &[
+            "--admin-addr",
+            "127.0.0.1:0",
+            "--admin-token-file",
+            &token_file,
+        ],
+    )
+    .await;
+    let body = r#"{"domain": "d", "entries": [{"key": "user", "value": "alice"}],
+        "limits": [{"requests_per_unit": 1, "unit": "hour"}]}"#;
+    let (status, answer) = put(&s, body).await;
+    assert_eq!(status, 200, "{answer}");
+    let mut c = s.client().await;
+    let held = |user: &'static str, id: &'static str| {
+        request("d", &[&[("user", user), ("request_id", id)]])
+    };
+    assert!(is_ok(&call(&mut c, held("alice", "r1")).await));
+    let r = call(&mut c, held("alice", "r2")).await;
+    assert!(is_over(&r), "the override's 1 an hour");
+    assert_eq!(rpu_of(&r, 0), Some(1));
+    for id in ["r3", "r4"] {
+        assert!(is_ok(&call(&mut c, held("bob", id)).await), "bob keeps 100");
+    }
+}

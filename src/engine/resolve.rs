@@ -123,21 +123,22 @@ pub(crate) fn resolve<'s>(
                 limit.unwrap_or(accounting).kind(d.hits_addend)
             }
         };
-        // An operator's override of these entries, where a rule matches them, comes first:
-        // before the request's own limit and the rule's.
-        let (operator, matched) = match operators.and_then(|o| o.get(&d.entries)) {
-            Some(op) => match domain.lookup(&d.entries, keys) {
-                Some(m) => (Some(op), Some(m)),
-                None => (None, None),
-            },
-            None => (None, None),
+        let matched = domain.lookup(&d.entries, keys);
+        // An operator's override of these entries (less a hold's id), where a rule matches
+        // them, comes first: before the request's own limit and the rule's.
+        let operator = match (operators, &matched) {
+            (Some(o), Some(m)) => {
+                let held = usize::from(m.hold.id().is_some());
+                o.get(&d.entries[..d.entries.len() - held])
+            }
+            _ => None,
         };
         if operator.is_none()
             && let Some(o) = d.limit_override
         {
             // The metric label comes from the config, never from the request's entries: the
             // node the descriptor matches, else a constant.
-            let (rule, rule_has_values, node, path) = match domain.lookup(&d.entries, keys) {
+            let (rule, rule_has_values, node, path) = match matched {
                 Some(m) => (
                     m.rule,
                     m.rule_has_values,
@@ -172,7 +173,7 @@ pub(crate) fn resolve<'s>(
             });
             continue;
         }
-        let Some(matched) = matched.or_else(|| domain.lookup(&d.entries, keys)) else {
+        let Some(matched) = matched else {
             soft_passes |= quota_mode;
             continue;
         };
