@@ -56,6 +56,9 @@ struct Outcome {
     #[allow(dead_code)]
     details: Vec<String>,
     response: String,
+    /// Distinct whole seconds of the run in which some call was answered.
+    #[serde(default)]
+    answered_seconds: u64,
 }
 
 impl Outcome {
@@ -154,8 +157,10 @@ async fn calls_in_flight_finish_across_connection_ages_with_grpc_core_on_redis()
     .await
     .unwrap();
     assert!(out.codes.is_empty(), "{out:?}");
-    // Enough calls that connections aged under them (each channel some 15 times).
-    assert!(out.ok >= 500, "{out:?}");
+    // Calls answered all along, so that connections aged under them (each channel some 15
+    // times): answers in most seconds of the 15, however slow the machine (a count of calls
+    // was: 466 with two CI runs beside it, where the bound was 500).
+    assert!(out.answered_seconds >= 10, "{out:?}");
     assert!(is_ok(&out.last_answer()), "{out:?}");
 }
 

@@ -11,7 +11,8 @@ Reads one JSON object on stdin:
   timeout    each call's deadline, seconds (default 10)
   options    channel options, e.g. [["grpc.default_authority", "localhost"]]
 and prints one JSON object: {"ok": n, "codes": {"UNAVAILABLE": n, ...},
-"details": [first few error details], "response": hex of the last answer}.
+"details": [first few error details], "response": hex of the last answer,
+"answered_seconds": how many distinct whole seconds since the start saw an answer}.
 """
 
 import json
@@ -31,6 +32,8 @@ def main():
     deadline = time.monotonic() + seconds if seconds else None
     lock = threading.Lock()
     out = {"ok": 0, "codes": {}, "details": [], "response": ""}
+    started = time.monotonic()
+    answered = set()
 
     def slot(channel):
         call = channel.unary_unary(spec["method"])
@@ -40,6 +43,7 @@ def main():
                 with lock:
                     out["ok"] += 1
                     out["response"] = answer.hex()
+                    answered.add(int(time.monotonic() - started))
             except grpc.RpcError as e:
                 with lock:
                     name = e.code().name
@@ -64,6 +68,7 @@ def main():
         t.join()
     for c in channels:
         c.close()
+    out["answered_seconds"] = len(answered)
     json.dump(out, sys.stdout)
 
 
