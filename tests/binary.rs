@@ -940,10 +940,9 @@ async fn an_outage_is_in_the_log_once_per_interval() {
             "100ms",
         ],
     );
-    let d = Daemon::start_with(
-        cmd,
-        std::process::Stdio::from(std::fs::File::create(&log).unwrap()),
-    )
+    let d = Daemon::start_with(cmd, || {
+        std::process::Stdio::from(std::fs::File::create(&log).unwrap())
+    })
     .await;
     let mut c = d.client().await;
     assert!(is_ok(&call(&mut c, request("d", &[&[("k", "v")]])).await));

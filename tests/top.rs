@@ -252,7 +252,7 @@ async fn costs_weigh_values_come_back_verbatim_and_domains_stay_apart() {
     std::fs::write(dir.path().join("other.yaml"), two).unwrap();
     let mut cmd = ratelimitd(dir.path(), &[]);
     cmd.env("RATELIMITD_LOG_LEVEL", "warn");
-    let d = Daemon::start_with(cmd, Stdio::null()).await;
+    let d = Daemon::start_with(cmd, Stdio::null).await;
     let c = d.client().await;
 
     let mut reqs = vec![with_hits(request("top", &[&[("tenant", "big")]]), 0, 500)];

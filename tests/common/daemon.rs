@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use super::Client;
 use super::redis::free_port;
-use super::{Client, poll};
 
 pub(crate) const BIN: &str = env!("CARGO_BIN_EXE_ratelimitd");
 
@@ -32,7 +32,7 @@ pub(crate) async fn quiet(limits: &str, flags: &[&str]) -> (Daemon, tempfile::Te
     std::fs::write(dir.path().join("limits.yaml"), limits).unwrap();
     let mut cmd = ratelimitd(dir.path(), flags);
     cmd.env("RATELIMITD_LOG_LEVEL", "warn");
-    (Daemon::start_with(cmd, Stdio::null()).await, dir)
+    (Daemon::start_with(cmd, Stdio::null).await, dir)
 }
 
 /// A running `ratelimitd` process on free loopback ports (given through the environment, as a
@@ -50,34 +50,50 @@ impl Daemon {
     /// with the `Daemon` (a failing test included) or, should the test process itself be
     /// killed, with the test process.
     pub(crate) async fn start(cmd: Command) -> Daemon {
-        Self::start_with(cmd, Stdio::piped()).await
+        Self::start_with(cmd, Stdio::piped).await
     }
 
-    /// [`Daemon::start`] with stderr going to `stderr` (`Stdio::null()` for a daemon that logs
-    /// more than a test reads).
-    pub(crate) async fn start_with(mut cmd: Command, stderr: Stdio) -> Daemon {
-        let (grpc, http) = (free_port(), free_port());
-        let child = cmd
-            .env("RATELIMITD_GRPC_ADDR", format!("127.0.0.1:{grpc}"))
-            .env("RATELIMITD_HTTP_ADDR", format!("127.0.0.1:{http}"))
-            .stderr(stderr)
-            .spawn()
-            .unwrap();
-        super::redis::watchdog(child.id());
-        let http = format!("127.0.0.1:{http}").parse().unwrap();
-        // Owned before waiting, so a daemon that never comes up is killed too.
-        let d = Daemon { child, grpc, http };
-        poll(Duration::from_secs(20), || async move {
-            use tokio::io::{AsyncReadExt, AsyncWriteExt};
-            let mut stream = tokio::net::TcpStream::connect(http).await.ok()?;
-            let req = "GET /healthcheck HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n";
-            stream.write_all(req.as_bytes()).await.ok()?;
-            let mut answer = Vec::new();
-            stream.read_to_end(&mut answer).await.ok()?;
-            answer.starts_with(b"HTTP/1.1 200").then_some(())
-        })
-        .await;
-        d
+    /// [`Daemon::start`] with stderr going where `stderr` says (`Stdio::null` for a daemon that
+    /// logs more than a test reads). A port found free can be taken by another process before the
+    /// daemon binds it (two test runs on one machine): a daemon that exits before it serves is
+    /// started again on other ports, twice at most.
+    pub(crate) async fn start_with(mut cmd: Command, mut stderr: impl FnMut() -> Stdio) -> Daemon {
+        for attempt in 0..3 {
+            let (grpc, http) = (free_port(), free_port());
+            let child = cmd
+                .env("RATELIMITD_GRPC_ADDR", format!("127.0.0.1:{grpc}"))
+                .env("RATELIMITD_HTTP_ADDR", format!("127.0.0.1:{http}"))
+                .stderr(stderr())
+                .spawn()
+                .unwrap();
+            super::redis::watchdog(child.id());
+            let http = format!("127.0.0.1:{http}").parse().unwrap();
+            // Owned before waiting, so a daemon that never comes up is killed too.
+            let mut d = Daemon { child, grpc, http };
+            let until = Instant::now() + Duration::from_secs(20);
+            loop {
+                if serves(http).await {
+                    return d;
+                }
+                if let Some(exit) = d.child.try_wait().unwrap() {
+                    let mut log = String::new();
+                    if let Some(e) = d.child.stderr.as_mut() {
+                        let _ = std::io::Read::read_to_string(e, &mut log);
+                    }
+                    assert!(
+                        attempt < 2,
+                        "the daemon exited before serving ({exit}): {log}"
+                    );
+                    break;
+                }
+                assert!(
+                    Instant::now() < until,
+                    "the daemon does not serve after 20 s"
+                );
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+        unreachable!("three attempts either serve or panic")
     }
 
     pub(crate) async fn client(&self) -> Client {
@@ -112,6 +128,22 @@ impl Daemon {
         std::io::Read::read_to_string(self.child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
         (exit, stderr)
     }
+}
+
+/// Whether `/healthcheck` on `http` answers 200, which comes after the config is loaded and
+/// watched (the socket accepts connections as soon as it is bound, before either).
+async fn serves(http: SocketAddr) -> bool {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Ok(mut stream) = tokio::net::TcpStream::connect(http).await else {
+        return false;
+    };
+    let req = "GET /healthcheck HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n";
+    if stream.write_all(req.as_bytes()).await.is_err() {
+        return false;
+    }
+    let mut answer = Vec::new();
+    let _ = stream.read_to_end(&mut answer).await;
+    answer.starts_with(b"HTTP/1.1 200")
 }
 
 impl Drop for Daemon {
