@@ -1,5 +1,5 @@
-//! The admin listener (`--admin-addr`): its own port, HTTP/1.1 and HTTP/2 (cleartext, prior
-//! knowledge) on one socket, serving the `ratelimitd.admin.v1.Admin` gRPC service and the
+//! The admin listener (`--admin-addr`): its own port, HTTP/1.1 and HTTP/2 (cleartext with
+//! prior knowledge, or by ALPN over TLS) on one socket, serving the `ratelimitd.admin.v1.Admin` gRPC service and the
 //! JSON API of the operator's overrides:
 //!
 //! - `PUT /v1/overrides`: sets one (`200 {"id", "expires_at"}`); a malformed one is `400`
@@ -10,6 +10,8 @@
 //! Every call needs `Authorization: Bearer <token>` with a token of `--admin-token-file`
 //! ([`super::auth`]); without one: `401` (gRPC: `UNAUTHENTICATED`), before anything is read
 //! of the body. The caller's token name is who `created_by` and the change's log line name.
+//! Without a token file, the listener is TLS with a client CA (`--admin-tls-*`): the verified
+//! certificate each connection presented is who calls.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -21,9 +23,8 @@ use axum::extract::{DefaultBodyLimit, Path, Query, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get};
-use serde_json::{Value, json};
-
 use futures_util::Stream;
+use serde_json::{Value, json};
 
 use super::auth::Tokens;
 use super::conn::{Tracked, Tracker, accept};
@@ -76,7 +77,8 @@ pub(crate) fn router(state: Arc<AdminState>, grpc: Router, request_timeout: Dura
         ))
 }
 
-/// Lets through only a call bearing a token in force, its name noted for the handler.
+/// Lets through only a call bearing a token in force (or, without tokens, made on a
+/// connection with a verified client certificate), its caller noted for the handler.
 async fn authenticate(
     State(state): State<Arc<AdminState>>,
     mut req: axum::extract::Request,
