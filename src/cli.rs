@@ -80,39 +80,12 @@ fn fetch(args: &TopArgs) -> Result<Value, String> {
             query.push(format!("{name}={}", percent_encode(v)));
         }
     }
-    let addr = args
-        .addr
-        .to_socket_addrs()
-        .map_err(|e| format!("{}: {e}", args.addr))?
-        .next()
-        .ok_or_else(|| format!("{}: no address", args.addr))?;
-    let timeout = Duration::from_secs(5);
-    let mut stream =
-        TcpStream::connect_timeout(&addr, timeout).map_err(|e| format!("{addr}: {e}"))?;
-    let _ = stream.set_read_timeout(Some(timeout));
-    let _ = stream.set_write_timeout(Some(timeout));
-    let req = format!(
-        "GET /top?{} HTTP/1.0\r\nHost: {}\r\n\r\n",
-        query.join("&"),
-        args.addr
-    );
-    stream
-        .write_all(req.as_bytes())
-        .map_err(|e| format!("{addr}: {e}"))?;
-    let mut raw = Vec::new();
-    stream
-        .take(64 << 20)
-        .read_to_end(&mut raw)
-        .map_err(|e| format!("{addr}: {e}"))?;
-    let text = String::from_utf8_lossy(&raw);
-    let (head, body) = text
-        .split_once("\r\n\r\n")
-        .ok_or_else(|| format!("{addr}: not an HTTP answer"))?;
-    let status = head.split_whitespace().nth(1).unwrap_or("");
-    if status != "200" {
-        return Err(format!("{addr}: HTTP {status}: {}", body.trim()));
+    let path = format!("/top?{}", query.join("&"));
+    let (status, body) = call(&args.addr, "GET", &path, ("", ""), Duration::from_secs(5))?;
+    if status != 200 {
+        return Err(format!("{}: HTTP {status}: {}", args.addr, body.trim()));
     }
-    serde_json::from_str(body).map_err(|e| format!("{addr}: not /top's JSON: {e}"))
+    serde_json::from_str(&body).map_err(|e| format!("{}: not /top's JSON: {e}", args.addr))
 }
 
 /// `s` with every byte but RFC 3986's unreserved ones percent-encoded.
@@ -346,7 +319,14 @@ pub fn overrides(
             String::new(),
         ),
     };
-    match call(&args.addr, method, &path, &token, &body) {
+    let headers = format!("Authorization: Bearer {token}\r\nContent-Type: application/json\r\n");
+    match call(
+        &args.addr,
+        method,
+        &path,
+        (&headers, &body),
+        Duration::from_secs(10),
+    ) {
         Ok((status, answer)) => {
             println!("{}", answer.trim());
             if (200..300).contains(&status) {
@@ -363,26 +343,26 @@ pub fn overrides(
     }
 }
 
-/// One HTTP/1.0 call of the admin listener at `addr`: its status and body.
+/// One HTTP/1.0 call of the service at `addr`, with `headers` (lines each ending in CRLF) and
+/// `body`: its status and body, at most 64 MiB, within `timeout` per read and write.
 fn call(
     addr: &str,
     method: &str,
     path: &str,
-    token: &str,
-    body: &str,
+    (headers, body): (&str, &str),
+    timeout: Duration,
 ) -> Result<(u16, String), String> {
     let to = addr
         .to_socket_addrs()
         .map_err(|e| format!("{addr}: {e}"))?
         .next()
         .ok_or_else(|| format!("{addr}: no address"))?;
-    let timeout = Duration::from_secs(10);
     let mut stream =
         TcpStream::connect_timeout(&to, timeout).map_err(|e| format!("{addr}: {e}"))?;
     let _ = stream.set_read_timeout(Some(timeout));
     let _ = stream.set_write_timeout(Some(timeout));
     let req = format!(
-        "{method} {path} HTTP/1.0\r\nHost: {addr}\r\nAuthorization: Bearer {token}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        "{method} {path} HTTP/1.0\r\nHost: {addr}\r\n{headers}Content-Length: {}\r\n\r\n{body}",
         body.len()
     );
     stream
