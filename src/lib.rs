@@ -174,10 +174,10 @@ pub async fn run_with_clock(
         options.overrides.clone(),
         redis.as_ref().map(|r| (r.clone(), options.keys.prefix())),
         metrics.admin.clone(),
+        &mut tasks,
     )
     .await
     .map_err(RunError::Overrides)?;
-    tasks.push(tokio::spawn(overrides.clone().run()));
     let engine = Arc::new(
         Engine::new(
             source.config,
@@ -197,7 +197,6 @@ pub async fn run_with_clock(
         health: health_service,
         backend: started.backend,
         overrides,
-        compile: options.overrides.compile,
     };
     let (grpc, http) = server::serve::serve(
         &options.server,

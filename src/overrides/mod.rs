@@ -167,6 +167,7 @@ impl Overrides {
         options: OverrideOptions,
         redis: Option<(Arc<RedisBackend>, &[u8])>,
         metrics: AdminMetrics,
+        tasks: &mut crate::shutdown::Tasks,
     ) -> Result<Arc<Overrides>, String> {
         let mut records = HashMap::new();
         let store = match redis {
@@ -195,7 +196,13 @@ impl Overrides {
             tracing::warn!(error = %e, "overrides: cannot read Redis at start; applied once it answers");
         }
         o.apply();
+        tasks.push(tokio::spawn(o.clone().run()));
         Ok(o)
+    }
+
+    /// How their limits compile (the config's options), for the API that checks new ones.
+    pub(crate) fn compile(&self) -> CompileOptions {
+        self.options.compile
     }
 
     /// The set in force, for the engine to read.
@@ -212,10 +219,18 @@ impl Overrides {
         self.applied.store(Arc::new(set));
     }
 
-    /// Keeps the set in force current until the process ends: at every change, at every
+    /// A change this replica made (`action`): in force here at once, its expiry taken up by
+    /// the task that keeps the set current, and counted.
+    fn changed_here(&self, action: &'static str) {
+        self.apply();
+        self.changed.notify_one();
+        self.metrics.changed(action);
+    }
+
+    /// Keeps the set in force current until the process ends (`start` spawns it): at every change, at every
     /// expiry, and (with Redis) after every change another replica made, read each second.
     /// Nothing is rebuilt while nothing changes.
-    pub(crate) async fn run(self: Arc<Self>) {
+    async fn run(self: Arc<Self>) {
         let mut failing = false;
         let mut rebuild_at = next_expiry(self.records.lock().values(), now_ms());
         loop {
@@ -425,9 +440,7 @@ impl Overrides {
                 before
             }
         };
-        self.apply();
-        self.changed.notify_one();
-        self.metrics.changed("set");
+        self.changed_here("set");
         tracing::info!(
             by = %by,
             id = %record.id,
@@ -485,9 +498,7 @@ impl Overrides {
         if !self.remove(&record).await? {
             return Ok(None);
         }
-        self.apply();
-        self.changed.notify_one();
-        self.metrics.changed("delete");
+        self.changed_here("delete");
         tracing::info!(
             by = %by,
             id = %record.id,

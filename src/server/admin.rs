@@ -18,7 +18,6 @@ pub mod pb {
 }
 
 use super::admin_listener::{Caller, rfc3339};
-use crate::config::CompileOptions;
 use crate::config::overrides::{OverrideRecord, parse_request};
 use crate::overrides::{ChangeError, Overrides};
 use crate::value::{OwnedEntries, borrowed};
@@ -33,9 +32,8 @@ use pb::{
 /// The admin service over an [`Engine`].
 pub(crate) struct Admin {
     engine: Arc<Engine>,
-    /// The overrides and how their limits compile; `None` where the caller is not known (the
-    /// gRPC port's `--admin`).
-    overrides: Option<(Arc<Overrides>, CompileOptions)>,
+    /// The overrides; `None` where the caller is not known (the gRPC port's `--admin`).
+    overrides: Option<Arc<Overrides>>,
 }
 
 impl Admin {
@@ -48,24 +46,17 @@ impl Admin {
     }
 
     /// Serves the operator's `overrides` too (behind the admin listener's tokens).
-    pub(crate) fn with_overrides(
-        mut self,
-        overrides: Arc<Overrides>,
-        compile: CompileOptions,
-    ) -> Self {
-        self.overrides = Some((overrides, compile));
+    pub(crate) fn with_overrides(mut self, overrides: Arc<Overrides>) -> Self {
+        self.overrides = Some(overrides);
         self
     }
 
-    fn overrides(&self) -> Result<(&Overrides, CompileOptions), Status> {
-        self.overrides
-            .as_ref()
-            .map(|(o, c)| (&**o, *c))
-            .ok_or_else(|| {
-                Status::failed_precondition(
-                    "overrides are set on the admin listener (--admin-addr), which asks who calls",
-                )
-            })
+    fn overrides(&self) -> Result<&Overrides, Status> {
+        self.overrides.as_deref().ok_or_else(|| {
+            Status::failed_precondition(
+                "overrides are set on the admin listener (--admin-addr), which asks who calls",
+            )
+        })
     }
 }
 
@@ -265,7 +256,7 @@ impl pb::admin_server::Admin for Admin {
         &self,
         request: Request<SetOverrideRequest>,
     ) -> Result<Response<SetOverrideResponse>, Status> {
-        let (overrides, compile) = self.overrides()?;
+        let overrides = self.overrides()?;
         let by = caller(&request);
         let req = request.into_inner();
         if req.entries.iter().any(|e| e.escaped) {
@@ -284,7 +275,7 @@ impl pb::admin_server::Admin for Admin {
         if !req.ttl.is_empty() {
             body["ttl"] = serde_json::Value::String(req.ttl);
         }
-        let parsed = parse_request(body.to_string().as_bytes(), compile)
+        let parsed = parse_request(body.to_string().as_bytes(), overrides.compile())
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
         let (record, _) = overrides.set(parsed, &by).await.map_err(change_status)?;
         Ok(Response::new(SetOverrideResponse {
@@ -297,7 +288,7 @@ impl pb::admin_server::Admin for Admin {
         &self,
         request: Request<ListOverridesRequest>,
     ) -> Result<Response<ListOverridesResponse>, Status> {
-        let (overrides, _) = self.overrides()?;
+        let overrides = self.overrides()?;
         let domain = &request.get_ref().domain;
         let all = overrides
             .list((!domain.is_empty()).then_some(domain.as_str()))
@@ -312,7 +303,7 @@ impl pb::admin_server::Admin for Admin {
         &self,
         request: Request<DeleteOverrideRequest>,
     ) -> Result<Response<DeleteOverrideResponse>, Status> {
-        let (overrides, _) = self.overrides()?;
+        let overrides = self.overrides()?;
         let by = caller(&request);
         let id = request.into_inner().id;
         match overrides.delete(&id, &by).await.map_err(change_status)? {

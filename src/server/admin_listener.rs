@@ -29,7 +29,6 @@ use serde_json::{Value, json};
 use super::auth::Tokens;
 use super::conn::{Tracked, Tracker, accept};
 use super::tls::Accepted;
-use crate::config::CompileOptions;
 use crate::config::overrides::{OverrideRecord, parse_request};
 use crate::metrics::AdminMetrics;
 use crate::overrides::{ChangeError, Overrides};
@@ -53,7 +52,6 @@ pub(crate) struct AdminState {
     /// `None`: no token file; a verified client certificate is who calls.
     pub(crate) tokens: Option<Arc<Tokens>>,
     pub(crate) overrides: Arc<Overrides>,
-    pub(crate) compile: CompileOptions,
     pub(crate) metrics: AdminMetrics,
 }
 
@@ -169,7 +167,7 @@ async fn set(
     caller: axum::Extension<Caller>,
     body: Bytes,
 ) -> Response {
-    let req = match parse_request(&body, state.compile) {
+    let req = match parse_request(&body, state.overrides.compile()) {
         Ok(r) => r,
         Err(e) => {
             state.metrics.request("invalid");

@@ -252,8 +252,6 @@ pub(crate) struct Services<H> {
     pub(crate) backend: Arc<dyn crate::limiter::Backend>,
     /// The operator's overrides (the admin listener changes them).
     pub(crate) overrides: Arc<crate::overrides::Overrides>,
-    /// How overrides' limits compile.
-    pub(crate) compile: crate::config::CompileOptions,
 }
 
 /// Serves `services` on `listening` until `stop`; returns the two servers' futures.
@@ -423,8 +421,7 @@ fn serve_admin<H>(
     };
     let grpc = tonic::service::Routes::new(
         AdminServer::new(
-            Admin::new(services.engine.clone())
-                .with_overrides(services.overrides.clone(), services.compile),
+            Admin::new(services.engine.clone()).with_overrides(services.overrides.clone()),
         )
         .max_decoding_message_size(MAX_MESSAGE_BYTES),
     )
@@ -432,7 +429,6 @@ fn serve_admin<H>(
     let state = Arc::new(super::admin_listener::AdminState {
         tokens,
         overrides: services.overrides.clone(),
-        compile: services.compile,
         metrics: metrics.admin.clone(),
     });
     let routes = super::admin_listener::router(state, grpc, options.request_timeout);
