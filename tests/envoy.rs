@@ -1,0 +1,474 @@
+//! Every Envoy example, run in a real Envoy (each tested version) in front of ratelimitd on
+//! memory and on Redis, with the example upstream behind and raw HTTP clients in front: each
+//! test asserts what its example's comments promise, in counts of 200 and 429, the
+//! `x-ratelimit-*` headers and Envoy's own ratelimit stats (never an error, never a request
+//! let through because a call failed).
+
+mod common;
+
+use std::time::Duration;
+
+use common::envoy::{self, Envoy, Upstream, get, send_and_reset};
+use common::*;
+use tokio::time::Instant;
+
+/// The example limits `make run` loads (examples/envoy/limits/), as files for a server.
+fn example_limits() -> Vec<(String, String)> {
+    let dir = envoy::root().join("examples/envoy/limits");
+    let mut files: Vec<(String, String)> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| {
+            let p = e.unwrap().path();
+            let name = p.file_name().unwrap().to_string_lossy().into_owned();
+            (name, std::fs::read_to_string(&p).unwrap())
+        })
+        .collect();
+    files.sort();
+    files
+}
+
+/// ratelimitd on `kind` with the example limits and `extra` files.
+async fn ratelimitd(kind: Kind, extra: &[(&str, &str)]) -> TestServer {
+    let mut files = example_limits();
+    files.extend(extra.iter().map(|(n, t)| (n.to_string(), t.to_string())));
+    let files: Vec<(&str, &str)> = files
+        .iter()
+        .map(|(n, t)| (n.as_str(), t.as_str()))
+        .collect();
+    start(kind, &files, &[]).await
+}
+
+/// Generates, per backend, one test per example that runs in every installed Envoy version.
+macro_rules! in_envoy {
+    ($($name:ident),* $(,)?) => {
+        mod memory {
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                for v in super::envoy::versions() { super::$name(super::Kind::Memory, v).await }
+            })*
+        }
+        mod redis {
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                for v in super::envoy::versions() { super::$name(super::Kind::Redis, v).await }
+            })*
+        }
+    };
+}
+
+/// The ratelimit filter asked, answered, and never failed: the counts Envoy itself keeps.
+async fn assert_decided(envoy: &Envoy, ok: u64, over: u64) {
+    let s = envoy.ratelimit_stats("upstream").await;
+    assert_eq!(
+        (s.ok, s.over_limit, s.error, s.failure_mode_allowed),
+        (ok, over, 0, 0),
+        "Envoy {}'s ratelimit stats\n{}",
+        envoy.version,
+        envoy.log()
+    );
+}
+
+/// examples/envoy/envoy.yaml with limits/config.yaml: a client without x-api-key, writing a
+/// new X-Forwarded-For each time, is limited by its address (10 a second, sliding); the 429
+/// carries x-ratelimit-* with a reset a client can wait for; /healthz is never limited.
+async fn the_edge_example_limits_a_client_by_its_address(kind: Kind, version: &'static str) {
+    let rls = ratelimitd(kind, &[]).await;
+    let up = Upstream::start().await;
+    let envoy = Envoy::start(
+        version,
+        "examples/envoy/envoy.yaml",
+        up.port,
+        rls.grpc.port(),
+    )
+    .await;
+    let (mut admitted, mut refused) = (0u64, 0u64);
+    let mut first_refusal = None;
+    // Each request its own path (so the per-path bucket never binds) and its own made-up
+    // X-Forwarded-For: only the connection's address can limit them.
+    for i in 0..30 {
+        let xff = format!("10.0.{}.{}", i / 250, i % 250 + 1);
+        let a = get(
+            envoy.http,
+            &format!("/item/{i}"),
+            &[("x-forwarded-for", &xff)],
+        )
+        .await;
+        match a.status {
+            200 => admitted += 1,
+            429 => {
+                refused += 1;
+                first_refusal.get_or_insert(a);
+            }
+            s => panic!("status {s}: {a:?}"),
+        }
+    }
+    let a = first_refusal.unwrap_or_else(|| {
+        panic!("Envoy {version}: 30 quick requests from one address, none refused")
+    });
+    // A sliding window of 10 a second: at most 10 in any window, 20 across two.
+    assert!(admitted <= 20 && admitted >= 10, "{admitted} admitted");
+    assert!(
+        a.header("x-ratelimit-limit")
+            .is_some_and(|l| l.starts_with("10, 10;w=1")),
+        "{a:?}"
+    );
+    assert_eq!(a.header("x-ratelimit-remaining"), Some("0"), "{a:?}");
+    let reset: u64 = a.header("x-ratelimit-reset").unwrap().parse().unwrap();
+    assert!((1..=1).contains(&reset), "a reset of {reset} s: {a:?}");
+    assert_decided(&envoy, admitted, refused).await;
+
+    // Health checks are never limited (and never ask).
+    for _ in 0..20 {
+        assert_eq!(get(envoy.http, "/healthz", &[]).await.status, 200);
+    }
+    assert_decided(&envoy, admitted, refused).await;
+
+    // A client that waits what it was told and retries is admitted.
+    let refused_at = Instant::now();
+    loop {
+        let a = get(envoy.http, "/again", &[]).await;
+        if a.status == 429 {
+            let reset: u64 = a.header("x-ratelimit-reset").unwrap().parse().unwrap();
+            assert!(reset >= 1, "{a:?}");
+            tokio::time::sleep(Duration::from_secs(reset)).await;
+            let b = get(envoy.http, "/again/after", &[]).await;
+            assert_eq!(b.status, 200, "retried after {reset} s as told: {b:?}");
+            break;
+        }
+        assert!(
+            refused_at.elapsed() < Duration::from_secs(20),
+            "never refused again"
+        );
+    }
+}
+
+/// examples/envoy/concurrency.yaml with limits/concurrency.yaml: 5 places per tenant, taken at
+/// the request, given back when the stream is done (answered or reset by the client).
+async fn the_concurrency_example_releases_places(kind: Kind, version: &'static str) {
+    let rls = ratelimitd(kind, &[]).await;
+    let up = Upstream::start().await;
+    let envoy = Envoy::start(
+        version,
+        "examples/envoy/concurrency.yaml",
+        up.port,
+        rls.grpc.port(),
+    )
+    .await;
+    let active = || async { envoy.stat("cluster.upstream.upstream_rq_active").await };
+    let tenant = [("x-tenant-id", "acme")];
+    for round in 0..3 {
+        // Five long requests take the five places; a sixth is refused while they are open.
+        let slow: Vec<_> = (0..5)
+            .map(|_| {
+                let http = envoy.http;
+                tokio::spawn(async move {
+                    get(
+                        http,
+                        "/slow",
+                        &[("x-tenant-id", "acme"), ("x-delay-ms", "5000")],
+                    )
+                    .await
+                })
+            })
+            .collect();
+        poll(Duration::from_secs(10), || async {
+            (active().await == 5).then_some(())
+        })
+        .await;
+        let sixth = get(envoy.http, "/sixth", &tenant).await;
+        assert_eq!(sixth.status, 429, "round {round}: {sixth:?}");
+        // Another tenant has places of its own.
+        assert_eq!(
+            get(envoy.http, "/other", &[("x-tenant-id", "other")])
+                .await
+                .status,
+            200
+        );
+        for s in slow {
+            assert_eq!(s.await.unwrap().status, 200);
+        }
+        // Every place given back: five more at once are admitted (once the stream-done calls,
+        // which Envoy sends after the answer, have arrived).
+        poll(Duration::from_secs(10), || async {
+            let again: Vec<_> = (0..5)
+                .map(|_| {
+                    let http = envoy.http;
+                    tokio::spawn(async move {
+                        get(
+                            http,
+                            "/quick",
+                            &[("x-tenant-id", "acme"), ("x-delay-ms", "300")],
+                        )
+                        .await
+                        .status
+                    })
+                })
+                .collect();
+            let mut all = true;
+            for a in again {
+                all &= a.await.unwrap() == 200;
+            }
+            all.then_some(())
+        })
+        .await;
+    }
+
+    // A client that resets its streams mid-request gives its places back too.
+    let held: Vec<_> = {
+        let mut v = Vec::new();
+        for _ in 0..5 {
+            v.push(
+                send_and_reset(
+                    envoy.http,
+                    "/held",
+                    &[("x-tenant-id", "acme"), ("x-delay-ms", "30000")],
+                )
+                .await,
+            );
+        }
+        v
+    };
+    poll(Duration::from_secs(10), || async {
+        (active().await == 5).then_some(())
+    })
+    .await;
+    assert_eq!(get(envoy.http, "/sixth", &tenant).await.status, 429);
+    drop(held);
+    let reset_at = Instant::now();
+    poll(Duration::from_secs(10), || async {
+        (get(envoy.http, "/after-reset", &tenant).await.status == 200).then_some(())
+    })
+    .await;
+    eprintln!(
+        "Envoy {version}: places free {:?} after the resets",
+        reset_at.elapsed()
+    );
+    let s = envoy.ratelimit_stats("upstream").await;
+    assert_eq!(
+        (s.error, s.failure_mode_allowed),
+        (0, 0),
+        "{s:?}\n{}",
+        envoy.log()
+    );
+}
+
+/// examples/envoy/token-budget.yaml with limits/tokens.yaml: each response's 4,000 tokens
+/// are charged when its stream is done; with 10,000 a day, three requests pass and the fourth
+/// is refused.
+async fn the_token_budget_example_charges_what_responses_used(kind: Kind, version: &'static str) {
+    let rls = ratelimitd(kind, &[]).await;
+    let up = Upstream::start().await;
+    let envoy = Envoy::start(
+        version,
+        "examples/envoy/token-budget.yaml",
+        up.port,
+        rls.grpc.port(),
+    )
+    .await;
+    let tenant = [("x-tenant-id", "acme")];
+    let charged = || async {
+        let (_, m) = rls.http_get("/metrics").await;
+        metric(
+            &m,
+            r#"ratelimit_rule_hits_total{domain="tokens",rule="tenant",limit="0"}"#,
+        ) as u64
+    };
+    for n in 1..=3u64 {
+        let a = get(envoy.http, "/v1/chat", &tenant).await;
+        assert_eq!(a.status, 200, "request {n}: {a:?}");
+        // The check at the request costs nothing; the report at stream end costs 4,000.
+        poll(Duration::from_secs(10), || async {
+            (charged().await == 4000 * n).then_some(())
+        })
+        .await;
+    }
+    let a = get(envoy.http, "/v1/chat", &tenant).await;
+    assert_eq!(a.status, 429, "{a:?}");
+    let reset: u64 = a.header("x-ratelimit-reset").unwrap().parse().unwrap();
+    assert!(reset >= 1, "{a:?}");
+    // A refused request's stream-done call reports nothing (Envoy leaves the metadata's
+    // descriptor out): still 12,000.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(charged().await, 12_000);
+    assert_decided(&envoy, 3, 1).await;
+}
+
+/// examples/envoy/reservations.yaml with limits/budgets.yaml: each request reserves its
+/// x-max-tokens; with three reservations of 300,000 in flight against 1,000,000 a fourth is
+/// refused; each settles at 1,000 used, so 997,000 are left, exactly.
+async fn the_reservations_example_reserves_and_settles(kind: Kind, version: &'static str) {
+    let rls = ratelimitd(kind, &[]).await;
+    let up = Upstream::start().await;
+    let envoy = Envoy::start(
+        version,
+        "examples/envoy/reservations.yaml",
+        up.port,
+        rls.grpc.port(),
+    )
+    .await;
+    let ask = |max: &'static str, delay: &'static str| {
+        let http = envoy.http;
+        async move {
+            get(
+                http,
+                "/v1/chat",
+                &[
+                    ("x-tenant-id", "acme"),
+                    ("x-max-tokens", max),
+                    ("x-fake-tokens", if delay == "0" { "0" } else { "1000" }),
+                    ("x-delay-ms", delay),
+                ],
+            )
+            .await
+            .status
+        }
+    };
+    let slow: Vec<_> = (0..3)
+        .map(|_| tokio::spawn(ask("300000", "4000")))
+        .collect();
+    poll(Duration::from_secs(10), || async {
+        (envoy.stat("cluster.upstream.upstream_rq_active").await == 3).then_some(())
+    })
+    .await;
+    assert_eq!(
+        ask("300000", "0").await,
+        429,
+        "a fourth reservation while three are held"
+    );
+    assert_eq!(ask("100000", "0").await, 200, "what is left is still there");
+    for s in slow {
+        assert_eq!(s.await.unwrap(), 200);
+    }
+    // Settled: each reservation given back, 1,000 charged for each.
+    poll(Duration::from_secs(10), || async {
+        (ask("997000", "0").await == 200).then_some(())
+    })
+    .await;
+    poll(Duration::from_secs(10), || async {
+        (ask("997000", "0").await == 200).then_some(())
+    })
+    .await;
+    assert_eq!(
+        ask("997001", "0").await,
+        429,
+        "3,000 used, not a token more or less"
+    );
+    let s = envoy.ratelimit_stats("upstream").await;
+    assert_eq!(
+        (s.error, s.failure_mode_allowed),
+        (0, 0),
+        "{s:?}\n{}",
+        envoy.log()
+    );
+}
+
+/// examples/envoy/rlqs.yaml with limits/config.yaml: Envoy's quota filter takes ratelimitd's
+/// assignment for the bucket {api_key} (a burst of 10 refilled at 10,000 a day, the tighter of
+/// the rule's two limits) and enforces it.
+async fn the_rlqs_example_enforces_its_assignments(kind: Kind, version: &'static str) {
+    let rls = ratelimitd(kind, &[]).await;
+    let up = Upstream::start().await;
+    let envoy = Envoy::start(
+        version,
+        "examples/envoy/rlqs.yaml",
+        up.port,
+        rls.grpc.port(),
+    )
+    .await;
+    let key = [("x-api-key", "k1")];
+    // Until the first assignment Envoy allows all; then the bucket of 10 is spent.
+    poll(Duration::from_secs(20), || async {
+        (get(envoy.http, "/q", &key).await.status == 429).then_some(())
+    })
+    .await;
+    let started = Instant::now();
+    let mut admitted = 0;
+    for _ in 0..40 {
+        if get(envoy.http, "/q", &key).await.status == 200 {
+            admitted += 1;
+        }
+    }
+    let bound = 1 + (started.elapsed().as_secs_f64() * 10_000.0 / 86_400.0).ceil() as u32;
+    assert!(admitted <= bound, "{admitted} admitted, at most {bound}");
+    // Another key has a bucket of its own, and requests without the header none.
+    assert_eq!(
+        get(envoy.http, "/q", &[("x-api-key", "k2")]).await.status,
+        200
+    );
+    for _ in 0..30 {
+        assert_eq!(get(envoy.http, "/q", &[]).await.status, 200);
+    }
+}
+
+/// examples/envoy/network-filter.yaml with the limits its comment gives: a token bucket of
+/// 100 a second holding 200 refuses connections past it (Envoy closes them).
+async fn the_network_filter_example_limits_connections(kind: Kind, version: &'static str) {
+    let text =
+        std::fs::read_to_string(envoy::root().join("examples/envoy/network-filter.yaml")).unwrap();
+    let limits: String = text
+        .lines()
+        .skip_while(|l| !l.contains("Matching limits"))
+        .skip(1)
+        .take_while(|l| l.starts_with("#   "))
+        .map(|l| format!("{}\n", &l[4..]))
+        .collect();
+    assert!(limits.contains("domain: edge_tcp"), "{limits}");
+    let rls = ratelimitd(kind, &[("edge_tcp.yaml", &limits)]).await;
+    let up = Upstream::start().await;
+    let envoy = Envoy::start(
+        version,
+        "examples/envoy/network-filter.yaml",
+        up.port,
+        rls.grpc.port(),
+    )
+    .await;
+    let started = Instant::now();
+    let (mut admitted, mut refused) = (0u64, 0u64);
+    while refused == 0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "{admitted} admitted, none refused"
+        );
+        let batch: Vec<_> = (0..300)
+            .map(|_| {
+                let tcp = envoy.tcp;
+                tokio::spawn(async move {
+                    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+                    let mut s = tokio::net::TcpStream::connect(tcp).await.unwrap();
+                    let _ = s
+                        .write_all(b"GET /tcp HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+                        .await;
+                    let mut out = Vec::new();
+                    let _ = s.read_to_end(&mut out).await;
+                    out.starts_with(b"HTTP/1.1 200")
+                })
+            })
+            .collect();
+        for b in batch {
+            match b.await.unwrap() {
+                true => admitted += 1,
+                false => refused += 1,
+            }
+        }
+    }
+    let bound = 200 + (100.0 * started.elapsed().as_secs_f64()).ceil() as u64 + 1;
+    assert!(admitted <= bound, "{admitted} admitted, at most {bound}");
+    assert!(
+        admitted >= 200,
+        "the bucket's 200 first: {admitted} admitted"
+    );
+    let s = envoy.stats("ratelimit.tcp.").await;
+    let get = |n: &str| s.get(&format!("ratelimit.tcp.{n}")).copied().unwrap_or(0);
+    assert_eq!(get("over_limit"), refused, "{s:?}");
+    assert_eq!(get("ok"), admitted, "{s:?}");
+    assert_eq!((get("error"), get("failure_mode_allowed")), (0, 0), "{s:?}");
+}
+
+in_envoy!(
+    the_edge_example_limits_a_client_by_its_address,
+    the_concurrency_example_releases_places,
+    the_token_budget_example_charges_what_responses_used,
+    the_reservations_example_reserves_and_settles,
+    the_rlqs_example_enforces_its_assignments,
+    the_network_filter_example_limits_connections,
+);
