@@ -12,7 +12,7 @@ run:
 ## that start Redis again on Valkey, where valkey-server is installed (.ci/run installs it).
 REDIS_SUITES = accounting admin binary calendar cluster differential grpc holds isolation redis refunds reload reservations rlqs top tracing values xds
 test: deps lint
-	RATELIMITD_REQUIRE_FIXTURES=$${RATELIMITD_REQUIRE_FIXTURES-} RATELIMITD_REQUIRE_HELM=1 RATELIMITD_REQUIRE_GRPCIO=1 $(CARGO) test
+	RATELIMITD_REQUIRE_FIXTURES=$${RATELIMITD_REQUIRE_FIXTURES-} RATELIMITD_REQUIRE_HELM=1 RATELIMITD_REQUIRE_GRPCIO=1 RATELIMITD_REQUIRE_ENVOY=1 $(CARGO) test
 	@if command -v valkey-server >/dev/null 2>&1; then \
 	  echo "test: the Redis suites again, on $$(valkey-server --version | cut -d' ' -f1-3)"; \
 	  RATELIMITD_TEST_REDIS_SERVER=valkey-server $(CARGO) test $(foreach t,$(REDIS_SUITES),--test $(t)); \

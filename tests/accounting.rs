@@ -393,6 +393,7 @@ async fn headers_after_a_report_show_nothing_left_and_the_real_reset() {
 async fn the_token_budget_example_meets_envoys_protos_and_holds() {
     use envoy_types::pb::envoy::extensions::filters::http::lua::v3::Lua;
     use envoy_types::pb::envoy::extensions::filters::http::ratelimit::v3::RateLimit as Filter;
+    use envoy_types::pb::envoy::extensions::filters::http::ratelimit::v3::RateLimitPerRoute;
     use envoy_types::pb::envoy::extensions::filters::http::router::v3::Router;
     use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::HttpConnectionManager;
     use envoy_types::pb::envoy::extensions::upstreams::http::v3::HttpProtocolOptions;
@@ -405,19 +406,22 @@ async fn the_token_budget_example_meets_envoys_protos_and_holds() {
         HttpConnectionManager::type_url(),
         Lua::type_url(),
         Filter::type_url(),
+        RateLimitPerRoute::type_url(),
         Router::type_url(),
         HttpProtocolOptions::type_url(),
     ];
-    assert_eq!(envoy_types_in(&text, &known), 5);
+    assert_eq!(envoy_types_in(&text, &known), 6);
     let doc: serde_json::Value = serde_saphyr::from_str(&text).unwrap();
     let hcm =
         &doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"];
     let filters = hcm["http_filters"].as_array().unwrap();
     let domain = filters[1]["typed_config"]["domain"].as_str().unwrap();
-    let route = &hcm["route_config"]["virtual_hosts"][0]["routes"][0]["route"];
-    // Each route rate limit, read into Envoy's message field by field: a field Envoy does not
-    // have is refused here.
-    let limits: Vec<_> = route["rate_limits"]
+    // The filter's per-route config (RateLimitPerRoute): the only place Envoy honours
+    // hits_addend. Each rate limit, read into Envoy's message field by field: a field Envoy
+    // does not have is refused here.
+    let route = &hcm["route_config"]["virtual_hosts"][0]["routes"][0];
+    let per_route = &route["typed_per_filter_config"]["envoy.filters.http.ratelimit"];
+    let limits: Vec<_> = per_route["rate_limits"]
         .as_array()
         .unwrap()
         .iter()

@@ -200,11 +200,19 @@ async fn a_settlement_gives_back_what_its_hold_took_once(kind: Kind) {
     );
     call(&mut c, settle("r3", 150_000, None)).await;
     assert_eq!(left(&mut c).await, 940_000, "{kind:?}: the hold's 100,000");
-    // A replayed id while held is refused; once settled, the id may be taken again.
+    // A replayed id while held is refused, and its own settlement (Envoy sends one for a
+    // refused request too) is owed to the hold: it gives nothing back and leaves the hold.
+    // Once settled, the id may be taken again.
     assert!(is_ok(&call(&mut c, reserve("r2", 1_000)).await));
     assert!(
         is_over(&call(&mut c, reserve("r2", 1_000)).await),
         "{kind:?}"
+    );
+    call(&mut c, settle("r2", 1_000, None)).await;
+    assert_eq!(
+        left(&mut c).await,
+        939_000,
+        "{kind:?}: the replay's give-back is owed"
     );
     call(&mut c, settle("r2", 400, None)).await;
     assert_eq!(left(&mut c).await, 939_400, "{kind:?}: a partial refund");
@@ -323,7 +331,59 @@ async fn the_admin_api_lists_and_clears_holds(kind: Kind) {
     );
 }
 
+/// A client that reuses an id in flight (an Envoy that is not the edge keeps the client's
+/// x-request-id) is refused, and the refused request's release (Envoy sends it for a 429'd
+/// request too) is owed to the hold it collided with: it frees nothing, so the tenant never
+/// has more than its places in flight. However many replays, each owes one release; the place
+/// is freed by the release after them, in whatever order they come.
+async fn a_refused_replays_release_never_frees_the_place_it_collided_with(kind: Kind) {
+    let s = start(kind, &[("llm.yaml", CONFIG)], &[]).await;
+    let mut c = s.client().await;
+    assert_eq!(admitted(&mut c, "acme", &["a"]).await, [true]);
+    // Three replays of "a", each refused, each released at once.
+    for _ in 0..3 {
+        assert!(
+            is_over(&call(&mut c, acquire("acme", "a")).await),
+            "{kind:?}"
+        );
+        call(&mut c, release("acme", "a")).await;
+    }
+    assert_eq!(
+        admitted(&mut c, "acme", &["b", "c", "d"]).await,
+        [true, true, false],
+        "{kind:?}: a's place is still taken"
+    );
+    assert_eq!(in_use(&s).await, 3.0, "{kind:?}");
+    // a's own release, after the replays', frees it.
+    call(&mut c, release("acme", "a")).await;
+    assert_eq!(
+        admitted(&mut c, "acme", &["e", "f"]).await,
+        [true, false],
+        "{kind:?}"
+    );
+    // The other order: a replay of b refused; b's own release comes first and is taken as
+    // the one owed, the replay's later one frees the place. Never more than 3 in flight.
+    assert!(is_over(&call(&mut c, acquire("acme", "b")).await));
+    call(&mut c, release("acme", "b")).await;
+    assert_eq!(admitted(&mut c, "acme", &["g"]).await, [false], "{kind:?}");
+    call(&mut c, release("acme", "b")).await;
+    assert_eq!(
+        admitted(&mut c, "acme", &["g", "h"]).await,
+        [true, false],
+        "{kind:?}"
+    );
+    // A released id owes nothing: taken again, released once, it frees its place.
+    for id in ["c", "e", "g"] {
+        call(&mut c, release("acme", id)).await;
+    }
+    assert_eq!(in_use(&s).await, 0.0, "{kind:?}");
+    assert_eq!(admitted(&mut c, "acme", &["a"]).await, [true]);
+    call(&mut c, release("acme", "a")).await;
+    assert_eq!(in_use(&s).await, 0.0, "{kind:?}");
+}
+
 every_backend!(
+    a_refused_replays_release_never_frees_the_place_it_collided_with,
     the_admin_api_lists_and_clears_holds,
     places_in_use_are_a_gauge_per_rule,
     three_places_four_holds_and_a_release_frees_one,
@@ -522,8 +582,14 @@ async fn the_concurrency_example_meets_envoys_protos_and_holds() {
     let doc: serde_json::Value = serde_saphyr::from_str(&text).unwrap();
     let hcm =
         &doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"];
-    let route = &hcm["route_config"]["virtual_hosts"][0]["routes"][0]["route"];
-    let limits: Vec<_> = route["rate_limits"]
+    // The filter's per-route config: the only place Envoy honours hits_addend.
+    let route = &hcm["route_config"]["virtual_hosts"][0]["routes"][0];
+    let per_route = &route["typed_per_filter_config"]["envoy.filters.http.ratelimit"];
+    assert_eq!(
+        per_route["@type"],
+        "type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimitPerRoute"
+    );
+    let limits: Vec<_> = per_route["rate_limits"]
         .as_array()
         .unwrap()
         .iter()

@@ -432,12 +432,21 @@ impl State {
         }
     }
 
-    /// Releases the place `id` holds, if it holds one not ended at `now`; returns when it
-    /// would have ended.
+    /// The holds of a concurrency limit's places, to change.
+    pub(crate) fn places_mut(&mut self) -> Option<&mut Holds> {
+        match self {
+            State::Places(holds) => Some(holds),
+            _ => None,
+        }
+    }
+
+    /// Releases the place `id` holds, if it holds one not ended at `now` and owes no release to
+    /// a refused replay (then that release is consumed instead); returns when it would have
+    /// ended.
     pub(crate) fn release_place(&mut self, limit: &Limit, now: u64, id: &HoldId) -> Option<u64> {
         self.advance(limit, now);
         match self {
-            State::Places(holds) => holds.release(id).map(|h| h.end),
+            State::Places(holds) => holds.settle(id).map(|h| h.end),
             _ => None,
         }
     }

@@ -24,6 +24,10 @@ pub(crate) const LONGEST_KEPT_ID: usize = 64;
 /// shared id's header; measured against the allocator, rounded up).
 pub(crate) const HOLD_OVERHEAD: u64 = 160;
 
+/// Bytes a release owed to a refused replay costs beyond its hold (a slot in one more index;
+/// the id is shared). At most one per hold.
+pub(crate) const OWED_OVERHEAD: u64 = 48;
+
 /// A hold's id as it is stored: `=` and the id as sent (up to [`LONGEST_KEPT_ID`] bytes), or
 /// `#` and the SHA-256 of a longer one. Injective, and at most 65 bytes however long the id.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -141,6 +145,9 @@ pub(crate) struct Holds {
     id_bytes: u64,
     /// Holds that ended unreleased and were dropped since [`Holds::take_ended`] last ran.
     ended: u64,
+    /// Releases owed by live holds to admissions refused because they named them (a replayed
+    /// id): each is consumed by a release of that id before the hold itself is.
+    owed: HashMap<HoldId, u32>,
 }
 
 impl Holds {
@@ -199,6 +206,32 @@ impl Holds {
         false
     }
 
+    /// Notes that an admission naming `id` was refused while `id` is held (a replayed id):
+    /// that request's own release will come (Envoy sends the stream-done call for a refused
+    /// request too) and must not end the hold of the request that took it. Saturates at
+    /// `u32::MAX` releases owed; nothing is noted for an id not held.
+    pub(crate) fn owe(&mut self, id: &HoldId) {
+        if self.by_id.contains_key(id) {
+            let n = self.owed.entry(id.clone()).or_insert(0);
+            *n = n.saturating_add(1);
+        }
+    }
+
+    /// A release naming `id`: consumes a release the hold owes, if any (and ends nothing), else
+    /// ends the hold and returns what it took. So a refused replay's release never frees the
+    /// place (or gives back the reservation) of the request it collided with; if the refused
+    /// request's release never comes, the hold ends at its end (the safe direction).
+    pub(crate) fn settle(&mut self, id: &HoldId) -> Option<Held> {
+        if let Some(n) = self.owed.get_mut(id) {
+            *n -= 1;
+            if *n == 0 {
+                self.owed.remove(id);
+            }
+            return None;
+        }
+        self.release(id)
+    }
+
     /// Ends the hold of `id` and returns what it took, if it was held.
     pub(crate) fn release(&mut self, id: &HoldId) -> Option<Held> {
         let held = self.forget(id)?;
@@ -209,6 +242,7 @@ impl Holds {
     fn forget(&mut self, id: &HoldId) -> Option<Held> {
         let held = self.by_id.remove(id)?;
         self.id_bytes -= id.0.len() as u64;
+        self.owed.remove(id);
         Some(held)
     }
 
@@ -227,7 +261,9 @@ impl Holds {
 
     /// Heap bytes these holds cost, for the memory bound.
     pub(crate) fn heap_bytes(&self) -> u64 {
-        self.id_bytes + self.by_id.len() as u64 * HOLD_OVERHEAD
+        self.id_bytes
+            + self.by_id.len() as u64 * HOLD_OVERHEAD
+            + self.owed.len() as u64 * OWED_OVERHEAD
     }
 }
 

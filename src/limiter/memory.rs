@@ -67,6 +67,17 @@ struct Entry {
 }
 
 impl Entry {
+    /// A release of `id` owed to a refused replay (see [`Holds::owe`]).
+    fn owe(&mut self, id: &HoldId) {
+        let holds = match self.state.places_mut() {
+            Some(places) => Some(places),
+            None => self.holds.as_deref_mut(),
+        };
+        if let Some(holds) = holds {
+            holds.owe(id);
+        }
+    }
+
     /// The live hold of `id` on this counter, if any.
     fn held(&self, id: &HoldId, now: u64) -> Option<Held> {
         self.state
@@ -301,13 +312,15 @@ impl MemoryBackend {
                 Some(e) if e.state.is(hit.limit.algorithm) => {
                     let mut v = e.state.check(&hit.limit, now, asked);
                     // A hold already held is refused (a replayed id): what a refund can give
-                    // back stays what one admission took.
+                    // back stays what one admission took. The refused request's release is
+                    // owed to it, so that it never ends the hold it collided with.
                     if let Some(id) = hit.hold.id()
                         && hit.kind == HitKind::Admission
                         && asked > 0
                         && let Some(held) = e.held(id, now)
                     {
                         v = replayed(held, now);
+                        e.owe(id);
                     }
                     note(i, (0, 0, e.state.take_ended()));
                     v
@@ -422,7 +435,7 @@ impl MemoryBackend {
                 }
             }
             Change::Release(id) => {
-                if let Some(held) = entry.holds.as_mut().and_then(|h| h.release(id))
+                if let Some(held) = entry.holds.as_mut().and_then(|h| h.settle(id))
                     && held.end > now
                 {
                     entry.state.refund_held(limit, now, held, hit.hits);

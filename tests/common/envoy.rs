@@ -298,11 +298,26 @@ pub(crate) async fn send(
         .write_all(&head(method, path, headers))
         .await
         .unwrap();
+    // Read as a client does: the head, then content-length bytes (Envoy may hold a closing
+    // connection open a second longer, its delayed close), else to the end.
     let mut raw = Vec::new();
-    stream
-        .read_to_end(&mut raw)
-        .await
-        .unwrap_or_else(|e| panic!("{method} {path}: {e}"));
+    let mut buf = [0u8; 8192];
+    loop {
+        if let Some(a) = parse(&raw)
+            && let Some(n) = a
+                .header("content-length")
+                .and_then(|n| n.parse::<usize>().ok())
+            && a.body.len() >= n
+        {
+            return a;
+        }
+        match stream.read(&mut buf).await {
+            Ok(0) => break,
+            Ok(n) => raw.extend_from_slice(&buf[..n]),
+            Err(e) if raw.is_empty() => panic!("{method} {path}: {e}"),
+            Err(_) => break,
+        }
+    }
     parse(&raw).unwrap_or_else(|| panic!("{method} {path}: {:?}", String::from_utf8_lossy(&raw)))
 }
 

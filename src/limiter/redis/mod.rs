@@ -878,7 +878,9 @@ impl Backend for RedisBackend {
             for hit in hits {
                 let conn = &self.stores[self.store_of(hit) as usize].conn;
                 let keys: Vec<Vec<u8>> = match hit.limit.algorithm {
-                    Algorithm::Concurrency => vec![hit.key.as_bytes().to_vec()],
+                    Algorithm::Concurrency => std::iter::once(hit.key.as_bytes().to_vec())
+                        .chain(hold_keys(hit))
+                        .collect(),
                     _ => hold_keys(hit).collect(),
                 };
                 for key in keys {
@@ -895,10 +897,12 @@ impl Backend for RedisBackend {
     }
 }
 
-/// The two keys beside a rate limit's counter that keep its holds (wire.rs, `Args::push`),
-/// when its node keeps holds: its holds by end, and what each took.
+/// The two keys beside a counter that keep its holds (wire.rs, `Args::push`), when its node
+/// keeps holds: a rate limit's holds by end, and what each took with the releases owed to
+/// refused replays; a concurrency limit's counter is its holds, and only the second is used,
+/// for the releases owed.
 fn hold_keys(hit: &Hit) -> impl Iterator<Item = Vec<u8>> + '_ {
-    let held = hit.hold.is_held() && hit.limit.algorithm != Algorithm::Concurrency;
+    let held = hit.hold.is_held();
     [&b":e"[..], b":h"]
         .into_iter()
         .filter(move |_| held)

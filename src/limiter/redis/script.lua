@@ -115,8 +115,12 @@ local c_key, c_algo, c_rpu, c_w, c_burst, c_start, c_st = {}, {}, {}, {}, {}, {}
 -- Calendar counters: whether the counter is one, its four boundaries, and whether none of its
 -- windows holds the call's time (see the header).
 local c_cal, c_b0, c_b1, c_b2, c_b3, c_stale = {}, {}, {}, {}, {}, {}
--- A rate limit's hold keys (false when it keeps no holds): its holds by end, and their hits.
+-- A counter's hold keys (false when its node keeps no holds): a rate limit's holds by end, and
+-- their hits; in the second, for a rate limit and a concurrency limit alike, the releases each
+-- live hold owes to admissions refused for naming it (field OWED .. id; an id starts with = or
+-- #, so no id is such a field).
 local c_hk, c_hh = {}, {}
+local OWED = '!'
 -- The request being decided: its nonce, how many limits it has, and per limit its counter, the
 -- counter's algorithm, hits (0 for a refund, whose hits are in l_back), enforcement and kind
 -- (reused from request to request: only 1..n are read); whether it has refunds, and reports.
@@ -362,11 +366,11 @@ local function undo(at)
     if hits > 0 and hold and hold ~= 'u' then
       -- The hold the decide took goes with what it took.
       local hk = c_hk[l_c[i]]
-      if hk then
+      if algo == 'c' then
+        redis.call('ZREM', key, hold)
+      elseif hk then
         redis.call('ZREM', hk, hold)
         redis.call('HDEL', c_hh[l_c[i]], hold)
-      elseif algo == 'c' then
-        redis.call('ZREM', key, hold)
       end
     end
     if hits > 0 then
@@ -420,6 +424,20 @@ local function build_accounting()
   local function release(i, id)
     local c = l_c[i]
     local key, algo, rpu, w, hits = c_key[c], c_algo[c], c_rpu[c], c_w[c], l_back[i]
+    -- A release owed to a refused replay of this id is consumed first, and ends nothing: a
+    -- refused request's stream-done call never frees the hold it collided with.
+    local hh = c_hh[c]
+    if hh then
+      local owed = tonumber(redis.call('HGET', hh, OWED .. id) or '')
+      if owed then
+        if owed > 1 then
+          redis.call('HINCRBY', hh, OWED .. id, -1)
+        else
+          redis.call('HDEL', hh, OWED .. id)
+        end
+        return
+      end
+    end
     if algo == 'c' then
       local ends = tonumber(redis.call('ZSCORE', key, id) or '')
       if ends then
@@ -432,7 +450,7 @@ local function build_accounting()
       end
       return
     end
-    local hk, hh = c_hk[c], c_hh[c]
+    local hk = c_hk[c]
     if not hk then return end
     local ends = tonumber(redis.call('ZSCORE', hk, id) or '')
     local took = tonumber(redis.call('HGET', hh, id) or '')
@@ -670,9 +688,19 @@ local function build_holding()
       local hold = l_hold[i]
       if hold and hold ~= 'u' and l_hits[i] > 0 and l_kind[i] == 'a' then
         local c = l_c[i]
-        local ends = tonumber(redis.call('ZSCORE', c_hk[c] or c_key[c], hold) or '')
+        local by_end = c_key[c]
+        if l_algo[i] ~= 'c' then by_end = c_hk[c] end
+        local ends = tonumber(redis.call('ZSCORE', by_end, hold) or '')
         if ends and ends > now then
           over[i], out[at + 1], out[at + 2], replayed = true, -1, ends - now, true
+          -- The refused request's own release will come: it is owed to this hold, kept no
+          -- longer than the hold (a second past its end, as the hold keys are).
+          local hh = c_hh[c]
+          if redis.call('HINCRBY', hh, OWED .. hold, 1) > 4294967295 then
+            redis.call('HSET', hh, OWED .. hold, 4294967295)
+          end
+          local ttl = redis.call('PTTL', hh)
+          if ttl < 0 or now / 1000 + ttl < ends / 1000 + 1000 then expire_at_us(hh, ends + 1000000) end
         end
       end
       if l_algo[i] == 'c' then at = at + 4 else at = at + 2 end

@@ -147,7 +147,8 @@ impl Args {
     /// limit's windows are sent as the boundaries around `redis_now` (µs), where Redis' clock
     /// is expected. A rate limit that keeps holds keeps them in two keys beside its counter's
     /// (`<key>:e`, `<key>:h`: a counter's key ends in a digit, so no counter has either name,
-    /// and both are in its slot); a concurrency limit's counter is its holds.
+    /// and both are in its slot); a concurrency limit's counter is its holds, and its `:h`
+    /// keeps the releases owed to refused replays (script.lua, "Holds").
     #[allow(clippy::too_many_arguments)]
     pub(super) fn push(
         &mut self,
@@ -159,7 +160,7 @@ impl Args {
         hold: &Hold,
         redis_now: impl Fn() -> u64,
     ) {
-        let hold_keys = (hold.is_held() && limit.algorithm != Algorithm::Concurrency).then(|| {
+        let hold_keys = hold.is_held().then(|| {
             let start = self.hold_keys.len() as u32;
             self.hold_keys.extend_from_slice(key);
             self.hold_keys.extend_from_slice(b":e");
