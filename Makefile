@@ -2,7 +2,7 @@
 CARGO ?= cargo
 EXAMPLE_LIMITS ?= examples/envoy/limits
 
-.PHONY: run test lint deps build bench pools worst fuzz soak
+.PHONY: run test lint deps build bench envoy-bench pools worst fuzz soak
 
 ## Build and start ratelimitd on the embedded memory backend with the example limits.
 run:
@@ -38,6 +38,11 @@ build:
 ## Throughput and latency under load (release build, loopback only; not part of `make test`).
 bench:
 	./scripts/bench.sh
+
+## Load through a real Envoy (examples/envoy/envoy.yaml, its 20 ms timeout): the RLS latency
+## Envoy observes and the calls it let through, memory and Redis; not in CI.
+envoy-bench:
+	./scripts/envoy-bench.sh
 
 ## A large RLQS pool beside RLS traffic, memory and Redis (release build, loopback); not in CI.
 pools:
