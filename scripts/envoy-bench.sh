@@ -64,14 +64,14 @@ for backend in $BACKENDS; do
   listen=$(free_port) admin=$(free_port)
   sed -e "s/port_value: 10000/port_value: $listen/; s/port_value: 9000/port_value: $up_port/; s/port_value: 8081/port_value: $grpc/; s/address: 0.0.0.0/address: 127.0.0.1/" \
     examples/envoy/envoy.yaml >"$WORK/envoy-$backend.yaml"
-  printf 'admin:\n  address:\n    socket_address: { address: 127.0.0.1, port_value: %s }\n' "$admin" >>"$WORK/envoy-$backend.yaml"
+  printf 'admin:\n  address:\n    socket_address: { address: 127.0.0.1, port_value: %s }\nstats_flush_interval: 1s\n' "$admin" >>"$WORK/envoy-$backend.yaml"
   "$ENVOY" -c "$WORK/envoy-$backend.yaml" --disable-hot-restart --concurrency 2 -l error >"$WORK/envoy-$backend.log" 2>&1 &
   ev=$!
   pids+=("$ev")
   until curl -sf "127.0.0.1:$admin/ready" >/dev/null; do sleep 0.1; done
   # Warm up (connections to ratelimitd and the upstream), then measure from zeroed counters.
-  h2load -n 2000 -c "$CLIENTS" -m "$STREAMS" "http://127.0.0.1:$listen/bench" >/dev/null
-  curl -sf -X POST "127.0.0.1:$admin/reset_counters" >/dev/null
+  h2load -n 500 -c "$CLIENTS" -m "$STREAMS" "http://127.0.0.1:$listen/bench" >/dev/null
+  curl -sf -X POST "127.0.0.1:$admin/reset_counters" >/dev/null # counters; the latency histogram keeps the 500
   rl0=$(cpu_ticks "$rl") ev0=$(cpu_ticks "$ev") rd0=0
   [ "$backend" = redis ] && rd0=$(cpu_ticks "$REDIS_PID")
   buckets "$http" >"$WORK/before"
@@ -80,6 +80,7 @@ for backend in $BACKENDS; do
   rl1=$(cpu_ticks "$rl") ev1=$(cpu_ticks "$ev") rd1=0
   [ "$backend" = redis ] && rd1=$(cpu_ticks "$REDIS_PID")
   buckets "$http" >"$WORK/after"
+  sleep 2 # histograms are read at Envoy's stats flush (every second here)
   stats=$(curl -s "127.0.0.1:$admin/stats?usedonly")
   hist=$(echo "$stats" | grep '^cluster.ratelimitd.upstream_rq_time:' || true)
   q() { echo "$hist" | grep -o "P$1([^)]*)" | sed -E 's/.*,([^)]*)\)/\1/'; }

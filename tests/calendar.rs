@@ -200,9 +200,11 @@ descriptors:
         };
         let end = next.timestamp().as_microsecond() as u64;
         let reset = reset_of(&r, 0);
+        // Whole seconds, rounded up.
         assert!(
-            reset <= Duration::from_micros(end - before)
-                && reset + Duration::from_secs(1) >= Duration::from_micros(end - after),
+            reset < Duration::from_micros(end - before) + Duration::from_secs(1)
+                && reset >= Duration::from_micros(end - after)
+                && reset.subsec_nanos() == 0,
             "{kind:?} {key}: reset {reset:?}, the local boundary is {next}"
         );
         admits_exactly(&mut c, &req, n - 1).await;

@@ -609,3 +609,213 @@ in_envoy!(
     the_rlqs_example_enforces_its_assignments,
     the_network_filter_example_limits_connections,
 );
+
+/// What each example makes Envoy send, recorded by a stand-in rate-limit service (which
+/// answers OVER_LIMIT to a descriptor entry `deny`) and checked against what
+/// docs/configuration.md ("Behind Envoy") and the examples' comments say.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_envoy_sends_for_each_example() {
+    use common::envoy::{Call, Recorder, send};
+    fn shown(calls: &[Call]) -> Vec<Vec<String>> {
+        calls.iter().map(Call::shown).collect()
+    }
+    fn ids(call: &Call) -> Vec<String> {
+        call.request
+            .descriptors
+            .iter()
+            .flat_map(|d| d.entries.iter())
+            .filter(|e| e.key == "request_id")
+            .map(|e| e.value.clone())
+            .collect()
+    }
+    for version in envoy::versions() {
+        let rec = Recorder::start().await;
+        let up = Upstream::start().await;
+
+        // envoy.yaml: one descriptor per rate limit in order; [api_key] with no entries when
+        // the header is absent (skip_if_absent); [header_match] left out for a method other
+        // than POST (a header_value_match that does not match); /healthz asks nothing.
+        let edge = Envoy::start(version, "examples/envoy/envoy.yaml", up.port, rec.port).await;
+        get(edge.http, "/a", &[("x-forwarded-for", "10.9.9.9")]).await;
+        assert_eq!(
+            shown(&rec.take_after(1).await),
+            [[
+                "remote_address=127.0.0.1",
+                "path=/a",
+                "",
+                "generic_key=edge"
+            ]],
+            "Envoy {version}"
+        );
+        send(
+            edge.http,
+            "POST",
+            "/b",
+            &[("x-api-key", "k"), ("content-length", "0")],
+        )
+        .await;
+        assert_eq!(
+            shown(&rec.take_after(1).await),
+            [[
+                "remote_address=127.0.0.1",
+                "path=/b",
+                "api_key=k",
+                "generic_key=edge",
+                "header_match=post"
+            ]],
+            "Envoy {version}"
+        );
+        get(edge.http, "/healthz", &[]).await;
+        assert!(
+            rec.take_after(0).await.is_empty(),
+            "Envoy {version}: /healthz asked"
+        );
+
+        // concurrency.yaml: the place at the request, the release when the stream is done
+        // (after the answer), under the same request id, for a refused request too.
+        let conc = Envoy::start(
+            version,
+            "examples/envoy/concurrency.yaml",
+            up.port,
+            rec.port,
+        )
+        .await;
+        let sent = Instant::now();
+        get(
+            conc.http,
+            "/c",
+            &[
+                ("x-tenant-id", "t"),
+                ("x-delay-ms", "500"),
+                ("x-request-id", "client"),
+            ],
+        )
+        .await;
+        let calls = rec.take_after(2).await;
+        assert_eq!(
+            shown(&calls),
+            [
+                vec!["tenant=t,request_id=*"],
+                vec!["tenant=t,request_id=* hits_addend=1 negative"]
+            ],
+            "Envoy {version}"
+        );
+        assert_eq!(ids(&calls[0]), ids(&calls[1]));
+        assert_ne!(
+            ids(&calls[0]),
+            ["client"],
+            "the edge makes its own request id"
+        );
+        assert!(
+            calls[1].at.duration_since(sent) >= Duration::from_millis(500),
+            "released after the answer"
+        );
+        assert_eq!(
+            get(conc.http, "/c", &[("x-tenant-id", "deny")])
+                .await
+                .status,
+            429
+        );
+        assert_eq!(
+            shown(&rec.take_after(2).await),
+            [
+                vec!["tenant=deny,request_id=*"],
+                vec!["tenant=deny,request_id=* hits_addend=1 negative"]
+            ],
+            "Envoy {version}: a refused request's release comes too"
+        );
+
+        // token-budget.yaml: a check of 0 at the request, the response's tokens when done; a
+        // refused request's stream-done descriptor reads response metadata, so it is left out
+        // and no call is made.
+        let tok = Envoy::start(
+            version,
+            "examples/envoy/token-budget.yaml",
+            up.port,
+            rec.port,
+        )
+        .await;
+        get(tok.http, "/t", &[("x-tenant-id", "t")]).await;
+        assert_eq!(
+            shown(&rec.take_after(2).await),
+            [["tenant=t hits_addend=0"], ["tenant=t hits_addend=4000"]],
+            "Envoy {version}"
+        );
+        assert_eq!(
+            get(tok.http, "/t", &[("x-tenant-id", "deny")]).await.status,
+            429
+        );
+        assert_eq!(
+            shown(&rec.take_after(2).await),
+            [["tenant=deny hits_addend=0"]],
+            "Envoy {version}"
+        );
+
+        // reservations.yaml: the estimate as the request's hits_addend (both calls carry it;
+        // the stream-done descriptors' own win), the give-back and the usage in one call.
+        let res = Envoy::start(
+            version,
+            "examples/envoy/reservations.yaml",
+            up.port,
+            rec.port,
+        )
+        .await;
+        let tenant = |t: &'static str| {
+            [
+                ("x-tenant-id", t),
+                ("x-max-tokens", "900"),
+                ("x-fake-tokens", "600"),
+            ]
+        };
+        get(res.http, "/r", &tenant("t")).await;
+        let calls = rec.take_after(2).await;
+        assert_eq!(
+            shown(&calls),
+            [
+                vec!["tenant=t,request_id=*"],
+                vec![
+                    "tenant=t,request_id=* hits_addend=900 negative",
+                    "tenant=t,request_id=* hits_addend=600"
+                ]
+            ],
+            "Envoy {version}"
+        );
+        assert_eq!(
+            (calls[0].request.hits_addend, calls[1].request.hits_addend),
+            (900, 900)
+        );
+        assert_eq!(get(res.http, "/r", &tenant("deny")).await.status, 429);
+        assert_eq!(
+            shown(&rec.take_after(2).await),
+            [
+                vec!["tenant=deny,request_id=*"],
+                vec!["tenant=deny,request_id=* hits_addend=900 negative"]
+            ],
+            "Envoy {version}: a refused request gives back (its hold took nothing), reports nothing"
+        );
+
+        // network-filter.yaml: one call per connection.
+        let tcp = Envoy::start(
+            version,
+            "examples/envoy/network-filter.yaml",
+            up.port,
+            rec.port,
+        )
+        .await;
+        for _ in 0..3 {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            let mut s = tokio::net::TcpStream::connect(tcp.tcp).await.unwrap();
+            s.write_all(b"GET / HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+                .await
+                .unwrap();
+            let _ = s.read_to_end(&mut Vec::new()).await;
+        }
+        let calls = rec.take_after(3).await;
+        assert_eq!(
+            shown(&calls),
+            [["connection=tcp_proxy"]; 3],
+            "Envoy {version}"
+        );
+        assert!(calls.iter().all(|c| c.request.domain == "edge_tcp"));
+    }
+}

@@ -758,7 +758,9 @@ async fn algorithms_keep_time_exactly_on_a_manual_clock() {
     assert!(is_ok(&hit("bucket", 2).await));
     let r = hit("bucket", 1).await;
     assert!(is_over(&r));
-    assert_eq!(reset_of(&r, 0), Duration::from_millis(250));
+    // 250 ms to the next token, answered in whole seconds rounded up (Envoy reads whole
+    // seconds): 1 s.
+    assert_eq!(reset_of(&r, 0), Duration::from_secs(1));
     clock.advance(Duration::from_millis(250));
     assert!(is_ok(&hit("bucket", 1).await));
     assert!(is_over(&hit("bucket", 1).await));
@@ -842,11 +844,13 @@ async fn algorithms_recover_on_the_wall_clock_when_they_said(kind: Kind) {
             async move { is_ok(&call(&mut c, req).await).then_some(()) }
         })
         .await;
-        // Admitted, and not long before the time it announced (10 ms of clock slack).
+        // Admitted, and not long before the time it announced: `said` is whole seconds
+        // rounded up, so up to a second early (and 10 ms of clock slack).
         assert!(
-            asked.elapsed() + Duration::from_millis(10) >= said,
+            asked.elapsed() + Duration::from_millis(1010) >= said,
             "{algorithm}: admitted early"
         );
+        assert_eq!(said.subsec_nanos(), 0, "{algorithm}: whole seconds");
     }
 }
 

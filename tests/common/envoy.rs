@@ -369,3 +369,134 @@ fn parse(raw: &[u8]) -> Option<Answer> {
         body: body.to_owned(),
     })
 }
+
+/// A recording rate-limit service: every `ShouldRateLimit` call Envoy makes, as it arrived,
+/// answered `OVER_LIMIT` when one of its descriptors has an entry of value `deny`, else `OK`
+/// (one status per descriptor).
+pub(crate) struct Recorder {
+    pub port: u16,
+    pub calls: std::sync::Arc<std::sync::Mutex<Vec<Call>>>,
+    _task: tokio::task::JoinHandle<()>,
+}
+
+/// One call as the recorder saw it.
+#[derive(Clone, Debug)]
+pub(crate) struct Call {
+    pub request: envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest,
+    pub at: Instant,
+}
+
+impl Call {
+    /// Each descriptor as `key=value,…` (empty for a descriptor with no entries), then its
+    /// `hits_addend` and `is_negative_hits` when set: `tenant=a,request_id=*` with the
+    /// request id written `*`.
+    pub(crate) fn shown(&self) -> Vec<String> {
+        self.request
+            .descriptors
+            .iter()
+            .map(|d| {
+                let mut s = d
+                    .entries
+                    .iter()
+                    .map(|e| {
+                        let v = if e.key == "request_id" {
+                            "*"
+                        } else {
+                            e.value.as_str()
+                        };
+                        format!("{}={v}", e.key)
+                    })
+                    .collect::<Vec<_>>()
+                    .join(",");
+                if let Some(h) = &d.hits_addend {
+                    s.push_str(&format!(" hits_addend={}", h.value));
+                }
+                if d.is_negative_hits {
+                    s.push_str(" negative");
+                }
+                s
+            })
+            .collect()
+    }
+}
+
+struct RecorderService(std::sync::Arc<std::sync::Mutex<Vec<Call>>>);
+
+#[tonic::async_trait]
+impl envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService
+    for RecorderService
+{
+    async fn should_rate_limit(
+        &self,
+        request: tonic::Request<envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest>,
+    ) -> Result<
+        tonic::Response<envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse>,
+        tonic::Status,
+    > {
+        use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
+            Code, DescriptorStatus,
+        };
+        let request = request.into_inner();
+        let deny = request
+            .descriptors
+            .iter()
+            .any(|d| d.entries.iter().any(|e| e.value == "deny"));
+        let code = if deny { Code::OverLimit } else { Code::Ok } as i32;
+        let statuses = request
+            .descriptors
+            .iter()
+            .map(|_| DescriptorStatus {
+                code,
+                ..Default::default()
+            })
+            .collect();
+        self.0.lock().unwrap().push(Call {
+            request,
+            at: Instant::now(),
+        });
+        Ok(tonic::Response::new(
+            envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse {
+                overall_code: code,
+                statuses,
+                ..Default::default()
+            },
+        ))
+    }
+}
+
+impl Recorder {
+    pub(crate) async fn start() -> Recorder {
+        use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let calls = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let service = RateLimitServiceServer::new(RecorderService(calls.clone()));
+        let task = tokio::spawn(async move {
+            let _ = tonic::transport::Server::builder()
+                .add_service(service)
+                .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener))
+                .await;
+        });
+        Recorder {
+            port,
+            calls,
+            _task: task,
+        }
+    }
+
+    /// The calls so far, and forgets them.
+    pub(crate) fn take(&self) -> Vec<Call> {
+        std::mem::take(&mut *self.calls.lock().unwrap())
+    }
+
+    /// Waits until `n` calls have arrived (10 s at most), then waits 200 ms more and takes
+    /// every call: so that a call too many shows.
+    pub(crate) async fn take_after(&self, n: usize) -> Vec<Call> {
+        let until = Instant::now() + Duration::from_secs(10);
+        while self.calls.lock().unwrap().len() < n && Instant::now() < until {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        self.take()
+    }
+}
