@@ -339,6 +339,11 @@ fn serve_grpc<H: tonic_health::pb::health_server::Health>(
     let router = |age: Option<Duration>| {
         let mut server = tonic::transport::Server::builder()
             .max_concurrent_streams(MAX_STREAMS_PER_CONNECTION)
+            // Envoy resets a call it gave up on (its 20 ms timeout): under load many are reset
+            // before they are accepted, and past h2's default of 20 such streams it closes the
+            // whole connection (ENHANCE_YOUR_CALM), failing every call on it. As many as the
+            // streams a connection may have: still a bound against a rapid-reset peer.
+            .http2_max_pending_accept_reset_streams(Some(MAX_STREAMS_PER_CONNECTION as usize))
             .http2_max_header_list_size(MAX_HEADER_BYTES)
             .timeout(options.request_timeout)
             .http2_keepalive_interval(Some(conns.idle_timeout / 3))
