@@ -257,6 +257,14 @@ impl Envoy {
         }
     }
 
+    /// Waits (10 s at most) until `n` requests are in flight to the upstream.
+    pub(crate) async fn wait_in_flight(&self, n: u64) {
+        super::poll(Duration::from_secs(10), || async {
+            (self.stat("cluster.upstream.upstream_rq_active").await == n).then_some(())
+        })
+        .await
+    }
+
     /// What Envoy logged (warnings and worse).
     pub(crate) fn log(&self) -> String {
         std::fs::read_to_string(self.dir.path().join("envoy.log")).unwrap_or_default()
