@@ -2,7 +2,7 @@
 CARGO ?= cargo
 EXAMPLE_LIMITS ?= examples/envoy/limits
 
-.PHONY: run test lint deps build bench envoy-bench pools worst fuzz soak
+.PHONY: run test lint deps build bench envoy-bench rlqs-restart pools worst fuzz soak
 
 ## Build and start ratelimitd on the embedded memory backend with the example limits.
 run:
@@ -43,6 +43,11 @@ bench:
 ## Envoy observes and the calls it let through, memory and Redis; not in CI.
 envoy-bench:
 	./scripts/envoy-bench.sh
+
+## A rolling restart on the quota path (examples/envoy/rlqs.yaml): what the Envoy that replaces
+## a killed one admits from its first request, memory and Redis; not in CI.
+rlqs-restart:
+	./scripts/rlqs-restart.sh
 
 ## A large RLQS pool beside RLS traffic, memory and Redis (release build, loopback); not in CI.
 pools:

@@ -481,7 +481,7 @@ async fn the_reservations_example_reserves_and_settles(kind: Kind, version: &'st
 
 /// examples/envoy/rlqs.yaml with limits/config.yaml: Envoy's quota filter takes ratelimitd's
 /// assignment for the bucket {api_key} (a burst of 10 refilled at 10,000 a day, the tighter of
-/// the rule's two limits) and enforces it.
+/// the rule's two limits, and half of that before any use is seen) and enforces it.
 async fn the_rlqs_example_enforces_its_assignments(kind: Kind, version: &'static str) {
     let rls = ratelimitd(kind, &[]).await;
     let up = Upstream::start().await;
@@ -493,7 +493,7 @@ async fn the_rlqs_example_enforces_its_assignments(kind: Kind, version: &'static
     )
     .await;
     let key = [("x-api-key", "k1")];
-    // Until the first assignment Envoy allows all; then the bucket of 10 is spent.
+    // Until the first assignment Envoy allows all; then the bucket (5 or 10) is spent.
     poll(Duration::from_secs(20), || async {
         (get(envoy.http, "/q", &key).await.status == 429).then_some(())
     })
@@ -515,6 +515,60 @@ async fn the_rlqs_example_enforces_its_assignments(kind: Kind, version: &'static
     for _ in 0..30 {
         assert_eq!(get(envoy.http, "/q", &[]).await.status, 200);
     }
+}
+
+/// examples/envoy/rlqs.yaml on a pool far above use (10^9 a second), restarted as a rolling
+/// restart does: the first Envoy is killed while its grant is held (its lease runs 21 s), and
+/// the Envoy that replaces it is admitted from its first assignment, since no grant holds more
+/// than twice what its client asks (docs/rlqs.md, "Fair shares"). Before, the first Envoy held
+/// the whole pool and its successor got one token a second until the lease ran out.
+async fn a_restarted_envoy_is_admitted_from_its_first_assignment(
+    kind: Kind,
+    version: &'static str,
+) {
+    let limits = "domain: rolling\ndescriptors:\n  - key: api_key\n    rate_limit: { unit: second, requests_per_unit: 1000000000 }\n";
+    let rls = ratelimitd(kind, &[("rolling.yaml", limits)]).await;
+    let up = Upstream::start().await;
+    let text = std::fs::read_to_string(envoy::root().join("examples/envoy/rlqs.yaml")).unwrap();
+    let yaml = text.replace("domain: edge", "domain: rolling");
+    assert_ne!(yaml, text);
+    let key = [("x-api-key", "tenant")];
+    let assigned = || async {
+        let (_, m) = rls.http_get("/metrics").await;
+        metric(
+            &m,
+            r#"ratelimit_rlqs_assignments_total{kind="token_bucket"}"#,
+        )
+    };
+    // Traffic through the first Envoy until its bucket has been assigned a token bucket.
+    let mut first = Envoy::start(version, &yaml, up.port, rls.grpc.port()).await;
+    poll(Duration::from_secs(20), || async {
+        assert_eq!(get(first.http, "/a", &key).await.status, 200);
+        (assigned().await >= 1.0).then_some(())
+    })
+    .await;
+    for _ in 0..50 {
+        assert_eq!(get(first.http, "/a", &key).await.status, 200);
+    }
+    first.kill();
+    // Its successor: allowed all until its first assignment, and then still admitted.
+    let before = assigned().await;
+    let second = Envoy::start(version, &yaml, up.port, rls.grpc.port()).await;
+    poll(Duration::from_secs(20), || async {
+        assert_eq!(get(second.http, "/b", &key).await.status, 200);
+        (assigned().await > before).then_some(())
+    })
+    .await;
+    let mut admitted = 0;
+    for _ in 0..200 {
+        if get(second.http, "/b", &key).await.status == 200 {
+            admitted += 1;
+        }
+    }
+    assert!(
+        admitted >= 180,
+        "Envoy {version}, restarted beside its predecessor's grant: {admitted} of 200 admitted"
+    );
 }
 
 /// examples/envoy/network-filter.yaml with the limits its comment gives: a token bucket of
@@ -589,6 +643,7 @@ in_envoy!(
     the_token_budget_example_charges_what_responses_used,
     the_reservations_example_reserves_and_settles,
     the_rlqs_example_enforces_its_assignments,
+    a_restarted_envoy_is_admitted_from_its_first_assignment,
     the_network_filter_example_limits_connections,
 );
 

@@ -973,11 +973,13 @@ descriptors:
     let e = Envoy::connect(&s, 0, "n", &board).await;
     type Expect = fn(Told) -> bool;
     let cases: [(Pairs<'_>, Expect); 7] = [
+        // Half the hour's 100 at first: a lone bucket with no demand seen asks the floor and
+        // is granted at most twice that (docs/rlqs.md, "Fair shares").
         (&[("user", "u1"), ("tenant", "acme")], |t| {
             matches!(
                 t,
                 Told::Bucket {
-                    tokens_per_fill: 100,
+                    tokens_per_fill: 50,
                     fill_s: 3600,
                     ..
                 }
@@ -1049,11 +1051,12 @@ descriptors:
     }
     assert_eq!(e.until(places, |_| true).await, Told::Allow);
     let told = e.until(mixed, |_| true).await;
+    // The hour's 50, halved while no demand is seen (docs/rlqs.md, "Fair shares").
     assert!(
         matches!(
             told,
             Told::Bucket {
-                tokens_per_fill: 50,
+                tokens_per_fill: 25,
                 fill_s: 3600,
                 ..
             }
@@ -1291,15 +1294,28 @@ async fn the_envoy_example_buckets_meet_the_example_limits() {
     e.report(&[(bucket, 0, 0)], Duration::ZERO).await;
     let told = e.until(bucket, |_| true).await;
     // 10 per second over a day is 864,000; the daily limit, 10,000, is the lesser. A burst of
-    // at most the per-second limit's 10.
+    // at most the per-second limit's 10. Before any demand is seen, half of each (a lone
+    // bucket asks the floor, a quarter, and is granted at most twice its ask).
     assert_eq!(
         told,
         Told::Bucket {
-            max_tokens: 10,
-            tokens_per_fill: 10_000,
+            max_tokens: 5,
+            tokens_per_fill: 5_000,
             fill_s: 86_400
         }
     );
+    // Once a report shows it asking (10 a second is far more than 10,000 a day), all of it.
+    let full = Told::Bucket {
+        max_tokens: 10,
+        tokens_per_fill: 10_000,
+        fill_s: 86_400,
+    };
+    poll(Duration::from_secs(10), || async {
+        e.report(&[(bucket, 10, 0)], Duration::from_secs(1)).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        (e.told(bucket) == Some(full)).then_some(())
+    })
+    .await;
 }
 
 /// What the quota server holds per bucket and per stream, as a fresh daemon's resident memory

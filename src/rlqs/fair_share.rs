@@ -11,7 +11,9 @@ pub(crate) const HEADROOM: f64 = 1.1;
 /// when not measured yet) are given, max-min fairly: a client asking less than an equal split
 /// of what is left keeps what it asks (with `HEADROOM`); the rest is split equally among the
 /// others. Every client asks at least the floor. What nobody asks for is split equally among all,
-/// so the shares add up to `capacity` exactly.
+/// but nobody gets more of it than its own ask ([`share_of`]): a share is at most twice what
+/// its client asks, and the rest of a pool far from its limit stays unheld, so that a client
+/// that joins (an Envoy restarted while its predecessor's grant runs out) finds room at once.
 pub fn fair_shares(capacity: f64, demands: &[Option<f64>]) -> Vec<f64> {
     let n = demands.len();
     if n == 0 {
@@ -41,7 +43,18 @@ pub fn fair_shares(capacity: f64, demands: &[Option<f64>]) -> Vec<f64> {
     } else {
         0.0
     };
-    asks.iter().map(|a| a.min(level) + extra).collect()
+    asks.iter().map(|&a| share_of(a, level, extra)).collect()
+}
+
+/// A client's share from its ask and a split's terms (`level`: infinite when every ask was met;
+/// `extra`: an equal split of what nobody asked for): its ask up to the level, and of the extra
+/// at most as much again. Not the whole of the spare: a grant is held until its lease ends, and
+/// the spare handed to a client that then dies would lock its successor out meanwhile (tried:
+/// an Envoy restarted beside its predecessor's whole-pool grant admitted 3 of 387,027 requests).
+/// The same arithmetic as rlqs.lua's `share_of`.
+pub(crate) fn share_of(ask: f64, level: f64, extra: f64) -> f64 {
+    let met = ask.min(level);
+    met + extra.min(met)
 }
 
 /// What a client asking `demand` (tokens per window; `None` when not measured) counts for in a
@@ -73,12 +86,18 @@ mod tests {
     }
 
     #[test]
-    fn unused_capacity_is_spread_over_everyone() {
+    fn unused_capacity_is_spread_over_everyone_up_to_their_own_ask() {
         let s = fair_shares(100.0, &[Some(20.0), Some(30.0)]);
         assert!(
-            close(s[0], 22.0 + 22.5) && close(s[1], 33.0 + 22.5),
+            close(s[0], 22.0 + 22.0) && close(s[1], 33.0 + 22.5),
             "{s:?}"
         );
+        // Far from the limit, a share is twice the ask (the floor here) and the rest is unheld:
+        // a newcomer's floor fits beside it.
+        let s = fair_shares(1e9, &[Some(130_000.0)]);
+        assert!(close(s[0], 5e8), "{s:?}");
+        let s = fair_shares(1e9, &[Some(130_000.0), None]);
+        assert!(close(s[0], 2.5e8) && close(s[1], 2.5e8), "{s:?}");
     }
 
     #[test]

@@ -21,7 +21,7 @@ use futures_util::future::join_all;
 use parking_lot::Mutex;
 use tokio::time::Instant;
 
-use super::fair_share::{FLOOR_OF_EQUAL_SPLIT, HEADROOM, ask};
+use super::fair_share::{FLOOR_OF_EQUAL_SPLIT, HEADROOM, ask, share_of};
 use super::pool::{Demand, LEASE_GRACE, moved_far, whole};
 use super::{Grant, ParticipantId, PoolSpec, Signal, Usage};
 use crate::limiter::BackendError;
@@ -321,7 +321,11 @@ impl RedisPools {
 }
 
 /// A member's share under a pass's `terms`, in whole tokens, as the script computes it:
-/// min(ask, level) + extra.
+/// `share_of(ask, level, extra)`.
 fn share(terms: &ShareTerms, demand: Option<f64>) -> u64 {
-    whole(ask(demand, terms.capacity, terms.least).min(terms.level) + terms.extra)
+    whole(share_of(
+        ask(demand, terms.capacity, terms.least),
+        terms.level,
+        terms.extra,
+    ))
 }

@@ -39,7 +39,7 @@
 -- lease still counts). Both return {tokens, max_tokens, pass} and, when `pass` is 1 (a pass
 -- ended in this call: the shares moved), the new shares' terms as strings: {level, extra,
 -- floor, capacity}, and the tokens of the limit no grant holds (an integer); a member's share
--- is min(ask, level) + extra, its ask being its demand with headroom, at most the capacity
+-- is share_of(ask, level, extra), its ask being its demand with headroom, at most the capacity
 -- and at least the floor (level `inf`: every ask is met).
 -- Leave's tokens are 0. {-1}: the key holds data this service did not write; nothing written.
 --
@@ -81,8 +81,16 @@ local function new_walk(n, cap, floor_frac, headroom)
   return {k = 0, n = n, left = cap, cap = cap, least = least, headroom = headroom}
 end
 
+-- A share from its ask and a pass's terms: the ask up to the level, and of the extra at most
+-- as much again (share_of in fair_share.rs: the rest of a pool far from its limit stays unheld
+-- for a newcomer, since a grant is held until its lease ends).
+local function share_of(a, level, extra)
+  local met = min(a, level)
+  return met + min(extra, met)
+end
+
 -- The end of a walk: the level (math.huge when every ask was met) and what nobody asked,
--- spread over everyone.
+-- split equally (each member takes of it at most its own ask: share_of).
 local function finish(w, level)
   if level then return level, 0 end
   local extra = 0
@@ -111,7 +119,7 @@ if op == 'shares' then
   local extra
   level, extra = finish(w, level)
   local out = {}
-  for i = 1, n do out[i] = string.format('%.17g', min(asks[i], level) + extra) end
+  for i = 1, n do out[i] = string.format('%.17g', share_of(asks[i], level, extra)) end
   return out
 end
 
@@ -262,7 +270,7 @@ local tokens, max_tokens = 0, 0
 if op == 'grant' then
   local others = S.held - me.tokens
   local share = 0
-  if S.n > 0 then share = min(ask(me.demand, S.cap, S.least, headroom), S.level) + S.extra end
+  if S.n > 0 then share = share_of(ask(me.demand, S.cap, S.least, headroom), S.level, S.extra) end
   tokens = max(min(whole(share), max(limit - others, 0)), 1)
   max_tokens = max(floor(burst * tokens / limit), 1)
   S.held = others + tokens
