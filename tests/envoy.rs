@@ -9,6 +9,7 @@ mod common;
 use std::time::Duration;
 
 use common::envoy::{self, Envoy, Upstream, get, send_and_reset};
+use common::istio;
 use common::*;
 use tokio::time::Instant;
 
@@ -58,7 +59,7 @@ macro_rules! in_envoy {
 
 /// The ratelimit filter asked, answered, and never failed: the counts Envoy itself keeps.
 async fn assert_decided(envoy: &Envoy, ok: u64, over: u64) {
-    let s = envoy.ratelimit_stats("upstream").await;
+    let s = envoy.ratelimit_stats(&envoy.upstream).await;
     assert_eq!(
         (s.ok, s.over_limit, s.error, s.failure_mode_allowed),
         (ok, over, 0, 0),
@@ -70,7 +71,7 @@ async fn assert_decided(envoy: &Envoy, ok: u64, over: u64) {
 
 /// No call failed or came late: Envoy let nothing through undecided.
 async fn assert_never_failed(envoy: &Envoy) {
-    let s = envoy.ratelimit_stats("upstream").await;
+    let s = envoy.ratelimit_stats(&envoy.upstream).await;
     assert_eq!(
         (s.error, s.failure_mode_allowed),
         (0, 0),
@@ -214,8 +215,28 @@ async fn the_concurrency_example_releases_places(kind: Kind, version: &'static s
         rls.grpc.port(),
     )
     .await;
+    places_are_taken_and_released(&rls, &envoy, 3).await;
+}
+
+/// istio-concurrency.yaml's patches applied to an ingress gateway as istiod applies them, with
+/// limits/concurrency.yaml: the places of the_concurrency_example_releases_places.
+async fn the_istio_concurrency_patches_release_places(kind: Kind, version: &'static str) {
+    let rls = ratelimitd(kind, &[]).await;
+    let up = Upstream::start().await;
+    let gateway = istio::gateway_with(&["examples/envoy/istio-concurrency.yaml"]);
+    let mut envoy = Envoy::start(version, &gateway, up.port, rls.grpc.port()).await;
+    envoy.upstream = istio::UPSTREAM.to_owned();
+    places_are_taken_and_released(&rls, &envoy, 2).await;
+}
+
+/// Through `envoy` (whose filter has domain `llm` and the tenant's places in front of
+/// `upstream.py`): for `rounds` rounds, five slow requests take a tenant's 5 places, a sixth is
+/// refused, another tenant is admitted, and once they are answered five more are; then five
+/// client resets give their places back.
+async fn places_are_taken_and_released(rls: &TestServer, envoy: &Envoy, rounds: usize) {
+    let version = envoy.version;
     let tenant = [("x-tenant-id", "acme")];
-    for round in 0..3 {
+    for round in 0..rounds {
         // Five long requests take the five places; a sixth is refused while they are open.
         let slow: Vec<_> = (0..5)
             .map(|_| {
@@ -297,7 +318,7 @@ async fn the_concurrency_example_releases_places(kind: Kind, version: &'static s
         "Envoy {version}: places free {:?} after the resets",
         reset_at.elapsed()
     );
-    assert_never_failed(&envoy).await;
+    assert_never_failed(envoy).await;
 }
 
 /// concurrency.yaml as shipped is the edge: Envoy replaces a client's x-request-id, so five
@@ -517,6 +538,37 @@ async fn the_rlqs_example_enforces_its_assignments(kind: Kind, version: &'static
     }
 }
 
+/// istio-envoyfilter.yaml's patches applied to an ingress gateway as istiod applies them, with
+/// istio-ratelimit.yaml's ConfigMap as the service's config: /productpage once a minute, every
+/// other path 100 a minute.
+async fn the_istio_sample_limits_productpage(kind: Kind, version: &'static str) {
+    let text =
+        std::fs::read_to_string(envoy::root().join("examples/envoy/istio-ratelimit.yaml")).unwrap();
+    let config = text
+        .split("\n---\n")
+        .map(|d| serde_saphyr::from_str::<serde_json::Value>(d).unwrap())
+        .find(|d| d["kind"] == "ConfigMap")
+        .and_then(|d| d["data"]["config.yaml"].as_str().map(str::to_owned))
+        .unwrap();
+    let rls = start(kind, &[("config.yaml", &config)], &[]).await;
+    let up = Upstream::start().await;
+    let gateway = istio::gateway_with(&["examples/envoy/istio-envoyfilter.yaml"]);
+    let mut envoy = Envoy::start(version, &gateway, up.port, rls.grpc.port()).await;
+    envoy.upstream = istio::UPSTREAM.to_owned();
+    let mut codes = Vec::new();
+    for _ in 0..4 {
+        codes.push(get(envoy.http, "/productpage", &[]).await.status);
+    }
+    assert_eq!(codes, [200, 429, 429, 429], "Envoy {version}");
+    for i in 0..10 {
+        assert_eq!(
+            get(envoy.http, &format!("/reviews/{i}"), &[]).await.status,
+            200
+        );
+    }
+    assert_decided(&envoy, 11, 3).await;
+}
+
 /// examples/envoy/rlqs.yaml on a pool far above use (10^9 a second), restarted as a rolling
 /// restart does: the first Envoy is killed while its grant is held (its lease runs 21 s), and
 /// the Envoy that replaces it is admitted from its first assignment, since no grant holds more
@@ -639,6 +691,8 @@ in_envoy!(
     the_edge_example_limits_a_client_by_its_address,
     the_compose_example_is_the_edge_example,
     the_concurrency_example_releases_places,
+    the_istio_concurrency_patches_release_places,
+    the_istio_sample_limits_productpage,
     a_client_chosen_request_id_never_lifts_the_places,
     the_token_budget_example_charges_what_responses_used,
     the_reservations_example_reserves_and_settles,

@@ -110,6 +110,9 @@ pub(crate) struct Envoy {
     /// The TCP listener (the network filter example's 10001).
     pub tcp: SocketAddr,
     pub admin: SocketAddr,
+    /// The cluster the routes send requests to: the examples' `upstream`, or the name a
+    /// generated configuration gives it (Istio's `outbound|…`).
+    pub upstream: String,
     proc: Option<Proc>,
     pub dir: tempfile::TempDir,
 }
@@ -198,6 +201,7 @@ impl Envoy {
                 http: SocketAddr::from(([127, 0, 0, 1], http)),
                 tcp: SocketAddr::from(([127, 0, 0, 1], tcp)),
                 admin: SocketAddr::from(([127, 0, 0, 1], admin)),
+                upstream: "upstream".to_owned(),
                 proc: Some(Proc(child)),
                 dir,
             };
@@ -224,11 +228,18 @@ impl Envoy {
 
     /// Envoy's counters and gauges whose names start with `prefix`, from its admin `/stats`.
     pub(crate) async fn stats(&self, prefix: &str) -> BTreeMap<String, u64> {
-        let (status, body) = super::http_get(
-            self.admin,
-            &format!("/stats?filter=^{}", prefix.replace('.', "\\.")),
-        )
-        .await;
+        // A regex for the name's start, percent-encoded: `.` and `|` (Istio's cluster names)
+        // escaped.
+        let escaped: String = prefix
+            .chars()
+            .map(|c| match c {
+                '.' => "%5C.".to_owned(),
+                '|' => "%5C%7C".to_owned(),
+                c => c.to_string(),
+            })
+            .collect();
+        let (status, body) =
+            super::http_get(self.admin, &format!("/stats?filter=^{escaped}")).await;
         assert_eq!(status, 200, "{body}");
         body.lines()
             .filter_map(|l| {
@@ -260,7 +271,8 @@ impl Envoy {
     /// Waits (10 s at most) until `n` requests are in flight to the upstream.
     pub(crate) async fn wait_in_flight(&self, n: u64) {
         super::poll(Duration::from_secs(10), || async {
-            (self.stat("cluster.upstream.upstream_rq_active").await == n).then_some(())
+            let active = format!("cluster.{}.upstream_rq_active", self.upstream);
+            (self.stat(&active).await == n).then_some(())
         })
         .await
     }

@@ -26,6 +26,7 @@ use tonic::transport::Channel;
 
 pub(crate) mod daemon;
 pub(crate) mod envoy;
+pub(crate) mod istio;
 pub(crate) mod raw;
 pub(crate) mod redis;
 
