@@ -9,8 +9,9 @@ mod common;
 use std::time::Duration;
 
 use common::envoy::{self, Envoy, Upstream, get, send_and_reset};
-use common::istio;
 use common::*;
+use common::{ads::AdsServer, gateway, istio};
+use ratelimitd::testing::rls_conf::RateLimitUnit;
 use tokio::time::Instant;
 
 /// The example limits `make run` loads (examples/envoy/limits/), as files for a server.
@@ -569,6 +570,111 @@ async fn the_istio_sample_limits_productpage(kind: Kind, version: &'static str) 
     assert_decided(&envoy, 11, 3).await;
 }
 
+/// Envoy Gateway's corpus entries run here: header, method, query, request-header and
+/// address matches (inverted too, and one no local client meets), and shared policies in a
+/// domain and filter of their own beside the listener's.
+const GATEWAY_CORPUS: &[&str] = &[
+    "distinct-match",
+    "method-match",
+    "query-parameters-match",
+    "ratelimit-sourceip-invert",
+    "masked-remote-address-match",
+    "multiple-domains",
+    "multiple-shared-and-unshared",
+];
+
+/// Envoy Gateway's rendering of its translator's output (tests/common/gateway.rs) run in
+/// Envoy, the service fed the matching `RateLimitConfig`s over xDS: each request that meets a
+/// rule is admitted exactly as often in one second as the least limit envoyproxy/ratelimit
+/// would give the descriptors Envoy makes of it, then refused; a request that meets no limited
+/// rule is never refused.
+async fn envoy_gateway_renderings_decide_as_the_reference(kind: Kind, version: &'static str) {
+    let Some(corpus) = envoy_gateway_corpus() else {
+        return;
+    };
+    let up = Upstream::start().await;
+    let mut bursts = 0;
+    for name in GATEWAY_CORPUS {
+        let r = gateway::render(&corpus, name);
+        let ads = AdsServer::start().await;
+        ads.set("v1", &r.configs).await;
+        let flags = ads.flags();
+        let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+        let rls = start(kind, &[], &flags).await;
+        poll(Duration::from_secs(10), || async {
+            // Nothing listens before the first config has arrived.
+            let (_, text) = try_http_get(rls.http, "/rlconfig").await.ok()?;
+            r.configs
+                .iter()
+                .all(|c| text.contains(&c.domain))
+                .then_some(())
+        })
+        .await;
+        let envoy = Envoy::start(version, &r.bootstrap, up.port, rls.grpc.port()).await;
+        let mut requests: Vec<gateway::Request> =
+            r.rules.iter().filter_map(gateway::request_for).collect();
+        requests.dedup();
+        assert!(!requests.is_empty(), "{name}: no request meets a rule");
+        for req in &requests {
+            let limits: Vec<_> = r
+                .rules
+                .iter()
+                .filter_map(|rule| {
+                    let entries = gateway::descriptor(rule, req)?;
+                    let config = r.configs.iter().find(|c| c.domain == rule.domain)?;
+                    gateway::limit_of(config, &entries)
+                })
+                .filter(|(_, _, shadow)| !shadow)
+                .collect();
+            let headers: Vec<(&str, &str)> = req
+                .headers
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.as_str()))
+                .collect();
+            let send = || envoy::send(envoy.http, &req.method, &req.path, &headers);
+            let Some(&(limit, unit, _)) = limits.iter().min_by_key(|l| l.0) else {
+                for _ in 0..8 {
+                    assert_eq!(
+                        send().await.status,
+                        200,
+                        "{name}: {req:?} is limited by nothing"
+                    );
+                }
+                continue;
+            };
+            assert_eq!(unit, RateLimitUnit::Second, "{name}: {req:?}");
+            // limit + 1 requests inside one second (a new one each try): `limit` admitted,
+            // then refused.
+            let mut tries = 0;
+            loop {
+                tries += 1;
+                assert!(tries <= 10, "{name}: {req:?} never fit in one second");
+                use ratelimitd::testing::{Clock, SystemClock};
+                let now = SystemClock.now_us();
+                tokio::time::sleep(Duration::from_micros(1_000_000 - now % 1_000_000 + 2_000))
+                    .await;
+                let second = SystemClock.now_us() / 1_000_000;
+                let mut codes = Vec::new();
+                for _ in 0..=limit {
+                    codes.push(send().await.status);
+                }
+                let after = SystemClock.now_us() / 1_000_000;
+                if after != second {
+                    continue;
+                }
+                let mut want = vec![200; limit as usize];
+                want.push(429);
+                assert_eq!(codes, want, "Envoy {version}, {name}: {req:?}");
+                bursts += 1;
+                break;
+            }
+        }
+        assert_never_failed(&envoy).await;
+    }
+    eprintln!("Envoy {version}: {bursts} limits checked");
+    assert!(bursts >= GATEWAY_CORPUS.len(), "{bursts} limits checked");
+}
+
 /// examples/envoy/rlqs.yaml on a pool far above use (10^9 a second), restarted as a rolling
 /// restart does: the first Envoy is killed while its grant is held (its lease runs 21 s), and
 /// the Envoy that replaces it is admitted from its first assignment, since no grant holds more
@@ -698,6 +804,7 @@ in_envoy!(
     the_reservations_example_reserves_and_settles,
     the_rlqs_example_enforces_its_assignments,
     a_restarted_envoy_is_admitted_from_its_first_assignment,
+    envoy_gateway_renderings_decide_as_the_reference,
     the_network_filter_example_limits_connections,
 );
 

@@ -24,8 +24,10 @@ use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tonic::transport::Channel;
 
+pub(crate) mod ads;
 pub(crate) mod daemon;
 pub(crate) mod envoy;
+pub(crate) mod gateway;
 pub(crate) mod istio;
 pub(crate) mod raw;
 pub(crate) mod redis;
