@@ -219,6 +219,66 @@ async fn the_concurrency_example_releases_places(kind: Kind, version: &'static s
     places_are_taken_and_released(&rls, &envoy, 3).await;
 }
 
+/// examples/envoy/concurrency.yaml with limits/concurrency.yaml's places given a lifetime of
+/// 3 s: an Envoy killed while its five requests hold the tenant's places never gives them back,
+/// so the Envoy that replaces it is refused until the lifetime ends, and admitted then.
+async fn a_killed_envoys_places_end_at_their_lifetime(kind: Kind, version: &'static str) {
+    let text =
+        std::fs::read_to_string(envoy::root().join("examples/envoy/limits/concurrency.yaml"))
+            .unwrap();
+    let short = text.replace(
+        "unit: minute, unit_multiplier: 10",
+        "unit: second, unit_multiplier: 3",
+    );
+    assert_ne!(short, text);
+    let rls = ratelimitd(kind, &[("concurrency.yaml", &short)]).await;
+    let up = Upstream::start().await;
+    let mut first = Envoy::start(
+        version,
+        "examples/envoy/concurrency.yaml",
+        up.port,
+        rls.grpc.port(),
+    )
+    .await;
+    let slow: Vec<_> = (0..5)
+        .map(|_| {
+            send_and_reset(
+                first.http,
+                "/slow",
+                &[("x-tenant-id", "acme"), ("x-delay-ms", "30000")],
+            )
+        })
+        .collect();
+    let slow = futures_util::future::join_all(slow).await;
+    first.wait_in_flight(5).await;
+    let taken = Instant::now();
+    first.kill();
+    drop(slow);
+    let second = Envoy::start(
+        version,
+        "examples/envoy/concurrency.yaml",
+        up.port,
+        rls.grpc.port(),
+    )
+    .await;
+    let tenant = [("x-tenant-id", "acme")];
+    let refused = get(second.http, "/after", &tenant).await;
+    assert!(
+        refused.status == 429 || taken.elapsed() >= Duration::from_secs(3),
+        "Envoy {version}: a place the killed Envoy held was free at once: {refused:?}"
+    );
+    poll(Duration::from_secs(10), || async {
+        (get(second.http, "/after", &tenant).await.status == 200).then_some(())
+    })
+    .await;
+    let freed = taken.elapsed();
+    assert!(
+        freed >= Duration::from_millis(2_500),
+        "Envoy {version}: the places ended after {freed:?}, before their 3 s"
+    );
+    assert_never_failed(&second).await;
+}
+
 /// istio-concurrency.yaml's patches applied to an ingress gateway as istiod applies them, with
 /// limits/concurrency.yaml: the places of the_concurrency_example_releases_places.
 async fn the_istio_concurrency_patches_release_places(kind: Kind, version: &'static str) {
@@ -675,6 +735,149 @@ async fn envoy_gateway_renderings_decide_as_the_reference(kind: Kind, version: &
     assert!(bursts >= GATEWAY_CORPUS.len(), "{bursts} limits checked");
 }
 
+/// One limit of 3 a second per algorithm, for [`what_a_429_tells_a_client_is_true`].
+const ALGORITHMS: &str = "domain: algos
+descriptors:
+  - key: algo
+    value: fixed_window
+    rate_limit: {unit: second, requests_per_unit: 3}
+  - key: algo
+    value: sliding_window
+    rate_limit: {unit: second, requests_per_unit: 3, algorithm: sliding_window}
+  - key: algo
+    value: sliding_log
+    rate_limit: {unit: second, requests_per_unit: 3, algorithm: sliding_log}
+  - key: algo
+    value: token_bucket
+    rate_limit: {unit: second, requests_per_unit: 3, algorithm: token_bucket}
+";
+
+/// A listener whose requests are limited by their `x-algo` header (domain `algos`), with
+/// DRAFT_VERSION_03 headers and, on Envoy 1.40, `enable_retry_after_header`.
+fn algorithms_bootstrap(version: &str) -> String {
+    let retry_after = if version.starts_with("1.38") {
+        ""
+    } else {
+        "\n                      enable_retry_after_header: true"
+    };
+    format!(
+        r#"static_resources:
+  listeners:
+    - name: ingress
+      address:
+        socket_address: {{ address: 0.0.0.0, port_value: 10000 }}
+      filter_chains:
+        - filters:
+            - name: envoy.filters.network.http_connection_manager
+              typed_config:
+                "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+                stat_prefix: ingress
+                use_remote_address: true
+                route_config:
+                  virtual_hosts:
+                    - name: all
+                      domains: ["*"]
+                      rate_limits:
+                        - actions:
+                            - request_headers: {{ header_name: x-algo, descriptor_key: algo }}
+                      routes:
+                        - match: {{ prefix: "/" }}
+                          route: {{ cluster: upstream }}
+                http_filters:
+                  - name: envoy.filters.http.ratelimit
+                    typed_config:
+                      "@type": type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimit
+                      domain: algos
+                      timeout: 0.02s
+                      enable_x_ratelimit_headers: DRAFT_VERSION_03{retry_after}
+                      rate_limit_service:
+                        grpc_service: {{ envoy_grpc: {{ cluster_name: ratelimitd }} }}
+                        transport_api_version: V3
+                  - name: envoy.filters.http.router
+                    typed_config:
+                      "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+  clusters:
+    - name: upstream
+      type: STATIC
+      load_assignment:
+        cluster_name: upstream
+        endpoints:
+          - lb_endpoints:
+              - endpoint: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: 9000 }} }} }}
+    - name: ratelimitd
+      type: STATIC
+      typed_extension_protocol_options:
+        envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+          "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+          explicit_http_config: {{ http2_protocol_options: {{}} }}
+      load_assignment:
+        cluster_name: ratelimitd
+        endpoints:
+          - lb_endpoints:
+              - endpoint: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: 8081 }} }} }}
+"#
+    )
+}
+
+/// On every algorithm, a 429's `x-ratelimit-reset` (and on Envoy 1.40 with
+/// `enable_retry_after_header`, `Retry-After`, the same figure) is a whole second or more, and a
+/// client that waits exactly that long and retries is admitted.
+async fn what_a_429_tells_a_client_is_true(kind: Kind, version: &'static str) {
+    let rls = start(kind, &[("algos.yaml", ALGORITHMS)], &[]).await;
+    let up = Upstream::start().await;
+    let envoy = Envoy::start(
+        version,
+        &algorithms_bootstrap(version),
+        up.port,
+        rls.grpc.port(),
+    )
+    .await;
+    for algo in [
+        "fixed_window",
+        "sliding_window",
+        "sliding_log",
+        "token_bucket",
+    ] {
+        let header = [("x-algo", algo)];
+        let mut admitted = 0;
+        let refused = loop {
+            let a = get(envoy.http, "/a", &header).await;
+            match a.status {
+                200 => admitted += 1,
+                429 => break a,
+                s => panic!("{algo}: {s}"),
+            }
+            assert!(admitted <= 30, "{algo}: {admitted} admitted, none refused");
+        };
+        let told = Instant::now();
+        let reset: u64 = refused
+            .header("x-ratelimit-reset")
+            .unwrap_or_else(|| panic!("{algo}: {refused:?}"))
+            .parse()
+            .unwrap();
+        assert!(
+            (1..=2).contains(&reset),
+            "{algo}: reset {reset}: {refused:?}"
+        );
+        if version.starts_with("1.38") {
+            assert_eq!(refused.header("retry-after"), None, "{refused:?}");
+        } else {
+            assert_eq!(
+                refused.header("retry-after"),
+                Some(reset.to_string().as_str()),
+                "Envoy {version}, {algo}: {refused:?}"
+            );
+        }
+        tokio::time::sleep_until(told + Duration::from_secs(reset)).await;
+        let again = get(envoy.http, "/a", &header).await;
+        assert_eq!(
+            again.status, 200,
+            "Envoy {version}, {algo}: refused after waiting the {reset} s it was told: {again:?}"
+        );
+    }
+    assert_never_failed(&envoy).await;
+}
+
 /// examples/envoy/rlqs.yaml on a pool far above use (10^9 a second), restarted as a rolling
 /// restart does: the first Envoy is killed while its grant is held (its lease runs 21 s), and
 /// the Envoy that replaces it is admitted from its first assignment, since no grant holds more
@@ -798,6 +1001,7 @@ in_envoy!(
     the_compose_example_is_the_edge_example,
     the_concurrency_example_releases_places,
     the_istio_concurrency_patches_release_places,
+    a_killed_envoys_places_end_at_their_lifetime,
     the_istio_sample_limits_productpage,
     a_client_chosen_request_id_never_lifts_the_places,
     the_token_budget_example_charges_what_responses_used,
@@ -805,6 +1009,7 @@ in_envoy!(
     the_rlqs_example_enforces_its_assignments,
     a_restarted_envoy_is_admitted_from_its_first_assignment,
     envoy_gateway_renderings_decide_as_the_reference,
+    what_a_429_tells_a_client_is_true,
     the_network_filter_example_limits_connections,
 );
 
