@@ -382,7 +382,37 @@ async fn a_refused_replays_release_never_frees_the_place_it_collided_with(kind: 
     assert_eq!(in_use(&s).await, 0.0, "{kind:?}");
 }
 
+/// A release owed to a refused replay whose own release never came (its Envoy died) ends with
+/// the hold it was owed to: once that hold's lifetime is over, a request under the same id
+/// takes a place, and its one release frees it.
+async fn an_owed_release_ends_with_its_hold(kind: Kind) {
+    const ONE_SECOND: &str = "domain: llm
+descriptors:
+  - key: tenant
+    hold_key: request_id
+    rate_limits:
+      - {algorithm: concurrency, requests_per_unit: 1, unit: second}
+";
+    let s = start(kind, &[("llm.yaml", ONE_SECOND)], &[]).await;
+    let mut c = s.client().await;
+    assert_eq!(admitted(&mut c, "acme", &["a"]).await, [true]);
+    // A replay, refused; its release never comes. Neither does a's: the place ends at 1 s.
+    assert!(is_over(&call(&mut c, acquire("acme", "a")).await));
+    poll(Duration::from_secs(10), || {
+        let mut c = c.clone();
+        async move { is_ok(&call(&mut c, acquire("acme", "a")).await).then_some(()) }
+    })
+    .await;
+    call(&mut c, release("acme", "a")).await;
+    assert_eq!(
+        admitted(&mut c, "acme", &["b"]).await,
+        [true],
+        "{kind:?}: the new hold's release was taken as the one owed to the old"
+    );
+}
+
 every_backend!(
+    an_owed_release_ends_with_its_hold,
     a_refused_replays_release_never_frees_the_place_it_collided_with,
     the_admin_api_lists_and_clears_holds,
     places_in_use_are_a_gauge_per_rule,

@@ -638,6 +638,9 @@ local function build_holding()
   local function take_hold(i, id)
     local c = l_c[i]
     local key, algo, w = c_key[c], l_algo[i], c_w[c]
+    -- A release still owed under this id belongs to a hold that has ended (a live one refuses
+    -- the id): it must not swallow this hold's release.
+    if c_hh[c] then redis.call('HDEL', c_hh[c], OWED .. id) end
     if algo == 'c' then
       redis.call('ZADD', key, now + w, id)
       out[l_out[i]], out[l_out[i] + 1] = out[l_out[i]] + 1, now + w
@@ -665,6 +668,8 @@ local function build_holding()
     local ended = redis.call('ZRANGEBYSCORE', hk, '-inf', now, 'LIMIT', 0, 100)
     if #ended > 0 then
       redis.call('ZREM', hk, unpack(ended))
+      redis.call('HDEL', hh, unpack(ended))
+      for k = 1, #ended do ended[k] = OWED .. ended[k] end
       redis.call('HDEL', hh, unpack(ended))
     end
     if redis.call('ZCARD', hk) > MAX_HOLDS then
