@@ -660,3 +660,55 @@ async fn a_call_in_flight_survives_grpc_cores_frames_across_the_goaways() {
             .unwrap();
     assert!(is_ok(&answer), "{answer:?}");
 }
+
+/// `n` streams opened and reset (CANCEL) in one write, then a PING: whether the connection
+/// answered the PING (alive) or sent GOAWAY, with its error code, or closed.
+async fn reset_burst(port: u16, n: u32) -> Result<(), String> {
+    let mut s = h2_connection(port).await;
+    let mut burst = Vec::new();
+    for i in 0..n {
+        let id = 2 * i + 1;
+        burst.extend(frame(1, 4, id, &headers(&CALL)));
+        burst.extend(frame(3, 0, id, &8u32.to_be_bytes()));
+    }
+    burst.extend(frame(6, 0, 0, b"rapidrst"));
+    if !send(&mut s, &burst).await {
+        return Err("the server stopped reading".into());
+    }
+    loop {
+        let frame_read = tokio::time::timeout(Duration::from_secs(10), read_frame(&mut s)).await;
+        match frame_read {
+            Err(_) => return Err("no answer within 10 s".into()),
+            Ok(None) => return Err("closed".into()),
+            Ok(Some((4, 0, ..))) => {
+                let _ = send(&mut s, &frame(4, 1, 0, &[])).await;
+            }
+            Ok(Some((6, 1, _, payload))) if payload == b"rapidrst" => return Ok(()),
+            Ok(Some((7, _, _, payload))) => {
+                let code = u32::from_be_bytes([payload[4], payload[5], payload[6], payload[7]]);
+                return Err(format!("GOAWAY {code:#x}"));
+            }
+            Ok(Some(_)) => {}
+        }
+    }
+}
+
+/// Streams a peer resets before the service takes them (HTTP/2's rapid reset) are bounded per
+/// connection at 1024, not h2's default of 20: Envoy resets every call it gives up on at its
+/// timeout, and past 20 h2 closed its whole connection with every other call on it. 500 reset
+/// in one burst leave the connection answering; 20,000 get it closed (ENHANCE_YOUR_CALM), and a
+/// victim on another connection is served throughout.
+#[tokio::test]
+async fn streams_reset_before_they_are_taken_are_bounded_per_connection() {
+    let (d, _dir) = daemon(&[]).await;
+    for _ in 0..3 {
+        assert_eq!(reset_burst(d.grpc, 500).await, Ok(()), "500 resets");
+    }
+    victim_is_served(&d).await;
+    assert_eq!(
+        reset_burst(d.grpc, 20_000).await,
+        Err("GOAWAY 0xb".into()),
+        "20,000 resets in one burst"
+    );
+    victim_is_served(&d).await;
+}
