@@ -13,7 +13,8 @@
 # and CPU per request of ratelimitd, Envoy and redis-server from /proc.
 # Loopback only; each run lasts DURATION s. Tunables: ENVOY (binary, default the 1.40.0 that
 # scripts/deps.sh installs), DURATION (10), CLIENTS and STREAMS (8 × 16 = 128 streams),
-# BACKENDS ("memory redis").
+# BACKENDS ("memory redis"), RATE (requests/s in all, open loop: h2load's --rps per client;
+# unset, h2load sends as fast as it is answered, which saturates the two cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/common.sh
@@ -23,6 +24,9 @@ DURATION=${DURATION:-10}
 CLIENTS=${CLIENTS:-8}
 STREAMS=${STREAMS:-16}
 BACKENDS=${BACKENDS:-memory redis}
+RATE=${RATE:-}
+pace=()
+[ -n "$RATE" ] && pace=(--rps "$((RATE / CLIENTS))")
 command -v h2load >/dev/null || { echo "envoy-bench: h2load missing: apt-get install nghttp2-client" >&2; exit 1; }
 [ -x "$ENVOY" ] || ./scripts/deps.sh
 HZ=$(getconf CLK_TCK)
@@ -51,7 +55,7 @@ p99_between() { # BEFORE_FILE AFTER_FILE
   paste -d' ' "$1" "$2" | awk '{le[NR] = $1; d[NR] = $4 - $2} END { for (i = 1; i <= NR; i++) if (d[i] >= 0.99 * d[NR]) { print (le[i] == "+Inf" ? "inf" : le[i] * 1000); exit } }'
 }
 
-echo "machine: $(nproc) cores; $("$ENVOY" --version | grep -o 'version: [^ ]*' | cut -d/ -f2); h2load -c$CLIENTS -m$STREAMS (≈$((CLIENTS * STREAMS)) streams) for ${DURATION}s through envoy.yaml (timeout 0.02s)"
+echo "machine: $(nproc) cores; $("$ENVOY" --version | grep -o 'version: [^ ]*' | cut -d/ -f2); h2load -c$CLIENTS -m$STREAMS (≈$((CLIENTS * STREAMS)) streams) for ${DURATION}s${RATE:+ at $RATE req/s} through envoy.yaml (timeout 0.02s)"
 printf '%-8s %10s %12s %12s %12s %8s %8s %10s %10s %10s %10s\n' backend requests rls_p50_ms rls_p99_ms rls_p999_ms errors allowed svc_p99_ms rl_us/req envoy_us/req redis_us/req
 for backend in $BACKENDS; do
   grpc=$(free_port) http=$(free_port)
@@ -75,7 +79,7 @@ for backend in $BACKENDS; do
   rl0=$(cpu_ticks "$rl") ev0=$(cpu_ticks "$ev") rd0=0
   [ "$backend" = redis ] && rd0=$(cpu_ticks "$REDIS_PID")
   buckets "$http" >"$WORK/before"
-  out=$(h2load -D "$DURATION" -c "$CLIENTS" -m "$STREAMS" "http://127.0.0.1:$listen/bench")
+  out=$(h2load -D "$DURATION" -c "$CLIENTS" -m "$STREAMS" ${pace[@]+"${pace[@]}"} "http://127.0.0.1:$listen/bench")
   done_n=$(echo "$out" | awk '/^requests:/ {print $8}')
   rl1=$(cpu_ticks "$rl") ev1=$(cpu_ticks "$ev") rd1=0
   [ "$backend" = redis ] && rd1=$(cpu_ticks "$REDIS_PID")
@@ -83,7 +87,7 @@ for backend in $BACKENDS; do
   sleep 2 # histograms are read at Envoy's stats flush (every second here)
   stats=$(curl -s "127.0.0.1:$admin/stats?usedonly")
   hist=$(echo "$stats" | grep '^cluster.ratelimitd.upstream_rq_time:' || true)
-  q() { echo "$hist" | grep -o "P$1([^)]*)" | sed -E 's/.*,([^)]*)\)/\1/'; }
+  q() { echo "$hist" | grep -o "P$1([^)]*)" | sed -E 's/.*,([^)]*)\)/\1/' | awk '{printf "%.2f", $1}'; }
   errors=$(echo "$stats" | awk -F': ' '$1 == "cluster.upstream.ratelimit.error" {print $2}')
   allowed=$(echo "$stats" | awk -F': ' '$1 == "cluster.upstream.ratelimit.failure_mode_allowed" {print $2}')
   svc_p99=$(p99_between "$WORK/before" "$WORK/after")
