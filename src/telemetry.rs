@@ -8,6 +8,8 @@
 use opentelemetry::trace::TracerProvider as _;
 use opentelemetry_otlp::WithExportConfig;
 use opentelemetry_sdk::trace::{Sampler, SdkTracerProvider};
+use tracing_subscriber::field::MakeExt;
+use tracing_subscriber::fmt::format::{Writer, debug_fn};
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::{EnvFilter, Layer};
@@ -94,7 +96,7 @@ pub fn init(options: &TelemetryOptions) -> Result<Telemetry, TelemetryError> {
         .with_writer(std::io::stderr)
         .with_ansi(ansi);
     let fmt = match options.log_format {
-        LogFormat::Text => fmt.boxed(),
+        LogFormat::Text => fmt.fmt_fields(escaped_fields()).boxed(),
         LogFormat::Json => fmt.json().boxed(),
     };
     let registry = tracing_subscriber::registry().with(fmt.with_filter(filter));
@@ -159,4 +161,78 @@ fn provider(options: &TracingOptions) -> Result<SdkTracerProvider, TelemetryErro
         ))))
         .with_resource(resource.build())
         .build())
+}
+
+/// The text format's fields, each value written so that no value a caller chose (an override's
+/// reason, a descriptor's value) can forge a line or a field: a value with a space, `=`, `"`,
+/// `\\` or a control character is quoted and escaped as Rust escapes a string, the message has
+/// its control characters escaped, and a value already quoted that way (a `?` field) is kept.
+/// The JSON format escapes every value itself.
+fn escaped_fields() -> impl for<'w> tracing_subscriber::fmt::FormatFields<'w> + Send + Sync + 'static
+{
+    debug_fn(
+        |w: &mut Writer<'_>, field: &tracing::field::Field, value: &dyn std::fmt::Debug| {
+            let raw = format!("{value:?}");
+            if field.name() == "message" {
+                return write_controls_escaped(w, &raw);
+            }
+            if is_plain(&raw) || is_quoted(&raw) {
+                write!(w, "{}={raw}", field.name())
+            } else {
+                write!(w, "{}={raw:?}", field.name())
+            }
+        },
+    )
+    .delimited(" ")
+}
+
+fn write_controls_escaped(w: &mut Writer<'_>, text: &str) -> std::fmt::Result {
+    for c in text.chars() {
+        if c.is_control() {
+            write!(w, "{}", c.escape_default())?;
+        } else {
+            w.write_char(c)?;
+        }
+    }
+    Ok(())
+}
+
+/// A value that reads as itself: no space, `=`, quote, backslash or control character.
+fn is_plain(raw: &str) -> bool {
+    !raw.is_empty()
+        && raw
+            .chars()
+            .all(|c| !(c.is_whitespace() || c.is_control() || matches!(c, '=' | '"' | '\\')))
+}
+
+/// A string as Rust's `Debug` writes one: quoted, every inner quote escaped, no control
+/// character.
+fn is_quoted(raw: &str) -> bool {
+    let Some(inner) = raw.strip_prefix('"').and_then(|r| r.strip_suffix('"')) else {
+        return false;
+    };
+    let mut chars = inner.chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '\\' if chars.next().is_none() => return false,
+            '"' => return false,
+            c if c.is_control() => return false,
+            _ => {}
+        }
+    }
+    true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn values_that_could_forge_a_field_or_a_line_are_quoted() {
+        assert!(is_plain("alice") && is_plain("Some(3)") && !is_plain("tenant=acme"));
+        assert!(!is_plain("a b") && !is_plain("a\nb") && !is_plain(""));
+        assert!(is_quoted("\"a b\"") && is_quoted("\"a\\\"b\""));
+        assert!(!is_quoted("\"x\" by=alice \"y\"") && !is_quoted("\"a\nb\""));
+        assert!(!is_quoted("\"a\\\""));
+    }
 }

@@ -910,3 +910,98 @@ async fn an_override_of_a_rule_with_holds_is_of_the_entries_before_the_hold() {
         assert!(is_ok(&call(&mut c, held("bob", id)).await), "bob keeps 100");
     }
 }
+
+/// The audit log as the binary writes it, in both formats, when a caller chooses a reason and
+/// an entry value holding a newline and a forged line (`override deleted by=mallory`) and
+/// field-like text: every line the process writes is one of its own (text: it starts with a
+/// timestamp; JSON: it parses), the forged text is never a line of its own, and JSON keeps the
+/// reason exactly.
+#[tokio::test]
+async fn the_audit_log_cannot_be_forged() {
+    use common::daemon::{Daemon, ratelimitd};
+    const FORGED: &str =
+        "2026-12-02T00:00:00.000000Z  INFO ratelimitd: override deleted by=mallory";
+    for format in ["text", "json"] {
+        let (dir, file) = tokens();
+        std::fs::write(dir.path().join("d.yaml"), LIMITS).unwrap();
+        let admin_port = common::redis::free_port();
+        let admin = format!("127.0.0.1:{admin_port}");
+        let token_file = file.display().to_string();
+        let d = Daemon::start(ratelimitd(
+            dir.path().join("d.yaml"),
+            &[
+                "--admin-addr",
+                &admin,
+                "--admin-token-file",
+                &token_file,
+                "--log-format",
+                format,
+                "--log-level",
+                "info",
+            ],
+        ))
+        .await;
+        let admin: std::net::SocketAddr = admin.parse().unwrap();
+        let reason = format!("ticket 1\n{FORGED} id=x\r\n{FORGED}");
+        let body = serde_json::json!({
+            "domain": "d",
+            "entries": [{"key": "tenant", "value": format!("acme\n{FORGED}")}],
+            "limits": [{"requests_per_unit": 5, "unit": "hour"}],
+            "reason": reason,
+        })
+        .to_string();
+        let auth = bearer(ALICE);
+        let (status, text) = http_call(
+            admin,
+            "PUT",
+            "/v1/overrides",
+            &[
+                ("Authorization", &auth),
+                ("Content-Type", "application/json"),
+            ],
+            body.as_bytes(),
+        )
+        .await;
+        assert_eq!(status, 200, "{text}");
+        let id = serde_json::from_str::<serde_json::Value>(&text).unwrap()["id"]
+            .as_str()
+            .unwrap()
+            .to_owned();
+        let (status, _) = http_call(
+            admin,
+            "DELETE",
+            &format!("/v1/overrides/{id}"),
+            &[("Authorization", &auth)],
+            b"",
+        )
+        .await;
+        assert_eq!(status, 200);
+        let (_, log) = d.terminate().await;
+        assert!(
+            log.contains("override set") && log.contains("override deleted"),
+            "{log}"
+        );
+        for line in log.lines().filter(|l| !l.is_empty()) {
+            assert!(
+                !line.starts_with("2026-12-02T00:00:00"),
+                "{format}: a forged line: {line}\n{log}"
+            );
+            if format == "json" {
+                let v: serde_json::Value =
+                    serde_json::from_str(line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"));
+                if v["fields"]["message"] == "override set" {
+                    assert_eq!(v["fields"]["reason"], reason.as_str());
+                }
+            } else {
+                let stamp = line.split(' ').next().unwrap();
+                assert!(
+                    stamp.len() >= 20 && stamp.as_bytes()[4] == b'-' && stamp.ends_with('Z'),
+                    "text: a line not of the process: {line}\n{log}"
+                );
+                if line.contains("override set") {
+                    assert!(line.contains(r#"reason="ticket 1\n2026"#), "{line}");
+                }
+            }
+        }
+    }
+}
