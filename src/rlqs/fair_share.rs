@@ -11,7 +11,7 @@ pub(crate) const HEADROOM: f64 = 1.1;
 /// when not measured yet) are given, max-min fairly: a client asking less than an equal split
 /// of what is left keeps what it asks (with `HEADROOM`); the rest is split equally among the
 /// others. Every client asks at least the floor. What nobody asks for is split equally among all,
-/// but nobody gets more of it than its own ask ([`share_of`]): a share is at most twice what
+/// but nobody gets more of it than its own ask (`share_of`): a share is at most twice what
 /// its client asks, and the rest of a pool far from its limit stays unheld, so that a client
 /// that joins (an Envoy restarted while its predecessor's grant runs out) finds room at once.
 pub fn fair_shares(capacity: f64, demands: &[Option<f64>]) -> Vec<f64> {
