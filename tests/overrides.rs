@@ -1005,3 +1005,55 @@ async fn the_audit_log_cannot_be_forged() {
         }
     }
 }
+
+/// The admin listener's small promises: a path the JSON API does not have is `404` for an HTTP
+/// client (a mistyped `curl -X DELETE` is not a success), after the token check as every path;
+/// a body giving a key twice is `400` naming it and changes nothing; the `Bearer` scheme is
+/// matched whatever its case (RFC 9110).
+#[tokio::test]
+async fn the_admin_listener_says_what_it_did_not_do() {
+    let (_dir, file) = tokens();
+    let s = admin_server(Kind::Memory, &file, &[]).await;
+    let admin = s.admin.unwrap();
+    let auth = bearer(ALICE);
+    for (method, path) in [
+        ("DELETE", "/v1/override/abc"),
+        ("GET", "/v1/overridess"),
+        ("GET", "/"),
+        ("DELETE", "/v1/overrides/abc/def"),
+    ] {
+        let (status, text) = http_call(admin, method, path, &[("Authorization", &auth)], b"").await;
+        assert_eq!(status, 404, "{method} {path}: {text}");
+        let (status, _) = http_call(admin, method, path, &[], b"").await;
+        assert_eq!(status, 401, "{method} {path} without a token");
+    }
+    let twice = r#"{"domain": "d", "entries": [{"key": "tenant", "value": "acme"}],
+        "limits": [{"requests_per_unit": 5, "unit": "hour"}], "limits": []}"#;
+    let (status, answer) = put(&s, twice).await;
+    assert_eq!(
+        (status, answer["field"].as_str()),
+        (400, Some("limits")),
+        "{answer}"
+    );
+    let nested = r#"{"domain": "d", "entries": [{"key": "tenant", "key": "user", "value": "acme"}],
+        "limits": [{"requests_per_unit": 5, "unit": "hour"}]}"#;
+    let (status, answer) = put(&s, nested).await;
+    assert_eq!(
+        (status, answer["field"].as_str()),
+        (400, Some("key")),
+        "{answer}"
+    );
+    assert!(list(&s).await.is_empty(), "nothing set");
+    for scheme in ["bearer", "BEARER", "Bearer"] {
+        let header = format!("{scheme} {ALICE}");
+        let (status, text) = http_call(
+            admin,
+            "GET",
+            "/v1/overrides",
+            &[("Authorization", &header)],
+            b"",
+        )
+        .await;
+        assert_eq!(status, 200, "{header}: {text}");
+    }
+}

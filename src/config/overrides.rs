@@ -106,6 +106,80 @@ pub(crate) struct OverrideError {
     pub(crate) message: String,
 }
 
+/// `body` as JSON, refused when any object in it gives a key twice (serde_json keeps the last,
+/// so `{"limits": [...], "limits": []}` would mean what a reader of the body does not see): the
+/// error names the key.
+fn strict_json(body: &[u8]) -> Result<Value, OverrideError> {
+    use serde::de::{Deserializer, Error, MapAccess, SeqAccess, Visitor};
+    struct Strict(Value);
+    struct StrictVisitor;
+    impl<'de> Deserialize<'de> for Strict {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            d.deserialize_any(StrictVisitor).map(Strict)
+        }
+    }
+    impl<'de> Visitor<'de> for StrictVisitor {
+        type Value = Value;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("JSON")
+        }
+        fn visit_bool<E>(self, v: bool) -> Result<Value, E> {
+            Ok(Value::Bool(v))
+        }
+        fn visit_i64<E>(self, v: i64) -> Result<Value, E> {
+            Ok(v.into())
+        }
+        fn visit_u64<E>(self, v: u64) -> Result<Value, E> {
+            Ok(v.into())
+        }
+        fn visit_f64<E>(self, v: f64) -> Result<Value, E> {
+            Ok(serde_json::Number::from_f64(v).map_or(Value::Null, Value::Number))
+        }
+        fn visit_str<E>(self, v: &str) -> Result<Value, E> {
+            Ok(Value::String(v.to_owned()))
+        }
+        fn visit_string<E>(self, v: String) -> Result<Value, E> {
+            Ok(Value::String(v))
+        }
+        fn visit_unit<E>(self) -> Result<Value, E> {
+            Ok(Value::Null)
+        }
+        fn visit_none<E>(self) -> Result<Value, E> {
+            Ok(Value::Null)
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
+            let mut items = Vec::new();
+            while let Some(Strict(v)) = seq.next_element()? {
+                items.push(v);
+            }
+            Ok(Value::Array(items))
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
+            let mut object = serde_json::Map::new();
+            while let Some(key) = map.next_key::<String>()? {
+                if object.contains_key(&key) {
+                    return Err(A::Error::custom(format!("duplicate key `{key}`")));
+                }
+                let Strict(v) = map.next_value()?;
+                object.insert(key, v);
+            }
+            Ok(Value::Object(object))
+        }
+    }
+    serde_json::from_slice::<Strict>(body)
+        .map(|s| s.0)
+        .map_err(|e| {
+            let text = e.to_string();
+            match text
+                .strip_prefix("duplicate key `")
+                .and_then(|r| r.split_once('`'))
+            {
+                Some((key, _)) => bad(key, format!("given twice: {text}")),
+                None => bad("body", format!("not JSON: {text}")),
+            }
+        })
+}
+
 fn bad(field: impl Into<String>, message: impl Into<String>) -> OverrideError {
     OverrideError {
         field: field.into(),
@@ -142,8 +216,7 @@ pub(crate) fn parse_request(
             ),
         ));
     }
-    let value: Value =
-        serde_json::from_slice(body).map_err(|e| bad("body", format!("not JSON: {e}")))?;
+    let value = strict_json(body)?;
     let Value::Object(mut map) = value else {
         return Err(bad("body", "must be a JSON object"));
     };

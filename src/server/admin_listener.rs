@@ -63,6 +63,7 @@ pub(crate) fn router(state: Arc<AdminState>, grpc: Router, request_timeout: Dura
         .route("/v1/overrides/{id}", delete(remove))
         .with_state(state.clone());
     grpc.merge(api)
+        .layer(axum::middleware::from_fn(not_found_for_http))
         .layer(DefaultBodyLimit::max(MAX_ADMIN_BODY_BYTES))
         .layer(axum::middleware::from_fn_with_state(state, authenticate))
         .layer(axum::middleware::from_fn(
@@ -73,6 +74,26 @@ pub(crate) fn router(state: Arc<AdminState>, grpc: Router, request_timeout: Dura
                 }
             },
         ))
+}
+
+/// A call that is not gRPC to a path the JSON API does not have: `404` (the gRPC routes would
+/// answer `200` with `grpc-status: 12`, and a mistyped `curl -X DELETE` would look like a
+/// success).
+async fn not_found_for_http(req: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    let grpc = req
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"));
+    let path = req.uri().path();
+    let api = path == "/v1/overrides"
+        || path
+            .strip_prefix("/v1/overrides/")
+            .is_some_and(|id| !id.is_empty() && !id.contains('/'));
+    if grpc || api {
+        return next.run(req).await;
+    }
+    let message = format!("no such path: {path} (the API is /v1/overrides)");
+    error(StatusCode::NOT_FOUND, message, None)
 }
 
 /// Lets through only a call bearing a token in force (or, without tokens, made on a

@@ -97,9 +97,13 @@ impl Tokens {
     /// `None`: no header, not `Bearer`, or no token in force matches.
     pub(crate) fn caller(&self, authorization: Option<&[u8]>) -> Option<Arc<str>> {
         let value = authorization?;
-        let token = value
-            .strip_prefix(b"Bearer ")
-            .or_else(|| value.strip_prefix(b"bearer "))?;
+        // The scheme is case-insensitive (RFC 9110, 11.1), then one or more spaces.
+        let space = value.iter().position(|b| *b == b' ')?;
+        let (scheme, token) = value.split_at(space);
+        if !scheme.eq_ignore_ascii_case(b"Bearer") {
+            return None;
+        }
+        let token = token.trim_ascii_start();
         if token.is_empty() || token.len() > MAX_TOKEN_BYTES {
             return None;
         }
@@ -158,6 +162,12 @@ mod tests {
         };
         let who = |h: &str| tokens.caller(Some(h.as_bytes())).map(|n| n.to_string());
         assert_eq!(who("Bearer 0123456789abcdef0123").as_deref(), Some("alice"));
+        for scheme in ["bearer", "BEARER", "bEaReR"] {
+            let header = format!("{scheme}  0123456789abcdef0123");
+            assert_eq!(who(&header).as_deref(), Some("alice"), "{header}");
+        }
+        assert_eq!(who("Basic 0123456789abcdef0123"), None);
+        assert_eq!(who("Bearer0123456789abcdef0123"), None);
         assert_eq!(who("Bearer fedcba9876543210fedc").as_deref(), Some("bob"));
         assert_eq!(who("Bearer 0123456789abcdef012"), None);
         assert_eq!(who("Basic 0123456789abcdef0123"), None);
