@@ -43,9 +43,14 @@ fn bearer(token: &str) -> String {
 
 /// `PUT /v1/overrides` of `body` as alice: status and body.
 async fn put(s: &TestServer, body: &str) -> (u16, serde_json::Value) {
+    put_at(s.admin.unwrap(), body).await
+}
+
+/// `PUT /v1/overrides` of `body` as alice to the admin listener at `admin`.
+async fn put_at(admin: std::net::SocketAddr, body: &str) -> (u16, serde_json::Value) {
     let auth = bearer(ALICE);
     let (status, text) = http_call(
-        s.admin.unwrap(),
+        admin,
         "PUT",
         "/v1/overrides",
         &[
@@ -951,22 +956,9 @@ async fn the_audit_log_cannot_be_forged() {
         })
         .to_string();
         let auth = bearer(ALICE);
-        let (status, text) = http_call(
-            admin,
-            "PUT",
-            "/v1/overrides",
-            &[
-                ("Authorization", &auth),
-                ("Content-Type", "application/json"),
-            ],
-            body.as_bytes(),
-        )
-        .await;
-        assert_eq!(status, 200, "{text}");
-        let id = serde_json::from_str::<serde_json::Value>(&text).unwrap()["id"]
-            .as_str()
-            .unwrap()
-            .to_owned();
+        let (status, answer) = put_at(admin, &body).await;
+        assert_eq!(status, 200, "{answer}");
+        let id = answer["id"].as_str().unwrap().to_owned();
         let (status, _) = http_call(
             admin,
             "DELETE",

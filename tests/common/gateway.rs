@@ -175,6 +175,19 @@ pub(crate) fn render(corpus: &Path, name: &str) -> Rendering {
     }
 }
 
+/// The exact value a header or query-parameter matcher of Envoy Gateway's rendering names (the
+/// only pattern the chosen corpus entries use).
+fn exact(matcher: &Value) -> &str {
+    let spec = ["HeaderMatchSpecifier", "QueryParameterMatchSpecifier"]
+        .iter()
+        .map(|k| &matcher[k]["StringMatch"]["MatchPattern"])
+        .find(|p| !p.is_null())
+        .unwrap_or_else(|| panic!("no string match: {matcher}"));
+    spec["Exact"]
+        .as_str()
+        .unwrap_or_else(|| panic!("a pattern the test does not render: {spec}"))
+}
+
 /// An action of Envoy Gateway's rendering as Envoy's JSON.
 fn envoy_action(a: &Value) -> Value {
     let (kind, b) = a["ActionSpecifier"]
@@ -195,13 +208,7 @@ fn envoy_action(a: &Value) -> Value {
         }
         v
     };
-    let string_match = |m: &Value| {
-        let p = &m["StringMatch"]["MatchPattern"];
-        match p["Exact"].as_str() {
-            Some(e) => json!({ "exact": e }),
-            None => panic!("a pattern the test does not render: {p}"),
-        }
-    };
+    let string_match = |m: &Value| json!({ "exact": exact(m) });
     match kind.as_str() {
         "GenericKey" => json!({ "generic_key": common(json!({})) }),
         "RequestHeaders" => {
@@ -215,7 +222,7 @@ fn envoy_action(a: &Value) -> Value {
                 .map(|h| {
                     json!({
                         "name": h["name"],
-                        "string_match": string_match(&h["HeaderMatchSpecifier"]),
+                        "string_match": string_match(h),
                         "invert_match": h["invert_match"].as_bool().unwrap_or(false)
                     })
                 })
@@ -233,7 +240,7 @@ fn envoy_action(a: &Value) -> Value {
                 .map(|q| {
                     json!({
                         "name": q["name"],
-                        "string_match": string_match(&q["QueryParameterMatchSpecifier"])
+                        "string_match": string_match(q)
                     })
                 })
                 .collect();
@@ -294,19 +301,12 @@ pub(crate) fn request_for(rule: &Rule) -> Option<Request> {
             "RequestHeaders" => want(b["header_name"].as_str().unwrap(), "alice")?,
             "HeaderValueMatch" if b["expect_match"]["value"] != false => {
                 for h in b["headers"].as_array().unwrap() {
-                    let exact = h["HeaderMatchSpecifier"]["StringMatch"]["MatchPattern"]["Exact"]
-                        .as_str()
-                        .unwrap();
-                    want(h["name"].as_str().unwrap(), exact)?;
+                    want(h["name"].as_str().unwrap(), exact(h))?;
                 }
             }
             "QueryParameterValueMatch" => {
                 for q in b["query_parameters"].as_array().unwrap() {
-                    let exact =
-                        q["QueryParameterMatchSpecifier"]["StringMatch"]["MatchPattern"]["Exact"]
-                            .as_str()
-                            .unwrap();
-                    query.push(format!("{}={exact}", q["name"].as_str().unwrap()));
+                    query.push(format!("{}={}", q["name"].as_str().unwrap(), exact(q)));
                 }
             }
             _ => {}
@@ -352,10 +352,11 @@ pub(crate) fn descriptor(rule: &Rule, req: &Request) -> Option<Vec<(String, Stri
                 header(b["header_name"].as_str().unwrap())?,
             ),
             "HeaderValueMatch" => {
-                let all = b["headers"].as_array().unwrap().iter().all(|h| {
-                    let exact = &h["HeaderMatchSpecifier"]["StringMatch"]["MatchPattern"]["Exact"];
-                    header(h["name"].as_str().unwrap()).as_deref() == exact.as_str()
-                });
+                let all = b["headers"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .all(|h| header(h["name"].as_str().unwrap()).as_deref() == Some(exact(h)));
                 if all != expect {
                     return None;
                 }
@@ -363,12 +364,8 @@ pub(crate) fn descriptor(rule: &Rule, req: &Request) -> Option<Vec<(String, Stri
             }
             "QueryParameterValueMatch" => {
                 let all = b["query_parameters"].as_array().unwrap().iter().all(|q| {
-                    let exact =
-                        q["QueryParameterMatchSpecifier"]["StringMatch"]["MatchPattern"]["Exact"]
-                            .as_str()
-                            .unwrap();
                     req.path
-                        .contains(&format!("{}={exact}", q["name"].as_str().unwrap()))
+                        .contains(&format!("{}={}", q["name"].as_str().unwrap(), exact(q)))
                 });
                 if all != expect {
                     return None;
