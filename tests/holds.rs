@@ -411,7 +411,85 @@ descriptors:
     );
 }
 
+/// The docs' own `hold_key` node: five places per tenant and a monthly budget, reserved and
+/// settled as "Reservations" shows.
+const PLACES_AND_BUDGET: &str = "domain: budgets
+descriptors:
+  - key: tenant
+    hold_key: request_id
+    rate_limits:
+      - {algorithm: concurrency, requests_per_unit: 5, unit: minute, unit_multiplier: 10}
+      - {unit: month, requests_per_unit: 1000000, calendar: Europe/Berlin}
+";
+
+/// A settlement (the estimate given back, the usage reported, in one stream-done call) leaves
+/// its request's place free, whichever of the two comes first: a cost report takes no place.
+/// Before, the report took a new place under the same id that nothing released: after five
+/// requests the tenant was locked out for the places' lifetime.
+async fn a_settlement_leaves_its_place_free(kind: Kind) {
+    let s = start(kind, &[("budgets.yaml", PLACES_AND_BUDGET)], &[]).await;
+    let mut c = s.client().await;
+    let places = || async {
+        let (_, text) = s.http_get("/metrics").await;
+        metric(
+            &text,
+            "ratelimit_places_in_use{domain=\"budgets\",rule=\"tenant\"}",
+        )
+    };
+    for i in 0..8 {
+        let id = format!("r{i}");
+        let r = call(&mut c, reserve(&id, 1_000)).await;
+        assert!(is_ok(&r), "{kind:?}: request {i} refused: {r:?}");
+        assert_eq!(places().await, 1.0, "{kind:?}: request {i} in flight");
+        let mut done = settle(&id, 1_000, Some(600));
+        if i % 2 == 1 {
+            // The usage first, the refund after it: the same call.
+            done.descriptors.reverse();
+        }
+        call(&mut c, done).await;
+        assert_eq!(places().await, 0.0, "{kind:?}: request {i} settled");
+    }
+    // A check reports the most restrictive of the two: five places left.
+    assert_eq!(left(&mut c).await, 5, "{kind:?}");
+    // Five in flight still fill the places; the sixth is refused.
+    for i in 0..5 {
+        assert!(is_ok(&call(&mut c, reserve(&format!("f{i}"), 1)).await));
+    }
+    assert!(is_over(&call(&mut c, reserve("f5", 1)).await), "{kind:?}");
+}
+
+/// A request's own `limit` replaces a node's rate limits, never its places: a client cannot
+/// lift a concurrency limit by sending one. Before, 4 of 3 were admitted (all 3, 4 of 2...).
+async fn a_requests_own_limit_leaves_the_places_in_force(kind: Kind) {
+    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::RateLimitOverride;
+    use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
+    let s = start(kind, &[("llm.yaml", CONFIG)], &[]).await;
+    let mut c = s.client().await;
+    let limited = |mut req: RateLimitRequest, requests_per_unit: u32| {
+        req.descriptors[0].limit = Some(RateLimitOverride {
+            requests_per_unit,
+            unit: Unit::Minute as i32,
+        });
+        req
+    };
+    let mut got = Vec::new();
+    for id in ["a", "b", "c", "d", "e"] {
+        got.push(is_ok(
+            &call(&mut c, limited(acquire("acme", id), 100)).await,
+        ));
+    }
+    assert_eq!(got, [true, true, true, false, false], "{kind:?}");
+    // Its own limit still applies beside the places.
+    let r = call(&mut c, limited(acquire("other", "x"), 0)).await;
+    assert!(is_over(&r), "{kind:?}: {r:?}");
+    // A release that carries a `limit` releases the place.
+    call(&mut c, limited(release("acme", "a"), 100)).await;
+    assert_eq!(admitted(&mut c, "acme", &["f", "g"]).await, [true, false]);
+}
+
 every_backend!(
+    a_settlement_leaves_its_place_free,
+    a_requests_own_limit_leaves_the_places_in_force,
     an_owed_release_ends_with_its_hold,
     a_refused_replays_release_never_frees_the_place_it_collided_with,
     the_admin_api_lists_and_clears_holds,

@@ -27,6 +27,7 @@ const FLOORS: &[&[&str]] = &[
     &["engine", "overrides", "rlqs", "xds"],
     &["server", "source"],
     &["settings"],
+    &["run"],
     &["root"],
     &["testing"],
 ];

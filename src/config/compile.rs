@@ -981,7 +981,7 @@ impl Compiler<'_> {
                 return Err(self.err(
                     Some(&a.referenced),
                     &sub("accounting"),
-                    "has no meaning for algorithm: concurrency (an admission takes a place, a refund naming its hold releases it)",
+                    "has no meaning for algorithm: concurrency (an admission takes a place, a cost report takes none, a refund naming its hold releases it)",
                 ));
             }
         }

@@ -26,6 +26,7 @@ pub use error::ConfigError;
 pub(crate) use load::LoadedConfig;
 pub use load::load_paths;
 pub(crate) use load::load_paths_with;
+pub(crate) use matcher::Matched;
 
 /// A time unit of a limit. Month is 30 days and year 365 days, as in envoyproxy/ratelimit.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

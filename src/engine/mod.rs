@@ -1,7 +1,7 @@
 //! The decision engine, independent of the wire protocol. One request's path:
 //!
 //! 1. [`request::validate`]: bounds and required fields, else `INVALID_ARGUMENT`.
-//! 2. [`resolve::resolve`] (pure): the snapshot in force and the request give every applicable
+//! 2. [`Resolver::resolve`](resolve::Resolver::resolve) (pure): the snapshot in force and the request give every applicable
 //!    limit and one [`Hit`](crate::limiter::Hit) per distinct counter, its key built once in its
 //!    final form by the [`KeyFormat`].
 //! 3. The backend decides all hits at once, all-or-nothing.
@@ -25,7 +25,7 @@ use self::report::Tally;
 pub(crate) use self::report::{Code, CounterView, Response, Status};
 pub(crate) use self::request::{Descriptor, EngineError, LimitOverride, Request, RequestLimits};
 pub(crate) use self::resolve::OVERRIDE_RULE;
-use self::resolve::{Resolved, resolve};
+use self::resolve::{Resolved, Resolver};
 use crate::config::Snapshot;
 use crate::config::overrides::OverrideSet;
 use crate::limiter::key::KeyFormat;
@@ -186,15 +186,15 @@ impl Engine {
             domain,
             applied,
             hits,
-        } = resolve(
-            &snapshot,
-            &overrides,
-            req,
-            &self.keys,
-            &self.override_rule,
-            self.options.accounting,
-            self.options.global_quota_mode,
-        );
+        } = Resolver {
+            snapshot: &snapshot,
+            overrides: &overrides,
+            keys: &self.keys,
+            override_rule: &self.override_rule,
+            accounting: self.options.accounting,
+            quota_mode: self.options.global_quota_mode,
+        }
+        .resolve(req);
         request::validate_counters(&hits, &self.options.request_limits)?;
         let _costly = costly.or_else(|| crate::runtime::Costly::of(hits.len()));
         let Some(domain) = domain.filter(|_| !hits.is_empty()) else {
@@ -391,15 +391,15 @@ impl Engine {
         request::validate(&req, &self.options.request_limits)?;
         let snapshot = self.config.load();
         let overrides = self.overrides.load();
-        let Resolved { applied, hits, .. } = resolve(
-            &snapshot,
-            &overrides,
-            &req,
-            &self.keys,
-            &self.override_rule,
-            Accounting::Admission,
-            false,
-        );
+        let Resolved { applied, hits, .. } = Resolver {
+            snapshot: &snapshot,
+            overrides: &overrides,
+            keys: &self.keys,
+            override_rule: &self.override_rule,
+            accounting: Accounting::Admission,
+            quota_mode: false,
+        }
+        .resolve(&req);
         let mut limits: Vec<Option<ReportedLimit>> = vec![None; hits.len()];
         for a in applied {
             limits[a.hit].get_or_insert(a.limit.reported);

@@ -6,9 +6,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::applied::{Applicable, Applied, ReportedLimit};
-use super::request::{LimitOverride, Request};
-use crate::config::overrides::OverrideSet;
-use crate::config::{LimitRule, NodeLimits, Snapshot};
+use super::request::{Descriptor, LimitOverride, Request};
+use crate::config::overrides::{DomainLookup, InForce, OverrideSet};
+use crate::config::{Domain, LimitRule, Matched, Node, NodeLimits, Snapshot};
 use crate::limiter::key::KeyFormat;
 use crate::limiter::{Accounting, Algorithm, Enforcement, Hit, HitKind, Hold, HoldId, Limit};
 use crate::value::KeyValue;
@@ -71,137 +71,240 @@ pub(crate) struct Resolved<'s> {
 /// (applied index, name, replaces) of a limit that has a name or replaces others.
 type Named<'s> = (usize, Option<&'s Arc<str>>, &'s [Arc<str>]);
 
-/// Resolves `req` against `snapshot`: every limit that applies to each descriptor (its own
-/// `limit` override, else the limits of the node its entries land on, minus those another
-/// applicable limit `replaces`), and one hit per distinct counter and kind, keyed in `keys`'
-/// format. Each hit's kind: a refund for `is_negative_hits`, else as the limit's `accounting`
-/// says, else as `accounting` (the server's) says. An unknown domain, or descriptors no limit
-/// applies to, resolve to nothing.
-///
-/// `quota_mode` is envoyproxy/ratelimit's global `QUOTA_MODE`: every limit is soft. As that
-/// service counts soft descriptors, one that passes whatever its counters say (in shadow mode,
-/// or, with `quota_mode`, matching no limit) means not all of them can be over, so the request
-/// is never refused: its soft limits then report as shadow ones do. `unlimited` descriptors do
-/// not count.
-pub(crate) fn resolve<'s>(
-    snapshot: &'s Snapshot,
-    overrides: &'s OverrideSet,
-    req: &Request<'_>,
-    keys: &KeyFormat,
-    override_rule: &'s Arc<String>,
-    accounting: Accounting,
-    quota_mode: bool,
-) -> Resolved<'s> {
-    let Some(domain) = snapshot.domain(req.domain) else {
-        return Resolved::default();
-    };
-    // The operator's overrides of this domain: looked up only where there are some.
-    let operators = match overrides.is_empty() {
-        true => None,
-        false => overrides.domain(req.domain),
-    };
-    let default_hits = req.hits_addend.max(1);
-    // `found[i]` comes with `hits[i]` until `merge` pairs them (most descriptors have one
-    // limit).
-    let mut found: Vec<Applied<'s>> = Vec::with_capacity(req.descriptors.len());
-    let mut hits: Vec<Hit> = Vec::with_capacity(req.descriptors.len());
-    // Limits that take part in `replaces`: rare, so the common request allocates nothing.
-    let mut named: Vec<Named<'s>> = Vec::new();
-    // A soft descriptor passes whatever the counters say.
-    let mut soft_passes = false;
-    let enforce = if quota_mode {
-        Enforcement::Soft
-    } else {
-        Enforcement::Enforce
-    };
-    for (i, d) in req.descriptors.iter().enumerate() {
+/// What a request is resolved against, beside the request itself: the config and the
+/// operator's overrides in force, the key format, and the server's settings that decide a hit.
+pub(crate) struct Resolver<'s> {
+    pub snapshot: &'s Snapshot,
+    pub overrides: &'s OverrideSet,
+    pub keys: &'s KeyFormat,
+    /// The metric rule of a request's `limit` on a descriptor the config does not know.
+    pub override_rule: &'s Arc<String>,
+    /// The server's `--accounting`, for limits that set none.
+    pub accounting: Accounting,
+    /// envoyproxy/ratelimit's global `QUOTA_MODE`: every limit is soft.
+    pub quota_mode: bool,
+}
+
+impl<'s> Resolver<'s> {
+    /// Resolves `req`: every limit that applies to each descriptor (the operator's override of
+    /// its entries, else its own `limit`, else the limits of the node its entries land on;
+    /// minus those another applicable limit `replaces`), and one hit per distinct counter and
+    /// kind, keyed in `keys`' format. Each hit's kind: a refund for `is_negative_hits`, else as
+    /// the limit's `accounting` says, else as the server's does. An unknown domain, or
+    /// descriptors no limit applies to, resolve to nothing.
+    ///
+    /// With `quota_mode`, as envoyproxy/ratelimit counts soft descriptors, one that passes
+    /// whatever its counters say (in shadow mode, or matching no limit) means not all of them
+    /// can be over, so the request is never refused: its soft limits then report as shadow ones
+    /// do. `unlimited` descriptors do not count.
+    pub(crate) fn resolve(&self, req: &Request<'_>) -> Resolved<'s> {
+        let Some(domain) = self.snapshot.domain(req.domain) else {
+            return Resolved::default();
+        };
+        let mut found = Found::new(self, req);
+        for (i, d) in req.descriptors.iter().enumerate() {
+            found.descriptor(domain, req.domain, i, d);
+        }
+        found.soften();
+        found.drop_replaced();
+        let Found {
+            mut applied,
+            mut hits,
+            ..
+        } = found;
+        merge(&mut applied, &mut hits);
+        Resolved {
+            domain: Some(&domain.name),
+            applied,
+            hits,
+        }
+    }
+}
+
+/// The limits found so far for a request, in request order: `applied[i]` comes with `hits[i]`
+/// until [`merge`] pairs them (most descriptors have one limit).
+struct Found<'s, 'r> {
+    at: &'r Resolver<'s>,
+    /// The operator's overrides of the request's domain: looked up only where there are some.
+    operators: Option<DomainLookup<'s>>,
+    /// The hits of a descriptor that sends none of its own.
+    default_hits: u64,
+    /// A limit's enforcement unless its node says otherwise.
+    enforce: Enforcement,
+    applied: Vec<Applied<'s>>,
+    hits: Vec<Hit>,
+    /// Limits that take part in `replaces`: rare, so the common request allocates nothing.
+    named: Vec<Named<'s>>,
+    /// Whether a soft descriptor passes whatever the counters say.
+    soft_passes: bool,
+}
+
+impl<'s, 'r> Found<'s, 'r> {
+    fn new(at: &'r Resolver<'s>, req: &Request<'_>) -> Found<'s, 'r> {
+        Found {
+            at,
+            operators: match at.overrides.is_empty() {
+                true => None,
+                false => at.overrides.domain(req.domain),
+            },
+            default_hits: req.hits_addend.max(1),
+            enforce: match at.quota_mode {
+                true => Enforcement::Soft,
+                false => Enforcement::Enforce,
+            },
+            applied: Vec::with_capacity(req.descriptors.len()),
+            hits: Vec::with_capacity(req.descriptors.len()),
+            named: Vec::new(),
+            soft_passes: false,
+        }
+    }
+
+    /// The limits of descriptor `i`: the operator's override of its entries where a rule
+    /// matches them, else its own `limit` (beside the node's concurrency limits, which a
+    /// request cannot lift), else its node's limits.
+    fn descriptor(&mut self, domain: &'s Domain, name: &str, i: usize, d: &Descriptor<'_>) {
         // A descriptor with no entries (Envoy sends one for a rate limit whose actions found
         // nothing, e.g. an absent header under `skip_if_absent`) matches nothing, whatever
         // else it carries: as envoyproxy/ratelimit decides it, OK and no counter.
         if d.entries.is_empty() {
-            soft_passes |= quota_mode;
-            continue;
+            self.soft_passes |= self.at.quota_mode;
+            return;
         }
-        let hits_addend = d.hits_addend.unwrap_or(default_hits);
-        let kind = |limit: Option<Accounting>| {
-            if d.refund {
-                HitKind::Refund
-            } else {
-                limit.unwrap_or(accounting).kind(d.hits_addend)
-            }
-        };
-        let matched = domain.lookup(&d.entries, keys);
-        // An operator's override of these entries (less a hold's id), where a rule matches
-        // them, comes first: before the request's own limit and the rule's.
-        let operator = match (operators, &matched) {
-            (Some(o), Some(m)) => {
-                let held = usize::from(m.hold.id().is_some());
-                o.get(&d.entries[..d.entries.len() - held])
-            }
-            _ => None,
-        };
+        let matched = domain.lookup(&d.entries, self.at.keys);
+        let operator = self.operator(&matched, d);
         if operator.is_none()
             && let Some(o) = d.limit_override
         {
-            // The metric label comes from the config, never from the request's entries: the
-            // node the descriptor matches, else a constant.
-            let (rule, rule_has_values, node, path) = match matched {
-                Some(m) => (
-                    m.rule,
-                    m.rule_has_values,
-                    Some(m.node),
-                    m.node.path.as_str(),
-                ),
-                None => (Cow::Borrowed(override_rule), false, None, OVERRIDE_RULE),
-            };
-            found.push(Applied::unmerged(Applicable {
-                descriptor: i,
-                reported: ReportedLimit {
-                    name: None,
-                    requests_per_unit: o.requests_per_unit,
-                    unit: o.unit,
-                    window: Duration::from_secs(o.unit.seconds()),
-                    calendar: false,
-                },
-                enforcement: enforce,
-                rule,
-                rule_has_values,
-                node,
-                metadata: None,
-                path,
-                index: crate::top::OVERRIDE,
-                top_values: crate::top::Values::Show,
-                named_hold: false,
-                operator: None,
-            }));
-            hits.push(Hit {
-                enforcement: enforce,
-                ..override_hit(keys, req.domain, &d.entries, o, hits_addend, kind(None))
-            });
-            continue;
+            self.request_limit(name, i, d, o, matched.as_ref());
+            if let Some(m) = matched
+                && let Some(NodeLimits::Limits(rules)) = &m.node.limits
+            {
+                self.node_limits(i, d, m, rules, None, Takes::Places);
+            }
+            return;
         }
         let Some(matched) = matched else {
-            soft_passes |= quota_mode;
-            continue;
+            self.soft_passes |= self.at.quota_mode;
+            return;
         };
-        let rules: &[LimitRule] = match (operator, &matched.node.limits) {
+        let rules: &'s [LimitRule] = match (operator, &matched.node.limits) {
             (Some(op), _) => &op.limits,
             (None, Some(NodeLimits::Limits(rules))) => rules,
-            (None, _) => continue, // unlimited
+            (None, _) => return, // unlimited
         };
-        let enforcement = if matched.node.shadow_mode {
-            soft_passes |= quota_mode || matched.node.soft;
+        self.node_limits(i, d, matched, rules, operator, Takes::All);
+    }
+
+    /// The operator's override of a matched descriptor's entries (less a hold's id).
+    fn operator(&self, matched: &Option<Matched<'s>>, d: &Descriptor<'_>) -> Option<&'s InForce> {
+        let (o, m) = (self.operators.as_ref()?, matched.as_ref()?);
+        let held = usize::from(m.hold.id().is_some());
+        o.get(&d.entries[..d.entries.len() - held])
+    }
+
+    /// The kind of descriptor `d`'s hit on a rate limit whose own accounting is `limit`.
+    fn kind(&self, d: &Descriptor<'_>, limit: Option<Accounting>) -> HitKind {
+        match d.refund {
+            true => HitKind::Refund,
+            false => limit.unwrap_or(self.at.accounting).kind(d.hits_addend),
+        }
+    }
+
+    /// A request's own `limit` on descriptor `i`: a fixed window of its unit, in a counter of
+    /// its own. The metric label comes from the config, never from the request's entries: the
+    /// node the descriptor matches, else a constant.
+    fn request_limit(
+        &mut self,
+        name: &str,
+        i: usize,
+        d: &Descriptor<'_>,
+        o: LimitOverride,
+        matched: Option<&Matched<'s>>,
+    ) {
+        let (rule, rule_has_values, node, path) = match matched {
+            Some(m) => (
+                m.rule.clone(),
+                m.rule_has_values,
+                Some(m.node),
+                m.node.path.as_str(),
+            ),
+            None => (
+                Cow::Borrowed(self.at.override_rule),
+                false,
+                None,
+                OVERRIDE_RULE,
+            ),
+        };
+        self.applied.push(Applied::unmerged(Applicable {
+            descriptor: i,
+            reported: ReportedLimit {
+                name: None,
+                requests_per_unit: o.requests_per_unit,
+                unit: o.unit,
+                window: Duration::from_secs(o.unit.seconds()),
+                calendar: false,
+            },
+            enforcement: self.enforce,
+            rule,
+            rule_has_values,
+            node,
+            metadata: None,
+            path,
+            index: crate::top::OVERRIDE,
+            top_values: crate::top::Values::Show,
+            named_hold: false,
+            operator: None,
+        }));
+        let hits = d.hits_addend.unwrap_or(self.default_hits);
+        let kind = self.kind(d, None);
+        self.hits.push(Hit {
+            enforcement: self.enforce,
+            ..override_hit(self.at.keys, name, &d.entries, o, hits, kind)
+        });
+    }
+
+    /// The enforcement of a node's limits; notes a shadow node that lets a soft request pass.
+    fn enforcement(&mut self, node: &Node) -> Enforcement {
+        if node.shadow_mode {
+            self.soft_passes |= self.at.quota_mode || node.soft;
             Enforcement::Shadow
-        } else if matched.node.soft {
+        } else if node.soft {
             Enforcement::Soft
         } else {
-            enforce
+            self.enforce
+        }
+    }
+
+    /// The hits of `rules` (the node's, or an operator's override of them) on descriptor `i`,
+    /// or only of its concurrency limits. A concurrency limit's hits are places: taken by an
+    /// admission, released by a refund; a cost report (the descriptor's own `hits_addend`)
+    /// takes none, so a settlement's report never takes the place its refund freed.
+    fn node_limits(
+        &mut self,
+        i: usize,
+        d: &Descriptor<'_>,
+        matched: Matched<'s>,
+        rules: &'s [LimitRule],
+        operator: Option<&'s InForce>,
+        takes: Takes,
+    ) {
+        let hits_addend = d.hits_addend.unwrap_or(self.default_hits);
+        let place = |rule: &LimitRule| rule.algorithm == Algorithm::Concurrency;
+        let counts = |rule: &LimitRule| match place(rule) {
+            true => d.refund || Accounting::Auto.kind(d.hits_addend) == HitKind::Admission,
+            false => takes == Takes::All,
+        };
+        let enforcement = self.enforcement(matched.node);
+        let Some(last) = rules.iter().rposition(counts) else {
+            return;
         };
         let mut base = Some(matched.key);
-        for (r, rule) in rules.iter().enumerate() {
-            let limit = rule.limit();
+        for (r, rule) in rules.iter().enumerate().take(last + 1) {
+            if !counts(rule) {
+                continue;
+            }
             // The descriptor's key goes to its last limit as it is; the others get copies.
-            let key = if r + 1 == rules.len() {
+            let key = if r == last {
                 base.take()
                     .expect("the last limit takes the key")
                     .with_identity(&rule.identity)
@@ -211,9 +314,10 @@ pub(crate) fn resolve<'s>(
                     .for_identity(&rule.identity)
             };
             if rule.name.is_some() || !rule.replaces.is_empty() {
-                named.push((found.len(), rule.name.as_ref(), &rule.replaces));
+                self.named
+                    .push((self.applied.len(), rule.name.as_ref(), &rule.replaces));
             }
-            found.push(Applied::unmerged(Applicable {
+            self.applied.push(Applied::unmerged(Applicable {
                 descriptor: i,
                 reported: reported(rule),
                 enforcement,
@@ -227,15 +331,13 @@ pub(crate) fn resolve<'s>(
                 named_hold: matched.hold.id().is_some(),
                 operator: operator.map(|op| &op.id),
             }));
-            // A concurrency limit's hits are places: taken by an admission, released by a
-            // refund, never reported.
-            let kind = match rule.algorithm {
-                Algorithm::Concurrency if !d.refund => HitKind::Admission,
-                _ => kind(rule.accounting),
+            let kind = match place(rule) && !d.refund {
+                true => HitKind::Admission,
+                false => self.kind(d, rule.accounting),
             };
-            hits.push(Hit {
+            self.hits.push(Hit {
                 key,
-                limit,
+                limit: rule.limit(),
                 hits: hits_addend,
                 enforcement,
                 kind,
@@ -243,38 +345,50 @@ pub(crate) fn resolve<'s>(
             });
         }
     }
-    if soft_passes {
-        for h in &mut hits {
+
+    /// Where a soft descriptor passes, every soft limit of the request reports as shadow.
+    fn soften(&mut self) {
+        if !self.soft_passes {
+            return;
+        }
+        for h in &mut self.hits {
             if h.enforcement == Enforcement::Soft {
                 h.enforcement = Enforcement::Shadow;
             }
         }
-        for a in &mut found {
+        for a in &mut self.applied {
             if a.limit.enforcement == Enforcement::Soft {
                 a.limit.enforcement = Enforcement::Shadow;
             }
         }
     }
-    // `replaces`: a limit named by another applicable limit's `replaces` does not apply.
-    if named.iter().any(|(_, _, r)| !r.is_empty()) {
-        let replaced: Vec<&Arc<str>> = named.iter().flat_map(|(_, _, r)| r.iter()).collect();
-        let mut keep = vec![true; found.len()];
-        for (a, name, _) in &named {
+
+    /// `replaces`: a limit named by another applicable limit's `replaces` does not apply.
+    fn drop_replaced(&mut self) {
+        if !self.named.iter().any(|(_, _, r)| !r.is_empty()) {
+            return;
+        }
+        let replaced: Vec<&Arc<str>> = self.named.iter().flat_map(|(_, _, r)| r.iter()).collect();
+        let mut keep = vec![true; self.applied.len()];
+        for (a, name, _) in &self.named {
             if name.is_some_and(|n| replaced.contains(&n)) {
                 keep[*a] = false;
             }
         }
         let mut k = keep.iter();
-        found.retain(|_| *k.next().expect("one flag per limit"));
+        self.applied
+            .retain(|_| *k.next().expect("one flag per limit"));
         let mut k = keep.iter();
-        hits.retain(|_| *k.next().expect("one flag per hit"));
+        self.hits.retain(|_| *k.next().expect("one flag per hit"));
     }
-    merge(&mut found, &mut hits);
-    Resolved {
-        domain: Some(&domain.name),
-        applied: found,
-        hits,
-    }
+}
+
+/// Which of a node's limits a descriptor takes: all of them, or (beside a request's own
+/// `limit`) only its concurrency limits.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Takes {
+    All,
+    Places,
 }
 
 /// Merges hits on the same counter (a request may carry the same descriptor twice, or two
@@ -380,7 +494,23 @@ mod tests {
     static NO_OVERRIDES: std::sync::LazyLock<OverrideSet> =
         std::sync::LazyLock::new(OverrideSet::default);
     use crate::config::compile_file;
-    use crate::engine::request::Descriptor;
+
+    fn resolver<'s>(
+        snapshot: &'s Snapshot,
+        keys: &'s KeyFormat,
+        override_rule: &'s Arc<String>,
+        accounting: Accounting,
+        quota_mode: bool,
+    ) -> Resolver<'s> {
+        Resolver {
+            snapshot,
+            overrides: &NO_OVERRIDES,
+            keys,
+            override_rule,
+            accounting,
+            quota_mode,
+        }
+    }
 
     fn snapshot(yaml: &str) -> Snapshot {
         Snapshot::new(vec![compile_file(Path::new("t.yaml"), yaml).unwrap()])
@@ -419,15 +549,7 @@ descriptors:
         let keys = KeyFormat::new("p:", crate::limiter::key::HashTag::Domain).unwrap();
         let rule = Arc::new(OVERRIDE_RULE.to_owned());
         let req = request(&[&[("a", "1")], &[("b", "x")], &[("a", "1")], &[("c", "y")]]);
-        let r = resolve(
-            &s,
-            &NO_OVERRIDES,
-            &req,
-            &keys,
-            &rule,
-            Accounting::Auto,
-            false,
-        );
+        let r = resolver(&s, &keys, &rule, Accounting::Auto, false).resolve(&req);
         // Two limits for each `a` descriptor, both descriptors sharing the two counters.
         assert_eq!(r.applied.len(), 4);
         assert_eq!(r.hits.len(), 2);
@@ -442,31 +564,16 @@ descriptors:
         assert_eq!(r.hits[0].key.as_bytes(), b"p:{d}:a:1:f1000000:0");
         assert_eq!(r.hits[1].key.as_bytes(), b"p:{d}:a:1:s60000000:0");
         // The same inputs give the same hits: nothing but the arguments decides them.
-        let again = resolve(
-            &s,
-            &NO_OVERRIDES,
-            &req,
-            &keys,
-            &rule,
-            Accounting::Auto,
-            false,
-        );
+        let again = resolver(&s, &keys, &rule, Accounting::Auto, false).resolve(&req);
         assert_eq!(again.hits.len(), 2);
         assert_eq!(again.hits[1].key, r.hits[1].key);
         // An unknown domain resolves to nothing.
         let other = Request { domain: "x", ..req };
         assert!(
-            resolve(
-                &s,
-                &NO_OVERRIDES,
-                &other,
-                &keys,
-                &rule,
-                Accounting::Auto,
-                false
-            )
-            .hits
-            .is_empty()
+            resolver(&s, &keys, &rule, Accounting::Auto, false)
+                .resolve(&other)
+                .hits
+                .is_empty()
         );
     }
 
@@ -520,15 +627,7 @@ descriptors:
                     }],
                     hits_addend: 0,
                 };
-                let r = resolve(
-                    &s,
-                    &NO_OVERRIDES,
-                    &req,
-                    &keys,
-                    &rule,
-                    Accounting::Auto,
-                    false,
-                );
+                let r = resolver(&s, &keys, &rule, Accounting::Auto, false).resolve(&req);
                 let want = keys
                     .descriptor_key("d o%", [(entry.0, counted)])
                     .with_limit(&limit, 0);
@@ -570,15 +669,7 @@ descriptors:
             ],
             hits_addend: 0,
         };
-        let r = resolve(
-            &s,
-            &NO_OVERRIDES,
-            &req,
-            &keys,
-            &rule,
-            Accounting::Auto,
-            false,
-        );
+        let r = resolver(&s, &keys, &rule, Accounting::Auto, false).resolve(&req);
         let got: Vec<(HitKind, u64)> = r.hits.iter().map(|h| (h.kind, h.hits)).collect();
         assert_eq!(
             got,
@@ -589,25 +680,9 @@ descriptors:
             ]
         );
         // The server's accounting applies where the limit sets none.
-        let r = resolve(
-            &s,
-            &NO_OVERRIDES,
-            &req,
-            &keys,
-            &rule,
-            Accounting::Admission,
-            false,
-        );
+        let r = resolver(&s, &keys, &rule, Accounting::Admission, false).resolve(&req);
         assert_eq!(r.hits[0].kind, HitKind::Admission);
-        let r = resolve(
-            &s,
-            &NO_OVERRIDES,
-            &req,
-            &keys,
-            &rule,
-            Accounting::Report,
-            false,
-        );
+        let r = resolver(&s, &keys, &rule, Accounting::Report, false).resolve(&req);
         assert_eq!(r.hits[2].kind, HitKind::Admission, "the limit's own wins");
     }
 
