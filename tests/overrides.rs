@@ -208,6 +208,57 @@ async fn the_admin_listener_asks_who_calls() {
     assert!(list(&s).await.is_empty());
 }
 
+/// The token file is taken as it is, within the reload interval: emptied, only comments, or
+/// deleted, it accepts no token (before, the tokens of the last good version stayed in force);
+/// a last line still being written (no newline yet) is no token, nor is a malformed line.
+#[tokio::test]
+async fn a_token_file_with_no_tokens_accepts_none() {
+    let (_dir, file) = tokens();
+    let s = admin_server(Kind::Memory, &file, &[]).await;
+    let admin = s.admin.unwrap();
+    let status = |token: &'static str| async move {
+        let auth = bearer(token);
+        http_call(
+            admin,
+            "GET",
+            "/v1/overrides",
+            &[("Authorization", &auth)],
+            b"",
+        )
+        .await
+        .0
+    };
+    let becomes = |token: &'static str, want: u16, why: &'static str| async move {
+        poll(Duration::from_secs(10), || async {
+            (status(token).await == want).then_some(())
+        })
+        .await;
+        // Not a passing state: it stays so.
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        assert_eq!(status(token).await, want, "{why}");
+    };
+    let whole = format!("alice:{ALICE}\nbob:{BOB}\n");
+    assert_eq!(status(ALICE).await, 200);
+    for (text, why) in [
+        ("", "emptied"),
+        ("# rotated: none yet\n\n", "only comments"),
+    ] {
+        std::fs::write(&file, text).unwrap();
+        becomes(ALICE, 401, why).await;
+        assert_eq!(status(BOB).await, 401, "{why}");
+        std::fs::write(&file, &whole).unwrap();
+        becomes(ALICE, 200, "restored").await;
+    }
+    std::fs::remove_file(&file).unwrap();
+    becomes(ALICE, 401, "deleted").await;
+    std::fs::write(&file, &whole).unwrap();
+    becomes(BOB, 200, "restored").await;
+    // Bob's line cut short, as a write in progress leaves it; a malformed line beside alice's.
+    std::fs::write(&file, format!("alice:{ALICE}\nnot a line\nbob:{BOB}")).unwrap();
+    becomes(BOB, 401, "a partly written line").await;
+    assert_eq!(status(ALICE).await, 200, "alice's whole line still counts");
+}
+
 /// Raise, lower, block and delete one tenant's limit; the others keep the config's; the
 /// count already used carries over when the algorithm and window stay.
 async fn an_override_changes_one_descriptors_limit(kind: Kind) {

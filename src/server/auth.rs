@@ -1,6 +1,7 @@
 //! Who is calling the admin listener: bearer tokens from `--admin-token-file`, one
-//! `name:token` per line (blank lines and lines starting with `#` skipped), read again within
-//! a second of the file changing. Only each token's SHA-256 is kept; a presented token is
+//! `name:token` per line (blank lines and lines starting with `#` skipped; only lines that end
+//! in a newline count), read again within a second of the file changing, and then taken as it
+//! is: no token of an earlier version outlives it (fail closed). Only each token's SHA-256 is kept; a presented token is
 //! hashed and compared with every one kept, each comparison in constant time and none cut
 //! short, so the answer's timing says nothing of which bytes matched. A token is never
 //! logged; its name is, with every change it makes.
@@ -38,45 +39,73 @@ fn digest(bytes: &[u8]) -> [u8; 32] {
     out
 }
 
-/// The tokens `text` lists, or the first malformed line (its number and what is wrong).
-fn parse(text: &str) -> Result<Vec<Token>, (usize, &'static str)> {
-    let mut tokens = Vec::new();
-    for (i, line) in text.lines().enumerate() {
-        let line = line.trim();
+/// What a token file says: the token of each whole, well-formed line, and what is wrong with
+/// each other line that is not blank or a comment (its number and what).
+struct Parsed {
+    tokens: Vec<Token>,
+    wrong: Vec<(usize, &'static str)>,
+}
+
+/// Reads `text` line by line. Only a line that ends in a newline counts: a file being written
+/// (an editor's save, a `>>` append) may end in part of a line, and a part of a token is
+/// never one.
+fn parse(text: &str) -> Parsed {
+    let mut parsed = Parsed {
+        tokens: Vec::new(),
+        wrong: Vec::new(),
+    };
+    for (i, whole) in text.split_inclusive('\n').enumerate() {
+        let line = whole.trim();
         if line.is_empty() || line.starts_with('#') {
             continue;
         }
+        let mut wrong = |what| parsed.wrong.push((i + 1, what));
+        if !whole.ends_with('\n') {
+            wrong("no newline at its end (a line still being written is never a token)");
+            continue;
+        }
         let Some((name, token)) = line.split_once(':') else {
-            return Err((i + 1, "not name:token"));
+            wrong("not name:token");
+            continue;
         };
         let (name, token) = (name.trim(), token.trim());
         if name.is_empty() || !name.chars().all(|c| c.is_ascii_graphic()) {
-            return Err((i + 1, "the name is empty or not printable ASCII"));
+            wrong("the name is empty or not printable ASCII");
+        } else if token.len() < MIN_TOKEN_BYTES || token.len() > MAX_TOKEN_BYTES {
+            wrong("a token is 16 to 4,096 bytes");
+        } else {
+            parsed.tokens.push(Token {
+                name: name.into(),
+                digest: digest(token.as_bytes()),
+            });
         }
-        if token.len() < MIN_TOKEN_BYTES || token.len() > MAX_TOKEN_BYTES {
-            return Err((i + 1, "a token is 16 to 4,096 bytes"));
-        }
-        tokens.push(Token {
-            name: name.into(),
-            digest: digest(token.as_bytes()),
-        });
     }
-    Ok(tokens)
+    parsed
 }
 
-/// The tokens of `path`, or an error naming the file (and line).
-fn read(path: &Path) -> Result<Vec<Token>, String> {
+/// What `path` says now, or why it cannot be read.
+fn read_parsed(path: &Path) -> Result<Parsed, String> {
     let at = path.display();
     let meta = std::fs::metadata(path).map_err(|e| format!("{at}: {e}"))?;
     if meta.len() > MAX_FILE_BYTES {
         return Err(format!("{at}: larger than {MAX_FILE_BYTES} bytes"));
     }
     let text = std::fs::read_to_string(path).map_err(|e| format!("{at}: {e}"))?;
-    let tokens = parse(&text).map_err(|(line, what)| format!("{at}:{line}: {what}"))?;
-    if tokens.is_empty() {
+    Ok(parse(&text))
+}
+
+/// The tokens of `path` at start: an error naming the file (and line) unless every line is
+/// whole and well formed and there is at least one token.
+fn read(path: &Path) -> Result<Vec<Token>, String> {
+    let at = path.display();
+    let parsed = read_parsed(path)?;
+    if let Some((line, what)) = parsed.wrong.first() {
+        return Err(format!("{at}:{line}: {what}"));
+    }
+    if parsed.tokens.is_empty() {
         return Err(format!("{at}: no token (one name:token per line)"));
     }
-    Ok(tokens)
+    Ok(parsed.tokens)
 }
 
 /// Checks `path` as the listener would read it at start (for the settings' check).
@@ -123,8 +152,11 @@ impl Tokens {
         found
     }
 
-    /// Reads the file again each second while it changes; a file that cannot be read or is
-    /// malformed leaves the tokens before it in force (logged once per change).
+    /// Reads the file again each second while it changes, and takes what it says then: the
+    /// tokens of its whole, well-formed lines, nothing kept from before. A malformed line is
+    /// logged and accepts no one; a file with no token, or one that cannot be read (deleted,
+    /// unreadable, too large), accepts no token at all until it names some again: a revoked
+    /// token never outlives its removal by more than the interval, whatever the file's state.
     pub(crate) async fn keep(self: Arc<Self>) {
         let mut seen = std::fs::read(&self.file).ok();
         loop {
@@ -134,16 +166,32 @@ impl Tokens {
                 continue;
             }
             seen = now;
-            match read(&self.file) {
-                Ok(tokens) => {
-                    tracing::info!(file = %self.file.display(), tokens = tokens.len(), "admin tokens reloaded");
-                    self.tokens.store(Arc::new(tokens));
-                }
-                Err(e) => {
-                    tracing::error!(error = %e, "admin tokens not reloaded; the ones before stay in force");
-                }
-            }
+            self.reload();
         }
+    }
+
+    /// Takes the file as it is now (see [`Tokens::keep`]).
+    fn reload(&self) {
+        let file = self.file.display();
+        let tokens = match read_parsed(&self.file) {
+            Ok(parsed) => {
+                for (line, what) in &parsed.wrong {
+                    tracing::error!(file = %file, line, what, "admin token file: a line is not a token");
+                }
+                parsed.tokens
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "admin token file unreadable: no token is accepted until it can be read");
+                Vec::new()
+            }
+        };
+        match tokens.len() {
+            0 => {
+                tracing::error!(file = %file, "admin token file names no token: every admin call is refused (401)")
+            }
+            n => tracing::info!(file = %file, tokens = n, "admin tokens reloaded"),
+        }
+        self.tokens.store(Arc::new(tokens));
     }
 }
 
@@ -157,7 +205,7 @@ mod tests {
             file: PathBuf::new(),
             tokens: ArcSwap::from_pointee(
                 parse("# operators\nalice:0123456789abcdef0123\n\nbob : fedcba9876543210fedc\n")
-                    .unwrap(),
+                    .tokens,
             ),
         };
         let who = |h: &str| tokens.caller(Some(h.as_bytes())).map(|n| n.to_string());
@@ -176,12 +224,21 @@ mod tests {
     }
 
     #[test]
-    fn a_malformed_line_is_named() {
+    fn a_malformed_line_is_named_and_no_token() {
+        let p = parse("a:0123456789abcdef\nno-colon\nb:0123456789abcdef\n");
+        assert_eq!(p.wrong, [(2, "not name:token")]);
         assert_eq!(
-            parse("a:0123456789abcdef\nno-colon\n").err(),
-            Some((2, "not name:token"))
+            p.tokens.len(),
+            2,
+            "the whole, well-formed lines still count"
         );
-        assert!(parse("a:short").is_err());
-        assert!(parse(":0123456789abcdef").is_err());
+        assert_eq!(parse("a:short\n").wrong.len(), 1);
+        assert_eq!(parse(":0123456789abcdef\n").wrong.len(), 1);
+        // A last line without its newline is being written: never a token.
+        let partial = parse("a:0123456789abcdef\nb:0123456789abcdef01");
+        assert_eq!(partial.tokens.len(), 1);
+        assert_eq!(partial.wrong[0].0, 2);
+        let comments = parse("# none yet\n\n   \n# x");
+        assert!(comments.tokens.is_empty() && comments.wrong.is_empty());
     }
 }
