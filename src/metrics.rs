@@ -1,6 +1,7 @@
 //! Every metric the service exports, named in one place (Prometheus text format on /metrics).
 //! One registry per server instance, so tests can run several servers in one process.
 
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, OnceLock};
 
 use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
@@ -249,6 +250,12 @@ impl StatsdRules {
             .clone()
     }
 
+    /// Forgets `rule`'s counts in `domain` (a rule gone from the config).
+    fn forget(&self, domain: &Arc<String>, rule: &Arc<String>) {
+        let mut rules = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        rules.remove(&(domain.clone(), rule.clone()));
+    }
+
     /// Every rule's counts so far: (domain, rule, counts).
     pub(crate) fn snapshot(&self) -> Vec<(Arc<String>, Arc<String>, [u64; 5])> {
         let rules = self.0.lock().unwrap_or_else(|e| e.into_inner());
@@ -291,6 +298,8 @@ pub struct DecisionMetrics {
     pub rule_window: Family<LimitLabels, Gauge>,
     /// Who these families are, for [`RuleCounters`]: clones share it.
     owner: Arc<()>,
+    /// The per-rule series made so far, by rule: what lets a removed rule's be dropped.
+    series: Arc<RuleSeries>,
 }
 
 impl DecisionMetrics {
@@ -311,6 +320,7 @@ impl DecisionMetrics {
             rule_limit: Family::default(),
             rule_window: Family::default(),
             owner: Arc::default(),
+            series: Arc::default(),
         }
     }
 
@@ -321,34 +331,49 @@ impl DecisionMetrics {
 
     /// Counts `hits` of `rule` in `domain` as `kind`: reports and refunds are rare next to
     /// decisions, so their labels are looked up each time.
+    /// `path` is the config path of the rule `rule` labels.
     pub fn record_accounted(
         &self,
         domain: &Arc<String>,
+        path: &str,
         rule: Arc<String>,
         kind: Accounted,
         hits: u64,
     ) {
-        self.accounted
-            .get_or_create(&AccountedLabels {
-                domain: domain.clone(),
-                rule,
-                kind,
-            })
-            .inc_by(hits);
+        let labels = AccountedLabels {
+            domain: domain.clone(),
+            rule,
+            kind,
+        };
+        if self.accounted.get(&labels).is_none() {
+            self.series.note(domain, path, Some(&labels.rule), None);
+        }
+        self.accounted.get_or_create(&labels).inc_by(hits);
     }
 
     /// Counts one decision of `rule` in `domain`, with `reference` (from
     /// `engine::report::reference_counts`) added to the reference families if they are on.
     /// Looks the labels up in each family: the path for labels that carry request values.
+    /// `path` is the config path of the rule `rule` labels.
     pub fn record(
         &self,
         domain: &Arc<String>,
+        path: &str,
         rule: Arc<String>,
         decision: Decision,
         reference: Option<[u64; 5]>,
     ) {
+        let labels = DecisionLabels {
+            domain: domain.clone(),
+            rule,
+            decision,
+        };
+        if self.decisions.get(&labels).is_none() {
+            self.series.note(domain, path, Some(&labels.rule), None);
+        }
+        let rule = &labels.rule;
         if let (Some(families), Some(counts)) = (&self.reference, reference) {
-            let labels = ReferenceLabels::of(domain, &rule);
+            let labels = ReferenceLabels::of(domain, rule);
             for (family, n) in families.families().into_iter().zip(counts) {
                 if n > 0 {
                     family.get_or_create(&labels).inc_by(n);
@@ -356,15 +381,9 @@ impl DecisionMetrics {
             }
         }
         if let (Some(rules), Some(counts)) = (&self.statsd, reference) {
-            rules.of(domain, &rule).add(counts);
+            rules.of(domain, rule).add(counts);
         }
-        self.decisions
-            .get_or_create(&DecisionLabels {
-                domain: domain.clone(),
-                rule,
-                decision,
-            })
-            .inc();
+        self.decisions.get_or_create(&labels).inc();
     }
 
     /// `slot`'s counters for the rule at config path `rule` in `domain`, looked up in these
@@ -381,7 +400,12 @@ impl DecisionMetrics {
         limits: impl FnOnce() -> Vec<LimitSpec>,
     ) -> Option<&'a RuleHandles> {
         let handles = slot.0.get_or_init(|| {
-            let counters: Vec<LimitCounters> = limits()
+            let specs = limits();
+            for spec in &specs {
+                self.series
+                    .note(domain, rule, Some(rule), Some(&spec.label));
+            }
+            let counters: Vec<LimitCounters> = specs
                 .into_iter()
                 .map(|spec| {
                     let labels = LimitLabels {
@@ -453,6 +477,9 @@ impl DecisionMetrics {
             rule: rule.clone(),
             limit,
         };
+        if self.rule_hits.get(&labels).is_none() {
+            self.series.note(domain, rule, None, Some(&labels.limit));
+        }
         self.rule_hits.get_or_create(&labels).inc_by(hits);
         if over {
             self.rule_over_limit_hits
@@ -461,11 +488,210 @@ impl DecisionMetrics {
         }
     }
 
-    /// A new config is in force: the limits' gauges are set again by each rule's first
-    /// decision under it (a rule gone stops being gauged; its counters stay, as counters do).
-    pub fn config_changed(&self) {
+    /// Notes that the places of rule `path` in `domain` have series (`places`).
+    pub(crate) fn note_places(&self, labels: &PlaceLabels) {
+        if self.places_ended.get(labels).is_none() {
+            self.series
+                .note(&labels.domain, &labels.rule, Some(&labels.rule), None);
+        }
+    }
+
+    /// A new config is in force, whose rules `in_force(domain, path)` says: the limits'
+    /// gauges are set again by each rule's first decision under it, and the series of rules
+    /// it no longer has are dropped after their grace ([`RuleSeries`]).
+    pub fn config_changed(&self, in_force: impl Fn(&str, &str) -> bool) {
         self.rule_limit.clear();
         self.rule_window.clear();
+        let gone = self.series.config_changed(in_force);
+        self.drop_series(gone);
+    }
+
+    /// `/metrics` was scraped: the series of rules gone from the config that two scrapes have
+    /// now seen are dropped.
+    pub fn scraped(&self) {
+        let gone = self.series.scraped();
+        self.drop_series(gone);
+    }
+
+    /// Removes `gone`'s series from every per-rule family.
+    fn drop_series(&self, gone: Vec<Gone>) {
+        if gone.is_empty() {
+            return;
+        }
+        let live = self.series.reference_labels();
+        for g in gone {
+            for rule in &g.labels {
+                for decision in [
+                    Decision::within_limit,
+                    Decision::near_limit,
+                    Decision::over_limit,
+                    Decision::shadow_mode,
+                ] {
+                    self.decisions.remove(&DecisionLabels {
+                        domain: g.domain.clone(),
+                        rule: rule.clone(),
+                        decision,
+                    });
+                }
+                for kind in [Accounted::report_over_limit, Accounted::refund] {
+                    self.accounted.remove(&AccountedLabels {
+                        domain: g.domain.clone(),
+                        rule: rule.clone(),
+                        kind,
+                    });
+                }
+                if let Some(families) = &self.reference {
+                    // Rules that share their first two levels share these series.
+                    let labels = ReferenceLabels::of(&g.domain, rule);
+                    if !live.contains(&labels) {
+                        for family in families.families() {
+                            family.remove(&labels);
+                        }
+                    }
+                }
+                if let Some(rules) = &self.statsd {
+                    rules.forget(&g.domain, rule);
+                }
+                let places = PlaceLabels {
+                    domain: g.domain.clone(),
+                    rule: rule.clone(),
+                };
+                // A place still counted in use keeps its gauge: its end or release comes.
+                if self.places_in_use.get(&places).is_none_or(|p| p.get() == 0) {
+                    self.places_in_use.remove(&places);
+                    self.places_ended.remove(&places);
+                }
+            }
+            for limit in &g.limits {
+                let labels = LimitLabels {
+                    domain: g.domain.clone(),
+                    rule: g.path.clone(),
+                    limit: limit.clone(),
+                };
+                self.rule_hits.remove(&labels);
+                self.rule_over_limit_hits.remove(&labels);
+            }
+        }
+    }
+}
+
+/// How many scrapes of `/metrics` see a removed rule's series before they are dropped, and how
+/// many configs may come in force after the one that removed it: the grace in which its last
+/// increase is seen.
+const SERIES_GRACE: u32 = 2;
+
+/// The per-rule series made so far, by the config rule (domain and path) they belong to. A
+/// rule's series are noted when each is made (once per rule and config for the families a
+/// rule's handles hold, on a family miss otherwise), so that once the rule has left the config
+/// they can be dropped: at the second scrape after it left, or when the second config after
+/// the one that removed it comes in force, whichever is first. So the per-rule series are at
+/// most those of the rules of the config in force and of the two before it, whatever the
+/// reload history.
+#[derive(Default)]
+pub(crate) struct RuleSeries(std::sync::Mutex<SeriesByRule>);
+
+/// Each rule's series, by (domain, config path).
+type SeriesByRule = HashMap<(Arc<String>, Arc<String>), Series>;
+
+/// One rule's series.
+#[derive(Default)]
+struct Series {
+    /// Its labels in the `rule` label: its path, or its path with request values.
+    labels: HashSet<Arc<String>>,
+    /// Its limits' labels in the `ratelimit_rule_*` families.
+    limits: HashSet<Arc<String>>,
+    /// Since the rule left the config: the configs come in force, the scrapes.
+    gone: Option<(u32, u32)>,
+}
+
+/// A rule's series to drop.
+struct Gone {
+    domain: Arc<String>,
+    path: Arc<String>,
+    labels: HashSet<Arc<String>>,
+    limits: HashSet<Arc<String>>,
+}
+
+impl RuleSeries {
+    fn lock(&self) -> std::sync::MutexGuard<'_, SeriesByRule> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Notes a series of rule `path` in `domain`: one labelled `label`, or of limit `limit`.
+    fn note(
+        &self,
+        domain: &Arc<String>,
+        path: &str,
+        label: Option<&Arc<String>>,
+        limit: Option<&Arc<String>>,
+    ) {
+        let mut rules = self.lock();
+        let key = (domain.clone(), Arc::new(path.to_owned()));
+        let series = rules.entry(key).or_default();
+        if let Some(label) = label {
+            series.labels.insert(label.clone());
+        }
+        if let Some(limit) = limit {
+            series.limits.insert(limit.clone());
+        }
+    }
+
+    /// Marks the rules `in_force` does not hold as gone (counting this config for those gone
+    /// already), clears the mark of those back in force; returns those past their grace.
+    fn config_changed(&self, in_force: impl Fn(&str, &str) -> bool) -> Vec<Gone> {
+        let mut rules = self.lock();
+        for ((domain, path), series) in rules.iter_mut() {
+            series.gone = match (in_force(domain, path), series.gone) {
+                (true, _) => None,
+                (false, None) => Some((0, 0)),
+                (false, Some((configs, scrapes))) => Some((configs + 1, scrapes)),
+            };
+        }
+        Self::take_past_grace(&mut rules)
+    }
+
+    /// Counts a scrape for the rules gone; returns those past their grace.
+    fn scraped(&self) -> Vec<Gone> {
+        let mut rules = self.lock();
+        for series in rules.values_mut() {
+            if let Some((_, scrapes)) = &mut series.gone {
+                *scrapes += 1;
+            }
+        }
+        Self::take_past_grace(&mut rules)
+    }
+
+    fn take_past_grace(rules: &mut SeriesByRule) -> Vec<Gone> {
+        let past = |s: &Series| {
+            s.gone.is_some_and(|(configs, scrapes)| {
+                configs >= SERIES_GRACE || scrapes >= SERIES_GRACE
+            })
+        };
+        let keys: Vec<_> = rules
+            .iter()
+            .filter(|(_, s)| past(s))
+            .map(|(k, _)| k.clone())
+            .collect();
+        keys.into_iter()
+            .filter_map(|k| {
+                let s = rules.remove(&k)?;
+                Some(Gone {
+                    domain: k.0,
+                    path: k.1,
+                    labels: s.labels,
+                    limits: s.limits,
+                })
+            })
+            .collect()
+    }
+
+    /// The reference families' labels of every rule still noted.
+    fn reference_labels(&self) -> HashSet<ReferenceLabels> {
+        let rules = self.lock();
+        rules
+            .iter()
+            .flat_map(|((domain, _), s)| s.labels.iter().map(|l| ReferenceLabels::of(domain, l)))
+            .collect()
     }
 }
 
@@ -1227,7 +1453,7 @@ mod tests {
 
         // Another server's metrics never count through the slot: they take the lookup path.
         assert!(second.rule(&slot, &domain, &rule, true, Vec::new).is_none());
-        second.record(&domain, rule.clone(), Decision::within_limit, None);
+        second.record(&domain, &rule, rule.clone(), Decision::within_limit, None);
         assert_eq!(count(&second, Decision::within_limit), 1);
         assert_eq!(count(&first, Decision::within_limit), 0);
         // A clone is the same server.

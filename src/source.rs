@@ -123,8 +123,15 @@ impl Installer {
                 tracing::info!(version, domains, rules, "config accepted from xDS");
             }
         }
+        let in_force = snapshot.rule_paths();
         self.config.store(Arc::new(snapshot));
-        self.metrics.decisions.config_changed();
+        // A request's own limit on a descriptor no rule matches is labelled apart.
+        self.metrics
+            .decisions
+            .config_changed(|domain: &str, path: &str| {
+                in_force.contains(domain, path)
+                    || (path == crate::engine::OVERRIDE_RULE && in_force.has_domain(domain))
+            });
         self.metrics.config_load(LoadResult::success);
         self.metrics.config_rules.set(rules as i64);
     }

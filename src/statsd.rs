@@ -358,10 +358,15 @@ impl Sink {
 
     /// The lines of every stat that grew, at most [`MAX_FLUSH_BYTES`] of them, and the values
     /// they bring the stats to.
-    fn payload(&self) -> (Vec<u8>, Vec<Line>) {
+    fn payload(&mut self) -> (Vec<u8>, Vec<Line>) {
         let mut out = String::new();
         let mut lines = Vec::new();
-        for Stat { key, value, timer } in reference_stats(&self.metrics) {
+        let stats = reference_stats(&self.metrics);
+        // A stat no longer kept (its rule left the config) is forgotten here too: so the sink
+        // holds no more than the stats do, and a rule back in force counts from its new 0.
+        let kept: std::collections::HashSet<&str> = stats.iter().map(|s| s.key.as_str()).collect();
+        self.sent.retain(|k, _| kept.contains(k.as_str()));
+        for Stat { key, value, timer } in stats {
             let before = self.sent.get(&key).copied().unwrap_or(0);
             if value <= before {
                 continue;

@@ -316,3 +316,82 @@ async fn the_default_algorithm_holds_across_reloads() {
         "{rules}"
     );
 }
+
+/// Per-rule series of rules no longer in force go, after a grace in which a scrape sees their
+/// last increase: 20 reloads of 50 renamed rules (and 2 kept) leave at most the series of the
+/// config in force and of the two before it. Before, every rule ever in force kept its series
+/// (1,000 and more `ratelimit_rule_hits_total` with 52 rules in force).
+#[tokio::test]
+async fn series_of_removed_rules_go_after_their_grace() {
+    const RENAMED: usize = 50;
+    let config = |generation: usize| {
+        let mut text = String::from(
+            "domain: d\ndescriptors:\n  - key: kept_a\n    rate_limit: {unit: minute, requests_per_unit: 100}\n  - key: kept_b\n    rate_limit: {unit: minute, requests_per_unit: 100}\n",
+        );
+        for i in 0..RENAMED {
+            text.push_str(&format!(
+                "  - key: r{generation}_{i}\n    rate_limit: {{unit: minute, requests_per_unit: {}}}\n",
+                1000 + generation
+            ));
+        }
+        text
+    };
+    let s = TestServer::start(&[("d.yaml", &config(0))]).await;
+    let c = s.client().await;
+    let series = |text: &str, family: &str| text.lines().filter(|l| l.starts_with(family)).count();
+    let mut first_total = 0;
+    for generation in 0..20 {
+        if generation > 0 {
+            s.write("d.yaml", &config(generation));
+        }
+        // In force once a renamed rule answers with this generation's limit.
+        poll(RELOAD_DEADLINE, || {
+            let mut c = c.clone();
+            let key = format!("r{generation}_0");
+            async move {
+                let mut req = request("d", &[&[(key.as_str(), "x")]]);
+                req.descriptors[0].hits_addend = Some(UInt64Value { value: 0 });
+                (rpu_of(&call(&mut c, req).await, 0) == Some(1000 + generation as u32))
+                    .then_some(())
+            }
+        })
+        .await;
+        let keys: Vec<String> = (0..RENAMED).map(|i| format!("r{generation}_{i}")).collect();
+        let mut descriptors: Vec<[(&str, &str); 1]> =
+            keys.iter().map(|k| [(k.as_str(), "x")]).collect();
+        descriptors.push([("kept_a", "x")]);
+        descriptors.push([("kept_b", "x")]);
+        let refs: Vec<&[(&str, &str)]> = descriptors.iter().map(|d| d.as_slice()).collect();
+        assert!(is_ok(&call(&mut c.clone(), request("d", &refs)).await));
+        // One scrape per config, as a Prometheus scraping slower than the reloads would.
+        let (_, text) = s.http_get("/metrics").await;
+        if generation == 0 {
+            first_total = text.lines().filter(|l| !l.starts_with('#')).count();
+        } else {
+            // The rules the last reload removed: still seen, with their last increase.
+            let last = format!(
+                "ratelimit_rule_hits_total{{domain=\"d\",rule=\"r{}_0\",limit=\"0\"}}",
+                generation - 1
+            );
+            assert_eq!(metric(&text, &last), 1.0, "generation {generation}");
+        }
+    }
+    let (_, text) = s.http_get("/metrics").await;
+    let rule_hits = series(&text, "ratelimit_rule_hits_total{");
+    let decisions = series(&text, "ratelimit_decisions_total{");
+    let total = text.lines().filter(|l| !l.starts_with('#')).count();
+    println!(
+        "after 20 configs: {rule_hits} rule_hits series, {decisions} decision series, \
+         {total} series in all (first config: {first_total})"
+    );
+    let in_force = RENAMED + 2;
+    assert!(rule_hits <= 3 * in_force, "{rule_hits} rule_hits series");
+    assert!(decisions <= 3 * in_force * 4, "{decisions} decision series");
+    assert!(
+        total <= 3 * first_total,
+        "{total} series, {first_total} at first"
+    );
+    // The kept rules kept their counts across every reload.
+    let kept = "ratelimit_rule_hits_total{domain=\"d\",rule=\"kept_a\",limit=\"0\"}";
+    assert_eq!(metric(&text, kept), 20.0);
+}

@@ -414,6 +414,22 @@ impl Wildcard {
     }
 }
 
+/// The config path of every rule of a snapshot, by domain ([`Snapshot::rule_paths`]).
+#[derive(Debug, Default)]
+pub(crate) struct RulePaths(std::collections::HashMap<String, std::collections::HashSet<String>>);
+
+impl RulePaths {
+    /// Whether `domain` has a rule at `path`.
+    pub(crate) fn contains(&self, domain: &str, path: &str) -> bool {
+        self.0.get(domain).is_some_and(|rules| rules.contains(path))
+    }
+
+    /// Whether `domain` is configured.
+    pub(crate) fn has_domain(&self, domain: &str) -> bool {
+        self.0.contains_key(domain)
+    }
+}
+
 /// The compiled rules of one domain (one file).
 #[derive(Debug)]
 pub struct Domain {
@@ -548,6 +564,20 @@ impl Snapshot {
     /// True when no domain is configured.
     pub fn is_empty(&self) -> bool {
         self.domains.len() == 0
+    }
+
+    /// The config path of every rule with limits (or `unlimited`), by domain.
+    pub(crate) fn rule_paths(&self) -> RulePaths {
+        let mut paths = RulePaths::default();
+        for domain in self.domains.values() {
+            let rules = paths.0.entry(domain.name.to_string()).or_default();
+            domain.root.visit(&mut |node| {
+                if node.limits.is_some() {
+                    rules.insert(node.path.to_string());
+                }
+            });
+        }
+        paths
     }
 
     /// Number of limits (an unlimited rule counts as one).

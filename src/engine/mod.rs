@@ -273,8 +273,13 @@ impl Engine {
             _ => None,
         };
         if let Some(accounted) = accounted.filter(|_| tally.hits > 0) {
-            self.decisions
-                .record_accounted(domain, self.rule_label(a), accounted, tally.hits);
+            self.decisions.record_accounted(
+                domain,
+                a.limit.path,
+                self.rule_label(a),
+                accounted,
+                tally.hits,
+            );
         }
         if kind == HitKind::Refund {
             return;
@@ -316,9 +321,13 @@ impl Engine {
         }
         match handles.filter(|_| !a.limit.rule_has_values) {
             Some(counters) => counters.record(decision, reference),
-            None => self
-                .decisions
-                .record(domain, self.rule_label(a), decision, reference),
+            None => self.decisions.record(
+                domain,
+                a.limit.path,
+                self.rule_label(a),
+                decision,
+                reference,
+            ),
         }
     }
 

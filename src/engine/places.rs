@@ -74,6 +74,7 @@ impl Places {
             domain: domain.clone(),
             rule: Arc::new(rule.to_owned()),
         };
+        metrics.note_places(&labels);
         // At 0 from the rule's first change, so that a rate of it exists before one ends.
         let ended = metrics.places_ended.get_or_create(&labels);
         if change.ended > 0 {

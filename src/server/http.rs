@@ -117,6 +117,8 @@ async fn healthcheck(State(state): State<Arc<HttpState>>) -> impl IntoResponse {
 
 async fn metrics(State(state): State<Arc<HttpState>>) -> impl IntoResponse {
     let mut text = state.metrics.encode();
+    // Seen once more: a removed rule's series go after their grace.
+    state.metrics.decisions.scraped();
     let top = state.engine.top();
     if top.options().metrics > 0 {
         // OpenMetrics ends with `# EOF`: the heavy-hitter families go before it.
