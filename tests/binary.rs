@@ -1245,3 +1245,40 @@ async fn the_worker_gate_holds_a_worker_at_rest_and_exits_cleanly() {
         assert!(exit.success(), "{flags:?}: {exit:?} {stderr}");
     }
 }
+
+/// A Redis that can evict (any `maxmemory-policy` but `noeviction`: every key of the service
+/// has a TTL) is warned of at start, naming the policy; `noeviction` is said to be safe.
+#[tokio::test]
+async fn a_redis_that_can_evict_is_warned_of_at_start() {
+    for (policy, want) in [
+        ("allkeys-lru", "maxmemory-policy allkeys-lru can evict"),
+        ("volatile-ttl", "maxmemory-policy volatile-ttl can evict"),
+        ("noeviction", "maxmemory-policy noeviction: no key"),
+    ] {
+        let redis =
+            common::redis::RedisProc::start(&["--maxmemory", "64mb", "--maxmemory-policy", policy]);
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("l.yaml"), LIMITS).unwrap();
+        let log = dir.path().join("stderr.log");
+        let url = redis.url();
+        let cmd = ratelimitd(dir.path(), &["--backend", "redis", "--redis-url", &url]);
+        let d = Daemon::start_with(cmd, || {
+            std::process::Stdio::from(std::fs::File::create(&log).unwrap())
+        })
+        .await;
+        let line = poll(Duration::from_secs(10), || async {
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            text.lines()
+                .find(|l| l.contains("maxmemory-policy"))
+                .map(str::to_owned)
+        })
+        .await;
+        assert!(line.contains(want), "{policy}: {line}");
+        assert_eq!(
+            line.contains("WARN"),
+            policy != "noeviction",
+            "{policy}: {line}"
+        );
+        drop(d);
+    }
+}

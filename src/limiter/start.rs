@@ -94,6 +94,7 @@ pub(crate) fn start(
             for probe in redis.spawn_probes(PROBE_EVERY) {
                 tasks.push(probe);
             }
+            tasks.push(redis.spawn_eviction_check());
             crate::metrics::at_zero(
                 &metrics.backend.failure_mode_decisions,
                 [ModeLabels {

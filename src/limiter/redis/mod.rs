@@ -21,6 +21,7 @@ mod cache;
 mod circuit;
 pub(crate) mod connection;
 mod error;
+mod eviction;
 pub(crate) mod rlqs;
 mod url;
 mod wire;
