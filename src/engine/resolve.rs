@@ -294,10 +294,14 @@ impl<'s, 'r> Found<'s, 'r> {
             true => d.refund || Accounting::Auto.kind(d.hits_addend) == HitKind::Admission,
             false => takes == Takes::All,
         };
-        let enforcement = self.enforcement(matched.node);
+        // A node's enforcement counts (a shadow node lets a soft request pass) where the
+        // descriptor takes its limits, even none of them (a report on places alone); beside a
+        // request's own limit only where a place is taken.
+        let enforcement = (takes == Takes::All).then(|| self.enforcement(matched.node));
         let Some(last) = rules.iter().rposition(counts) else {
             return;
         };
+        let enforcement = enforcement.unwrap_or_else(|| self.enforcement(matched.node));
         let mut base = Some(matched.key);
         for (r, rule) in rules.iter().enumerate().take(last + 1) {
             if !counts(rule) {
