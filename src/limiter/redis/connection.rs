@@ -490,6 +490,16 @@ fn failed(node: impl std::fmt::Display) -> impl FnOnce(RedisError) -> SetupError
     move |source| SetupError::Client { node, source }
 }
 
+/// Whether `err` says the connection is dead (or, for Sentinel, that the master moved): the
+/// next call should connect afresh, and a call may be tried again on it.
+pub(crate) fn is_dead(err: &redis::RedisError) -> bool {
+    err.is_io_error()
+        || err.is_connection_dropped()
+        || err.is_connection_refusal()
+        || err.is_timeout()
+        || err.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::ReadOnly)
+}
+
 impl Conn {
     /// Builds the connection for `target` without connecting. `timeout` (the call budget)
     /// bounds each connection attempt; responses get [`response_timeout`].
@@ -586,11 +596,7 @@ impl Conn {
     /// Forgets a cached connection after errors that suggest it is dead (or, for Sentinel,
     /// that the master moved), so the next call connects afresh.
     pub(crate) async fn on_error(&self, err: &redis::RedisError) {
-        let dead = err.is_io_error()
-            || err.is_connection_dropped()
-            || err.is_connection_refusal()
-            || err.is_timeout()
-            || err.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::ReadOnly);
+        let dead = is_dead(err);
         match self {
             Conn::Cluster(lazy) if dead => lazy.reset().await,
             Conn::Named(lazy) if dead => lazy.reset().await,

@@ -96,12 +96,8 @@ impl RedisBackend {
                         .await;
                     let policy = match policy {
                         Ok(v) => v,
-                        Err(e)
-                            if e.is_io_error()
-                                || e.is_connection_dropped()
-                                || e.is_timeout()
-                                || e.is_connection_refusal() =>
-                        {
+                        // Not reached yet: tried again.
+                        Err(e) if super::connection::is_dead(&e) => {
                             drop(b);
                             tokio::time::sleep(RETRY_EVERY).await;
                             continue;
