@@ -203,12 +203,18 @@ async fn a_refusal_is_logged_with_its_rule_at_debug() {
     std::fs::write(dir.path().join("l.yaml"), LIMITS).unwrap();
     let d = Daemon::start(ratelimitd(dir.path(), &["--log-level", "debug"])).await;
     let mut client = d.client().await;
-    for _ in 0..5 {
+    // 5 a second: the sixth call within a second is refused. A second's boundary may fall
+    // between the calls (a loaded machine), so up to 11 calls, until the first refusal.
+    let mut passed = 0;
+    loop {
         let r = call(&mut client, request("d", &[&[("k", "secret-value")]])).await;
-        assert!(is_ok(&r));
+        if !is_ok(&r) {
+            break;
+        }
+        passed += 1;
+        assert!(passed <= 10, "11 calls in at most two seconds: one refused");
     }
-    let r = call(&mut client, request("d", &[&[("k", "secret-value")]])).await;
-    assert!(!is_ok(&r), "the sixth in a second is refused");
+    assert!(passed >= 5, "the first 5 pass: {passed}");
     let (_, stderr) = d.terminate().await;
     let lines: Vec<&str> = stderr
         .lines()
@@ -854,6 +860,10 @@ async fn after_a_redis_restart_health_says_up_only_when_calls_work() {
             // No other use of the main connection than the calls and the probe.
             "--top-publish-interval",
             "1h",
+            // The claim is resend, not speed: a reconnect, a FUNCTION LOAD into the empty new
+            // Redis and the call again fit one budget even on a loaded machine.
+            "--redis-timeout",
+            "2s",
         ],
     ))
     .await;
@@ -879,7 +889,10 @@ async fn after_a_redis_restart_health_says_up_only_when_calls_work() {
     let r = c
         .should_rate_limit(request("d", &[&[("k", "first")]]))
         .await;
-    assert!(is_ok(&r.expect("decided by Redis").into_inner()));
+    if !r.as_ref().is_ok_and(|r| is_ok(r.get_ref())) {
+        let (_, log) = d.terminate().await;
+        panic!("decided by Redis: {r:?}\n{log}");
+    }
 
     redis.restart();
     // Nobody calls: the probe alone brings the calls' connection back.
