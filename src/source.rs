@@ -114,7 +114,7 @@ impl Installer {
     }
 
     /// Swaps `snapshot` in, logs where it came from, counts the load and gauges its rules.
-    fn install(&self, snapshot: Snapshot, origin: Origin<'_>) {
+    fn install(&self, mut snapshot: Snapshot, origin: Origin<'_>) {
         let (domains, rules) = (snapshot.len(), snapshot.rule_count());
         match origin {
             Origin::Loaded { files } => tracing::info!(files, domains, rules, "config loaded"),
@@ -124,6 +124,8 @@ impl Installer {
             }
         }
         let in_force = snapshot.rule_paths();
+        // Places the new config has not stay releasable for their lifetime.
+        snapshot.retire(&self.config.load(), tokio::time::Instant::now());
         self.config.store(Arc::new(snapshot));
         // A request's own limit on a descriptor no rule matches is labelled apart.
         self.metrics

@@ -487,7 +487,154 @@ async fn a_requests_own_limit_leaves_the_places_in_force(kind: Kind) {
     assert_eq!(admitted(&mut c, "acme", &["f", "g"]).await, [true, false]);
 }
 
+/// Writes `text` to `name` in the server's config directory and waits until it is in force.
+async fn reload(s: &TestServer, name: &str, text: &str) {
+    let loads = || async {
+        let (_, m) = s.http_get("/metrics").await;
+        metric(&m, r#"ratelimit_config_loads_total{result="success"}"#)
+    };
+    let before = loads().await;
+    s.write(name, text);
+    poll(Duration::from_secs(15), || async {
+        (loads().await > before).then_some(())
+    })
+    .await;
+}
+
+/// Places in flight carry across a reload that keeps the rule: a changed lifetime applies to
+/// places taken after it, a lower `requests_per_unit` refuses until the places in flight drop
+/// under it, and the releases made meanwhile count. Before, a changed lifetime was a counter
+/// of its own: 3 of 3 held, 3 more admitted after the reload, and releases of the places
+/// taken before it lost.
+async fn places_carry_across_a_reload_that_keeps_the_rule(kind: Kind) {
+    let s = start(kind, &[("llm.yaml", CONFIG)], &[]).await;
+    let mut c = s.client().await;
+    assert_eq!(admitted(&mut c, "acme", &["a", "b", "c"]).await, [true; 3]);
+    // Five minutes, not ten: the three places stay taken.
+    reload(
+        &s,
+        "llm.yaml",
+        &CONFIG.replace("unit_multiplier: 10", "unit_multiplier: 5"),
+    )
+    .await;
+    assert_eq!(admitted(&mut c, "acme", &["d"]).await, [false], "{kind:?}");
+    call(&mut c, release("acme", "b")).await;
+    assert_eq!(
+        admitted(&mut c, "acme", &["d", "e"]).await,
+        [true, false],
+        "{kind:?}: a place taken before the reload, released after it"
+    );
+    // Two places, not three: a, c and d stay in flight, and one release frees none.
+    reload(
+        &s,
+        "llm.yaml",
+        &CONFIG.replace("requests_per_unit: 3", "requests_per_unit: 2"),
+    )
+    .await;
+    assert_eq!(admitted(&mut c, "acme", &["f"]).await, [false], "{kind:?}");
+    call(&mut c, release("acme", "a")).await;
+    assert_eq!(admitted(&mut c, "acme", &["f"]).await, [false], "{kind:?}");
+    call(&mut c, release("acme", "c")).await;
+    assert_eq!(
+        admitted(&mut c, "acme", &["f", "g"]).await,
+        [true, false],
+        "{kind:?}: d and f in flight of 2"
+    );
+}
+
+/// A concurrency rule removed by a reload and restored by another finds its places as they
+/// were left: those still in flight stay taken (3 of 3 held, none admitted after), and a
+/// release made while it was out of force frees its place.
+async fn places_of_a_rule_removed_for_a_while_are_kept(kind: Kind) {
+    let s = start(kind, &[("llm.yaml", CONFIG)], &[]).await;
+    let mut c = s.client().await;
+    assert_eq!(admitted(&mut c, "acme", &["a", "b", "c"]).await, [true; 3]);
+    let without = "domain: llm\ndescriptors:\n  - key: route\n    rate_limit: {unit: hour, requests_per_unit: 1}\n";
+    reload(&s, "llm.yaml", without).await;
+    call(&mut c, release("acme", "b")).await;
+    reload(&s, "llm.yaml", CONFIG).await;
+    assert_eq!(
+        admitted(&mut c, "acme", &["d", "e"]).await,
+        [true, false],
+        "{kind:?}: a and c in flight, b released while its rule was out of force"
+    );
+}
+
+/// An operator's override of a concurrency rule keeps the places in flight, whatever lifetime
+/// it gives them: 3 held, an override to 4 places of 5 minutes admits one more, not four, and
+/// a release of a place taken before it counts. Deleting it brings the 3 back over the same
+/// places. Before, an override could not give places (400), and one of rate limits replaced
+/// the places.
+async fn an_override_of_places_keeps_the_places_in_flight(kind: Kind) {
+    let tokens = tempfile::tempdir().unwrap();
+    let file = tokens.path().join("tokens");
+    std::fs::write(&file, "alice:0123456789abcdef-alice\n").unwrap();
+    let file = file.display().to_string();
+    let flags = ["--admin-addr", "127.0.0.1:0", "--admin-token-file", &file];
+    let s = start(kind, &[("llm.yaml", CONFIG)], &flags).await;
+    let mut c = s.client().await;
+    assert_eq!(admitted(&mut c, "acme", &["a", "b", "c"]).await, [true; 3]);
+    let auth = [("Authorization", "Bearer 0123456789abcdef-alice")];
+    let body = r#"{"domain": "llm", "entries": [{"key": "tenant", "value": "acme"}],
+        "limits": [{"algorithm": "concurrency", "requests_per_unit": 4, "unit": "minute",
+                    "unit_multiplier": 5}]}"#;
+    let (status, answer) = http_call(
+        s.admin.unwrap(),
+        "PUT",
+        "/v1/overrides",
+        &[auth[0], ("Content-Type", "application/json")],
+        body.as_bytes(),
+    )
+    .await;
+    assert_eq!(status, 200, "{answer}");
+    let id = serde_json::from_str::<serde_json::Value>(&answer).unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert_eq!(
+        admitted(&mut c, "acme", &["d", "e"]).await,
+        [true, false],
+        "{kind:?}: 4 places, 3 of them taken before the override"
+    );
+    call(&mut c, release("acme", "a")).await;
+    assert_eq!(admitted(&mut c, "acme", &["e", "f"]).await, [true, false]);
+    let path = format!("/v1/overrides/{id}");
+    let (status, answer) = http_call(s.admin.unwrap(), "DELETE", &path, &auth, b"").await;
+    assert_eq!(status, 200, "{answer}");
+    // b, c, d and e in flight of the config's 3.
+    assert_eq!(admitted(&mut c, "acme", &["g"]).await, [false], "{kind:?}");
+    for id in ["b", "c"] {
+        call(&mut c, release("acme", id)).await;
+    }
+    assert_eq!(
+        admitted(&mut c, "acme", &["g", "h"]).await,
+        [true, false],
+        "{kind:?}"
+    );
+    // An override of rate limits alone leaves the node's places in force (before, it replaced
+    // them: every request admitted).
+    let body = r#"{"domain": "llm", "entries": [{"key": "tenant", "value": "other"}],
+        "limits": [{"requests_per_unit": 100, "unit": "hour"}]}"#;
+    let (status, answer) = http_call(
+        s.admin.unwrap(),
+        "PUT",
+        "/v1/overrides",
+        &[auth[0], ("Content-Type", "application/json")],
+        body.as_bytes(),
+    )
+    .await;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(
+        admitted(&mut c, "other", &["a", "b", "c", "d"]).await,
+        [true, true, true, false],
+        "{kind:?}"
+    );
+}
+
 every_backend!(
+    places_of_a_rule_removed_for_a_while_are_kept,
+    places_carry_across_a_reload_that_keeps_the_rule,
+    an_override_of_places_keeps_the_places_in_flight,
     a_settlement_leaves_its_place_free,
     a_requests_own_limit_leaves_the_places_in_force,
     an_owed_release_ends_with_its_hold,

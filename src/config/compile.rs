@@ -706,14 +706,16 @@ impl Compiler<'_> {
                         NodeLimits::Unlimited => unreachable!("refused inside rate_limits"),
                     }
                 }
-                // A limit's counter is (algorithm, window, ordinal among those alike).
+                // A limit's counter is (algorithm, window, ordinal among those alike); a
+                // concurrency limit's window is not in it (`Limit::counter_window_us`).
                 for j in 0..limits.len() {
+                    let names = |l: &LimitRule| {
+                        let limit = l.limit();
+                        (limit.algorithm, limit.counter_window_us())
+                    };
                     let alike = limits[..j]
                         .iter()
-                        .filter(|l: &&LimitRule| {
-                            l.algorithm == limits[j].algorithm
-                                && l.window_seconds() == limits[j].window_seconds()
-                        })
+                        .filter(|l| names(l) == names(&limits[j]))
                         .count();
                     limits[j].set_ordinal(u16::try_from(alike).unwrap_or(u16::MAX));
                 }

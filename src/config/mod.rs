@@ -9,6 +9,7 @@ mod error;
 mod load;
 mod matcher;
 pub(crate) mod overrides;
+mod retired;
 pub(crate) mod schema;
 pub(crate) mod watch;
 
@@ -141,7 +142,8 @@ pub struct LimitRule {
     /// same descriptor with the same algorithm and window. With the algorithm and window it
     /// names the counter, so reordering limits, adding one with another window, renaming one
     /// or changing its `requests_per_unit` keeps every count where it was (only limits that
-    /// share an algorithm and window are told apart by their order). Set with
+    /// share an algorithm and window are told apart by their order). A concurrency limit's
+    /// lifetime is not its counter's window: changing it keeps the places in flight. Set with
     /// [`LimitRule::set_ordinal`], which keeps `identity` in step.
     pub ordinal: u16,
     /// The end of this limit's counter keys (algorithm, window, ordinal), built once here
@@ -518,9 +520,11 @@ impl<O> Domains<O> {
 pub struct Snapshot {
     /// Looked up by every request: most configs have a few domains, found by comparing names
     /// (a SipHash of the request's domain cost more than the rest of the lookup).
-    domains: Index<Domain>,
+    domains: Arc<Index<Domain>>,
     /// False only for the stand-in of a service started before its first config.
     loaded: bool,
+    /// Earlier configs kept for the releases of places this one has not (`retired.rs`).
+    retired: Vec<retired::Retired>,
 }
 
 impl Snapshot {
@@ -528,8 +532,9 @@ impl Snapshot {
     /// and [`Snapshot::is_loaded`] false, so requests are answered with an error, not OK.
     pub(crate) fn not_loaded() -> Snapshot {
         Snapshot {
-            domains: Index::default(),
+            domains: Arc::default(),
             loaded: false,
+            retired: Vec::new(),
         }
     }
 
@@ -542,12 +547,13 @@ impl Snapshot {
     pub fn new(domains: Vec<Domain>) -> Snapshot {
         Snapshot {
             loaded: true,
-            domains: Index::new(
+            domains: Arc::new(Index::new(
                 domains
                     .into_iter()
                     .map(|d| (Box::from(d.name.as_str()), d))
                     .collect(),
-            ),
+            )),
+            retired: Vec::new(),
         }
     }
 

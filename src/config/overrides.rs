@@ -387,9 +387,12 @@ pub(crate) fn compile_limits(
         .enumerate()
         .map(|(i, l)| raw_limit(i, l).map(unlocated))
         .collect::<Result<Vec<_>, _>>()?;
+    // Compiled as on a node that keeps holds, so that a concurrency limit may be given: it
+    // applies where the descriptor's node has a `hold_key` (its places), and nowhere else.
     let descriptor = RawDescriptor {
         key: Some(unlocated("override".to_owned())),
         rate_limits: Some(unlocated(raw)),
+        hold_key: Some(unlocated("hold".to_owned())),
         ..RawDescriptor::default()
     };
     let compiled = compile_parsed(

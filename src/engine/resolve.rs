@@ -98,12 +98,25 @@ impl<'s> Resolver<'s> {
     /// can be over, so the request is never refused: its soft limits then report as shadow ones
     /// do. `unlimited` descriptors do not count.
     pub(crate) fn resolve(&self, req: &Request<'_>) -> Resolved<'s> {
-        let Some(domain) = self.snapshot.domain(req.domain) else {
+        let domain = self.snapshot.domain(req.domain);
+        let retired = self.snapshot.has_retired();
+        let Some(name) = domain.map(|d| &d.name).or_else(|| {
+            retired
+                .then(|| self.snapshot.retired_domains(req.domain).next())
+                .flatten()
+                .map(|d| &d.name)
+        }) else {
             return Resolved::default();
         };
         let mut found = Found::new(self, req);
         for (i, d) in req.descriptors.iter().enumerate() {
-            found.descriptor(domain, req.domain, i, d);
+            let placed = found.hits.len();
+            if let Some(domain) = domain {
+                found.descriptor(domain, req.domain, i, d);
+            }
+            if retired && d.refund && !found.hits[placed..].iter().any(Hit::is_place) {
+                found.release_retired(req.domain, i, d);
+            }
         }
         found.soften();
         found.drop_replaced();
@@ -114,7 +127,7 @@ impl<'s> Resolver<'s> {
         } = found;
         merge(&mut applied, &mut hits);
         Resolved {
-            domain: Some(&domain.name),
+            domain: Some(name),
             applied,
             hits,
         }
@@ -192,7 +205,42 @@ impl<'s, 'r> Found<'s, 'r> {
             (None, Some(NodeLimits::Limits(rules))) => rules,
             (None, _) => return, // unlimited
         };
+        // An operator's override replaces the node's places only with places of its own: one
+        // of rate limits alone leaves the node's concurrency limits in force, on the same
+        // places (as a request's own `limit` does).
+        let places =
+            |rules: &[LimitRule]| rules.iter().any(|r| r.algorithm == Algorithm::Concurrency);
+        if let (Some(_), Some(NodeLimits::Limits(own))) = (operator, &matched.node.limits)
+            && places(own)
+            && !places(rules)
+        {
+            let node = Matched {
+                key: matched.key.clone(),
+                rule: matched.rule.clone(),
+                hold: matched.hold.clone(),
+                ..matched
+            };
+            self.node_limits(i, d, node, own, None, Takes::Places);
+        }
         self.node_limits(i, d, matched, rules, operator, Takes::All);
+    }
+
+    /// A release of a place the config in force has not: found in the earlier configs kept
+    /// for it (`config/retired.rs`), newest first, and given back there.
+    fn release_retired(&mut self, name: &str, i: usize, d: &Descriptor<'_>) {
+        if d.entries.is_empty() {
+            return;
+        }
+        for domain in self.at.snapshot.retired_domains(name) {
+            if let Some(m) = domain.lookup(&d.entries, self.at.keys)
+                && m.hold.id().is_some()
+                && let Some(NodeLimits::Limits(rules)) = &m.node.limits
+                && rules.iter().any(|r| r.algorithm == Algorithm::Concurrency)
+            {
+                self.node_limits(i, d, m, rules, None, Takes::Places);
+                return;
+            }
+        }
     }
 
     /// The operator's override of a matched descriptor's entries (less a hold's id).
@@ -290,8 +338,13 @@ impl<'s, 'r> Found<'s, 'r> {
     ) {
         let hits_addend = d.hits_addend.unwrap_or(self.default_hits);
         let place = |rule: &LimitRule| rule.algorithm == Algorithm::Concurrency;
+        // Places are kept where the node keeps holds: an operator's override may give a
+        // concurrency limit to a node that keeps none, where it takes nothing.
+        let held = matched.hold.is_held();
         let counts = |rule: &LimitRule| match place(rule) {
-            true => d.refund || Accounting::Auto.kind(d.hits_addend) == HitKind::Admission,
+            true => {
+                held && (d.refund || Accounting::Auto.kind(d.hits_addend) == HitKind::Admission)
+            }
             false => takes == Takes::All,
         };
         // A node's enforcement counts (a shadow node lets a soft request pass) where the

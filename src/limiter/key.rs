@@ -271,12 +271,15 @@ pub struct LimitIdentity {
 impl LimitIdentity {
     /// The identity of `limit` as the `ordinal`-th of its descriptor's limits with its
     /// algorithm and window (and calendar zone: a calendar's counters are never an epoch
-    /// window's, nor another zone's).
+    /// window's, nor another zone's). A concurrency limit's identity has no window
+    /// ([`Limit::counter_window_us`]): `:c:<ordinal>`.
     pub fn new(limit: &Limit, ordinal: u16) -> Self {
         let mut buf = Vec::with_capacity(28);
         buf.push(b':');
         buf.push(limit.algorithm.tag());
-        push_decimal(&mut buf, limit.window_us);
+        if let Some(window_us) = limit.counter_window_us() {
+            push_decimal(&mut buf, window_us);
+        }
         let split = buf.len();
         buf.push(b':');
         push_decimal(&mut buf, ordinal as u64);
@@ -435,6 +438,19 @@ mod tests {
         assert_eq!(k.tag(), b"edge:path:/a%20b%3A%7Bc%7D%0A");
         assert_eq!(k.through_tag(), b"rl:{edge:path:/a%20b%3A%7Bc%7D%0A}");
         assert!(KeyFormat::new("rl{x}:", HashTag::Domain).is_err());
+    }
+
+    #[test]
+    fn a_concurrency_limits_identity_names_no_lifetime() {
+        let places = |window_us| Limit {
+            algorithm: Algorithm::Concurrency,
+            window_us,
+            ..limit()
+        };
+        let id = LimitIdentity::new(&places(600_000_000), 1);
+        assert_eq!(id.to_vec(), b":c:1");
+        assert_eq!(id, LimitIdentity::new(&places(1_000_000), 1));
+        assert_eq!(id.len(), 4);
     }
 
     #[test]

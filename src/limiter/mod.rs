@@ -66,8 +66,18 @@ impl Limit {
     /// Whether the window is shorter than a minute (a unit of seconds): such counters live in
     /// the per-second store when there is one, as envoyproxy/ratelimit keeps its `SECOND`
     /// limits apart with `REDIS_PERSECOND`.
+    /// A concurrency limit's places live in the main store whatever their lifetime, so that a
+    /// reload changing it finds them.
     pub fn is_short(&self) -> bool {
-        self.window_us < 60_000_000
+        self.algorithm != Algorithm::Concurrency && self.window_us < 60_000_000
+    }
+
+    /// The window that, with the algorithm, names this limit's counter. A concurrency limit's is
+    /// none: its window is its places' lifetime, which each place keeps as its own end, so a
+    /// reload (or an override) that changes the lifetime keeps the places in flight, and the new
+    /// lifetime applies to places taken after it.
+    pub fn counter_window_us(&self) -> Option<u64> {
+        (self.algorithm != Algorithm::Concurrency).then_some(self.window_us)
     }
 }
 
@@ -169,6 +179,13 @@ pub struct Hit {
     pub kind: HitKind,
     /// The hold it names, if its node keeps holds (`hold_key`).
     pub hold: Hold,
+}
+
+impl Hit {
+    /// Whether it takes or releases a place (a concurrency limit's).
+    pub fn is_place(&self) -> bool {
+        self.limit.algorithm == Algorithm::Concurrency
+    }
 }
 
 /// The verdict on one hit.

@@ -644,10 +644,11 @@ local function build_holding()
     if algo == 'c' then
       redis.call('ZADD', key, now + w, id)
       out[l_out[i]], out[l_out[i] + 1] = out[l_out[i]] + 1, now + w
-      -- Kept a lifetime past its last place's end (this one: every place of a key has the
-      -- lifetime its key names), so that a request then still finds (and counts) places that
-      -- ended unreleased.
-      expire_at_us(key, now + 2 * w)
+      -- Kept a lifetime past its last place's end, so that a request then still finds (and
+      -- counts) places that ended unreleased. Never shortened: a place taken after a reload
+      -- shortened the lifetime leaves those taken before it their own (a key names no lifetime).
+      local at, ttl = expiry_ms(now + 2 * w), redis.call('PTTL', key)
+      if ttl < 0 or floor(now / 1000) + ttl < at then redis.call('PEXPIREAT', key, at) end
       return
     end
     local hk, hh = c_hk[c], c_hh[c]
