@@ -227,6 +227,48 @@ async fn a_settlement_gives_back_what_its_hold_took_once(kind: Kind) {
     assert_eq!(left(&mut c).await, 938_400, "{kind:?}");
 }
 
+/// A hold gives back what it took, whatever the window and the limit in force at the refund:
+/// a sliding_log of 300 and of 10,000 years (its end past 2^53 µs; before, Redis gave back 4
+/// of 10 and 1 of 10), and a hold of 60 refunded while a reload has the limit at 0 (before,
+/// Redis gave back 1: a refund was capped at the limit in force's widest amount).
+async fn a_hold_gives_back_what_it_took(kind: Kind) {
+    let logs = "domain: budgets
+descriptors:
+  - key: tenant
+    hold_key: request_id
+    rate_limit: {algorithm: sliding_log, unit: year, unit_multiplier: 300, requests_per_unit: 100}
+  - key: team
+    hold_key: request_id
+    rate_limit: {algorithm: sliding_log, unit: year, unit_multiplier: 10000, requests_per_unit: 100}
+";
+    let s = start(kind, &[("budgets.yaml", logs)], &[]).await;
+    let mut c = s.client().await;
+    for key in ["tenant", "team"] {
+        let d = [(key, "acme"), ("request_id", "r1")];
+        let r = call(&mut c, weighted(request("budgets", &[&d]), 10)).await;
+        assert_eq!(r.statuses[0].limit_remaining, 90, "{kind:?} {key}");
+        let mut back = with_hits(request("budgets", &[&d]), 0, 10);
+        back.descriptors[0].is_negative_hits = true;
+        call(&mut c, back).await;
+        let check = with_hits(request("budgets", &[&[(key, "acme")]]), 0, 0);
+        let left = call(&mut c, check).await.statuses[0].limit_remaining;
+        assert_eq!(left, 100, "{kind:?} {key}: the hold's 10 given back");
+    }
+
+    let budget = |n: u64| BUDGETS.replace("1000000", &n.to_string());
+    reload(&s, "budgets.yaml", &budget(100)).await;
+    assert!(is_ok(&call(&mut c, reserve("r60", 60)).await), "{kind:?}");
+    assert_eq!(left(&mut c).await, 40, "{kind:?}");
+    reload(&s, "budgets.yaml", &budget(0)).await;
+    call(&mut c, settle("r60", 60, None)).await;
+    reload(&s, "budgets.yaml", &budget(100)).await;
+    assert_eq!(
+        left(&mut c).await,
+        100,
+        "{kind:?}: the hold's 60 given back"
+    );
+}
+
 /// `ratelimit_places_in_use{domain,rule}` of `s`.
 async fn in_use(s: &TestServer) -> f64 {
     let (_, text) = s.http_get("/metrics").await;
@@ -632,6 +674,7 @@ async fn an_override_of_places_keeps_the_places_in_flight(kind: Kind) {
 }
 
 every_backend!(
+    a_hold_gives_back_what_it_took,
     places_of_a_rule_removed_for_a_while_are_kept,
     places_carry_across_a_reload_that_keeps_the_rule,
     an_override_of_places_keeps_the_places_in_flight,

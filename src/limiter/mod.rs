@@ -51,6 +51,18 @@ impl Limit {
             .saturating_add(1)
     }
 
+    /// The most hits a hit of `kind` on this limit moves, as [`Limit::most_hits`] says; a
+    /// refund's bound is that of the widest limit (`requests_per_unit` and `burst` at
+    /// 2^32), not this one's: what it gives back was taken under the limit then in force,
+    /// which may have been wider (a hold of 60 under a block of 0 in force now gives back 60).
+    pub fn most_moved(&self, kind: HitKind) -> u64 {
+        const WIDEST: u64 = (1 << 32) * (MAX_MAX_DEBT + 1) + 1;
+        match kind {
+            HitKind::Refund => self.most_hits().max(WIDEST),
+            _ => self.most_hits(),
+        }
+    }
+
     /// The fixed window `[start, end)` (µs) holding `now`: aligned to the Unix epoch, or to
     /// the calendar.
     pub fn window_at(&self, now: u64) -> (u64, u64) {

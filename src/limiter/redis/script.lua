@@ -117,10 +117,12 @@ local c_key, c_algo, c_rpu, c_w, c_burst, c_start, c_st = {}, {}, {}, {}, {}, {}
 local c_cal, c_b0, c_b1, c_b2, c_b3, c_stale = {}, {}, {}, {}, {}, {}
 -- A counter's hold keys (false when its node keeps no holds): a rate limit's holds by end, and
 -- their hits; in the second, for a rate limit and a concurrency limit alike, the releases each
--- live hold owes to admissions refused for naming it (field OWED .. id; an id starts with = or
--- #, so no id is such a field).
+-- live hold owes to admissions refused for naming it (field OWED .. id), and a sliding_log
+-- hold's time taken (field TAKEN_AT .. id: its end, that time plus a window, is a double past
+-- 2^53 µs for a window of centuries, and would no longer name its entry). An id starts with =
+-- or #, so no id is such a field.
 local c_hk, c_hh = {}, {}
-local OWED = '!'
+local OWED, TAKEN_AT = '!', '@'
 -- The request being decided: its nonce, how many limits it has, and per limit its counter, the
 -- counter's algorithm, hits (0 for a refund, whose hits are in l_back), enforcement and kind
 -- (reused from request to request: only 1..n are read); whether it has refunds, and reports.
@@ -370,7 +372,7 @@ local function undo(at)
         redis.call('ZREM', key, hold)
       elseif hk then
         redis.call('ZREM', hk, hold)
-        redis.call('HDEL', c_hh[l_c[i]], hold)
+        redis.call('HDEL', c_hh[l_c[i]], hold, TAKEN_AT .. hold)
       end
     end
     if hits > 0 then
@@ -455,8 +457,9 @@ local function build_accounting()
     local ends = tonumber(redis.call('ZSCORE', hk, id) or '')
     local took = tonumber(redis.call('HGET', hh, id) or '')
     if not ends then return end
+    local taken_at = tonumber(redis.call('HGET', hh, TAKEN_AT .. id) or '')
     redis.call('ZREM', hk, id)
-    redis.call('HDEL', hh, id)
+    redis.call('HDEL', hh, id, TAKEN_AT .. id)
     if ends <= now or not took then return end
     local back = min(hits, took)
     local start = c_start[c]
@@ -479,7 +482,7 @@ local function build_accounting()
       -- Its own entry, scored when it was taken (with any other request's of that instant).
       local total = log_total(key, now - w)
       if total <= 0 then return end
-      local at = ends - w
+      local at = taken_at or ends - w
       local mine = redis.call('ZRANGEBYSCORE', key, at, at, 'LIMIT', 0, LOG_REFUND_MAX)
       local rest, gone, shortened = back, {}, {}
       for _, m in ipairs(mine) do
@@ -664,18 +667,25 @@ local function build_holding()
       ends = next_tat[i]
     end
     redis.call('ZADD', hk, ends, id)
-    redis.call('HSET', hh, id, l_hits[i])
+    if algo == 'w' then
+      redis.call('HSET', hh, id, l_hits[i], TAKEN_AT .. id, now)
+    else
+      redis.call('HSET', hh, id, l_hits[i])
+    end
     -- Ended holds leave (a bounded number per call), and past MAX_HOLDS the first to end.
     local ended = redis.call('ZRANGEBYSCORE', hk, '-inf', now, 'LIMIT', 0, 100)
     if #ended > 0 then
       redis.call('ZREM', hk, unpack(ended))
       redis.call('HDEL', hh, unpack(ended))
-      for k = 1, #ended do ended[k] = OWED .. ended[k] end
-      redis.call('HDEL', hh, unpack(ended))
+      local fields = {}
+      for k = 1, #ended do
+        fields[2 * k - 1], fields[2 * k] = OWED .. ended[k], TAKEN_AT .. ended[k]
+      end
+      redis.call('HDEL', hh, unpack(fields))
     end
     if redis.call('ZCARD', hk) > MAX_HOLDS then
       local oldest = redis.call('ZPOPMIN', hk)
-      redis.call('HDEL', hh, oldest[1])
+      redis.call('HDEL', hh, oldest[1], TAKEN_AT .. oldest[1])
     end
     local last = redis.call('ZRANGE', hk, -1, -1, 'WITHSCORES')
     local at = tonumber(last[2]) + 1

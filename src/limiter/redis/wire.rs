@@ -189,7 +189,7 @@ impl Args {
             window_us: limit.window_us,
             burst: limit.burst,
             // Exact in the script's doubles, and deciding as the amount sent (2^64 - 1 included).
-            hits: hits.min(limit.most_hits()),
+            hits: hits.min(limit.most_moved(kind)),
             enforcement,
             kind,
             bounds,
