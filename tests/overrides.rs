@@ -573,6 +573,83 @@ async fn replicas_on_redis_apply_an_override_within_two_seconds() {
     assert!(passes(&mut on_c, "other").await);
 }
 
+/// Replicas converge on what Redis holds after it lost overrides or went back to an older set:
+/// a FLUSHALL, then a change before the next poll; and a restart from an older snapshot (a
+/// failover to a replica that lags), then a change. Before, `:version` was a counter that
+/// started again at the value the replicas had last read for another set: they kept a deleted
+/// block and never applied the new one.
+#[tokio::test]
+async fn replicas_converge_after_redis_loses_or_rolls_back_overrides() {
+    let (_dir, file) = tokens();
+    let mut redis = common::redis::RedisProc::start(&[]);
+    let url = redis.url();
+    let token_file = file.display().to_string();
+    let flags = [
+        "--backend",
+        "redis",
+        "--redis-url",
+        &url,
+        "--admin-addr",
+        "127.0.0.1:0",
+        "--admin-token-file",
+        &token_file,
+    ];
+    let clock = || std::sync::Arc::new(ratelimitd::testing::SystemClock);
+    let a = TestServer::start_with(&[("d.yaml", LIMITS)], &flags, clock()).await;
+    let b = TestServer::start_with(&[("d.yaml", LIMITS)], &flags, clock()).await;
+    let on_b = b.client().await;
+    // Which of `tenants` b lets through, once it does as `want` says (5 s at most).
+    let b_sees = |want: &'static [(&'static str, bool)]| {
+        let on_b = on_b.clone();
+        async move {
+            let since = Instant::now();
+            poll(Duration::from_secs(5), || {
+                let mut c = on_b.clone();
+                async move {
+                    for (tenant, passes_now) in want {
+                        if passes(&mut c, tenant).await != *passes_now {
+                            return None;
+                        }
+                    }
+                    Some(())
+                }
+            })
+            .await;
+            since.elapsed()
+        }
+    };
+    // A block set on a; Redis may be answering again only after a reconnect.
+    let on_a = &a;
+    let block = move |tenant: &'static str| async move {
+        let body = format!(
+            r#"{{"domain": "d", "entries": [{{"key": "tenant", "value": "{tenant}"}}],
+                "limits": [{{"requests_per_unit": 0, "unit": "hour"}}]}}"#
+        );
+        poll(Duration::from_secs(10), || async {
+            (put(on_a, &body).await.0 == 200).then_some(())
+        })
+        .await;
+    };
+
+    block("acme").await;
+    b_sees(&[("acme", false)]).await;
+    redis.cli(&["FLUSHALL"]);
+    block("other").await;
+    let took = b_sees(&[("acme", true), ("other", false)]).await;
+    println!("after a FLUSHALL and a change, b converged in {took:?}");
+    assert!(took <= Duration::from_secs(2), "{took:?}");
+
+    // {other} saved; then {other, third}; then back to {other}, and a change at once.
+    redis.cli(&["SAVE"]);
+    block("third").await;
+    b_sees(&[("third", false)]).await;
+    redis.restart();
+    block("fourth").await;
+    let took = b_sees(&[("third", true), ("fourth", false), ("other", false)]).await;
+    println!("after a roll back and a change, b converged in {took:?}");
+    assert!(took <= Duration::from_secs(2), "{took:?}");
+}
+
 /// On the memory backend, `--overrides-file` keeps overrides across a restart.
 #[tokio::test]
 async fn the_overrides_file_keeps_them_across_a_restart() {

@@ -2,9 +2,10 @@
 //!
 //! - With Redis, in Redis, under one hash tag (one slot on a cluster):
 //!   `<prefix>{ratelimitd-overrides}:all` (id → the override as JSON), `:slots` (domain and
-//!   entries → the id in force: one per descriptor) and `:version`, bumped by every change.
-//!   Every replica reads `:version` each second and, when it moved, the whole hash: a change
-//!   is applied everywhere within about a second, and survives any replica's restart.
+//!   entries → the id in force: one per descriptor) and `:version`, a new random value at
+//!   every change ([`new_version`]). Every replica reads `:version` each second and, when it
+//!   differs from what it last read, the whole hash: a change is applied everywhere within
+//!   about a second, and survives any replica's restart.
 //! - On the memory backend, in this process, and in `--overrides-file` when given (written
 //!   to a temporary file and renamed over it, so a crash leaves the old file or the new).
 //!
@@ -110,7 +111,7 @@ elseif redis.call('HLEN', KEYS[1]) >= tonumber(ARGV[4]) then
 end
 redis.call('HSET', KEYS[1], ARGV[2], ARGV[3])
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
-redis.call('INCR', KEYS[3])
+redis.call('SET', KEYS[3], ARGV[5])
 return {1, before}
 ";
 
@@ -120,7 +121,7 @@ const DELETE: &str = r"
 if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then return 0 end
 redis.call('HDEL', KEYS[1], ARGV[1])
 if redis.call('HGET', KEYS[2], ARGV[3]) == ARGV[1] then redis.call('HDEL', KEYS[2], ARGV[3]) end
-redis.call('INCR', KEYS[3])
+redis.call('SET', KEYS[3], ARGV[4])
 return 1
 ";
 
@@ -155,6 +156,17 @@ fn new_id() -> String {
         "{:016x}",
         std::hash::BuildHasher::hash_one(state, (SystemClock.now_us(), n))
     )
+}
+
+/// A `:version` for a change: random, never a counter's next value. A counter restarts at 1
+/// after a FLUSHALL or a restart without persistence, and after a failover to a replica that
+/// lags it repeats values the old primary had given to other sets; replicas that last read one
+/// of those would never read the new set. A replica reads the set again whenever `:version`
+/// differs from what it last read (gone included), so only a value never used before will do.
+/// An integer below 2^53, so that a counter's INCR (an older replica's) still works on it.
+fn new_version() -> i64 {
+    let hash = u64::from_str_radix(&new_id(), 16).unwrap_or_default();
+    (hash >> 11).max(1) as i64
 }
 
 impl Overrides {
@@ -357,7 +369,8 @@ impl Overrides {
                             .arg(&keys.version)
                             .arg(&r.id)
                             .arg(json)
-                            .arg(r.slot()),
+                            .arg(r.slot())
+                            .arg(new_version()),
                     )
                     .await?;
                 self.records.lock().remove(&r.id);
@@ -425,7 +438,8 @@ impl Overrides {
                             .arg(&slot)
                             .arg(&record.id)
                             .arg(json)
-                            .arg(self.options.max),
+                            .arg(self.options.max)
+                            .arg(new_version()),
                     )
                     .await?;
                 if done == 0 {
