@@ -290,6 +290,17 @@ async fn the_istio_concurrency_patches_release_places(kind: Kind, version: &'sta
     places_are_taken_and_released(&rls, &envoy, 2).await;
 }
 
+/// Waits (10 s at most) until every place of `llm`'s tenants is given back: the stream-done
+/// calls, which Envoy sends after the answer, have arrived (ratelimitd's gauge says so).
+async fn places_free(rls: &TestServer) {
+    poll(Duration::from_secs(10), || async {
+        let (_, m) = rls.http_get("/metrics").await;
+        let in_use = metric(&m, r#"ratelimit_places_in_use{domain="llm",rule="tenant"}"#);
+        (in_use == 0.0).then_some(())
+    })
+    .await;
+}
+
 /// Through `envoy` (whose filter has domain `llm` and the tenant's places in front of
 /// `upstream.py`): for `rounds` rounds, five slow requests take a tenant's 5 places, a sixth is
 /// refused, another tenant is admitted, and once they are answered five more are; then five
@@ -298,6 +309,8 @@ async fn places_are_taken_and_released(rls: &TestServer, envoy: &Envoy, rounds: 
     let version = envoy.version;
     let tenant = [("x-tenant-id", "acme")];
     for round in 0..rounds {
+        // The last round's releases arrived: every place is free.
+        places_free(rls).await;
         // Five long requests take the five places; a sixth is refused while they are open.
         let slow: Vec<_> = (0..5)
             .map(|_| {
@@ -325,14 +338,8 @@ async fn places_are_taken_and_released(rls: &TestServer, envoy: &Envoy, rounds: 
         for s in slow {
             assert_eq!(s.await.unwrap().status, 200);
         }
-        // Every place given back (once the stream-done calls, which Envoy sends after the
-        // answer, have arrived: ratelimitd's gauge says so), five more at once are admitted.
-        poll(Duration::from_secs(10), || async {
-            let (_, m) = rls.http_get("/metrics").await;
-            let in_use = metric(&m, r#"ratelimit_places_in_use{domain="llm",rule="tenant"}"#);
-            (in_use == 0.0).then_some(())
-        })
-        .await;
+        // Every place given back, five more at once are admitted.
+        places_free(rls).await;
         let again: Vec<_> = (0..5)
             .map(|_| {
                 let http = envoy.http;
@@ -352,7 +359,10 @@ async fn places_are_taken_and_released(rls: &TestServer, envoy: &Envoy, rounds: 
         }
     }
 
-    // A client that resets its streams mid-request gives its places back too.
+    // A client that resets its streams mid-request gives its places back too (once the last
+    // round's releases have arrived: before, a held request sent ahead of them was refused, and
+    // five were never in flight on a loaded machine).
+    places_free(rls).await;
     let held: Vec<_> = {
         let mut v = Vec::new();
         for _ in 0..5 {
