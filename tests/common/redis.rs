@@ -50,10 +50,14 @@ pub(crate) struct RedisProc {
     tls_ca: Option<PathBuf>,
 }
 
-/// Kills `pid` once the test process has exited, however it exits.
+/// Kills `pid` once the test process has exited, however it exits, if it is still the process
+/// it was (its start time in /proc unchanged): a pid that ended and was reused, as the next test
+/// binary's once was (CI: `tests/examples.rs` killed by SIGKILL at its start), is left alone.
 pub(crate) fn watchdog(pid: u32) {
     let script = format!(
-        "while kill -0 {} 2>/dev/null; do sleep 0.5; done; kill -9 {pid} 2>/dev/null",
+        "started() {{ cut -d' ' -f22 /proc/{pid}/stat 2>/dev/null; }}; s=$(started); \
+         while kill -0 {} 2>/dev/null; do sleep 0.5; done; \
+         [ -n \"$s\" ] && [ \"$(started)\" = \"$s\" ] && kill -9 {pid} 2>/dev/null",
         std::process::id()
     );
     let _ = Command::new("sh")
