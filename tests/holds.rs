@@ -602,6 +602,22 @@ async fn places_of_a_rule_removed_for_a_while_are_kept(kind: Kind) {
     );
 }
 
+/// The admin token of `an_override_of_places_keeps_the_places_in_flight`'s token file.
+const AUTH: (&str, &str) = ("Authorization", "Bearer 0123456789abcdef-alice");
+
+/// `PUT /v1/overrides` of `body` on `s`'s admin listener: status and body.
+async fn put_override(s: &TestServer, body: &str) -> (u16, String) {
+    let headers = [AUTH, ("Content-Type", "application/json")];
+    http_call(
+        s.admin.unwrap(),
+        "PUT",
+        "/v1/overrides",
+        &headers,
+        body.as_bytes(),
+    )
+    .await
+}
+
 /// An operator's override of a concurrency rule keeps the places in flight, whatever lifetime
 /// it gives them: 3 held, an override to 4 places of 5 minutes admits one more, not four, and
 /// a release of a place taken before it counts. Deleting it brings the 3 back over the same
@@ -616,18 +632,11 @@ async fn an_override_of_places_keeps_the_places_in_flight(kind: Kind) {
     let s = start(kind, &[("llm.yaml", CONFIG)], &flags).await;
     let mut c = s.client().await;
     assert_eq!(admitted(&mut c, "acme", &["a", "b", "c"]).await, [true; 3]);
-    let auth = [("Authorization", "Bearer 0123456789abcdef-alice")];
+    let auth = [AUTH];
     let body = r#"{"domain": "llm", "entries": [{"key": "tenant", "value": "acme"}],
         "limits": [{"algorithm": "concurrency", "requests_per_unit": 4, "unit": "minute",
                     "unit_multiplier": 5}]}"#;
-    let (status, answer) = http_call(
-        s.admin.unwrap(),
-        "PUT",
-        "/v1/overrides",
-        &[auth[0], ("Content-Type", "application/json")],
-        body.as_bytes(),
-    )
-    .await;
+    let (status, answer) = put_override(&s, body).await;
     assert_eq!(status, 200, "{answer}");
     let id = serde_json::from_str::<serde_json::Value>(&answer).unwrap()["id"]
         .as_str()
@@ -657,14 +666,7 @@ async fn an_override_of_places_keeps_the_places_in_flight(kind: Kind) {
     // them: every request admitted).
     let body = r#"{"domain": "llm", "entries": [{"key": "tenant", "value": "other"}],
         "limits": [{"requests_per_unit": 100, "unit": "hour"}]}"#;
-    let (status, answer) = http_call(
-        s.admin.unwrap(),
-        "PUT",
-        "/v1/overrides",
-        &[auth[0], ("Content-Type", "application/json")],
-        body.as_bytes(),
-    )
-    .await;
+    let (status, answer) = put_override(&s, body).await;
     assert_eq!(status, 200, "{answer}");
     assert_eq!(
         admitted(&mut c, "other", &["a", "b", "c", "d"]).await,

@@ -68,6 +68,16 @@ pub(crate) struct Resolved<'s> {
     pub hits: Vec<Hit>,
 }
 
+/// Whether `rule` counts places (a concurrency limit) rather than hits.
+fn is_place(rule: &LimitRule) -> bool {
+    rule.algorithm == Algorithm::Concurrency
+}
+
+/// Whether any of `rules` counts places.
+fn has_places(rules: &[LimitRule]) -> bool {
+    rules.iter().any(is_place)
+}
+
 /// (applied index, name, replaces) of a limit that has a name or replaces others.
 type Named<'s> = (usize, Option<&'s Arc<str>>, &'s [Arc<str>]);
 
@@ -208,11 +218,9 @@ impl<'s, 'r> Found<'s, 'r> {
         // An operator's override replaces the node's places only with places of its own: one
         // of rate limits alone leaves the node's concurrency limits in force, on the same
         // places (as a request's own `limit` does).
-        let places =
-            |rules: &[LimitRule]| rules.iter().any(|r| r.algorithm == Algorithm::Concurrency);
         if let (Some(_), Some(NodeLimits::Limits(own))) = (operator, &matched.node.limits)
-            && places(own)
-            && !places(rules)
+            && has_places(own)
+            && !has_places(rules)
         {
             let node = Matched {
                 key: matched.key.clone(),
@@ -235,7 +243,7 @@ impl<'s, 'r> Found<'s, 'r> {
             if let Some(m) = domain.lookup(&d.entries, self.at.keys)
                 && m.hold.id().is_some()
                 && let Some(NodeLimits::Limits(rules)) = &m.node.limits
-                && rules.iter().any(|r| r.algorithm == Algorithm::Concurrency)
+                && has_places(rules)
             {
                 self.node_limits(i, d, m, rules, None, Takes::Places);
                 return;
@@ -337,11 +345,10 @@ impl<'s, 'r> Found<'s, 'r> {
         takes: Takes,
     ) {
         let hits_addend = d.hits_addend.unwrap_or(self.default_hits);
-        let place = |rule: &LimitRule| rule.algorithm == Algorithm::Concurrency;
         // Places are kept where the node keeps holds: an operator's override may give a
         // concurrency limit to a node that keeps none, where it takes nothing.
         let held = matched.hold.is_held();
-        let counts = |rule: &LimitRule| match place(rule) {
+        let counts = |rule: &LimitRule| match is_place(rule) {
             true => {
                 held && (d.refund || Accounting::Auto.kind(d.hits_addend) == HitKind::Admission)
             }
@@ -388,7 +395,7 @@ impl<'s, 'r> Found<'s, 'r> {
                 named_hold: matched.hold.id().is_some(),
                 operator: operator.map(|op| &op.id),
             }));
-            let kind = match place(rule) && !d.refund {
+            let kind = match is_place(rule) && !d.refund {
                 true => HitKind::Admission,
                 false => self.kind(d, rule.accounting),
             };
