@@ -803,13 +803,19 @@ pub struct ModeLabels {
 }
 
 /// What the memory backend (or the `local` failure mode) reports: bytes of counter state held
-/// and counters given up at the `--memory-max-bytes` bound.
+/// and what the `--memory-max-bytes` bound gave up or refused.
 #[derive(Clone, Default)]
 pub struct MemoryMetrics {
     /// `ratelimit_memory_bytes`.
     pub bytes: Gauge,
     /// `ratelimit_memory_evictions_total`.
     pub evictions: Counter,
+    /// `ratelimit_memory_holds_dropped_total`: rate limits' holds given up to keep their
+    /// counter within its share of the bound (their hits stay counted).
+    pub holds_dropped: Counter,
+    /// `ratelimit_memory_places_refused_total`: places refused because their counter had no
+    /// room left in its share of the bound.
+    pub places_refused: Counter,
 }
 
 /// What a backend records: its calls' errors and durations, whether its store answers, the
@@ -1127,6 +1133,16 @@ impl MemoryMetrics {
             "ratelimit_memory_evictions",
             "Live counters given up at --memory-max-bytes (each may admit up to its limit again)",
             self.evictions.clone(),
+        );
+        registry.register(
+            "ratelimit_memory_holds_dropped",
+            "Holds given up to keep their counter within --memory-max-bytes (their hits stay counted; their refunds give nothing back)",
+            self.holds_dropped.clone(),
+        );
+        registry.register(
+            "ratelimit_memory_places_refused",
+            "Concurrency places refused because their counter had no room left within --memory-max-bytes",
+            self.places_refused.clone(),
         );
     }
 }

@@ -20,13 +20,15 @@ pub(crate) const MAX_HOLDS: usize = 10_000;
 /// Hold ids up to this many bytes are kept as they are; a longer one as its SHA-256.
 pub(crate) const LONGEST_KEPT_ID: usize = 64;
 
-/// Bytes a hold costs the memory backend beyond its id (its slots in two indexes and the
-/// shared id's header; measured against the allocator, rounded up).
-pub(crate) const HOLD_OVERHEAD: u64 = 160;
-
 /// Bytes a release owed to a refused replay costs beyond its hold (a slot in one more index;
 /// the id is shared). At most one per hold.
-pub(crate) const OWED_OVERHEAD: u64 = 48;
+const OWED_OVERHEAD: u64 = 48;
+
+/// Bytes a hold costs the memory backend beyond its id: its slots in two indexes and the
+/// shared id's header (160, measured against the allocator, rounded up), and the slot of a
+/// release it may come to owe, counted from the start so that a refused replay (noted while
+/// a request is only checked) never takes its counter past the bound.
+pub(crate) const HOLD_OVERHEAD: u64 = 160 + OWED_OVERHEAD;
 
 /// A hold's id as it is stored: `=` and the id as sent (up to [`LONGEST_KEPT_ID`] bytes), or
 /// `#` and the SHA-256 of a longer one. Injective, and at most 65 bytes however long the id.
@@ -206,6 +208,18 @@ impl Holds {
         false
     }
 
+    /// Drops the hold that ends first (ties: the smallest id), as [`Holds::take`] does past
+    /// [`MAX_HOLDS`]; returns whether there was one.
+    pub(crate) fn drop_first(&mut self) -> bool {
+        match self.by_end.pop_first() {
+            Some((_, id)) => {
+                self.forget(&id);
+                true
+            }
+            None => false,
+        }
+    }
+
     /// Notes that an admission naming `id` was refused while `id` is held (a replayed id):
     /// that request's own release will come (Envoy sends the stream-done call for a refused
     /// request too) and must not end the hold of the request that took it. Saturates at
@@ -259,11 +273,15 @@ impl Holds {
             .collect()
     }
 
-    /// Heap bytes these holds cost, for the memory bound.
+    /// Heap bytes these holds cost, for the memory bound (the releases they may owe
+    /// included).
     pub(crate) fn heap_bytes(&self) -> u64 {
-        self.id_bytes
-            + self.by_id.len() as u64 * HOLD_OVERHEAD
-            + self.owed.len() as u64 * OWED_OVERHEAD
+        self.id_bytes + self.by_id.len() as u64 * HOLD_OVERHEAD
+    }
+
+    /// What one more hold under `id` would add to [`Holds::heap_bytes`].
+    pub(crate) fn cost_of(id: &HoldId) -> u64 {
+        id.0.len() as u64 + HOLD_OVERHEAD
     }
 }
 
@@ -312,6 +330,10 @@ mod tests {
         assert_eq!(holds.first_end(), Some(1_011));
         let before = holds.heap_bytes();
         holds.release(&id(11));
-        assert_eq!(before - holds.heap_bytes(), 3 + HOLD_OVERHEAD);
+        assert_eq!(before - holds.heap_bytes(), Holds::cost_of(&id(11)));
+        let first = holds.first_end();
+        assert!(holds.drop_first());
+        assert_ne!(holds.first_end(), first, "the first to end went");
+        assert_eq!(holds.len(), MAX_HOLDS - 13);
     }
 }

@@ -11,8 +11,13 @@
 //! O(log n) per counter, never a scan). When live counters alone exceed a shard's share, the
 //! counters closest to expiry are given up (`ratelimit_memory_evictions_total`): a given-up
 //! counter starts again from zero, so its key can be admitted up to its whole limit again
-//! within the window it was in. Nothing else is ever lost, and the process never grows past
-//! the bound with counters however many distinct values clients send.
+//! within the window it was in. The counter being written is never given up for its own
+//! room: its holds count in its share like the rest, so when it alone outgrows the share, a
+//! rate limit drops its holds that end first (`ratelimit_memory_holds_dropped_total`: their
+//! hits stay counted, their refunds give nothing back), and a concurrency limit refuses a
+//! place that would not fit (`ratelimit_memory_places_refused_total`; a place in use is never
+//! dropped). Nothing else is ever lost, and the process never grows past the bound with
+//! counters however many distinct values or holds clients send.
 
 use std::collections::BTreeSet;
 use std::hash::{BuildHasher, Hasher, RandomState};
@@ -147,6 +152,37 @@ impl Shard {
     }
 }
 
+impl Shard {
+    /// Drops the holds of `key`'s rate limit, the first to end first, until the shard fits
+    /// `budget` (or none is left): its hits stay counted, so a refund naming a dropped hold
+    /// gives nothing back (the safe direction, as past [`super::hold::MAX_HOLDS`]). A
+    /// concurrency limit's places are never dropped here: a place that would not fit is refused
+    /// before it is taken. Returns (bytes freed, holds dropped).
+    fn shed_holds(&mut self, budget: u64, hash: Hash, key: &[u8]) -> (u64, u64) {
+        let Some(e) = self.entries.find_mut(hash.0, |e| *e.key == *key) else {
+            return (0, 0);
+        };
+        let Some(holds) = e.holds.as_deref_mut() else {
+            return (0, 0);
+        };
+        let rest = self.bytes - e.bytes;
+        let mut dropped = 0;
+        let mut bytes = e.bytes;
+        while rest + bytes > budget && holds.drop_first() {
+            dropped += 1;
+            bytes = cost(&e.key, &e.state, Some(holds));
+        }
+        if holds.len() == 0 {
+            e.holds = None;
+            bytes = cost(&e.key, &e.state, None);
+        }
+        let freed = e.bytes - bytes;
+        e.bytes = bytes;
+        self.bytes -= freed;
+        (freed, dropped)
+    }
+}
+
 /// In-process counters with the same semantics as the Redis backend.
 pub struct MemoryBackend {
     shards: Box<[Mutex<Shard>]>,
@@ -199,6 +235,11 @@ impl MemoryBackend {
             metrics,
             max_debt: DEFAULT_MAX_DEBT,
         }
+    }
+
+    /// The most bytes one counter may keep, its holds included (its shard's share of the bound).
+    pub(crate) fn counter_share(&self) -> u64 {
+        self.shard_budget
     }
 
     /// This backend with cost reports taking a counter at most `max_debt` times its limit past
@@ -322,10 +363,20 @@ impl MemoryBackend {
                         v = replayed(held, now);
                         e.owe(id);
                     }
+                    if !v.over && !self.place_fits(hit, asked, Some(&*e)) {
+                        v = self.no_room(e.state.places(), now);
+                    }
                     note(i, (0, 0, e.state.take_ended()));
                     v
                 }
-                _ => State::new(hit.limit.algorithm).check(&hit.limit, now, asked),
+                _ => {
+                    let v = State::new(hit.limit.algorithm).check(&hit.limit, now, asked);
+                    if !v.over && !self.place_fits(hit, asked, None) {
+                        self.no_room(None, now)
+                    } else {
+                        v
+                    }
+                }
             };
             // A refund's place verdict is never over, and the request it ends is done.
             if hit.limit.algorithm == Algorithm::Concurrency && hit.kind == HitKind::Refund {
@@ -463,12 +514,55 @@ impl MemoryBackend {
             let (freed, evicted) = shard.evict(self.shard_budget, key_bytes);
             delta -= freed as i64;
             self.metrics.evictions.inc_by(evicted);
+            if shard.bytes > self.shard_budget {
+                let (freed, dropped) = shard.shed_holds(self.shard_budget, hash, key_bytes);
+                delta -= freed as i64;
+                self.metrics.holds_dropped.inc_by(dropped);
+            }
         }
         // Most commits change no counter's size: no write to a gauge every thread shares.
         if delta != 0 {
             self.metrics.bytes.inc_by(delta);
         }
         (placed, end, ended)
+    }
+}
+
+impl MemoryBackend {
+    /// Whether `hit`, if it takes a place, leaves its counter (`entry`, or a new one) within its
+    /// shard's share of the bound: other counters can be given up to make room, the places in
+    /// use cannot (they are never dropped silently).
+    fn place_fits(&self, hit: &Hit, asked: u64, entry: Option<&Entry>) -> bool {
+        let Some(id) = hit.hold.id() else {
+            return true;
+        };
+        if hit.limit.algorithm != Algorithm::Concurrency
+            || hit.kind != HitKind::Admission
+            || asked == 0
+        {
+            return true;
+        }
+        let now = match entry {
+            Some(e) => cost(&e.key, &e.state, e.holds.as_deref()),
+            None => cost(
+                hit.key.as_bytes(),
+                &State::new(Algorithm::Concurrency),
+                None,
+            ),
+        };
+        now + Holds::cost_of(id) <= self.shard_budget
+    }
+
+    /// The verdict on a place refused for want of room: over until the first place in use ends.
+    fn no_room(&self, places: Option<&Holds>, now: u64) -> super::Verdict {
+        self.metrics.places_refused.inc();
+        let end = places.and_then(Holds::first_end).unwrap_or(now);
+        super::Verdict {
+            over: true,
+            remaining: 0,
+            fits: 0,
+            reset: std::time::Duration::from_micros(end.saturating_sub(now)),
+        }
     }
 }
 
@@ -700,6 +794,70 @@ mod tests {
             !backend.decide_now(&[long]).admitted,
             "the day-long counter outlived every shorter one"
         );
+    }
+
+    #[test]
+    fn holds_count_in_the_bound_and_a_place_in_use_is_never_dropped() {
+        let metrics = MemoryMetrics::default();
+        let max = 64 * 8192; // 8 KiB per shard
+        let backend = MemoryBackend::bounded(Arc::new(ManualClock::new(T0)), max, metrics.clone());
+        let id = |i: usize| Hold::Named(HoldId::new(format!("{i:064}").as_bytes()));
+        // One counter's holds: past its share, the first to end go, their hits stay counted.
+        let mut budget = hit("budget", Algorithm::FixedWindow, 1_000_000);
+        budget.limit.window_us = 86_400_000_000;
+        for i in 0..1_000 {
+            budget.hold = id(i);
+            assert!(backend.decide_now(&[budget.clone()]).admitted);
+            assert!(backend.bytes() <= max, "{} > {max}", backend.bytes());
+        }
+        let dropped = metrics.holds_dropped.get();
+        assert!(dropped > 900, "{dropped}");
+        assert_eq!(metrics.bytes.get() as u64, backend.bytes());
+        let mut refund = budget.clone();
+        refund.kind = HitKind::Refund;
+        refund.hold = id(0);
+        let out = backend.decide_now(&[refund.clone()]);
+        assert_eq!(
+            out.verdicts[0].remaining,
+            1_000_000 - 1_000,
+            "dropped: nothing back"
+        );
+        refund.hold = id(999);
+        let out = backend.decide_now(&[refund]);
+        assert_eq!(
+            out.verdicts[0].remaining,
+            1_000_000 - 999,
+            "kept: given back"
+        );
+
+        // Places: refused once the counter's share is full, each one taken still released.
+        let mut place = hit("places", Algorithm::Concurrency, 10_000);
+        place.limit.window_us = 600_000_000;
+        let mut taken = 0;
+        while taken < 10_000 {
+            place.hold = id(taken);
+            if !backend.decide_now(&[place.clone()]).admitted {
+                break;
+            }
+            taken += 1;
+            assert!(backend.bytes() <= max, "{} > {max}", backend.bytes());
+        }
+        assert!((10..100).contains(&taken), "{taken} places in 8 KiB");
+        assert_eq!(metrics.places_refused.get(), 1);
+        let out = backend.decide_now(&[place.clone()]);
+        assert!(!out.admitted && out.verdicts[0].reset > Duration::from_secs(590));
+        place.kind = HitKind::Refund;
+        for i in 0..taken {
+            place.hold = id(i);
+            let out = backend.decide_now(&[place.clone()]);
+            assert_eq!(out.places.first().map(|p| p.change), Some(-1), "place {i}");
+        }
+        place.kind = HitKind::Admission;
+        for i in 0..taken {
+            place.hold = id(10_000 + i);
+            assert!(backend.decide_now(&[place.clone()]).admitted, "place {i}");
+        }
+        assert_eq!(metrics.holds_dropped.get(), dropped, "no place dropped");
     }
 
     #[test]

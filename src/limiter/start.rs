@@ -67,6 +67,16 @@ pub(crate) fn start(
         )
         .with_max_debt(options.max_debt),
     );
+    // What one counter can keep, for an operator sizing concurrency limits: a place under
+    // Envoy's x-request-id (a 36-byte UUID) costs its id, its marker byte and the overhead.
+    let share = memory.counter_share();
+    let per_place = 37 + super::hold::HOLD_OVERHEAD;
+    tracing::info!(
+        max_bytes = options.memory_max_bytes,
+        counter_share = share,
+        places_per_counter = share.saturating_sub(1024) / per_place,
+        "memory backend: one counter keeps at most its share of the bound, holds and places included"
+    );
     tasks.push({
         let memory = memory.clone();
         tokio::spawn(async move {
