@@ -430,72 +430,144 @@ pub(crate) struct InForce {
     pub(crate) id: Arc<str>,
     /// Its limits, in place of the rule's.
     pub(crate) limits: Arc<[LimitRule]>,
+    domain: Box<str>,
     entries: HeldEntries,
     hash: u64,
 }
 
+impl InForce {
+    /// `r` as the set holds it: its limits compiled (an error when they no longer compile,
+    /// after an upgrade that refuses what it took), its entries hashed.
+    pub(crate) fn compile(
+        r: &OverrideRecord,
+        options: CompileOptions,
+    ) -> Result<Arc<InForce>, OverrideError> {
+        let limits = compile_limits(&r.domain, &r.limits, options)?;
+        let entries: HeldEntries = r
+            .entries
+            .iter()
+            .map(|e| {
+                (
+                    e.key.as_bytes().to_vec().into_boxed_slice(),
+                    e.value.as_bytes().to_vec().into_boxed_slice(),
+                )
+            })
+            .collect();
+        let hash = hash_entries(entries.iter().map(|(k, v)| (&**k, &**v)));
+        Ok(Arc::new(InForce {
+            id: r.id.as_str().into(),
+            limits,
+            domain: r.domain.as_str().into(),
+            entries,
+            hash,
+        }))
+    }
+}
+
+/// Tables per domain: a change copies one (about 1/64 of the domain's overrides) while the
+/// request path still reads the set before it, never the whole set.
+const BUCKETS: usize = 64;
+
+/// The table of `hash` among a domain's: bits the tables do not index by (they take the low
+/// bits for the bucket and the top seven for the tag).
+fn bucket_of(hash: u64) -> usize {
+    (hash >> 32) as usize % BUCKETS
+}
+
 /// One domain's overrides, by their exact entries.
-#[derive(Debug, Default)]
+#[derive(Clone, Debug)]
 struct DomainOverrides {
-    table: HashTable<InForce>,
+    tables: Box<[Arc<HashTable<Arc<InForce>>>]>,
+    len: usize,
+}
+
+impl Default for DomainOverrides {
+    fn default() -> Self {
+        DomainOverrides {
+            tables: (0..BUCKETS).map(|_| Arc::default()).collect(),
+            len: 0,
+        }
+    }
 }
 
 /// The overrides in force: looked up by every descriptor of a domain that has one, by a hash
-/// of its entries (one pass over the bytes, no allocation).
-#[derive(Debug, Default)]
+/// of its entries (one pass over the bytes, no allocation). A clone is cheap (an `Arc` per
+/// domain), and [`OverrideSet::insert`] and [`OverrideSet::remove`] copy only what they
+/// change, so a set is changed one override at a time while the request path reads the last.
+#[derive(Clone, Debug, Default)]
 pub(crate) struct OverrideSet {
-    domains: HashMap<String, DomainOverrides>,
-    hasher: RandomState,
+    domains: HashMap<Box<str>, Arc<DomainOverrides>>,
     len: usize,
+}
+
+/// The hasher of every set's entries: keyed at random once per process (clients choose the
+/// values a descriptor is looked up by).
+fn hasher() -> &'static RandomState {
+    static HASHER: std::sync::OnceLock<RandomState> = std::sync::OnceLock::new();
+    HASHER.get_or_init(RandomState::new)
 }
 
 impl OverrideSet {
     /// The set of `records` that have not ended at `now_ms` and whose limits compile (one
-    /// that no longer does, after an upgrade that refuses what it took, is left out and
-    /// logged).
+    /// that no longer does is left out and logged); of two with the same entries, the later.
+    #[cfg(test)]
     pub(crate) fn build<'a>(
         records: impl IntoIterator<Item = &'a OverrideRecord>,
         now_ms: u64,
         options: CompileOptions,
     ) -> OverrideSet {
         let mut set = OverrideSet::default();
-        for r in records {
-            if r.expired(now_ms) {
-                continue;
-            }
-            let limits = match compile_limits(&r.domain, &r.limits, options) {
-                Ok(l) => l,
-                Err(e) => {
-                    tracing::warn!(id = %r.id, domain = %r.domain, error = %e, "override not applied: its limits do not compile");
-                    continue;
+        for r in records.into_iter().filter(|r| !r.expired(now_ms)) {
+            match InForce::compile(r, options) {
+                Ok(o) => {
+                    set.insert(o);
                 }
-            };
-            let entries: HeldEntries = r
-                .entries
-                .iter()
-                .map(|e| {
-                    (
-                        e.key.as_bytes().to_vec().into_boxed_slice(),
-                        e.value.as_bytes().to_vec().into_boxed_slice(),
-                    )
-                })
-                .collect();
-            let hash = hash_entries(&set.hasher, entries.iter().map(|(k, v)| (&**k, &**v)));
-            let domain = set.domains.entry(r.domain.clone()).or_default();
-            // One per slot: the store keeps one; a second (a race of two writers) loses.
-            if domain.table.find(hash, |a| a.entries == entries).is_some() {
-                continue;
+                Err(e) => {
+                    tracing::warn!(id = %r.id, domain = %r.domain, error = %e, "override not applied: its limits do not compile")
+                }
             }
-            let applied = InForce {
-                id: r.id.as_str().into(),
-                limits,
-                entries,
-                hash,
-            };
-            domain.table.insert_unique(hash, applied, |a| a.hash);
-            set.len += 1;
         }
         set
+    }
+
+    /// Puts `o` in force, in place of the one with its entries (returned), if any.
+    pub(crate) fn insert(&mut self, o: Arc<InForce>) -> Option<Arc<InForce>> {
+        let domain = Arc::make_mut(self.domains.entry(o.domain.clone()).or_default());
+        let table = Arc::make_mut(&mut domain.tables[bucket_of(o.hash)]);
+        match table.find_entry(o.hash, |a| a.entries == o.entries) {
+            Ok(mut found) => Some(std::mem::replace(found.get_mut(), o)),
+            Err(_) => {
+                table.insert_unique(o.hash, o, |a| a.hash);
+                domain.len += 1;
+                self.len += 1;
+                None
+            }
+        }
+    }
+
+    /// Takes `o` out of force, if it is the one in force for its entries (the same id);
+    /// whether it was.
+    pub(crate) fn remove(&mut self, o: &InForce) -> bool {
+        let Some(domain) = self.domains.get_mut(&o.domain) else {
+            return false;
+        };
+        let found = domain.tables[bucket_of(o.hash)]
+            .find(o.hash, |a| a.entries == o.entries)
+            .is_some_and(|a| a.id == o.id);
+        if !found {
+            return false;
+        }
+        let d = Arc::make_mut(domain);
+        let table = Arc::make_mut(&mut d.tables[bucket_of(o.hash)]);
+        if let Ok(entry) = table.find_entry(o.hash, |a| a.entries == o.entries) {
+            entry.remove();
+        }
+        d.len -= 1;
+        self.len -= 1;
+        if d.len == 0 {
+            self.domains.remove(&o.domain);
+        }
+        true
     }
 
     /// How many are in force.
@@ -510,10 +582,9 @@ impl OverrideSet {
 
     /// Whether `domain` has any: the request path looks no further for a domain without.
     pub(crate) fn domain(&self, domain: &str) -> Option<DomainLookup<'_>> {
-        self.domains.get(domain).map(|d| DomainLookup {
-            overrides: d,
-            hasher: &self.hasher,
-        })
+        self.domains
+            .get(domain)
+            .map(|d| DomainLookup { overrides: d })
     }
 }
 
@@ -521,7 +592,6 @@ impl OverrideSet {
 #[derive(Clone, Copy)]
 pub(crate) struct DomainLookup<'a> {
     overrides: &'a DomainOverrides,
-    hasher: &'a RandomState,
 }
 
 impl<'a> DomainLookup<'a> {
@@ -530,27 +600,23 @@ impl<'a> DomainLookup<'a> {
         &self,
         entries: &[(K, V)],
     ) -> Option<&'a InForce> {
-        let hash = hash_entries(
-            self.hasher,
-            entries.iter().map(|(k, v)| (k.as_ref(), v.as_ref())),
-        );
-        self.overrides.table.find(hash, |a| {
-            a.entries.len() == entries.len()
-                && a.entries
-                    .iter()
-                    .zip(entries)
-                    .all(|((k, v), (rk, rv))| **k == *rk.as_ref() && **v == *rv.as_ref())
-        })
+        let hash = hash_entries(entries.iter().map(|(k, v)| (k.as_ref(), v.as_ref())));
+        self.overrides.tables[bucket_of(hash)]
+            .find(hash, |a| {
+                a.entries.len() == entries.len()
+                    && a.entries
+                        .iter()
+                        .zip(entries)
+                        .all(|((k, v), (rk, rv))| **k == *rk.as_ref() && **v == *rv.as_ref())
+            })
+            .map(|a| &**a)
     }
 }
 
 /// A hash of entries, each key and value with its length (so no two lists hash as one by
 /// moving bytes between fields).
-fn hash_entries<'e>(
-    hasher: &RandomState,
-    entries: impl Iterator<Item = (&'e [u8], &'e [u8])>,
-) -> u64 {
-    let mut h = hasher.build_hasher();
+fn hash_entries<'e>(entries: impl Iterator<Item = (&'e [u8], &'e [u8])>) -> u64 {
+    let mut h = hasher().build_hasher();
     for (k, v) in entries {
         h.write_usize(k.len());
         h.write(k);
@@ -621,6 +687,60 @@ mod tests {
         }
         let big = format!(r#"{{"domain": "{}"}}"#, "x".repeat(MAX_OVERRIDE_BYTES));
         assert_eq!(req(&big).unwrap_err().field, "body");
+    }
+
+    #[test]
+    fn a_change_leaves_the_set_read_before_it_as_it_was() {
+        fn compiled(id: &str, value: &str) -> Arc<InForce> {
+            let record = OverrideRecord {
+                id: id.into(),
+                domain: "d".into(),
+                entries: vec![OverrideEntry {
+                    key: "tenant".into(),
+                    value: value.into(),
+                }],
+                limits: vec![serde_json::json!({"requests_per_unit": 3, "unit": "hour"})],
+                expires_at_ms: None,
+                reason: String::new(),
+                created_by: "ops".into(),
+                created_at_ms: 0,
+            };
+            InForce::compile(&record, CompileOptions::default()).unwrap()
+        }
+        let found = |set: &OverrideSet, value: &str| {
+            set.domain("d")
+                .and_then(|d| d.get(&[(b"tenant".as_slice(), value.as_bytes())]))
+                .map(|o| o.id.to_string())
+        };
+        let mut set = OverrideSet::default();
+        for i in 0..500 {
+            assert!(
+                set.insert(compiled(&format!("id-{i}"), &format!("t-{i}")))
+                    .is_none()
+            );
+        }
+        let read = set.clone();
+        // In place of the one of its entries; the one read before keeps the old.
+        let old = set.insert(compiled("new-7", "t-7")).unwrap();
+        assert_eq!(&*old.id, "id-7");
+        assert_eq!(found(&set, "t-7").as_deref(), Some("new-7"));
+        assert_eq!(found(&read, "t-7").as_deref(), Some("id-7"));
+        // Only the one in force for its entries is removed: not an older id of them.
+        assert!(!set.remove(&old));
+        assert!(set.remove(&compiled("id-8", "t-8")));
+        assert_eq!((set.len(), read.len()), (499, 500));
+        assert_eq!(found(&set, "t-8"), None);
+        assert_eq!(found(&read, "t-8").as_deref(), Some("id-8"));
+        for i in 0..500 {
+            let id = if i == 7 {
+                "new-7".to_owned()
+            } else {
+                format!("id-{i}")
+            };
+            set.remove(&compiled(&id, &format!("t-{i}")));
+        }
+        assert!(set.is_empty() && set.domain("d").is_none());
+        assert_eq!(read.len(), 500);
     }
 
     #[test]

@@ -2,20 +2,30 @@
 //!
 //! - With Redis, in Redis, under one hash tag (one slot on a cluster):
 //!   `<prefix>{ratelimitd-overrides}:all` (id → the override as JSON), `:slots` (domain and
-//!   entries → the id in force: one per descriptor) and `:version`, a new random value at
-//!   every change ([`new_version`]). Every replica reads `:version` each second and, when it
-//!   differs from what it last read, the whole hash: a change is applied everywhere within
+//!   entries → the id in force: one per descriptor), `:version`, a new random value at every
+//!   change ([`new_version`]), and `:log`, the latest [`LOG_LENGTH`] changes (a sorted set by
+//!   `:seq`, each member `<seq>:<version>:<id>`). Every replica asks each second, in one
+//!   script, whether `:version` differs from what it last read and, when it does, reads only
+//!   the overrides changed since the last change it read, if that change is still in the log
+//!   as it read it; else (a FLUSHALL, a failover to a replica that lags, a replica too far
+//!   behind, a change by an older build that keeps no log) the whole hash, once. So a change
+//!   costs each replica what changed, not the set in force; it is applied everywhere within
 //!   about a second, and survives any replica's restart.
 //! - On the memory backend, in this process, and in `--overrides-file` when given (written
 //!   to a temporary file and renamed over it, so a crash leaves the old file or the new).
 //!
-//! The set in force is rebuilt on every change and when an override ends (at its expiry, to
-//! the millisecond), then swapped in for the request path (`config::overrides::OverrideSet`).
-//! An override ended is removed from the store by the first replica that sees it end.
+//! The set in force is changed by one thread of its own ([`Applier`]), never a request
+//! worker: a change takes out and puts in only the overrides it touches (compiling those
+//! alone), and the set is swapped in for the request path (`config::overrides::OverrideSet`)
+//! once per batch of changes; on the memory backend the batch's file write (and its fsync) is
+//! one, however many changes it carries. A change is acknowledged once it is in force here
+//! (and written, with a file). An override ended leaves the set at its expiry (to the
+//! millisecond), and the store by the first replica that sees it end.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
@@ -23,13 +33,18 @@ use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
 use crate::config::CompileOptions;
-use crate::config::overrides::{OverrideRecord, OverrideRequest, OverrideSet};
+use crate::config::overrides::{InForce, OverrideRecord, OverrideRequest, OverrideSet};
 use crate::limiter::redis::RedisBackend;
 use crate::limiter::{BackendError, Clock, SystemClock};
 use crate::metrics::AdminMetrics;
 
 /// How often each replica asks Redis whether the overrides changed.
 const POLL: Duration = Duration::from_secs(1);
+/// Changes Redis' `:log` keeps. A replica further behind reads the whole set once; at one
+/// change each millisecond, a replica polling each second is never that far behind.
+const LOG_LENGTH: usize = 4096;
+/// Most changes the applier takes in one batch (then it swaps the set in and takes the next).
+const MAX_BATCH: usize = 1024;
 
 /// How overrides are kept and bounded.
 #[derive(Clone, Debug)]
@@ -77,7 +92,7 @@ struct File {
 
 /// Where overrides are kept.
 enum OverrideStore {
-    Memory(Option<PathBuf>),
+    Memory,
     Redis(Arc<RedisBackend>, Keys),
 }
 
@@ -86,18 +101,34 @@ struct Keys {
     all: Vec<u8>,
     slots: Vec<u8>,
     version: Vec<u8>,
+    seq: Vec<u8>,
+    log: Vec<u8>,
 }
 
 impl Keys {
     fn new(prefix: &[u8]) -> Keys {
         let base = [prefix, b"{ratelimitd-overrides}:"].concat();
+        let key = |name: &[u8]| [&base[..], name].concat();
         Keys {
-            all: [&base[..], b"all"].concat(),
-            slots: [&base[..], b"slots"].concat(),
-            version: [&base[..], b"version"].concat(),
+            all: key(b"all"),
+            slots: key(b"slots"),
+            version: key(b"version"),
+            seq: key(b"seq"),
+            log: key(b"log"),
         }
     }
 }
+
+/// Appends a change of override `id` to the log (KEYS[4] `:seq`, KEYS[5] `:log`), under the
+/// change's version `v`, and trims the log to its length (ARGV[6]).
+const LOG: &str = r"
+local function log(id, v)
+  local seq = redis.call('INCR', KEYS[4])
+  redis.call('ZADD', KEYS[5], seq, seq .. ':' .. v .. ':' .. id)
+  local n = redis.call('ZCARD', KEYS[5])
+  if n > tonumber(ARGV[6]) then redis.call('ZREMRANGEBYRANK', KEYS[5], 0, n - tonumber(ARGV[6]) - 1) end
+end
+";
 
 /// Sets an override: replaces the one of its slot (returned), unless the cap is reached.
 const SET: &str = r"
@@ -112,6 +143,8 @@ end
 redis.call('HSET', KEYS[1], ARGV[2], ARGV[3])
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
 redis.call('SET', KEYS[3], ARGV[5])
+if old then log(old, ARGV[5]) end
+log(ARGV[2], ARGV[5])
 return {1, before}
 ";
 
@@ -122,21 +155,66 @@ if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then return 0 end
 redis.call('HDEL', KEYS[1], ARGV[1])
 if redis.call('HGET', KEYS[2], ARGV[3]) == ARGV[1] then redis.call('HDEL', KEYS[2], ARGV[3]) end
 redis.call('SET', KEYS[3], ARGV[4])
+log(ARGV[1], ARGV[4])
 return 1
 ";
+
+/// What changed since the replica last read (ARGV: the `:version`, the log's last member and
+/// its score, as it last read them): `{'0'}` nothing; `{'1', version, member, score, id, json,
+/// ...}` the overrides changed since (json `''`: gone), when the member last read is still in
+/// the log as read; else `{'2', version, member, score, id, json, ...}`, every override.
+const READ: &str = r"
+local v = redis.call('GET', KEYS[3]) or ''
+if v == ARGV[1] then return {'0'} end
+local top = redis.call('ZRANGE', KEYS[2], -1, -1, 'WITHSCORES')
+local m, s = top[1] or '', top[2] or '0'
+if ARGV[2] ~= '' and m ~= '' and m ~= ARGV[2] then
+  local since = redis.call('ZRANGEBYSCORE', KEYS[2], ARGV[3], '+inf')
+  if since[1] == ARGV[2] then
+    local out, seen = {'1', v, m, s}, {}
+    for i = 2, #since do
+      local id = string.match(since[i], '^[^:]*:[^:]*:(.*)$')
+      if id and not seen[id] then
+        seen[id] = true
+        out[#out + 1] = id
+        out[#out + 1] = redis.call('HGET', KEYS[1], id) or ''
+      end
+    end
+    return out
+  end
+end
+local out = {'2', v, m, s}
+local all = redis.call('HGETALL', KEYS[1])
+for i = 1, #all do out[#out + 1] = all[i] end
+return out
+";
+
+/// What this replica last read of Redis: `:version`, and the log's last member and its score
+/// (empty: nothing read yet).
+#[derive(Default)]
+struct LastRead {
+    version: String,
+    member: String,
+    score: String,
+}
 
 /// The operator's overrides: the store, what this replica read of it, and the set in force.
 pub(crate) struct Overrides {
     store: OverrideStore,
     options: OverrideOptions,
-    /// Every override this replica knows of, by id (ended ones until removed).
-    records: Mutex<HashMap<String, OverrideRecord>>,
+    /// Every override this replica knows of, by id (ended ones until removed). Written by the
+    /// applier alone.
+    records: Arc<Mutex<HashMap<String, OverrideRecord>>>,
     /// The set the request path applies.
     applied: Arc<ArcSwap<OverrideSet>>,
-    /// Wakes the task that keeps `applied` current.
-    changed: tokio::sync::Notify,
-    /// The Redis `:version` last read (`i64::MIN`: none yet).
-    version: std::sync::atomic::AtomicI64,
+    /// Changes for the applier's thread.
+    jobs: std::sync::mpsc::Sender<Job>,
+    /// The earliest end of an override in force (ms; `u64::MAX`: none), from the applier.
+    next_end: Arc<AtomicU64>,
+    /// Wakes the task that removes ended overrides (a new earliest end).
+    woken: Arc<tokio::sync::Notify>,
+    /// What this replica last read of Redis.
+    seen: Mutex<LastRead>,
     metrics: AdminMetrics,
 }
 
@@ -147,7 +225,6 @@ fn now_ms() -> u64 {
 /// An id no other override has: 16 hex digits of a per-process random hash of the time and a
 /// count.
 fn new_id() -> String {
-    use std::sync::atomic::{AtomicU64, Ordering};
     static COUNT: AtomicU64 = AtomicU64::new(0);
     static STATE: std::sync::OnceLock<std::hash::RandomState> = std::sync::OnceLock::new();
     let state = STATE.get_or_init(std::hash::RandomState::new);
@@ -167,6 +244,240 @@ fn new_id() -> String {
 fn new_version() -> i64 {
     let hash = u64::from_str_radix(&new_id(), 16).unwrap_or_default();
     (hash >> 11).max(1) as i64
+}
+
+/// A change for the applier.
+enum Edit {
+    /// The memory store: sets the override, in place of its slot's, unless past the cap.
+    Set(OverrideRecord),
+    /// The memory store: removes the override if it is still there as read.
+    Remove(OverrideRecord),
+    /// Redis: these overrides were set (`Some`) or are gone (`None`) in the store.
+    Stored(Vec<(String, Option<OverrideRecord>)>),
+    /// Redis: every override the store holds.
+    All(HashMap<String, OverrideRecord>),
+}
+
+/// What a change did.
+#[derive(Debug)]
+enum EditDone {
+    /// Set, in place of this one.
+    Set(Option<OverrideRecord>),
+    /// Removed (false: it was not there as read).
+    Removed(bool),
+    /// Applied.
+    Applied,
+}
+
+/// A change and who waits for it to be in force.
+struct Job {
+    change: Edit,
+    reply: tokio::sync::oneshot::Sender<Result<EditDone, ChangeError>>,
+}
+
+/// The one writer of the records and of the set in force, on a thread of its own.
+struct Applier {
+    records: Arc<Mutex<HashMap<String, OverrideRecord>>>,
+    /// The memory store's file (`--overrides-file`).
+    file: Option<PathBuf>,
+    /// The memory store's slots: domain and entries → the id set there.
+    slots: HashMap<String, String>,
+    max: usize,
+    compile: CompileOptions,
+    /// The overrides in the set, by id, with their ends.
+    in_force: HashMap<String, (Arc<InForce>, Option<u64>)>,
+    /// Their ends (ms), the first first.
+    ends: BTreeSet<(u64, String)>,
+    set: OverrideSet,
+    applied: Arc<ArcSwap<OverrideSet>>,
+    next_end: Arc<AtomicU64>,
+    woken: Arc<tokio::sync::Notify>,
+    metrics: AdminMetrics,
+}
+
+impl Applier {
+    /// Takes jobs until every sender is gone, each batch of those waiting at once; takes out
+    /// what ends at its end.
+    fn run(mut self, jobs: std::sync::mpsc::Receiver<Job>) {
+        use std::sync::mpsc::RecvTimeoutError;
+        loop {
+            let wait = self
+                .ends
+                .first()
+                .map(|(end, _)| Duration::from_millis(end.saturating_sub(now_ms())));
+            let first = match wait {
+                Some(wait) => jobs.recv_timeout(wait),
+                None => jobs.recv().map_err(|_| RecvTimeoutError::Disconnected),
+            };
+            let mut batch = match first {
+                Ok(job) => vec![job],
+                Err(RecvTimeoutError::Timeout) => Vec::new(),
+                Err(RecvTimeoutError::Disconnected) => return,
+            };
+            while batch.len() < MAX_BATCH
+                && let Ok(job) = jobs.try_recv()
+            {
+                batch.push(job);
+            }
+            self.batch(batch);
+        }
+    }
+
+    /// Applies `jobs` to the records (the memory store's file written once for all), then the
+    /// set: what they touched and what has ended; swaps it in and answers each.
+    fn batch(&mut self, jobs: Vec<Job>) {
+        let now = now_ms();
+        let mut touched = Vec::new();
+        let mut answers = Vec::with_capacity(jobs.len());
+        let mut undo: Vec<(String, Option<OverrideRecord>)> = Vec::new();
+        let mut records = self.records.lock();
+        for job in &jobs {
+            let answer = match &job.change {
+                Edit::Set(record) => {
+                    let slot = record.slot();
+                    let old = self.slots.get(&slot).cloned();
+                    let live = records.values().filter(|r| !r.expired(now)).count();
+                    if old.is_none() && live >= self.max {
+                        Err(ChangeError::Full(live))
+                    } else {
+                        let before = old.and_then(|id| records.remove(&id));
+                        if let Some(b) = &before {
+                            undo.push((b.id.clone(), Some(b.clone())));
+                            touched.push(b.id.clone());
+                        }
+                        undo.push((record.id.clone(), None));
+                        records.insert(record.id.clone(), record.clone());
+                        self.slots.insert(slot, record.id.clone());
+                        touched.push(record.id.clone());
+                        Ok(EditDone::Set(before))
+                    }
+                }
+                Edit::Remove(r) => match records.remove(&r.id) {
+                    Some(was) => {
+                        let slot = was.slot();
+                        if self.slots.get(&slot) == Some(&was.id) {
+                            self.slots.remove(&slot);
+                        }
+                        undo.push((was.id.clone(), Some(was)));
+                        touched.push(r.id.clone());
+                        Ok(EditDone::Removed(true))
+                    }
+                    None => Ok(EditDone::Removed(false)),
+                },
+                Edit::Stored(changed) => {
+                    for (id, record) in changed {
+                        match record {
+                            Some(r) => records.insert(id.clone(), r.clone()),
+                            None => records.remove(id),
+                        };
+                        touched.push(id.clone());
+                    }
+                    Ok(EditDone::Applied)
+                }
+                Edit::All(all) => {
+                    touched.extend(records.keys().cloned());
+                    touched.extend(all.keys().cloned());
+                    *records = all.clone();
+                    Ok(EditDone::Applied)
+                }
+            };
+            answers.push(answer);
+        }
+        if let Some(path) = &self.file
+            && !undo.is_empty()
+        {
+            let snapshot: Vec<OverrideRecord> = records.values().cloned().collect();
+            drop(records);
+            let written = write_file(path, snapshot.iter());
+            records = self.records.lock();
+            if let Err(e) = written {
+                // Nothing of the batch was made: every record as it was, and each change
+                // that touched the store told so.
+                for (id, was) in undo.into_iter().rev() {
+                    if let Some(now) = records.remove(&id) {
+                        let slot = now.slot();
+                        if self.slots.get(&slot) == Some(&id) {
+                            self.slots.remove(&slot);
+                        }
+                    }
+                    if let Some(was) = was {
+                        self.slots.insert(was.slot(), id.clone());
+                        records.insert(id, was);
+                    }
+                }
+                for (job, answer) in jobs.iter().zip(&mut answers) {
+                    if matches!(job.change, Edit::Set(_) | Edit::Remove(_))
+                        && !matches!(answer, Ok(EditDone::Removed(false)) | Err(_))
+                    {
+                        *answer = Err(ChangeError::Store(e.clone()));
+                    }
+                }
+            }
+        }
+        while let Some((end, _)) = self.ends.first()
+            && *end <= now
+        {
+            let (_, id) = self.ends.pop_first().expect("just seen");
+            touched.push(id);
+        }
+        let wanted: Vec<(String, Option<OverrideRecord>)> = touched
+            .into_iter()
+            .map(|id| {
+                let r = records.get(&id).filter(|r| !r.expired(now)).cloned();
+                (id, r)
+            })
+            .collect();
+        drop(records);
+        let before = self.set.len();
+        let changed = wanted
+            .into_iter()
+            .fold(false, |changed, (id, r)| self.reconcile(id, r) | changed);
+        if changed || before != self.set.len() {
+            self.applied.store(Arc::new(self.set.clone()));
+            self.metrics.overrides.set(self.set.len() as i64);
+        }
+        let next = self.ends.first().map_or(u64::MAX, |(end, _)| *end);
+        if self.next_end.swap(next, Ordering::AcqRel) > next {
+            self.woken.notify_one();
+        }
+        for (job, answer) in jobs.into_iter().zip(answers) {
+            let _ = job.reply.send(answer);
+        }
+    }
+
+    /// Puts the override `id` in the set as `wanted` (`None`: out of it); whether the set
+    /// changed. An id names one override for good, so one in the set already is kept.
+    fn reconcile(&mut self, id: String, wanted: Option<OverrideRecord>) -> bool {
+        match (wanted, self.in_force.contains_key(&id)) {
+            (Some(r), false) => match InForce::compile(&r, self.compile) {
+                Ok(o) => {
+                    if let Some(end) = r.expires_at_ms {
+                        self.ends.insert((end, id.clone()));
+                    }
+                    if let Some(old) = self.set.insert(o.clone())
+                        && let Some((_, end)) = self.in_force.remove(&*old.id)
+                        && let Some(end) = end
+                    {
+                        self.ends.remove(&(end, old.id.to_string()));
+                    }
+                    self.in_force.insert(id, (o, r.expires_at_ms));
+                    true
+                }
+                Err(e) => {
+                    tracing::warn!(id = %r.id, domain = %r.domain, error = %e, "override not applied: its limits do not compile");
+                    false
+                }
+            },
+            (None, true) => {
+                let (o, end) = self.in_force.remove(&id).expect("just seen");
+                if let Some(end) = end {
+                    self.ends.remove(&(end, id));
+                }
+                self.set.remove(&o)
+            }
+            _ => false,
+        }
+    }
 }
 
 impl Overrides {
@@ -190,16 +501,67 @@ impl Overrides {
                         records.insert(r.id.clone(), r);
                     }
                 }
-                OverrideStore::Memory(options.file.clone())
+                OverrideStore::Memory
             }
         };
+        let slots = records.values().map(|r| (r.slot(), r.id.clone())).collect();
+        let touched: Vec<String> = records.keys().cloned().collect();
+        let records = Arc::new(Mutex::new(records));
+        let applied: Arc<ArcSwap<OverrideSet>> = Arc::default();
+        let next_end = Arc::new(AtomicU64::new(u64::MAX));
+        let woken = Arc::new(tokio::sync::Notify::new());
+        let mut applier = Applier {
+            records: records.clone(),
+            file: match store {
+                OverrideStore::Memory => options.file.clone(),
+                OverrideStore::Redis(..) => None,
+            },
+            slots,
+            max: options.max,
+            compile: options.compile,
+            in_force: HashMap::new(),
+            ends: BTreeSet::new(),
+            set: OverrideSet::default(),
+            applied: applied.clone(),
+            next_end: next_end.clone(),
+            woken: woken.clone(),
+            metrics: metrics.clone(),
+        };
+        // The file's overrides in force before the first request.
+        let now = now_ms();
+        let wanted: Vec<_> = {
+            let records = records.lock();
+            touched
+                .into_iter()
+                .map(|id| {
+                    let r = records.get(&id).filter(|r| !r.expired(now)).cloned();
+                    (id, r)
+                })
+                .collect()
+        };
+        for (id, r) in wanted {
+            applier.reconcile(id, r);
+        }
+        applied.store(Arc::new(applier.set.clone()));
+        metrics.overrides.set(applier.set.len() as i64);
+        next_end.store(
+            applier.ends.first().map_or(u64::MAX, |(end, _)| *end),
+            Ordering::Release,
+        );
+        let (jobs, queue) = std::sync::mpsc::channel();
+        std::thread::Builder::new()
+            .name("overrides".into())
+            .spawn(move || applier.run(queue))
+            .map_err(|e| format!("overrides: cannot start their thread: {e}"))?;
         let o = Arc::new(Overrides {
             store,
             options,
-            records: Mutex::new(records),
-            applied: Arc::default(),
-            changed: tokio::sync::Notify::new(),
-            version: std::sync::atomic::AtomicI64::new(i64::MIN),
+            records,
+            applied,
+            jobs,
+            next_end,
+            woken,
+            seen: Mutex::new(LastRead::default()),
             metrics,
         });
         if let OverrideStore::Redis(redis, keys) = &o.store
@@ -207,7 +569,6 @@ impl Overrides {
         {
             tracing::warn!(error = %e, "overrides: cannot read Redis at start; applied once it answers");
         }
-        o.apply();
         tasks.push(tokio::spawn(o.clone().run()));
         Ok(o)
     }
@@ -222,35 +583,29 @@ impl Overrides {
         self.applied.clone()
     }
 
-    /// Rebuilds the set in force from the records (each override's limits compiled again:
-    /// only when they changed, or one ended).
-    fn apply(&self) {
-        let records = self.records.lock();
-        let set = OverrideSet::build(records.values(), now_ms(), self.options.compile);
-        self.metrics.overrides.set(set.len() as i64);
-        self.applied.store(Arc::new(set));
+    /// Hands `change` to the applier; what it did, once in force here.
+    async fn change(&self, change: Edit) -> Result<EditDone, ChangeError> {
+        let (reply, done) = tokio::sync::oneshot::channel();
+        self.jobs
+            .send(Job { change, reply })
+            .map_err(|_| ChangeError::Store("the overrides' thread has ended".into()))?;
+        done.await
+            .map_err(|_| ChangeError::Store("the overrides' thread has ended".into()))?
     }
 
-    /// A change this replica made (`action`): in force here at once, its expiry taken up by
-    /// the task that keeps the set current, and counted.
-    fn changed_here(&self, action: &'static str) {
-        self.apply();
-        self.changed.notify_one();
-        self.metrics.changed(action);
-    }
-
-    /// Keeps the set in force current until the process ends (`start` spawns it): at every change, at every
-    /// expiry, and (with Redis) after every change another replica made, read each second.
-    /// Nothing is rebuilt while nothing changes.
+    /// Removes ended overrides from the store (at their ends, and with Redis at each read)
+    /// and, with Redis, reads each second what other replicas changed, until the process ends
+    /// (`start` spawns it).
     async fn run(self: Arc<Self>) {
         let mut failing = false;
-        let mut rebuild_at = next_expiry(self.records.lock().values(), now_ms());
+        // When an override ends (ms): the store is swept then.
+        let mut due = self.next_end.load(Ordering::Acquire);
         loop {
-            let mut changed = false;
+            let mut sweep = due <= now_ms();
             if let OverrideStore::Redis(redis, keys) = &self.store {
+                sweep = true;
                 match self.read_redis(redis, keys).await {
-                    Ok(read) => {
-                        changed |= read;
+                    Ok(()) => {
                         if failing {
                             tracing::info!("overrides: reading Redis again");
                         }
@@ -264,56 +619,92 @@ impl Overrides {
                     }
                 }
             }
-            changed |= self.remove_ended().await;
-            if changed || rebuild_at.is_some_and(|at| at <= now_ms()) {
-                self.apply();
+            let mut retry = false;
+            if sweep {
+                retry = !self.remove_ended().await;
             }
-            // What set and delete changed meanwhile they applied themselves; only their
-            // expiries are new here.
-            rebuild_at = next_expiry(self.records.lock().values(), now_ms());
+            due = self.next_end.load(Ordering::Acquire);
             let mut wait = match self.store {
                 OverrideStore::Redis(..) => POLL,
-                OverrideStore::Memory(_) => Duration::from_secs(3_600),
+                OverrideStore::Memory if retry => POLL,
+                OverrideStore::Memory => Duration::from_secs(3_600),
             };
-            if let Some(at) = rebuild_at {
-                wait = wait.min(Duration::from_millis(at.saturating_sub(now_ms())));
+            if retry {
+                due = due.min(now_ms() + POLL.as_millis() as u64);
+            }
+            if due != u64::MAX {
+                wait = wait.min(Duration::from_millis(due.saturating_sub(now_ms())));
             }
             tokio::select! {
                 () = tokio::time::sleep(wait) => {}
-                () = self.changed.notified() => {}
+                () = self.woken.notified() => {}
             }
         }
     }
 
-    /// Reads every override from Redis when `:version` moved since it was last read; whether
-    /// it had.
-    async fn read_redis(&self, redis: &RedisBackend, keys: &Keys) -> Result<bool, BackendError> {
-        use std::sync::atomic::Ordering;
-        let now: Option<i64> = redis.command(redis::cmd("GET").arg(&keys.version)).await?;
-        let now = now.unwrap_or(0);
-        if self.version.load(Ordering::Acquire) == now {
-            return Ok(false);
-        }
-        let all: HashMap<String, String> =
-            redis.command(redis::cmd("HGETALL").arg(&keys.all)).await?;
-        let mut records = HashMap::with_capacity(all.len());
-        for (id, json) in all {
-            match serde_json::from_str::<OverrideRecord>(&json) {
-                Ok(r) => {
-                    records.insert(id, r);
-                }
-                Err(e) => {
+    /// Reads from Redis what changed since it was last read, and has it applied.
+    async fn read_redis(&self, redis: &RedisBackend, keys: &Keys) -> Result<(), BackendError> {
+        let (version, member, score) = {
+            let seen = self.seen.lock();
+            (
+                seen.version.clone(),
+                seen.member.clone(),
+                seen.score.clone(),
+            )
+        };
+        let reply: Vec<String> = redis
+            .command(
+                redis::cmd("EVAL")
+                    .arg(READ)
+                    .arg(3)
+                    .arg(&keys.all)
+                    .arg(&keys.log)
+                    .arg(&keys.version)
+                    .arg(version)
+                    .arg(member)
+                    .arg(score),
+            )
+            .await?;
+        let [kind, version, member, score, pairs @ ..] = &reply[..] else {
+            return Ok(());
+        };
+        let record = |id: &String, json: &String| {
+            serde_json::from_str::<OverrideRecord>(json)
+                .inspect_err(|e| {
                     tracing::warn!(id = %id, error = %e, "overrides: an entry in Redis is not an override; left out")
-                }
-            }
+                })
+                .ok()
+        };
+        let change = if kind == "1" {
+            Edit::Stored(
+                pairs
+                    .chunks_exact(2)
+                    .map(|p| {
+                        let r = (!p[1].is_empty()).then(|| record(&p[0], &p[1])).flatten();
+                        (p[0].clone(), r)
+                    })
+                    .collect(),
+            )
+        } else {
+            Edit::All(
+                pairs
+                    .chunks_exact(2)
+                    .filter_map(|p| Some((p[0].clone(), record(&p[0], &p[1])?)))
+                    .collect(),
+            )
+        };
+        if self.change(change).await.is_ok() {
+            *self.seen.lock() = LastRead {
+                version: version.clone(),
+                member: member.clone(),
+                score: score.clone(),
+            };
         }
-        *self.records.lock() = records;
-        self.version.store(now, Ordering::Release);
-        Ok(true)
+        Ok(())
     }
 
-    /// Removes from the store the overrides that have ended (counted, logged); whether any
-    /// left this replica's records.
+    /// Removes from the store the overrides that have ended (counted, logged); whether every
+    /// one was.
     async fn remove_ended(&self) -> bool {
         let now = now_ms();
         let ended: Vec<OverrideRecord> = self
@@ -323,57 +714,54 @@ impl Overrides {
             .filter(|r| r.expired(now))
             .cloned()
             .collect();
-        let mut left = false;
+        let mut all = true;
         for r in ended {
             match self.remove(&r).await {
                 Ok(true) => {
-                    left = true;
                     self.metrics.changed("expire");
                     tracing::info!(id = %r.id, domain = %r.domain, entries = %entries_text(&r), limits = %limits_text(&r), "override ended; the config's limits apply again");
                 }
                 // Another replica removed it first.
-                Ok(false) => left = true,
+                Ok(false) => {}
                 Err(e) => {
+                    all = false;
                     tracing::debug!(error = %e, "overrides: an ended override not removed yet")
                 }
             }
         }
-        left
+        all
     }
 
-    /// Removes `r` from the store if it is still there as read. Whether it was.
+    /// Removes `r` from the store if it is still there as read, and from the set here.
+    /// Whether it was there.
     async fn remove(&self, r: &OverrideRecord) -> Result<bool, ChangeError> {
         match &self.store {
-            OverrideStore::Memory(file) => {
-                let mut records = self.records.lock();
-                if records.remove(&r.id).is_none() {
-                    return Ok(false);
-                }
-                if let Some(path) = file
-                    && let Err(e) = write_file(path, records.values())
-                {
-                    records.insert(r.id.clone(), r.clone());
-                    return Err(ChangeError::Store(e));
-                }
-                Ok(true)
-            }
+            OverrideStore::Memory => match self.change(Edit::Remove(r.clone())).await? {
+                EditDone::Removed(done) => Ok(done),
+                other => unreachable!("a removal answered {other:?}"),
+            },
             OverrideStore::Redis(redis, keys) => {
                 let json = serde_json::to_string(r).unwrap_or_default();
                 let done: i64 = redis
                     .command(
                         redis::cmd("EVAL")
-                            .arg(DELETE)
-                            .arg(3)
+                            .arg([LOG, DELETE].concat())
+                            .arg(5)
                             .arg(&keys.all)
                             .arg(&keys.slots)
                             .arg(&keys.version)
+                            .arg(&keys.seq)
+                            .arg(&keys.log)
                             .arg(&r.id)
                             .arg(json)
                             .arg(r.slot())
-                            .arg(new_version()),
+                            .arg(new_version())
+                            .arg("")
+                            .arg(LOG_LENGTH),
                     )
                     .await?;
-                self.records.lock().remove(&r.id);
+                self.change(Edit::Stored(vec![(r.id.clone(), None)]))
+                    .await?;
                 Ok(done == 1)
             }
         }
@@ -399,62 +787,46 @@ impl Overrides {
             created_by: by.to_owned(),
             created_at_ms: now,
         };
-        let slot = record.slot();
         let before = match &self.store {
-            OverrideStore::Memory(file) => {
-                let mut records = self.records.lock();
-                let old = records
-                    .values()
-                    .find(|r| r.slot() == slot)
-                    .map(|r| r.id.clone());
-                let live = records.values().filter(|r| !r.expired(now)).count();
-                if old.is_none() && live >= self.options.max {
-                    return Err(ChangeError::Full(live));
-                }
-                let before = old.and_then(|id| records.remove(&id));
-                records.insert(record.id.clone(), record.clone());
-                if let Some(path) = file
-                    && let Err(e) = write_file(path, records.values())
-                {
-                    records.remove(&record.id);
-                    if let Some(b) = &before {
-                        records.insert(b.id.clone(), b.clone());
-                    }
-                    return Err(ChangeError::Store(e));
-                }
-                before
-            }
+            OverrideStore::Memory => match self.change(Edit::Set(record.clone())).await? {
+                EditDone::Set(before) => before,
+                other => unreachable!("a set answered {other:?}"),
+            },
             OverrideStore::Redis(redis, keys) => {
                 let json = serde_json::to_string(&record)
                     .map_err(|e| ChangeError::Store(e.to_string()))?;
                 let (done, before): (i64, String) = redis
                     .command(
                         redis::cmd("EVAL")
-                            .arg(SET)
-                            .arg(3)
+                            .arg([LOG, SET].concat())
+                            .arg(5)
                             .arg(&keys.all)
                             .arg(&keys.slots)
                             .arg(&keys.version)
-                            .arg(&slot)
+                            .arg(&keys.seq)
+                            .arg(&keys.log)
+                            .arg(record.slot())
                             .arg(&record.id)
                             .arg(json)
                             .arg(self.options.max)
-                            .arg(new_version()),
+                            .arg(new_version())
+                            .arg(LOG_LENGTH),
                     )
                     .await?;
                 if done == 0 {
                     return Err(ChangeError::Full(self.options.max));
                 }
                 let before: Option<OverrideRecord> = serde_json::from_str(&before).ok();
-                let mut records = self.records.lock();
+                let mut changed = Vec::with_capacity(2);
                 if let Some(b) = &before {
-                    records.remove(&b.id);
+                    changed.push((b.id.clone(), None));
                 }
-                records.insert(record.id.clone(), record.clone());
+                changed.push((record.id.clone(), Some(record.clone())));
+                self.change(Edit::Stored(changed)).await?;
                 before
             }
         };
-        self.changed_here("set");
+        self.metrics.changed("set");
         tracing::info!(
             by = %by,
             id = %record.id,
@@ -477,7 +849,7 @@ impl Overrides {
     ) -> Result<Vec<OverrideRecord>, ChangeError> {
         let now = now_ms();
         let mut all: Vec<OverrideRecord> = match &self.store {
-            OverrideStore::Memory(_) => self.records.lock().values().cloned().collect(),
+            OverrideStore::Memory => self.records.lock().values().cloned().collect(),
             OverrideStore::Redis(redis, keys) => {
                 let all: HashMap<String, String> =
                     redis.command(redis::cmd("HGETALL").arg(&keys.all)).await?;
@@ -498,7 +870,7 @@ impl Overrides {
         by: &str,
     ) -> Result<Option<OverrideRecord>, ChangeError> {
         let record = match &self.store {
-            OverrideStore::Memory(_) => self.records.lock().get(id).cloned(),
+            OverrideStore::Memory => self.records.lock().get(id).cloned(),
             OverrideStore::Redis(redis, keys) => {
                 let json: Option<String> = redis
                     .command(redis::cmd("HGET").arg(&keys.all).arg(id))
@@ -512,7 +884,7 @@ impl Overrides {
         if !self.remove(&record).await? {
             return Ok(None);
         }
-        self.changed_here("delete");
+        self.metrics.changed("delete");
         tracing::info!(
             by = %by,
             id = %record.id,
@@ -524,14 +896,6 @@ impl Overrides {
         );
         Ok(Some(record))
     }
-}
-
-/// The earliest expiry of `records` after `now`.
-fn next_expiry<'a>(records: impl Iterator<Item = &'a OverrideRecord>, now: u64) -> Option<u64> {
-    records
-        .filter_map(|r| r.expires_at_ms)
-        .filter(|at| *at > now)
-        .min()
 }
 
 /// `key=value,...` of an override, for its log lines.
