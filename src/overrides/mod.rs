@@ -336,9 +336,10 @@ impl Applier {
                 Edit::Set(record) => {
                     let slot = record.slot();
                     let old = self.slots.get(&slot).cloned();
-                    let live = records.values().filter(|r| !r.expired(now)).count();
-                    if old.is_none() && live >= self.max {
-                        Err(ChangeError::Full(live))
+                    // Ended ones not removed yet do not count (counted only near the cap).
+                    let live = || records.values().filter(|r| !r.expired(now)).count();
+                    if old.is_none() && records.len() >= self.max && live() >= self.max {
+                        Err(ChangeError::Full(live()))
                     } else {
                         let before = old.and_then(|id| records.remove(&id));
                         if let Some(b) = &before {
