@@ -344,7 +344,8 @@ pub(super) fn read_file(path: &Path) -> Result<Vec<OverrideRecord>, String> {
     }
 }
 
-/// Writes `records` to `path`: to a temporary file beside it, synced, then renamed over it.
+/// Writes `records` to `path`: to a temporary file beside it, synced, then renamed over it,
+/// and the directory synced so that the rename outlives a power cut too.
 fn write_file<'a>(
     path: &Path,
     records: impl Iterator<Item = &'a OverrideRecord>,
@@ -363,6 +364,15 @@ fn write_file<'a>(
     if let Err(e) = written {
         let _ = std::fs::remove_file(&tmp);
         return Err(format!("{}: {e}", path.display()));
+    }
+    // The file already holds the new set: a directory that cannot be synced is said, not
+    // undone (the set in force must stay what the file holds).
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    if let Err(e) = std::fs::File::open(dir).and_then(|d| d.sync_all()) {
+        tracing::warn!(dir = %dir.display(), error = %e, "--overrides-file: its directory could not be synced; the last change may not outlive a power cut");
     }
     Ok(())
 }
