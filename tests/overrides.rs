@@ -37,6 +37,31 @@ async fn admin_server(kind: Kind, file: &std::path::Path, extra: &[&str]) -> Tes
     start(kind, &[("d.yaml", LIMITS)], &flags).await
 }
 
+/// A replica on the Redis at `url` (its keys under `prefix`, when given) with the admin
+/// listener and the tokens of `file`, on the system clock.
+async fn replica(url: &str, prefix: Option<&str>, file: &std::path::Path) -> TestServer {
+    let file = file.display().to_string();
+    let mut flags = vec![
+        "--backend",
+        "redis",
+        "--redis-url",
+        url,
+        "--admin-addr",
+        "127.0.0.1:0",
+        "--admin-token-file",
+        &file,
+    ];
+    if let Some(prefix) = prefix {
+        flags.extend(["--redis-key-prefix", prefix]);
+    }
+    TestServer::start_with(
+        &[("d.yaml", LIMITS)],
+        &flags,
+        std::sync::Arc::new(ratelimitd::testing::SystemClock),
+    )
+    .await
+}
+
 fn bearer(token: &str) -> String {
     format!("Bearer {token}")
 }
@@ -519,31 +544,8 @@ async fn replicas_on_redis_apply_an_override_within_two_seconds() {
     let (_dir, file) = tokens();
     let url = common::redis::shared_standalone().url();
     let prefix = common::redis::unique_prefix();
-    let token_file = file.display().to_string();
-    let flags = [
-        "--backend",
-        "redis",
-        "--redis-url",
-        &url,
-        "--redis-key-prefix",
-        &prefix,
-        "--admin-addr",
-        "127.0.0.1:0",
-        "--admin-token-file",
-        &token_file,
-    ];
-    let a = TestServer::start_with(
-        &[("d.yaml", LIMITS)],
-        &flags,
-        std::sync::Arc::new(ratelimitd::testing::SystemClock),
-    )
-    .await;
-    let b = TestServer::start_with(
-        &[("d.yaml", LIMITS)],
-        &flags,
-        std::sync::Arc::new(ratelimitd::testing::SystemClock),
-    )
-    .await;
+    let a = replica(&url, Some(&prefix), &file).await;
+    let b = replica(&url, Some(&prefix), &file).await;
     let mut on_b = b.client().await;
     assert!(passes(&mut on_b, "acme").await);
     let set_at = Instant::now();
@@ -562,12 +564,7 @@ async fn replicas_on_redis_apply_an_override_within_two_seconds() {
     // Listed by either; a replica started now applies it at once.
     assert_eq!(list(&b).await.len(), 1);
     drop(b);
-    let c = TestServer::start_with(
-        &[("d.yaml", LIMITS)],
-        &flags,
-        std::sync::Arc::new(ratelimitd::testing::SystemClock),
-    )
-    .await;
+    let c = replica(&url, Some(&prefix), &file).await;
     let mut on_c = c.client().await;
     assert!(!passes(&mut on_c, "acme").await, "a new replica applies it");
     assert!(passes(&mut on_c, "other").await);
@@ -583,20 +580,8 @@ async fn replicas_converge_after_redis_loses_or_rolls_back_overrides() {
     let (_dir, file) = tokens();
     let mut redis = common::redis::RedisProc::start(&[]);
     let url = redis.url();
-    let token_file = file.display().to_string();
-    let flags = [
-        "--backend",
-        "redis",
-        "--redis-url",
-        &url,
-        "--admin-addr",
-        "127.0.0.1:0",
-        "--admin-token-file",
-        &token_file,
-    ];
-    let clock = || std::sync::Arc::new(ratelimitd::testing::SystemClock);
-    let a = TestServer::start_with(&[("d.yaml", LIMITS)], &flags, clock()).await;
-    let b = TestServer::start_with(&[("d.yaml", LIMITS)], &flags, clock()).await;
+    let a = replica(&url, None, &file).await;
+    let b = replica(&url, None, &file).await;
     let on_b = b.client().await;
     // Which of `tenants` b lets through, once it does as `want` says (5 s at most).
     let b_sees = |want: &'static [(&'static str, bool)]| {
@@ -659,20 +644,8 @@ async fn a_change_costs_each_replica_what_changed_not_the_set() {
     let (_dir, file) = tokens();
     let redis = common::redis::RedisProc::start(&[]);
     let url = redis.url();
-    let token_file = file.display().to_string();
-    let flags = [
-        "--backend",
-        "redis",
-        "--redis-url",
-        &url,
-        "--admin-addr",
-        "127.0.0.1:0",
-        "--admin-token-file",
-        &token_file,
-    ];
-    let clock = || std::sync::Arc::new(ratelimitd::testing::SystemClock);
-    let a = TestServer::start_with(&[("d.yaml", LIMITS)], &flags, clock()).await;
-    let b = TestServer::start_with(&[("d.yaml", LIMITS)], &flags, clock()).await;
+    let a = replica(&url, None, &file).await;
+    let b = replica(&url, None, &file).await;
     let sent = || {
         let info = redis.cli(&["INFO", "stats"]);
         info.lines()
@@ -884,7 +857,7 @@ async fn acknowledged_changes_survive_a_kill_mid_storm() {
         // Killed once some have landed, while the callers keep calling.
         let since = acknowledged.len();
         poll(Duration::from_secs(10), || async {
-            let (_, text) = d_metrics(d.http).await;
+            let (_, text) = http_call(d.http, "GET", "/metrics", &[], b"").await;
             (metric(&text, "ratelimit_overrides") >= (since + 100) as f64).then_some(())
         })
         .await;
@@ -896,11 +869,6 @@ async fn acknowledged_changes_survive_a_kill_mid_storm() {
         assert!(acknowledged.len() >= before + 50, "round {round}");
     }
     println!("{} PUTs acknowledged over three kills", acknowledged.len());
-}
-
-/// `GET /metrics` of the daemon whose HTTP port is `http`.
-async fn d_metrics(http: std::net::SocketAddr) -> (u16, String) {
-    http_call(http, "GET", "/metrics", &[], b"").await
 }
 
 /// The admin listener does not start without tokens: a usage error naming the flags.

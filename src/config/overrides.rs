@@ -689,23 +689,27 @@ mod tests {
         assert_eq!(req(&big).unwrap_err().field, "body");
     }
 
+    /// An override of domain `d` for `tenant=value`: 3 an hour.
+    fn record(id: &str, value: &str, expires_at_ms: Option<u64>) -> OverrideRecord {
+        OverrideRecord {
+            id: id.into(),
+            domain: "d".into(),
+            entries: vec![OverrideEntry {
+                key: "tenant".into(),
+                value: value.into(),
+            }],
+            limits: vec![serde_json::json!({"requests_per_unit": 3, "unit": "hour"})],
+            expires_at_ms,
+            reason: String::new(),
+            created_by: "ops".into(),
+            created_at_ms: 0,
+        }
+    }
+
     #[test]
     fn a_change_leaves_the_set_read_before_it_as_it_was() {
         fn compiled(id: &str, value: &str) -> Arc<InForce> {
-            let record = OverrideRecord {
-                id: id.into(),
-                domain: "d".into(),
-                entries: vec![OverrideEntry {
-                    key: "tenant".into(),
-                    value: value.into(),
-                }],
-                limits: vec![serde_json::json!({"requests_per_unit": 3, "unit": "hour"})],
-                expires_at_ms: None,
-                reason: String::new(),
-                created_by: "ops".into(),
-                created_at_ms: 0,
-            };
-            InForce::compile(&record, CompileOptions::default()).unwrap()
+            InForce::compile(&record(id, value, None), CompileOptions::default()).unwrap()
         }
         let found = |set: &OverrideSet, value: &str| {
             set.domain("d")
@@ -745,19 +749,6 @@ mod tests {
 
     #[test]
     fn the_set_finds_exact_entries_only_and_leaves_ended_ones_out() {
-        let record = |id: &str, value: &str, expires_at_ms| OverrideRecord {
-            id: id.into(),
-            domain: "d".into(),
-            entries: vec![OverrideEntry {
-                key: "tenant".into(),
-                value: value.into(),
-            }],
-            limits: vec![serde_json::json!({"requests_per_unit": 3, "unit": "hour"})],
-            expires_at_ms,
-            reason: String::new(),
-            created_by: "ops".into(),
-            created_at_ms: 0,
-        };
         let records = [record("a", "acme", None), record("b", "old", Some(1_000))];
         let set = OverrideSet::build(&records, 2_000, CompileOptions::default());
         assert_eq!(set.len(), 1);
