@@ -2,7 +2,11 @@
 //! One registry per server instance, so tests can run several servers in one process.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
 use prometheus_client::metrics::counter::Counter;
@@ -506,8 +510,14 @@ impl DecisionMetrics {
         self.drop_series(gone);
     }
 
-    /// `/metrics` was scraped: the series of rules gone from the config that two scrapes have
-    /// now seen are dropped.
+    /// How long a removed rule's series stay (`--removed-series-grace`).
+    pub fn set_removed_series_grace(&self, grace: Duration) {
+        let ms = u64::try_from(grace.as_millis()).unwrap_or(u64::MAX);
+        self.series.grace_ms.store(ms, Ordering::Relaxed);
+    }
+
+    /// `/metrics` was scraped: the series of rules gone from the config for longer than the
+    /// grace are dropped.
     pub fn scraped(&self) {
         let gone = self.series.scraped();
         self.drop_series(gone);
@@ -575,20 +585,34 @@ impl DecisionMetrics {
     }
 }
 
-/// How many scrapes of `/metrics` see a removed rule's series before they are dropped, and how
-/// many configs may come in force after the one that removed it: the grace in which its last
-/// increase is seen.
-const SERIES_GRACE: u32 = 2;
+/// How many configs may come in force after the one that removed a rule before its series are
+/// dropped, whatever the time: what bounds the series kept through a burst of reloads.
+const SERIES_GRACE_CONFIGS: u32 = 2;
+/// `--removed-series-grace`'s default.
+const SERIES_GRACE: Duration = Duration::from_secs(600);
 
 /// The per-rule series made so far, by the config rule (domain and path) they belong to. A
 /// rule's series are noted when each is made (once per rule and config for the families a
 /// rule's handles hold, on a family miss otherwise), so that once the rule has left the config
-/// they can be dropped: at the second scrape after it left, or when the second config after
-/// the one that removed it comes in force, whichever is first. So the per-rule series are at
-/// most those of the rules of the config in force and of the two before it, whatever the
-/// reload history.
-#[derive(Default)]
-pub(crate) struct RuleSeries(std::sync::Mutex<SeriesByRule>);
+/// they can be dropped: at the first scrape or config change once the grace has passed since it
+/// left (time, not scrapes: any number of scrapers see its last increase), or when the second
+/// config after the one that removed it comes in force, whichever is first. So the per-rule
+/// series are at most those of the rules of the config in force and of the two before it,
+/// whatever the reload history.
+pub(crate) struct RuleSeries {
+    rules: std::sync::Mutex<SeriesByRule>,
+    /// The grace, in milliseconds.
+    grace_ms: AtomicU64,
+}
+
+impl Default for RuleSeries {
+    fn default() -> Self {
+        RuleSeries {
+            rules: Default::default(),
+            grace_ms: AtomicU64::new(SERIES_GRACE.as_millis() as u64),
+        }
+    }
+}
 
 /// Each rule's series, by (domain, config path).
 type SeriesByRule = HashMap<(Arc<String>, Arc<String>), Series>;
@@ -600,8 +624,9 @@ struct Series {
     labels: HashSet<Arc<String>>,
     /// Its limits' labels in the `ratelimit_rule_*` families.
     limits: HashSet<Arc<String>>,
-    /// Since the rule left the config: the configs come in force, the scrapes.
-    gone: Option<(u32, u32)>,
+    /// Since the rule left the config: the configs come in force after the one that removed
+    /// it, and when it left.
+    gone: Option<(u32, Instant)>,
 }
 
 /// A rule's series to drop.
@@ -614,7 +639,11 @@ struct Gone {
 
 impl RuleSeries {
     fn lock(&self) -> std::sync::MutexGuard<'_, SeriesByRule> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner())
+        self.rules.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn grace(&self) -> Duration {
+        Duration::from_millis(self.grace_ms.load(Ordering::Relaxed))
     }
 
     /// Notes a series of rule `path` in `domain`: one labelled `label`, or of limit `limit`.
@@ -639,32 +668,30 @@ impl RuleSeries {
     /// Marks the rules `in_force` does not hold as gone (counting this config for those gone
     /// already), clears the mark of those back in force; returns those past their grace.
     fn config_changed(&self, in_force: impl Fn(&str, &str) -> bool) -> Vec<Gone> {
+        let grace = self.grace();
         let mut rules = self.lock();
+        let now = Instant::now();
         for ((domain, path), series) in rules.iter_mut() {
             series.gone = match (in_force(domain, path), series.gone) {
                 (true, _) => None,
-                (false, None) => Some((0, 0)),
-                (false, Some((configs, scrapes))) => Some((configs + 1, scrapes)),
+                (false, None) => Some((0, now)),
+                (false, Some((configs, since))) => Some((configs + 1, since)),
             };
         }
-        Self::take_past_grace(&mut rules)
+        Self::take_past_grace(&mut rules, grace)
     }
 
-    /// Counts a scrape for the rules gone; returns those past their grace.
+    /// At a scrape: returns the rules gone past their grace.
     fn scraped(&self) -> Vec<Gone> {
+        let grace = self.grace();
         let mut rules = self.lock();
-        for series in rules.values_mut() {
-            if let Some((_, scrapes)) = &mut series.gone {
-                *scrapes += 1;
-            }
-        }
-        Self::take_past_grace(&mut rules)
+        Self::take_past_grace(&mut rules, grace)
     }
 
-    fn take_past_grace(rules: &mut SeriesByRule) -> Vec<Gone> {
+    fn take_past_grace(rules: &mut SeriesByRule, grace: Duration) -> Vec<Gone> {
         let past = |s: &Series| {
-            s.gone.is_some_and(|(configs, scrapes)| {
-                configs >= SERIES_GRACE || scrapes >= SERIES_GRACE
+            s.gone.is_some_and(|(configs, since)| {
+                configs >= SERIES_GRACE_CONFIGS || since.elapsed() >= grace
             })
         };
         let keys: Vec<_> = rules
@@ -786,6 +813,15 @@ pub struct LoadLabels {
 pub struct ErrorLabels {
     /// The gRPC status code name (invalid_argument, unavailable, …).
     pub code: String,
+}
+
+/// Labels of `ratelimit_grpc_resets_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResetLabels {
+    /// rst_stream (one call) or goaway (every call of a connection).
+    pub frame: &'static str,
+    /// The HTTP/2 error code's name: protocol_error, refused_stream, …
+    pub code: &'static str,
 }
 
 /// Labels of `ratelimit_backend_errors_total`.
@@ -972,6 +1008,9 @@ pub struct Metrics {
     pub grpc_errors: Family<ErrorLabels, Counter>,
     /// `ratelimit_requests_in_flight`: ShouldRateLimit calls being handled now.
     pub in_flight: Gauge,
+    /// `ratelimit_grpc_resets_total{frame,code}`: streams and connections the gRPC port
+    /// ended with an error, before the service saw or answered their calls.
+    pub grpc_resets: Family<ResetLabels, Counter>,
     /// What the backends record.
     pub backend: BackendMetrics,
     /// The memory backend's bytes and evictions.
@@ -1270,6 +1309,12 @@ impl Metrics {
             "ShouldRateLimit calls answered with a gRPC error, by code",
             grpc_errors.clone(),
         );
+        let grpc_resets = Family::<ResetLabels, Counter>::default();
+        registry.register(
+            "ratelimit_grpc_resets",
+            "HTTP/2 streams (rst_stream) and connections (goaway) the gRPC port ended with an error, by code, before the service answered their calls: Envoy lets each such call's request through. A header block over --grpc-max-header-bytes ends with protocol_error, a stream past 1024 on a connection with refused_stream",
+            grpc_resets.clone(),
+        );
         let backend = BackendMetrics::default();
         backend.register(&mut registry);
         let in_flight = Gauge::default();
@@ -1308,6 +1353,7 @@ impl Metrics {
             statsd_lines_lost,
             request_duration,
             grpc_errors,
+            grpc_resets,
         }
     }
 

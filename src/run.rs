@@ -98,6 +98,9 @@ pub async fn run_with_clock(
         options.reference_metrics,
         options.statsd.is_some(),
     ));
+    metrics
+        .decisions
+        .set_removed_series_grace(options.removed_series_grace);
     let mut tasks = Tasks::default();
     let (health, health_service) = tonic_health::server::health_reporter();
     let source = source::start(&options.source, &metrics, &mut tasks)?;

@@ -712,3 +712,94 @@ async fn streams_reset_before_they_are_taken_are_bounded_per_connection() {
     );
     victim_is_served(&d).await;
 }
+
+/// An HPACK string of plain bytes (no Huffman), its length as a 7-bit-prefix integer.
+fn hpack_string(s: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    let mut n = s.len();
+    if n < 127 {
+        out.push(n as u8);
+    } else {
+        out.push(127);
+        n -= 127;
+        while n >= 128 {
+            out.push((n % 128) as u8 | 0x80);
+            n /= 128;
+        }
+        out.push(n as u8);
+    }
+    out.extend_from_slice(s);
+    out
+}
+
+/// `block` sent as one HEADERS and as many CONTINUATION frames as HTTP/2's default frame
+/// size needs, on `stream`.
+fn header_frames(stream: u32, block: &[u8]) -> Vec<u8> {
+    let chunks: Vec<&[u8]> = block.chunks(16 << 10).collect();
+    let mut out = Vec::new();
+    for (i, chunk) in chunks.iter().enumerate() {
+        let last = if i + 1 == chunks.len() { 4 } else { 0 }; // END_HEADERS
+        let kind = if i == 0 { 1 } else { 9 };
+        out.extend(frame(kind, last, stream, chunk));
+    }
+    out
+}
+
+/// With tracing on, Envoy copies a client's W3C `tracestate` into its call, up to its own
+/// 60 KiB header limit: such a call is decided (it was refused by HTTP/2 past 16 KiB before,
+/// and Envoy let the request through unseen). A header block over `--grpc-max-header-bytes`
+/// is still refused by HTTP/2, and now counted (`ratelimit_grpc_resets_total`), so an
+/// operator sees calls Envoy fails open.
+#[tokio::test]
+async fn a_traced_call_is_decided_and_a_header_block_past_the_bound_is_counted() {
+    let (d, _dir) = daemon(&["--grpc-max-header-bytes", "64KiB"]).await;
+    let tracestate = format!("vendor={}", "a".repeat(40_000));
+    let mut c = d.client().await;
+    let mut req = tonic::Request::new(request("d", &[&[("k", "traced")]]));
+    req.metadata_mut()
+        .insert("tracestate", tracestate.parse().unwrap());
+    let answer = c
+        .should_rate_limit(req)
+        .await
+        .expect("decided")
+        .into_inner();
+    assert!(is_ok(&answer), "{answer:?}");
+
+    let resets = "ratelimit_grpc_resets_total{frame=\"rst_stream\",code=\"protocol_error\"}";
+    let (_, text) = http_get(d.http, "/metrics").await;
+    assert_eq!(metric(&text, resets), 0.0, "{text}");
+    // 80 KB of tracestate, as an Envoy whose max_request_headers_kb was raised could send.
+    let mut socket = h2_connection(d.grpc).await;
+    let mut block = headers(&CALL);
+    block.push(0);
+    block.extend(hpack_string(b"tracestate"));
+    block.extend(hpack_string(
+        format!("vendor={}", "b".repeat(80_000)).as_bytes(),
+    ));
+    let mut call = header_frames(1, &block);
+    call.extend(frame(
+        0,
+        1,
+        1,
+        &grpc_message(&request("d", &[&[("k", "big")]]).encode_to_vec()),
+    ));
+    assert!(send(&mut socket, &call).await);
+    let refused = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            match next_frame(&mut socket).await {
+                Some((3, _, 1, code)) => return code,
+                Some(_) => {}
+                None => panic!("closed without resetting the stream"),
+            }
+        }
+    })
+    .await
+    .expect("the stream is reset");
+    assert_eq!(refused, vec![0, 0, 0, 1], "PROTOCOL_ERROR");
+    poll(Duration::from_secs(10), || async {
+        let (_, text) = http_get(d.http, "/metrics").await;
+        (metric(&text, resets) == 1.0).then_some(())
+    })
+    .await;
+    victim_is_served(&d).await;
+}

@@ -888,6 +888,63 @@ async fn what_a_429_tells_a_client_is_true(kind: Kind, version: &'static str) {
     assert_never_failed(&envoy).await;
 }
 
+/// A descriptor over two limits at once is told the reset of the one that ends last: with
+/// `[2/second, 2 per 5 s]` spent, a 429 said `x-ratelimit-reset: 1` (the first in config
+/// order), and a client that waited that second was refused again. Through
+/// examples/envoy/envoy.yaml with Envoy 1.40's `enable_retry_after_header` (1.38 has no
+/// `Retry-After`), from the start of a 5-second window: told 5 s, and admitted after 5 s.
+async fn a_client_told_when_to_retry_is_admitted_then(kind: Kind, version: &'static str) {
+    let limits = "domain: waits\ndescriptors:\n  - key: api_key\n    rate_limits:\n      - {name: per_second, unit: second, requests_per_unit: 2}\n      - {name: per_5s, unit: second, unit_multiplier: 5, requests_per_unit: 2}\n";
+    let rls = start(kind, &[("waits.yaml", limits)], &[]).await;
+    let up = Upstream::start().await;
+    let edge = std::fs::read_to_string(envoy::root().join("examples/envoy/envoy.yaml")).unwrap();
+    let mut bootstrap = edge.replace("domain: edge", "domain: waits");
+    if !version.starts_with("1.38") {
+        bootstrap = bootstrap.replace(
+            "enable_x_ratelimit_headers: DRAFT_VERSION_03\n",
+            "enable_x_ratelimit_headers: DRAFT_VERSION_03\n                      enable_retry_after_header: true\n",
+        );
+        assert!(bootstrap.contains("enable_retry_after_header"));
+    }
+    let envoy = Envoy::start(version, &bootstrap, up.port, rls.grpc.port()).await;
+    let key = [("x-api-key", "k")];
+    // Just after a 5-second window began (windows are aligned to the Unix epoch), so that
+    // its reset is far from the second's.
+    use ratelimitd::testing::{Clock, SystemClock};
+    let into = Duration::from_micros(SystemClock.now_us() % 5_000_000);
+    tokio::time::sleep(Duration::from_secs(5) - into + Duration::from_millis(50)).await;
+    let (mut admitted, mut refused) = (0, None);
+    while refused.is_none() {
+        let a = get(envoy.http, "/w", &key).await;
+        match a.status {
+            200 => admitted += 1,
+            429 => refused = Some((a, Instant::now())),
+            s => panic!("status {s}: {a:?}"),
+        }
+        assert!(admitted <= 2, "Envoy {version}: {admitted} admitted");
+    }
+    let (a, told) = refused.unwrap();
+    let reset: u64 = a.header("x-ratelimit-reset").unwrap().parse().unwrap();
+    assert!(
+        (4..=5).contains(&reset),
+        "Envoy {version}: told {reset} s, the 5-second window's reset is 4-5 s: {a:?}"
+    );
+    if !version.starts_with("1.38") {
+        assert_eq!(
+            a.header("retry-after"),
+            Some(reset.to_string().as_str()),
+            "{a:?}"
+        );
+    }
+    tokio::time::sleep_until(told + Duration::from_secs(reset)).await;
+    let again = get(envoy.http, "/w", &key).await;
+    assert_eq!(
+        again.status, 200,
+        "Envoy {version}: refused after waiting the {reset} s it was told: {again:?}"
+    );
+    assert_never_failed(&envoy).await;
+}
+
 /// examples/envoy/rlqs.yaml on a pool far above use (10^9 a second), restarted as a rolling
 /// restart does: the first Envoy is killed while its grant is held (its lease runs 21 s), and
 /// the Envoy that replaces it is admitted from its first assignment, since no grant holds more
@@ -1020,8 +1077,66 @@ in_envoy!(
     a_restarted_envoy_is_admitted_from_its_first_assignment,
     envoy_gateway_renderings_decide_as_the_reference,
     what_a_429_tells_a_client_is_true,
+    a_client_told_when_to_retry_is_admitted_then,
     the_network_filter_example_limits_connections,
 );
+
+/// examples/envoy/envoy.yaml with tracing on its HTTP connection manager (OpenTelemetry, as
+/// Istio and Envoy Gateway configure it): Envoy copies each client's W3C `tracestate` into
+/// its call to ratelimitd. A 40 KB one (Envoy's own header limit is 60 KiB) made the call's
+/// header block pass the gRPC port's 16 KiB, HTTP/2 refused it, and Envoy let all 15 requests
+/// through against 10 a second; now every call is decided.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_traced_request_with_a_40_kb_tracestate_is_decided() {
+    let edge = std::fs::read_to_string(envoy::root().join("examples/envoy/envoy.yaml")).unwrap();
+    let collector = common::redis::free_port(); // nothing listens: spans are lost, not calls
+    let traced = edge
+        .replacen(
+            "                stat_prefix: ingress\n",
+            "                stat_prefix: ingress\n                tracing:\n                  provider:\n                    name: envoy.tracers.opentelemetry\n                    typed_config:\n                      \"@type\": type.googleapis.com/envoy.config.trace.v3.OpenTelemetryConfig\n                      grpc_service: { envoy_grpc: { cluster_name: otel } }\n                      service_name: edge\n",
+            1,
+        )
+        .replacen(
+            "  clusters:\n",
+            &format!("  clusters:\n    - name: otel\n      type: STATIC\n      typed_extension_protocol_options:\n        envoy.extensions.upstreams.http.v3.HttpProtocolOptions:\n          \"@type\": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions\n          explicit_http_config: {{ http2_protocol_options: {{}} }}\n      load_assignment:\n        cluster_name: otel\n        endpoints: [{{ lb_endpoints: [{{ endpoint: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {collector} }} }} }} }}] }}]\n"),
+            1,
+        );
+    assert!(traced.contains("opentelemetry") && traced.contains("name: otel"));
+    let tracestate = format!("vendor={}", "t".repeat(40_000));
+    let traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    for version in envoy::versions() {
+        let rls = ratelimitd(Kind::Memory, &[]).await;
+        let up = Upstream::start().await;
+        let envoy = Envoy::start(version, &traced, up.port, rls.grpc.port()).await;
+        let (mut admitted, mut refused) = (0u64, 0u64);
+        for i in 0..15 {
+            let a = get(
+                envoy.http,
+                &format!("/traced/{i}"),
+                &[("traceparent", traceparent), ("tracestate", &tracestate)],
+            )
+            .await;
+            match a.status {
+                200 => admitted += 1,
+                429 => refused += 1,
+                s => panic!("Envoy {version}: status {s}: {a:?}"),
+            }
+        }
+        assert!(
+            refused >= 1,
+            "Envoy {version}: 15 traced requests, none refused"
+        );
+        assert_decided(&envoy, admitted, refused).await;
+        let (_, metrics) = rls.http_get("/metrics").await;
+        assert_eq!(
+            metric(
+                &metrics,
+                "ratelimit_grpc_resets_total{frame=\"rst_stream\",code=\"protocol_error\"}"
+            ),
+            0.0
+        );
+    }
+}
 
 /// What each example makes Envoy send, recorded by a stand-in rate-limit service (which
 /// answers OVER_LIMIT to a descriptor entry `deny`) and checked against what

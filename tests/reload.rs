@@ -317,6 +317,65 @@ async fn the_default_algorithm_holds_across_reloads() {
     );
 }
 
+/// A removed rule's series stay for `--removed-series-grace`, however many scrapes come in
+/// between: a second scraper (an HA pair of Prometheus, a dashboard, curl) takes nothing
+/// from the first. Before, they went at the second scrape after the reload, whoever sent it,
+/// and Prometheus missed the rule's last hits.
+#[tokio::test]
+async fn a_removed_rules_series_stay_for_their_grace_whoever_scrapes() {
+    let with = "domain: d\ndescriptors:\n  - key: kept\n    rate_limit: {unit: minute, requests_per_unit: 100}\n  - key: removed\n    rate_limit: {unit: minute, requests_per_unit: 100}\n";
+    let without = "domain: d\ndescriptors:\n  - key: kept\n    rate_limit: {unit: minute, requests_per_unit: 101}\n";
+    let grace = Duration::from_secs(4);
+    let s = TestServer::start_with(
+        &[("d.yaml", with)],
+        &["--removed-series-grace", "4s"],
+        Arc::new(SystemClock),
+    )
+    .await;
+    let c = s.client().await;
+    for _ in 0..5 {
+        assert!(is_ok(
+            &call(&mut c.clone(), request("d", &[&[("removed", "x")]])).await
+        ));
+    }
+    let series = "ratelimit_rule_hits_total{domain=\"d\",rule=\"removed\",limit=\"0\"}";
+    let (_, text) = s.http_get("/metrics").await;
+    assert_eq!(metric(&text, series), 5.0, "{text}");
+    s.write("d.yaml", without);
+    let written = Instant::now();
+    poll(RELOAD_DEADLINE, || {
+        let mut c = c.clone();
+        async move {
+            let mut req = request("d", &[&[("kept", "x")]]);
+            req.descriptors[0].hits_addend = Some(UInt64Value { value: 0 });
+            (rpu_of(&call(&mut c, req).await, 0) == Some(101)).then_some(())
+        }
+    })
+    .await;
+    let removed = Instant::now();
+    // Scrapers other than Prometheus, many times within the grace (the half of it that has
+    // surely not passed since the reload, however late the poll saw it).
+    let mut scrapes = 0;
+    while removed.elapsed() < grace / 2 && written.elapsed() < grace / 2 {
+        let (_, text) = s.http_get("/metrics").await;
+        scrapes += 1;
+        assert_eq!(
+            metric(&text, series),
+            5.0,
+            "scrape {scrapes}, {:?} after the reload",
+            removed.elapsed()
+        );
+    }
+    assert!(scrapes >= 3, "{scrapes} scrapes");
+    // Past the grace, the next scrape drops them.
+    tokio::time::sleep_until(removed + grace).await;
+    poll(Duration::from_secs(10), || async {
+        let (_, text) = s.http_get("/metrics").await;
+        (!text.contains(series)).then_some(())
+    })
+    .await;
+}
+
 /// Per-rule series of rules no longer in force go, after a grace in which a scrape sees their
 /// last increase: 20 reloads of 50 renamed rules (and 2 kept) leave at most the series of the
 /// config in force and of the two before it. Before, every rule ever in force kept its series

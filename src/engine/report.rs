@@ -94,7 +94,9 @@ pub struct CounterView {
 }
 
 /// One status per descriptor of a request with `descriptors` descriptors: the most
-/// restrictive of its limits (an enforced over first, then the fewest hits left). Calls
+/// restrictive of its limits. Of those that refuse it, the one that resets last (so that the
+/// reset it reports is long enough for all of them), the fewest hits left between equals; when
+/// none refuses, the one with the fewest hits left. Calls
 /// `decided` once per applied limit with its hit's kind and metric decision.
 ///
 /// A refund's status is its counter as the refund left it, and never rejects; a cost report
@@ -109,7 +111,7 @@ pub(crate) fn statuses(
     mut decided: impl FnMut(&Applied<'_>, HitKind, Decision, Tally),
 ) -> Vec<Status> {
     let soft_rejects = soft_rejects(hits, |i| outcome.verdicts[i].over);
-    let mut best: Vec<Option<(bool, u64, usize)>> = vec![None; descriptors];
+    let mut best: Vec<Option<(bool, u64, Duration, usize)>> = vec![None; descriptors];
     for (k, a) in applied.iter().enumerate() {
         let (hit, v) = (&hits[a.hit], &outcome.verdicts[a.hit]);
         let rejects = v.over
@@ -142,19 +144,30 @@ pub(crate) fn statuses(
             decision(hit, a.limit.enforcement, v, remaining, near_limit_ratio),
             tally,
         );
+        let reset = v.reset;
         let slot = &mut best[a.limit.descriptor];
         let better = match slot {
             None => true,
-            Some((r, rem, _)) => (rejects && !*r) || (rejects == *r && remaining < *rem),
+            Some((r, rem, until, _)) => {
+                if rejects != *r {
+                    rejects
+                } else if rejects {
+                    // Of the limits that refuse, the one the client must wait longest for:
+                    // a client that waits what it is told is admitted.
+                    reset > *until || (reset == *until && remaining < *rem)
+                } else {
+                    remaining < *rem
+                }
+            }
         };
         if better {
-            *slot = Some((rejects, remaining, k));
+            *slot = Some((rejects, remaining, reset, k));
         }
     }
     best.into_iter()
         .map(|b| match b {
             None => Status::unlimited(),
-            Some((rejects, remaining, k)) => Status {
+            Some((rejects, remaining, _, k)) => Status {
                 code: if rejects { Code::OverLimit } else { Code::Ok },
                 limit: Some(applied[k].limit.reported.clone()),
                 remaining,

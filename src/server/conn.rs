@@ -62,8 +62,11 @@ pub(crate) struct ConnLimits {
     pub max_connections: usize,
     /// Longest silence (no byte read), and longest time the server's writes may stay blocked.
     pub idle_timeout: Duration,
-    /// Bytes of gRPC requests one connection may have in flight.
+    /// Bytes of gRPC requests one connection may have in flight, their header blocks
+    /// included.
     pub request_bytes: usize,
+    /// Largest header block of one gRPC call (HTTP/2's SETTINGS_MAX_HEADER_LIST_SIZE).
+    pub max_header_bytes: u32,
     /// How long a connection lives (`None`: as long as its client keeps it).
     pub(crate) age: Option<ConnectionAge>,
 }
@@ -410,10 +413,27 @@ struct RequestBudget {
 /// handler are done.
 struct BudgetShare {
     budget: Arc<RequestBudget>,
+    /// What its body holds.
     bytes: AtomicUsize,
+    /// What its header block holds (for the call's whole life, a stream's too).
+    headers: usize,
 }
 
 impl BudgetShare {
+    /// A share holding `headers` bytes of header block, or `None` when they do not fit.
+    fn new(budget: Arc<RequestBudget>, headers: usize) -> Option<BudgetShare> {
+        let used = budget.used.fetch_add(headers, Ordering::AcqRel) + headers;
+        if used > budget.max {
+            budget.used.fetch_sub(headers, Ordering::AcqRel);
+            return None;
+        }
+        Some(BudgetShare {
+            budget,
+            bytes: AtomicUsize::new(0),
+            headers,
+        })
+    }
+
     fn take(&self, n: usize) -> bool {
         let used = self.budget.used.fetch_add(n, Ordering::AcqRel) + n;
         if used > self.budget.max {
@@ -429,8 +449,25 @@ impl Drop for BudgetShare {
     fn drop(&mut self) {
         self.budget
             .used
-            .fetch_sub(*self.bytes.get_mut(), Ordering::AcqRel);
+            .fetch_sub(*self.bytes.get_mut() + self.headers, Ordering::AcqRel);
     }
+}
+
+/// A request's header block in HTTP/2's measure (RFC 9113 §6.5.2: each field's name and value
+/// plus 32 bytes), its pseudo-header fields included.
+fn header_block_bytes<B>(req: &http::Request<B>) -> usize {
+    const FIELD: usize = 32;
+    let uri = req.uri();
+    let pseudo = req.method().as_str().len()
+        + uri.scheme_str().map_or(0, str::len)
+        + uri.authority().map_or(0, |a| a.as_str().len())
+        + uri.path_and_query().map_or(0, |p| p.as_str().len())
+        + 4 * (FIELD + ":method".len());
+    req.headers()
+        .iter()
+        .map(|(name, value)| name.as_str().len() + value.len() + FIELD)
+        .sum::<usize>()
+        + pseudo
 }
 
 /// A request body counted against its connection's budget.
@@ -443,6 +480,8 @@ struct CountedBody {
     message_timeout: Duration,
     /// When the stream's unfinished message must be whole.
     unfinished: Option<Pin<Box<Sleep>>>,
+    /// The header block alone did not fit the budget: the body's first poll refuses it.
+    headers_over: bool,
 }
 
 /// Where a stream of gRPC messages (each a flag byte, a 4-byte big-endian length, then the
@@ -502,6 +541,12 @@ impl HttpBody for CountedBody {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, tonic::Status>>> {
+        if std::mem::take(&mut self.headers_over) {
+            return Poll::Ready(Some(Err(tonic::Status::resource_exhausted(format!(
+                "this connection's requests in flight would hold more than {} bytes",
+                self.held.budget.max
+            )))));
+        }
         if let Some(deadline) = &mut self.unfinished
             && deadline.as_mut().poll(cx).is_ready()
         {
@@ -605,10 +650,13 @@ where
                 held: None,
             };
         };
-        let held = Arc::new(BudgetShare {
-            budget,
-            bytes: AtomicUsize::new(0),
-        });
+        // The header block h2 decoded is held while the call is: counted with its body, so
+        // that calls in flight hold at most the budget, headers and all.
+        let (held, over) = match BudgetShare::new(budget.clone(), header_block_bytes(&req)) {
+            Some(share) => (share, false),
+            None => (BudgetShare::new(budget, 0).expect("nothing to take"), true),
+        };
+        let held = Arc::new(held);
         let body_held = held.clone();
         let message_timeout = self.message_timeout;
         let streaming = req
@@ -623,6 +671,7 @@ where
                 streaming,
                 message_timeout,
                 unfinished: None,
+                headers_over: over,
             })
         });
         Answer {
@@ -753,6 +802,7 @@ mod tests {
             max_connections: 1,
             idle_timeout: Duration::from_secs(60),
             request_bytes: 1 << 20,
+            max_header_bytes: 16 << 10,
             age: None,
         };
         let (ours, mut peer) = tokio::io::duplex(64);

@@ -21,12 +21,22 @@
 //!   a literal `:authority` that a URI authority cannot hold into `_`, keeping its length, so
 //!   that the client's and the server's HPACK tables stay alike. (grpc-core sends the value
 //!   as a plain string; a Huffman-coded one is left as it is.)
+//!
+//! It also reads the frames the server writes, changing none, to count the streams and
+//! connections h2 ends with an error before the service answered (a header block over
+//! `--grpc-max-header-bytes`, a stream past the connection's 1024, a malformed request):
+//! Envoy lets each such call through, and the service itself never sees it.
 
 use std::io;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+use crate::logs::{self, Throttle};
+use crate::metrics::ResetLabels;
 
 /// The client connection preface's length (RFC 9113 §3.4).
 const PREFACE: u8 = 24;
@@ -34,6 +44,8 @@ const PREFACE: u8 = 24;
 const HEADER: usize = 9;
 const HEADERS: u8 = 0x1;
 const PING: u8 = 0x6;
+const RST_STREAM: u8 = 0x3;
+const GOAWAY: u8 = 0x7;
 const WINDOW_UPDATE: u8 = 0x8;
 const CONTINUATION: u8 = 0x9;
 /// What a WINDOW_UPDATE to be ignored becomes: no frame type registered (the IANA registry
@@ -50,6 +62,8 @@ const SHUTDOWN_PING: [u8; 8] = [0x0b, 0x7b, 0xa2, 0xf0, 0x8b, 0x9b, 0xfe, 0x54];
 pub(crate) struct H2Guard<IO> {
     io: IO,
     walk: Walk,
+    /// The server's frames, as written.
+    sent: Sent,
     /// Bytes already read through the guard that a caller's buffer had no room for (at most a
     /// frame header): passed on first.
     ready: [u8; HEADER],
@@ -58,15 +72,141 @@ pub(crate) struct H2Guard<IO> {
 }
 
 impl<IO> H2Guard<IO> {
-    /// `io` guarded; `unix`: it came over the Unix socket (its authority is mended).
-    pub(crate) fn new(io: IO, unix: bool) -> Self {
+    /// `io` guarded; `unix`: it came over the Unix socket (its authority is mended); the
+    /// streams and connections the server ends with an error are counted in `resets`.
+    pub(crate) fn new(io: IO, unix: bool, resets: Resets) -> Self {
         H2Guard {
             io,
             walk: Walk::new(unix),
+            sent: Sent::new(resets),
             ready: [0; HEADER],
             ready_at: 0,
             ready_len: 0,
         }
+    }
+}
+
+/// Where errors the server ends streams and connections with are counted
+/// (`ratelimit_grpc_resets_total`), and logged at most once per interval.
+#[derive(Clone)]
+pub(crate) struct Resets(pub(crate) Family<ResetLabels, Counter>);
+
+impl Resets {
+    fn count(&self, frame: u8, code: u32) {
+        let frame = if frame == GOAWAY {
+            "goaway"
+        } else {
+            "rst_stream"
+        };
+        let code = error_name(code);
+        self.0.get_or_create(&ResetLabels { frame, code }).inc();
+        static LOG: Throttle = Throttle::new(logs::EVERY);
+        if let Some(held_back) = LOG.pass() {
+            tracing::warn!(
+                frame,
+                code,
+                held_back,
+                "the gRPC port ended a call with an error before the service answered it: Envoy lets such a request through (a header block over --grpc-max-header-bytes ends so, with protocol_error)"
+            );
+        }
+    }
+}
+
+/// An HTTP/2 error code's name (RFC 9113 §7), as a label.
+fn error_name(code: u32) -> &'static str {
+    match code {
+        0x1 => "protocol_error",
+        0x2 => "internal_error",
+        0x3 => "flow_control_error",
+        0x4 => "settings_timeout",
+        0x5 => "stream_closed",
+        0x6 => "frame_size_error",
+        0x7 => "refused_stream",
+        0x8 => "cancel",
+        0x9 => "compression_error",
+        0xa => "connect_error",
+        0xb => "enhance_your_calm",
+        0xc => "inadequate_security",
+        0xd => "http_1_1_required",
+        _ => "other",
+    }
+}
+
+/// Where the writer stands in the server's bytes (frames only: a server's preface is its
+/// SETTINGS frame). Reads the error code of each RST_STREAM and GOAWAY.
+struct Sent {
+    head: [u8; HEADER],
+    head_len: usize,
+    /// The current frame's type.
+    kind: u8,
+    /// Bytes of its payload still to pass.
+    left: usize,
+    /// The first 8 bytes of a RST_STREAM's or GOAWAY's payload, as they come.
+    payload: [u8; 8],
+    have: usize,
+    resets: Resets,
+}
+
+impl Sent {
+    fn new(resets: Resets) -> Self {
+        Sent {
+            head: [0; HEADER],
+            head_len: 0,
+            kind: 0,
+            left: 0,
+            payload: [0; 8],
+            have: 0,
+            resets,
+        }
+    }
+
+    /// Takes in bytes the server wrote.
+    fn wrote(&mut self, mut bytes: &[u8]) {
+        while !bytes.is_empty() {
+            if self.left == 0 && self.head_len < HEADER {
+                let n = (HEADER - self.head_len).min(bytes.len());
+                self.head[self.head_len..self.head_len + n].copy_from_slice(&bytes[..n]);
+                self.head_len += n;
+                bytes = &bytes[n..];
+                if self.head_len == HEADER {
+                    let h = self.head;
+                    self.left =
+                        usize::from(h[0]) << 16 | usize::from(h[1]) << 8 | usize::from(h[2]);
+                    self.kind = h[3];
+                    self.have = 0;
+                    self.head_len = 0;
+                    if self.left == 0 {
+                        self.done();
+                    }
+                }
+                continue;
+            }
+            let n = self.left.min(bytes.len());
+            if matches!(self.kind, RST_STREAM | GOAWAY) && self.have < 8 {
+                let k = n.min(8 - self.have);
+                self.payload[self.have..self.have + k].copy_from_slice(&bytes[..k]);
+                self.have += k;
+            }
+            self.left -= n;
+            bytes = &bytes[n..];
+            if self.left == 0 {
+                self.done();
+            }
+        }
+    }
+
+    fn done(&mut self) {
+        let p = self.payload;
+        let code = match (self.kind, self.have) {
+            (RST_STREAM, 4..) => u32::from_be_bytes([p[0], p[1], p[2], p[3]]),
+            (GOAWAY, 8) => u32::from_be_bytes([p[4], p[5], p[6], p[7]]),
+            _ => 0,
+        };
+        if code != 0 {
+            self.resets.count(self.kind, code);
+        }
+        self.kind = 0;
+        self.have = 0;
     }
 }
 
@@ -505,7 +645,10 @@ impl<IO: AsyncWrite + Unpin> AsyncWrite for H2Guard<IO> {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write(cx, buf)
+        let this = &mut *self;
+        let n = std::task::ready!(Pin::new(&mut this.io).poll_write(cx, buf))?;
+        this.sent.wrote(&buf[..n]);
+        Poll::Ready(Ok(n))
     }
 
     fn poll_write_vectored(
@@ -513,7 +656,18 @@ impl<IO: AsyncWrite + Unpin> AsyncWrite for H2Guard<IO> {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+        let this = &mut *self;
+        let n = std::task::ready!(Pin::new(&mut this.io).poll_write_vectored(cx, bufs))?;
+        let mut left = n;
+        for b in bufs {
+            if left == 0 {
+                break;
+            }
+            let k = left.min(b.len());
+            this.sent.wrote(&b[..k]);
+            left -= k;
+        }
+        Poll::Ready(Ok(n))
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -583,6 +737,47 @@ mod tests {
         b
     }
 
+    /// The server's RST_STREAM and GOAWAY frames with an error are counted, by frame and
+    /// code, however its writes cut them; those with NO_ERROR and other frames are not.
+    #[test]
+    fn the_errors_the_server_ends_streams_with_are_counted_however_writes_cut_them() {
+        let mut out = frame(4, 0, 0, &[0, 5, 0, 0, 0x40, 0]); // SETTINGS
+        out.extend(frame(1, 5, 1, &[0x48, 3, b'4', b'3', b'1'])); // a 431
+        out.extend(frame(3, 0, 1, &[0, 0, 0, 1])); // RST_STREAM PROTOCOL_ERROR
+        out.extend(frame(3, 0, 3, &[0, 0, 0, 0])); // RST_STREAM NO_ERROR
+        out.extend(frame(0, 1, 5, &[0, 0, 0, 0, 3, 0, 0, 0, 7])); // DATA that looks like one
+        out.extend(frame(3, 0, 7, &[0, 0, 0, 7])); // REFUSED_STREAM
+        out.extend(frame(7, 0, 0, &[0, 0, 0, 7, 0, 0, 0, 0])); // GOAWAY NO_ERROR
+        out.extend(frame(7, 0, 0, &[0, 0, 0, 9, 0, 0, 0, 0xb, b'x'])); // ENHANCE_YOUR_CALM
+        let count = |f: &Family<ResetLabels, Counter>, frame, code| {
+            f.get_or_create(&ResetLabels { frame, code }).get()
+        };
+        for cut in 1..=out.len() {
+            let family = Family::default();
+            let mut sent = Sent::new(Resets(family.clone()));
+            for chunk in out.chunks(cut) {
+                sent.wrote(chunk);
+            }
+            assert_eq!(
+                count(&family, "rst_stream", "protocol_error"),
+                1,
+                "cut {cut}"
+            );
+            assert_eq!(
+                count(&family, "rst_stream", "refused_stream"),
+                1,
+                "cut {cut}"
+            );
+            assert_eq!(
+                count(&family, "goaway", "enhance_your_calm"),
+                1,
+                "cut {cut}"
+            );
+            assert_eq!(count(&family, "rst_stream", "cancel"), 0, "cut {cut}");
+            assert_eq!(count(&family, "goaway", "other"), 0, "cut {cut}");
+        }
+    }
+
     #[test]
     fn window_updates_above_the_last_stream_are_ignored_only_after_the_shutdown_ping() {
         let mut input = PREFACE_BYTES.to_vec();
@@ -629,7 +824,11 @@ mod tests {
         expected[late + 3] = IGNORED;
         for size in 1..=HEADER + 3 {
             // Reads alternate between a tiny buffer and a roomy one.
-            let mut guard = H2Guard::new(std::io::Cursor::new(input.clone()), false);
+            let mut guard = H2Guard::new(
+                std::io::Cursor::new(input.clone()),
+                false,
+                Resets(Family::default()),
+            );
             let mut out: Vec<u8> = Vec::new();
             for i in 0.. {
                 let mut buf = vec![0; if i % 2 == 0 { size } else { 64 }];

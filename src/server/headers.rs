@@ -44,8 +44,9 @@ impl Default for ReferenceNames {
     }
 }
 
-/// The most restrictive limited status: the last one over (as envoyproxy/ratelimit picks it),
-/// else the first with the fewest hits left.
+/// The most restrictive limited status: of those over, the one that resets last (a client that
+/// waits it out is admitted by all of them), the last between equals (as envoyproxy/ratelimit
+/// picks it); else the first with the fewest hits left.
 fn most_restrictive(statuses: &[Status]) -> Option<usize> {
     let mut best: Option<usize> = None;
     for (i, s) in statuses.iter().enumerate() {
@@ -54,6 +55,13 @@ fn most_restrictive(statuses: &[Status]) -> Option<usize> {
         }
         best = match best {
             None => Some(i),
+            Some(b) if s.code == Code::OverLimit && statuses[b].code == Code::OverLimit => {
+                if s.reset >= statuses[b].reset {
+                    Some(i)
+                } else {
+                    Some(b)
+                }
+            }
             Some(_) if s.code == Code::OverLimit => Some(i),
             Some(b) if statuses[b].code == Code::OverLimit => Some(b),
             Some(b) if s.remaining < statuses[b].remaining => Some(i),

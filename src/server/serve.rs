@@ -12,13 +12,13 @@ use tonic::transport::server::TcpIncoming;
 use super::admin::{Admin, AdminServer};
 use super::conn::{AGE_JITTER, AGE_LANES, BudgetLayer, ConnLimits, InLane, Tracked, Tracker};
 use super::grpc::GrpcService;
-use super::h2guard::H2Guard;
+use super::h2guard::{H2Guard, Resets};
 use super::headers::HeaderMode;
 use super::http::HttpState;
 use super::rlqs::RlqsService;
 use super::tls::{GrpcTls, Served};
 use crate::engine::Engine;
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, ResetLabels};
 use crate::shutdown::{Serving, Stop, Tasks};
 
 /// HTTP/2 streams one gRPC connection may have open: far more than a busy Envoy keeps in
@@ -27,8 +27,6 @@ use crate::shutdown::{Serving, Stop, Tasks};
 pub const MAX_STREAMS_PER_CONNECTION: u32 = 1024;
 /// Largest gRPC request message: a request at every per-request bound is well within it.
 pub const MAX_MESSAGE_BYTES: usize = 1 << 20;
-/// Largest header block a gRPC client may send.
-const MAX_HEADER_BYTES: u32 = 16 << 10;
 /// Connections the HTTP ports (health, metrics, debug, `/json`) hold together.
 pub const MAX_HTTP_CONNECTIONS: usize = 512;
 /// Connections the kernel queues on a listening socket before the service accepts them.
@@ -344,7 +342,7 @@ fn serve_grpc<H: tonic_health::pb::health_server::Health>(
             // whole connection (ENHANCE_YOUR_CALM), failing every call on it. As many as the
             // streams a connection may have: still a bound against a rapid-reset peer.
             .http2_max_pending_accept_reset_streams(Some(MAX_STREAMS_PER_CONNECTION as usize))
-            .http2_max_header_list_size(MAX_HEADER_BYTES)
+            .http2_max_header_list_size(conns.max_header_bytes)
             .timeout(options.request_timeout)
             .http2_keepalive_interval(Some(conns.idle_timeout / 3))
             .http2_keepalive_timeout(Some(conns.idle_timeout / 3));
@@ -369,6 +367,14 @@ fn serve_grpc<H: tonic_health::pb::health_server::Health>(
         }
     };
     let tracker = Tracker::new(conns);
+    let resets = Resets(metrics.grpc_resets.clone());
+    crate::metrics::at_zero(
+        &metrics.grpc_resets,
+        ["protocol_error", "refused_stream"].map(|code| ResetLabels {
+            frame: "rst_stream",
+            code,
+        }),
+    );
     match (listener, &options.grpc_tls) {
         // Plain text only (settings refuse TLS with a Unix socket).
         (GrpcListener::Unix { listener, .. }, _) => {
@@ -376,11 +382,19 @@ fn serve_grpc<H: tonic_health::pb::health_server::Health>(
                 let accepted = l.accept().await.map(|(stream, _)| stream);
                 Some((accepted, l))
             });
-            serve_lanes(lanes, guarded(admitted(accepted, tracker), true), stop)
+            serve_lanes(
+                lanes,
+                guarded(admitted(accepted, tracker), true, resets),
+                stop,
+            )
         }
         (GrpcListener::Tcp(listener), None) => {
             let accepted = TcpIncoming::from(listener).with_nodelay(Some(true));
-            serve_lanes(lanes, guarded(admitted(accepted, tracker), false), stop)
+            serve_lanes(
+                lanes,
+                guarded(admitted(accepted, tracker), false, resets),
+                stop,
+            )
         }
         (GrpcListener::Tcp(listener), Some(GrpcTls { files, config })) => {
             tracing::info!(mutual = files.client_ca.is_some(), "gRPC over TLS");
@@ -395,7 +409,7 @@ fn serve_grpc<H: tonic_health::pb::health_server::Health>(
             for task in tls_tasks {
                 tasks.push(task);
             }
-            serve_lanes(lanes, guarded(incoming, false), stop)
+            serve_lanes(lanes, guarded(incoming, false, resets), stop)
         }
     }
 }
@@ -483,9 +497,10 @@ fn serve_admin<H>(
 fn guarded<IO>(
     accepted: impl futures_util::Stream<Item = std::io::Result<IO>>,
     unix: bool,
+    resets: Resets,
 ) -> impl futures_util::Stream<Item = std::io::Result<H2Guard<IO>>> {
     use futures_util::StreamExt;
-    accepted.map(move |io| io.map(|io| H2Guard::new(io, unix)))
+    accepted.map(move |io| io.map(|io| H2Guard::new(io, unix, resets.clone())))
 }
 
 /// The gRPC server, as one lane of connection ages sees it.

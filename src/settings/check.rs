@@ -124,6 +124,8 @@ impl Flags {
             max_connections: self.max_connections,
             idle_timeout: self.connection_idle_timeout,
             request_bytes: usize::try_from(self.max_connection_request_bytes).unwrap_or(usize::MAX),
+            // At most 16 MiB (its parser's bound).
+            max_header_bytes: u32::try_from(self.grpc_max_header_bytes).unwrap_or(u32::MAX),
             age: (!self.grpc_max_connection_age.is_zero()).then_some(ConnectionAge {
                 age: self.grpc_max_connection_age,
                 grace: self.grpc_max_connection_age_grace,
@@ -177,6 +179,7 @@ impl Flags {
                 compile,
             },
             reference_metrics: self.reference_metrics,
+            removed_series_grace: self.removed_series_grace,
             statsd: self.statsd_addr.clone().map(|addr| StatsdOptions {
                 addr,
                 protocol: match self.statsd_protocol {
@@ -503,6 +506,8 @@ pub struct Options {
     pub(crate) overrides: crate::overrides::OverrideOptions,
     /// Export envoyproxy/ratelimit's metric families too.
     pub(crate) reference_metrics: bool,
+    /// How long a removed rule's per-rule series stay.
+    pub(crate) removed_series_grace: std::time::Duration,
     /// The statsd sink, if on.
     pub(crate) statsd: Option<StatsdOptions>,
 }

@@ -337,6 +337,13 @@ pub(crate) struct Flags {
     #[arg(long, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
     pub(crate) reference_metrics: bool,
 
+    /// How long the per-rule series of a rule removed from the config stay on /metrics, so
+    /// that every scraper (an HA pair of Prometheus, a dashboard) sees its last increase: at
+    /// least two scrape intervals of the slowest. They go sooner when the second config after
+    /// the one that removed it comes in force. At most 1h.
+    #[arg(long, default_value = "10m", value_parser = parse_grace)]
+    pub(crate) removed_series_grace: Duration,
+
     /// Also send envoyproxy/ratelimit's stats, as it names them, to this statsd collector
     /// (host:port) every --statsd-flush-interval; off when unset. Set by USE_STATSD and
     /// USE_DOG_STATSD with STATSD_HOST and STATSD_PORT.
@@ -762,6 +769,15 @@ pub(crate) struct Flags {
     #[arg(long, default_value = "4MiB", value_parser = parse_bytes)]
     pub(crate) max_connection_request_bytes: u64,
 
+    /// Largest header block one gRPC call may carry, in HTTP/2's measure (each field's name
+    /// and value plus 32 bytes), e.g. 1MiB; from 16KiB to 16MiB. Envoy copies a client's trace
+    /// headers (W3C `tracestate`, `baggage`) into its calls, up to its own
+    /// `max_request_headers_kb` (60 KiB by default, 8 MiB at most), and lets a call refused
+    /// for them through. A call's headers count against --max-connection-request-bytes while
+    /// it is in flight.
+    #[arg(long, default_value = "1MiB", value_parser = parse_header_bytes)]
+    pub(crate) grpc_max_header_bytes: u64,
+
     /// How long an RLQS quota assignment lasts, in whole seconds (Envoy reads no fraction and
     /// expires a shorter one at once); refreshed in the answer to every report.
     #[arg(long, default_value = "20s", value_parser = parse_ttl)]
@@ -952,6 +968,17 @@ fn parse_tags(s: &str) -> Result<Tags, String> {
 /// `--shutdown-grace`: at most an hour.
 fn parse_grace(s: &str) -> Result<Duration, String> {
     parse_duration_within(s, Duration::from_secs(3_600))
+}
+
+/// `--grpc-max-header-bytes`: a size from 16 KiB (HTTP/2's usual floor, what the port took
+/// before) to 16 MiB (twice the most Envoy sends).
+fn parse_header_bytes(s: &str) -> Result<u64, String> {
+    let n = parse_bytes(s)?;
+    if (16 << 10..=16 << 20).contains(&n) {
+        Ok(n)
+    } else {
+        Err(format!("'{s}' is not between 16KiB and 16MiB"))
+    }
 }
 
 /// Parses a byte size: a number with an optional `k`, `m` or `g` suffix (powers of 1024,
