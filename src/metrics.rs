@@ -300,6 +300,9 @@ pub struct DecisionMetrics {
     /// `ratelimit_rule_window_seconds{domain,rule,limit}`: each limit's window, as
     /// `rule_limit`.
     pub rule_window: Family<LimitLabels, Gauge>,
+    /// `ratelimit_calls_undone_total`: admitted calls whose answer never reached the caller
+    /// (cancelled, or past their deadline, before it went out), given back.
+    pub calls_undone: Counter,
     /// Who these families are, for [`RuleCounters`]: clones share it.
     owner: Arc<()>,
     /// The per-rule series made so far, by rule: what lets a removed rule's be dropped.
@@ -323,6 +326,7 @@ impl DecisionMetrics {
             rule_over_limit_hits: Family::default(),
             rule_limit: Family::default(),
             rule_window: Family::default(),
+            calls_undone: Counter::default(),
             owner: Arc::default(),
             series: Arc::default(),
         }
@@ -1308,6 +1312,11 @@ impl Metrics {
             "ratelimit_grpc_errors",
             "ShouldRateLimit calls answered with a gRPC error, by code",
             grpc_errors.clone(),
+        );
+        registry.register(
+            "ratelimit_calls_undone",
+            "Admitted ShouldRateLimit calls whose answer never reached the caller (cancelled by the peer, or past their deadline, before it went out): what they took was given back (places freed, reservations and hits refunded)",
+            decisions.calls_undone.clone(),
         );
         let grpc_resets = Family::<ResetLabels, Counter>::default();
         registry.register(

@@ -571,6 +571,96 @@ async fn the_reservations_example_reserves_and_settles(kind: Kind, version: &'st
     assert_never_failed(&envoy).await;
 }
 
+/// Clients that reset while their rate-limit call is in flight (here: Redis paused, so that
+/// every call is): Envoy cancels the call and never sends the stream-done call that would give
+/// back what it took. Through concurrency.yaml, five such resets took all five of a tenant's
+/// places for the 10-minute lifetime; through reservations.yaml, three burned 900,000 of a
+/// 1,000,000 monthly budget with no token used. Now ratelimitd gives back what a call whose
+/// answer never went out took.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_reset_mid_call_take_nothing() {
+    for version in envoy::versions() {
+        let redis = common::redis::RedisProc::start(&[]);
+        let files = example_limits();
+        let files: Vec<(&str, &str)> = files
+            .iter()
+            .map(|(n, t)| (n.as_str(), t.as_str()))
+            .collect();
+        let rls = redis_server(
+            &files,
+            &["--redis-url", &redis.url()],
+            &common::redis::unique_prefix(),
+            "5s",
+        )
+        .await;
+        let up = Upstream::start().await;
+        let metric_of = |name: &'static str| {
+            let rls = &rls;
+            async move { metric(&rls.http_get("/metrics").await.1, name) }
+        };
+        let mut undone = 0.0;
+        for (example, headers, resets) in [
+            (
+                "examples/envoy/concurrency.yaml",
+                vec![("x-tenant-id", "acme"), ("x-delay-ms", "0")],
+                5,
+            ),
+            (
+                "examples/envoy/reservations.yaml",
+                vec![
+                    ("x-tenant-id", "acme"),
+                    ("x-max-tokens", "300000"),
+                    ("x-fake-tokens", "0"),
+                ],
+                3,
+            ),
+        ] {
+            let envoy = Envoy::start(version, example, up.port, rls.grpc.port()).await;
+            // Warm: the connection to ratelimitd up, the scripts loaded.
+            assert_eq!(get(envoy.http, "/warm", &headers).await.status, 200);
+            redis.cli(&["CLIENT", "PAUSE", "1500", "WRITE"]);
+            let mut clients = Vec::new();
+            for _ in 0..resets {
+                clients.push(send_and_reset(envoy.http, "/reset", &headers).await);
+            }
+            poll(Duration::from_secs(10), || async {
+                (metric_of("ratelimit_requests_in_flight").await == resets as f64).then_some(())
+            })
+            .await;
+            drop(clients); // the clients give up: Envoy cancels their calls
+            undone += resets as f64;
+            poll(Duration::from_secs(10), || async {
+                (metric_of("ratelimit_calls_undone_total").await == undone).then_some(())
+            })
+            .await;
+            let all: Vec<(&str, &str)> = if example.contains("concurrency") {
+                headers.clone()
+            } else {
+                // All that is left of the month but the warm-up's 1,000: nothing was burned.
+                vec![
+                    ("x-tenant-id", "acme"),
+                    ("x-max-tokens", "999000"),
+                    ("x-fake-tokens", "0"),
+                ]
+            };
+            // (The warm-up's own stream-done call may come a moment after its answer.)
+            let deadline = Instant::now() + Duration::from_secs(10);
+            loop {
+                let after = get(envoy.http, "/after", &all).await;
+                if after.status == 200 {
+                    break;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "Envoy {version}, {example}: what the reset requests took is not back: {after:?}"
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            assert_never_failed(&envoy).await;
+        }
+    }
+}
+
 /// examples/envoy/rlqs.yaml with limits/config.yaml: Envoy's quota filter takes ratelimitd's
 /// assignment for the bucket {api_key} (a burst of 10 refilled at 10,000 a day, the tighter of
 /// the rule's two limits, and half of that before any use is seen) and enforces it.

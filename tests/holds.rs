@@ -777,7 +777,117 @@ async fn an_override_of_places_keeps_the_places_in_flight(kind: Kind) {
     );
 }
 
+/// `ratelimit_calls_undone_total`.
+async fn undone(s: &TestServer) -> f64 {
+    let (_, text) = s.http_get("/metrics").await;
+    metric(&text, "ratelimit_calls_undone_total")
+}
+
+/// A call whose answer never goes out takes nothing. Three acquisitions sent on a raw HTTP/2
+/// connection whose flow-control window is 0 are decided (their places taken: a fourth is
+/// refused), but their answers cannot be sent; the client then resets the three streams, as
+/// Envoy does when its downstream resets mid-call: the places are free again at once, where
+/// before they were kept for the place lifetime (10 minutes) and the tenant locked out.
+async fn a_call_reset_before_its_answer_went_out_takes_nothing(kind: Kind) {
+    use common::frames::*;
+    use prost::Message;
+    let s = start(kind, &[("llm.yaml", CONFIG)], &[]).await;
+    let mut socket = tokio::net::TcpStream::connect(s.grpc).await.unwrap();
+    let mut hello = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    hello.extend(frame(4, 0, 0, &[0, 4, 0, 0, 0, 0])); // SETTINGS_INITIAL_WINDOW_SIZE = 0
+    assert!(send(&mut socket, &hello).await);
+    // The window applies to streams opened once the server has acknowledged it.
+    loop {
+        match read_frame(&mut socket)
+            .await
+            .expect("the server's greeting")
+        {
+            (4, 0, ..) => assert!(send(&mut socket, &frame(4, 1, 0, &[])).await),
+            (4, ..) => break,
+            _ => {}
+        }
+    }
+    let mut calls = Vec::new();
+    let block = headers(&CALL);
+    for (stream, id) in [(1u32, "a"), (3, "b"), (5, "c")] {
+        calls.extend(frame(1, 4, stream, &block)); // HEADERS, END_HEADERS
+        let message = grpc_message(&acquire("acme", id).encode_to_vec());
+        calls.extend(frame(0, 1, stream, &message)); // DATA, END_STREAM
+    }
+    assert!(send(&mut socket, &calls).await);
+    let mut c = s.client().await;
+    // Decided: their places are taken while their answers wait for a window.
+    poll(Duration::from_secs(10), || async {
+        (in_use(&s).await == 3.0).then_some(())
+    })
+    .await;
+    assert!(
+        !is_ok(&call(&mut c, acquire("acme", "d")).await),
+        "{kind:?}"
+    );
+    assert_eq!(undone(&s).await, 0.0, "{kind:?}");
+    let mut resets = Vec::new();
+    for stream in [1u32, 3, 5] {
+        resets.extend(frame(3, 0, stream, &[0, 0, 0, 8])); // RST_STREAM CANCEL
+    }
+    assert!(send(&mut socket, &resets).await);
+    poll(Duration::from_secs(10), || async {
+        (undone(&s).await == 3.0).then_some(())
+    })
+    .await;
+    assert_eq!(
+        in_use(&s).await,
+        0.0,
+        "{kind:?}: the gauge counts what is taken"
+    );
+    assert_eq!(
+        admitted(&mut c, "acme", &["e", "f", "g", "h"]).await,
+        [true, true, true, false],
+        "{kind:?}: the three places are free again"
+    );
+    drop(socket);
+}
+
+/// A call cancelled while Redis decides it: the script runs once Redis answers, and the
+/// admission it made is given back at once, its caller being gone. Before, the three places
+/// stayed taken for their lifetime, and the places gauge showed none of them.
+#[tokio::test]
+async fn a_call_cancelled_while_redis_decides_takes_nothing() {
+    let redis = RedisProc::start(&[]);
+    let s = redis_server(
+        &[("llm.yaml", CONFIG)],
+        &["--redis-url", &redis.url()],
+        &unique_prefix(),
+        "5s",
+    )
+    .await;
+    let mut c = s.client().await;
+    // The scripts loaded, the connection up.
+    assert_eq!(admitted(&mut c, "warm", &["w"]).await, [true]);
+    // Scripts wait while Redis is paused for writes: the calls are in flight at Redis.
+    redis.cli(&["CLIENT", "PAUSE", "1500", "WRITE"]);
+    for id in ["a", "b", "c"] {
+        let cancelled = tokio::time::timeout(
+            Duration::from_millis(200),
+            call(&mut c, acquire("acme", id)),
+        )
+        .await;
+        assert!(cancelled.is_err(), "answered while Redis was paused");
+    }
+    poll(Duration::from_secs(10), || async {
+        (undone(&s).await == 3.0).then_some(())
+    })
+    .await;
+    assert_eq!(in_use(&s).await, 1.0, "the warm-up's place alone");
+    assert_eq!(
+        admitted(&mut c, "acme", &["e", "f", "g", "h"]).await,
+        [true, true, true, false],
+        "the three places are free again"
+    );
+}
+
 every_backend!(
+    a_call_reset_before_its_answer_went_out_takes_nothing,
     a_hold_gives_back_what_it_took,
     places_of_a_rule_removed_for_a_while_are_kept,
     places_carry_across_a_reload_that_keeps_the_rule,

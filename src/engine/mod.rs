@@ -29,7 +29,7 @@ use self::resolve::{Resolved, Resolver};
 use crate::config::Snapshot;
 use crate::config::overrides::OverrideSet;
 use crate::limiter::key::KeyFormat;
-use crate::limiter::{Accounting, Algorithm, Backend, HitKind};
+use crate::limiter::{Accounting, Algorithm, Backend, Hit, HitKind, Outcome};
 use crate::metrics::{Accounted, Decision, DecisionMetrics};
 use crate::top::{LimitRef, Top, TopOptions};
 use crate::value::KeyValue;
@@ -64,6 +64,59 @@ impl Default for EngineOptions {
             accounting: Accounting::Auto,
             top: TopOptions::default(),
         }
+    }
+}
+
+/// What an admitted request took from its counters, kept until its answer has gone out, to be
+/// given back ([`Engine::undo`]) if it never does.
+pub(crate) struct Taken {
+    domain: Arc<String>,
+    /// The request's hits, as decided.
+    hits: Vec<Hit>,
+    /// Their verdicts.
+    verdicts: Vec<crate::limiter::Verdict>,
+    /// Whether the request was admitted (else its admissions took nothing).
+    admitted: bool,
+    /// The hits that took a place: (hit, the rule's path, the place's lifetime).
+    places: Vec<(usize, String, u64)>,
+}
+
+/// The refunds that undo a request's admissions, and which hit each undoes.
+struct Refunds {
+    hits: Vec<Hit>,
+    of: Vec<usize>,
+}
+
+impl Taken {
+    /// A refund of each admission the request committed (one that fit, with hits): a named
+    /// hold gives back what it took (a place is freed); an unheld counter, or one of a node
+    /// that keeps holds where the request named none, gets its hits back (a concurrency limit
+    /// took no place without an id). Cost reports and refunds happened: they stay.
+    fn refunds(&self) -> Option<Refunds> {
+        if !self.admitted {
+            return None;
+        }
+        let mut refunds = Refunds {
+            hits: Vec::new(),
+            of: Vec::new(),
+        };
+        for (i, (hit, verdict)) in self.hits.iter().zip(&self.verdicts).enumerate() {
+            if hit.kind != HitKind::Admission || hit.hits == 0 || verdict.over {
+                continue;
+            }
+            let hold = match &hit.hold {
+                crate::limiter::Hold::Unnamed if hit.is_place() => continue,
+                crate::limiter::Hold::Unnamed => crate::limiter::Hold::Unheld,
+                hold => hold.clone(),
+            };
+            refunds.hits.push(Hit {
+                kind: HitKind::Refund,
+                hold,
+                ..hit.clone()
+            });
+            refunds.of.push(i);
+        }
+        (!refunds.hits.is_empty()).then_some(refunds)
     }
 }
 
@@ -158,7 +211,89 @@ impl Engine {
 
     /// Decides a request: all-or-nothing across its descriptors.
     pub async fn should_rate_limit(&self, req: &Request<'_>) -> Result<Response, EngineError> {
+        Ok(self.decide(req, false).await?.0)
+    }
+
+    /// As [`Engine::should_rate_limit`], with what the request took (`None`: nothing), for
+    /// [`Engine::undo`] should its answer never reach the caller. A caller dropped while
+    /// the store decides undoes an admission itself.
+    pub(crate) async fn should_rate_limit_undoably(
+        &self,
+        req: &Request<'_>,
+    ) -> Result<(Response, Option<Taken>), EngineError> {
         self.decide(req, false).await
+    }
+
+    /// Gives back what a request took whose answer never reached its caller (a call the peer
+    /// cancelled, or whose deadline passed, before its answer went out): its admissions are
+    /// refunded (a hold's, what it took; a place is freed), as if the call never came. In a
+    /// task of its own; counted in `ratelimit_calls_undone_total`.
+    pub(crate) fn undo(self: &Arc<Self>, taken: Taken) {
+        let engine = self.clone();
+        tokio::spawn(async move {
+            let Some(refunds) = taken.refunds() else {
+                return;
+            };
+            engine.decisions.calls_undone.inc();
+            let outcome = match engine.backend.decide_at_once(&refunds.hits) {
+                Some(outcome) => outcome,
+                None => match engine.backend.decide(&refunds.hits).await {
+                    Ok(outcome) => outcome,
+                    Err(e) => {
+                        // The place's lifetime (a hold's window) is the backstop.
+                        tracing::debug!(error = %e, "an undone call's admission could not be given back");
+                        return;
+                    }
+                },
+            };
+            for change in &outcome.places {
+                let original = refunds.of[change.hit];
+                if let Some((_, rule, lifetime)) =
+                    taken.places.iter().find(|(hit, ..)| *hit == original)
+                {
+                    engine
+                        .places
+                        .record(&engine.decisions, &taken.domain, rule, *lifetime, change);
+                }
+            }
+        });
+    }
+
+    /// Decides `hits` on a backend that waits (Redis) in a task of its own, so that a caller
+    /// dropped meanwhile (a cancelled call) leaves the decision whole, and an admission it
+    /// made is given back at once: nothing it took outlives a caller that never heard of it.
+    async fn decide_apart(&self, hits: Vec<Hit>) -> Result<(Vec<Hit>, Outcome), EngineError> {
+        let backend = self.backend.clone();
+        let undone = self.decisions.calls_undone.clone();
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        tokio::spawn(async move {
+            let outcome = backend.decide(&hits).await;
+            let Err((hits, Ok(outcome))) = tx.send((hits, outcome)) else {
+                return;
+            };
+            let taken = Taken {
+                domain: Arc::default(),
+                hits,
+                verdicts: outcome.verdicts,
+                admitted: outcome.admitted,
+                places: Vec::new(),
+            };
+            if let Some(refunds) = taken.refunds() {
+                undone.inc();
+                // Never recorded as taken (the caller went before it heard), so the places'
+                // gauges are left alone.
+                if let Err(e) = backend.decide(&refunds.hits).await {
+                    tracing::debug!(error = %e, "an undone call's admission could not be given back");
+                }
+            }
+        });
+        let (hits, outcome) = rx.await.map_err(|_| {
+            EngineError::Backend(crate::limiter::BackendError::Unavailable {
+                kind: "shutdown",
+                detail: "the decision's task ended with the runtime".to_owned(),
+            })
+        })?;
+        Ok((hits, outcome?))
     }
 
     /// As [`Engine::should_rate_limit`], each refused status naming its rule
@@ -169,10 +304,14 @@ impl Engine {
         &self,
         req: &Request<'_>,
     ) -> Result<Response, EngineError> {
-        self.decide(req, true).await
+        Ok(self.decide(req, true).await?.0)
     }
 
-    async fn decide(&self, req: &Request<'_>, name_rules: bool) -> Result<Response, EngineError> {
+    async fn decide(
+        &self,
+        req: &Request<'_>,
+        name_rules: bool,
+    ) -> Result<(Response, Option<Taken>), EngineError> {
         request::validate(req, &self.options.request_limits)?;
         let snapshot = self.config.load();
         if !snapshot.is_loaded() {
@@ -198,15 +337,16 @@ impl Engine {
         request::validate_counters(&hits, &self.options.request_limits)?;
         let _costly = costly.or_else(|| crate::runtime::Costly::of(hits.len()));
         let Some(domain) = domain.filter(|_| !hits.is_empty()) else {
-            return Ok(Response {
+            let response = Response {
                 overall: Code::Ok,
                 statuses: vec![Status::unlimited(); req.descriptors.len()],
                 metadata: self.options.dynamic_metadata.then(serde_json::Map::new),
-            });
+            };
+            return Ok((response, None));
         };
-        let outcome = match self.backend.decide_at_once(&hits) {
-            Some(outcome) => outcome,
-            None => self.backend.decide(&hits).await?,
+        let (hits, outcome) = match self.backend.decide_at_once(&hits) {
+            Some(outcome) => (hits, outcome),
+            None => self.decide_apart(hits).await?,
         };
         for change in &outcome.places {
             if let Some(a) = applied.iter().find(|a| a.hit == change.hit) {
@@ -249,11 +389,28 @@ impl Engine {
             .options
             .dynamic_metadata
             .then(|| report::passed_metadata(&applied, &statuses));
-        Ok(Response {
+        // What the request took, should its answer never go out: its hits and verdicts
+        // moved, not copied; the rules of its places only when it has some.
+        let taken = outcome.admitted.then(|| Taken {
+            domain: domain.clone(),
+            places: outcome
+                .places
+                .iter()
+                .filter_map(|c| {
+                    let a = applied.iter().find(|a| a.hit == c.hit)?;
+                    Some((c.hit, a.limit.path.to_owned(), hits[c.hit].limit.window_us))
+                })
+                .collect(),
+            hits,
+            verdicts: outcome.verdicts,
+            admitted: outcome.admitted,
+        });
+        let response = Response {
             overall,
             statuses,
             metadata,
-        })
+        };
+        Ok((response, taken))
     }
 
     fn record(

@@ -34,6 +34,8 @@ use http_body::{Body as HttpBody, Frame, SizeHint};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::time::{Instant, Sleep};
 
+use crate::engine::{Engine, Taken};
+
 /// Pause after a failed accept (out of descriptors, a connection reset before it was taken):
 /// the error is likely to repeat at once, and retrying without a pause would spin a core.
 const ACCEPT_RETRY: Duration = Duration::from_millis(50);
@@ -409,14 +411,17 @@ struct RequestBudget {
     used: AtomicUsize,
 }
 
-/// One request's share of its connection's budget, given back when both its body and its
-/// handler are done.
+/// One request's share of its connection's budget, given back when its handler has answered
+/// (and what its body takes after that, when the body is done); and what the call took, to
+/// give back if its answer never goes out.
 struct BudgetShare {
     budget: Arc<RequestBudget>,
     /// What its body holds.
     bytes: AtomicUsize,
-    /// What its header block holds (for the call's whole life, a stream's too).
-    headers: usize,
+    /// What its header block holds, until the handler answers.
+    headers: AtomicUsize,
+    /// What an admitted call took, until its answer has gone out.
+    taken: parking_lot::Mutex<Option<(Arc<Engine>, Taken)>>,
 }
 
 impl BudgetShare {
@@ -430,8 +435,15 @@ impl BudgetShare {
         Some(BudgetShare {
             budget,
             bytes: AtomicUsize::new(0),
-            headers,
+            headers: AtomicUsize::new(headers),
+            taken: parking_lot::Mutex::new(None),
         })
+    }
+
+    /// Gives back what the request holds now: its handler has answered.
+    fn release(&self) {
+        let held = self.bytes.swap(0, Ordering::AcqRel) + self.headers.swap(0, Ordering::AcqRel);
+        self.budget.used.fetch_sub(held, Ordering::AcqRel);
     }
 
     fn take(&self, n: usize) -> bool {
@@ -447,9 +459,73 @@ impl BudgetShare {
 
 impl Drop for BudgetShare {
     fn drop(&mut self) {
-        self.budget
-            .used
-            .fetch_sub(*self.bytes.get_mut() + self.headers, Ordering::AcqRel);
+        let held = *self.bytes.get_mut() + *self.headers.get_mut();
+        self.budget.used.fetch_sub(held, Ordering::AcqRel);
+    }
+}
+
+/// A gRPC call's way to have what it took given back should its answer never go out: in the
+/// request's extensions, for the handler ([`Delivery::on_undelivered`]).
+#[derive(Clone)]
+pub(crate) struct Delivery(Arc<BudgetShare>);
+
+impl Delivery {
+    /// Should the answer being made not go out (the peer resets the stream, or the deadline
+    /// passes, before the answer's last frame is handed to HTTP/2), `taken` is given back by
+    /// `engine` ([`Engine::undo`]).
+    pub(crate) fn on_undelivered(&self, engine: &Arc<Engine>, taken: Taken) {
+        *self.0.taken.lock() = Some((engine.clone(), taken));
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// An answer's body: once its last frame (the trailers) has been handed to HTTP/2, the
+    /// call's answer has gone out; dropped before that, what the call took is given back.
+    struct Delivered {
+        #[pin]
+        inner: tonic::body::Body,
+        share: Option<Arc<BudgetShare>>,
+    }
+
+    impl PinnedDrop for Delivered {
+        fn drop(this: Pin<&mut Self>) {
+            if let Some(share) = this.project().share.take()
+                && let Some((engine, taken)) = share.taken.lock().take()
+            {
+                engine.undo(taken);
+            }
+        }
+    }
+}
+
+impl HttpBody for Delivered {
+    type Data = Bytes;
+    type Error = tonic::Status;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, tonic::Status>>> {
+        let this = self.project();
+        let frame = std::task::ready!(this.inner.poll_frame(cx));
+        let last = match &frame {
+            None => true,
+            Some(Ok(f)) => f.is_trailers(),
+            Some(Err(_)) => false,
+        };
+        if last {
+            // Handed to HTTP/2: the answer goes out (the race left: a reset that crosses it).
+            this.share.take();
+        }
+        Poll::Ready(frame)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
     }
 }
 
@@ -629,9 +705,11 @@ pub(crate) struct Budgeted<S> {
 
 type HttpRequest = http::Request<tonic::body::Body>;
 
+type HttpResponse = http::Response<tonic::body::Body>;
+
 impl<S> tower::Service<HttpRequest> for Budgeted<S>
 where
-    S: tower::Service<HttpRequest> + Send,
+    S: tower::Service<HttpRequest, Response = HttpResponse> + Send,
     S::Future: Send + 'static,
 {
     type Response = S::Response;
@@ -642,7 +720,7 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, req: HttpRequest) -> Self::Future {
+    fn call(&mut self, mut req: HttpRequest) -> Self::Future {
         let budget = ConnInfo::of(req.extensions()).map(|i| i.budget.clone());
         let Some(budget) = budget else {
             return Answer {
@@ -658,6 +736,7 @@ where
         };
         let held = Arc::new(held);
         let body_held = held.clone();
+        req.extensions_mut().insert(Delivery(held.clone()));
         let message_timeout = self.message_timeout;
         let streaming = req
             .uri()
@@ -691,14 +770,31 @@ pin_project_lite::pin_project! {
     }
 }
 
-impl<F: Future> Future for Answer<F> {
+impl<F, E> Future for Answer<F>
+where
+    F: Future<Output = Result<HttpResponse, E>>,
+{
     type Output = F::Output;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
         let this = self.project();
         let answer = std::task::ready!(this.inner.poll(cx));
-        this.held.take();
-        Poll::Ready(answer)
+        let Some(held) = this.held.take() else {
+            return Poll::Ready(answer);
+        };
+        held.release();
+        // Only a call that took something waits for its answer to go out.
+        if held.taken.lock().is_none() {
+            return Poll::Ready(answer);
+        }
+        Poll::Ready(answer.map(|response| {
+            response.map(|inner| {
+                tonic::body::Body::new(Delivered {
+                    inner,
+                    share: Some(held),
+                })
+            })
+        }))
     }
 }
 

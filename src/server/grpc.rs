@@ -18,6 +18,7 @@ use envoy_types::pb::google::protobuf::value::Kind;
 use envoy_types::pb::google::protobuf::{ListValue, Struct, Value};
 use tonic::{Request, Response, Status};
 
+use super::conn::Delivery;
 use super::headers::{self, HeaderMode};
 use super::wire::rate_limit_service_server::RateLimitService;
 use super::wire::{RateLimitDescriptor, RateLimitRequest};
@@ -342,14 +343,22 @@ impl RateLimitService for GrpcService {
         let decide = async {
             match to_request(req) {
                 Err(e) => Err(Status::invalid_argument(e.to_string())),
-                Ok(req) => match self.engine.should_rate_limit(&req).await {
-                    Ok(resp) => Ok(Response::new(to_response(
-                        request.get_ref(),
-                        resp,
-                        self.headers,
-                        headers::now_s(self.headers),
-                        self.engine.longest_value(),
-                    ))),
+                Ok(req) => match self.engine.should_rate_limit_undoably(&req).await {
+                    Ok((resp, taken)) => {
+                        // What it took is given back should the answer never go out.
+                        if let (Some(taken), Some(delivery)) =
+                            (taken, request.extensions().get::<Delivery>())
+                        {
+                            delivery.on_undelivered(&self.engine, taken);
+                        }
+                        Ok(Response::new(to_response(
+                            request.get_ref(),
+                            resp,
+                            self.headers,
+                            headers::now_s(self.headers),
+                            self.engine.longest_value(),
+                        )))
+                    }
                     Err(e) => Err(to_status(e)),
                 },
             }

@@ -27,6 +27,7 @@ use tonic::transport::Channel;
 pub(crate) mod ads;
 pub(crate) mod daemon;
 pub(crate) mod envoy;
+pub(crate) mod frames;
 pub(crate) mod gateway;
 pub(crate) mod istio;
 pub(crate) mod raw;
