@@ -6,18 +6,20 @@
 //! step), and bounded memory. Counts are per process: replicas do not share them (use the
 //! Redis backend for that).
 //!
-//! The bound is in bytes, keys included (`--memory-max-bytes`), split evenly over the shards.
-//! Expired counters leave first (each shard keeps its counters ordered by expiry, so that costs
-//! O(log n) per counter, never a scan). When live counters alone exceed a shard's share, the
-//! counters closest to expiry are given up (`ratelimit_memory_evictions_total`): a given-up
-//! counter starts again from zero, so its key can be admitted up to its whole limit again
-//! within the window it was in. The counter being written is never given up for its own
-//! room: its holds count in its share like the rest, so when it alone outgrows the share, a
-//! rate limit drops its holds that end first (`ratelimit_memory_holds_dropped_total`: their
-//! hits stay counted, their refunds give nothing back), and a concurrency limit refuses a
-//! place that would not fit (`ratelimit_memory_places_refused_total`; a place in use is never
-//! dropped). Nothing else is ever lost, and the process never grows past the bound with
-//! counters however many distinct values or holds clients send.
+//! The bound is in bytes, keys included (`--memory-max-bytes`), for the process. Expired
+//! counters leave first (each shard keeps its counters ordered by expiry, so that costs
+//! O(log n) per counter, never a scan). One counter, its holds included, may keep at most a
+//! share of the bound (1/64 of it): when it alone would outgrow that, a rate limit drops its
+//! holds that end first (`ratelimit_memory_holds_dropped_total`: their hits stay counted, their
+//! refunds give nothing back), and a concurrency limit refuses a place that would not fit
+//! (`ratelimit_memory_places_refused_total`; a place in use is never dropped). So a tenant's
+//! holds cost its own counter its holds, never another tenant's counter. Only when the
+//! process's counters together exceed the bound are counters given up: those closest to
+//! expiry of the shard being written, then of the others (`ratelimit_memory_evictions_total`; a given-up counter
+//! starts again from zero, so its key can be admitted up to its whole limit again within the
+//! window it was in), then that counter's own holds. The counter being written is never given
+//! up for its own room. Nothing else is ever lost, and the process never grows past the bound
+//! with counters however many distinct values or holds clients send.
 
 use std::collections::BTreeSet;
 use std::hash::{BuildHasher, Hasher, RandomState};
@@ -134,11 +136,11 @@ impl Shard {
         freed
     }
 
-    /// Gives up the counters closest to expiry (never `keep`) until the shard fits `budget`.
+    /// Gives up the counters closest to expiry (never `keep`) until `over` bytes are freed.
     /// Returns (bytes freed, counters given up).
-    fn evict(&mut self, budget: u64, keep: &[u8]) -> (u64, u64) {
+    fn evict(&mut self, over: u64, keep: &[u8]) -> (u64, u64) {
         let (mut freed, mut evicted) = (0, 0);
-        while self.bytes > budget {
+        while freed < over {
             let victim = self
                 .by_expiry
                 .iter()
@@ -153,7 +155,7 @@ impl Shard {
 }
 
 impl Shard {
-    /// Drops the holds of `key`'s rate limit, the first to end first, until the shard fits
+    /// Drops the holds of `key`'s rate limit, the first to end first, until the counter fits
     /// `budget` (or none is left): its hits stay counted, so a refund naming a dropped hold
     /// gives nothing back (the safe direction, as past [`super::hold::MAX_HOLDS`]). A
     /// concurrency limit's places are never dropped here: a place that would not fit is refused
@@ -165,10 +167,9 @@ impl Shard {
         let Some(holds) = e.holds.as_deref_mut() else {
             return (0, 0);
         };
-        let rest = self.bytes - e.bytes;
         let mut dropped = 0;
         let mut bytes = e.bytes;
-        while rest + bytes > budget && holds.drop_first() {
+        while bytes > budget && holds.drop_first() {
             dropped += 1;
             bytes = cost(&e.key, &e.state, Some(holds));
         }
@@ -192,7 +193,12 @@ pub struct MemoryBackend {
     /// does (an NTP step back would otherwise start every window afresh). While the clock is
     /// behind, time stands still: windows end late, which may over-reject, never over-admit.
     latest: AtomicU64,
-    shard_budget: u64,
+    /// `--memory-max-bytes`: what the counters of every shard may hold together.
+    max_bytes: u64,
+    /// What they hold now (each shard's bytes, summed as they change).
+    total: AtomicU64,
+    /// The most one counter may keep, its holds included.
+    counter_share: u64,
     metrics: MemoryMetrics,
     /// How far past its limit a cost report may take a counter (`--max-debt`).
     max_debt: u64,
@@ -231,15 +237,54 @@ impl MemoryBackend {
             hasher: RandomState::new(),
             clock,
             latest: AtomicU64::new(0),
-            shard_budget: max_bytes / SHARDS as u64,
+            max_bytes,
+            total: AtomicU64::new(0),
+            counter_share: max_bytes / SHARDS as u64,
             metrics,
             max_debt: DEFAULT_MAX_DEBT,
         }
     }
 
-    /// The most bytes one counter may keep, its holds included (its shard's share of the bound).
+    /// The most bytes one counter may keep, its holds included (1/64 of the bound).
     pub(crate) fn counter_share(&self) -> u64 {
-        self.shard_budget
+        self.counter_share
+    }
+
+    /// Counts `delta` bytes more (or fewer) held, in the total and the gauge.
+    fn held(&self, delta: i64) {
+        if delta > 0 {
+            self.total.fetch_add(delta as u64, Ordering::Relaxed);
+            self.metrics.bytes.inc_by(delta);
+        } else if delta < 0 {
+            self.total
+                .fetch_sub(delta.unsigned_abs(), Ordering::Relaxed);
+            self.metrics.bytes.dec_by(-delta);
+        }
+    }
+
+    /// While the process is past its bound, gives up counters of the other shards, closest to
+    /// expiry first, in shard order from `this` on. A shard whose lock is held (by this
+    /// request, or another thread) is passed over: it is never waited for, so no two
+    /// requests wait on each other.
+    fn evict_elsewhere(&self, this: usize) {
+        for step in 1..SHARDS {
+            let over = self.over_bound();
+            if over == 0 {
+                return;
+            }
+            if let Some(mut shard) = self.shards[(this + step) % SHARDS].try_lock() {
+                let (freed, evicted) = shard.evict(over, &[]);
+                self.held(-(freed as i64));
+                self.metrics.evictions.inc_by(evicted);
+            }
+        }
+    }
+
+    /// Bytes the counters hold past the bound, if any.
+    fn over_bound(&self) -> u64 {
+        self.total
+            .load(Ordering::Relaxed)
+            .saturating_sub(self.max_bytes)
     }
 
     /// This backend with cost reports taking a counter at most `max_debt` times its limit past
@@ -280,7 +325,7 @@ impl MemoryBackend {
         let now = self.now();
         for shard in self.shards.iter() {
             let freed = shard.lock().expire(now, usize::MAX);
-            self.metrics.bytes.dec_by(freed as i64);
+            self.held(-(freed as i64));
         }
     }
 
@@ -346,6 +391,7 @@ impl MemoryBackend {
             } else {
                 hit.hits
             };
+            let shard_bytes = guards[at(hash)].bytes;
             let mut verdict = match guards[at(hash)]
                 .entries
                 .find_mut(hash.0, |e| *e.key == *key)
@@ -363,7 +409,7 @@ impl MemoryBackend {
                         v = replayed(held, now);
                         e.owe(id);
                     }
-                    if !v.over && !self.place_fits(hit, asked, Some(&*e)) {
+                    if !v.over && !self.place_fits(hit, asked, Some(&*e), shard_bytes) {
                         v = self.no_room(e.state.places(), now);
                     }
                     note(i, (0, 0, e.state.take_ended()));
@@ -371,7 +417,7 @@ impl MemoryBackend {
                 }
                 _ => {
                     let v = State::new(hit.limit.algorithm).check(&hit.limit, now, asked);
-                    if !v.over && !self.place_fits(hit, asked, None) {
+                    if !v.over && !self.place_fits(hit, asked, None, shard_bytes) {
                         self.no_room(None, now)
                     } else {
                         v
@@ -433,9 +479,7 @@ impl MemoryBackend {
                 || matches!(change, Change::Admit(None))
                     && hit.limit.algorithm == Algorithm::Concurrency =>
             {
-                if delta != 0 {
-                    self.metrics.bytes.inc_by(delta);
-                }
+                self.held(delta);
                 return (0, 0, 0);
             }
             None => {
@@ -510,19 +554,32 @@ impl MemoryBackend {
         }
         shard.bytes = shard.bytes - was_bytes + bytes;
         delta += bytes as i64 - was_bytes as i64;
-        if shard.bytes > self.shard_budget {
-            let (freed, evicted) = shard.evict(self.shard_budget, key_bytes);
+        // A counter past its share gives up its own holds, never a neighbour's counter.
+        if bytes > self.counter_share {
+            let (freed, dropped) = shard.shed_holds(self.counter_share, hash, key_bytes);
             delta -= freed as i64;
-            self.metrics.evictions.inc_by(evicted);
-            if shard.bytes > self.shard_budget {
-                let (freed, dropped) = shard.shed_holds(self.shard_budget, hash, key_bytes);
-                delta -= freed as i64;
-                self.metrics.holds_dropped.inc_by(dropped);
-            }
+            self.metrics.holds_dropped.inc_by(dropped);
         }
-        // Most commits change no counter's size: no write to a gauge every thread shares.
+        // Most commits change no counter's size: no write to what every thread shares.
         if delta != 0 {
-            self.metrics.bytes.inc_by(delta);
+            self.held(delta);
+            // The process past its bound: this shard's counters closest to expiry go, then
+            // this counter's own holds.
+            let over = self.over_bound();
+            if over > 0 {
+                let (freed, evicted) = shard.evict(over, key_bytes);
+                self.held(-(freed as i64));
+                self.metrics.evictions.inc_by(evicted);
+                self.evict_elsewhere(hash.shard());
+                let over = self.over_bound();
+                if over > 0 {
+                    let left = shard.entries.find(hash.0, |e| *e.key == *key_bytes);
+                    let budget = left.map_or(0, |e| e.bytes.saturating_sub(over));
+                    let (freed, dropped) = shard.shed_holds(budget, hash, key_bytes);
+                    self.held(-(freed as i64));
+                    self.metrics.holds_dropped.inc_by(dropped);
+                }
+            }
         }
         (placed, end, ended)
     }
@@ -530,9 +587,10 @@ impl MemoryBackend {
 
 impl MemoryBackend {
     /// Whether `hit`, if it takes a place, leaves its counter (`entry`, or a new one) within its
-    /// shard's share of the bound: other counters can be given up to make room, the places in
-    /// use cannot (they are never dropped silently).
-    fn place_fits(&self, hit: &Hit, asked: u64, entry: Option<&Entry>) -> bool {
+    /// share of the bound, and the process within the bound once the other counters of its
+    /// shard (`shard_bytes` in all) are given up if need be: the places in use cannot be
+    /// (they are never dropped silently).
+    fn place_fits(&self, hit: &Hit, asked: u64, entry: Option<&Entry>, shard_bytes: u64) -> bool {
         let Some(id) = hit.hold.id() else {
             return true;
         };
@@ -550,7 +608,10 @@ impl MemoryBackend {
                 None,
             ),
         };
-        now + Holds::cost_of(id) <= self.shard_budget
+        let more = Holds::cost_of(id);
+        let others = shard_bytes - entry.map_or(0, |e| e.bytes);
+        now + more <= self.counter_share
+            && self.total.load(Ordering::Relaxed) + more <= self.max_bytes + others
     }
 
     /// The verdict on a place refused for want of room: over until the first place in use ends.
@@ -586,7 +647,7 @@ impl MemoryBackend {
             let mut shard = self.shards[hash.shard()].lock();
             if shard.entries.find(hash.0, |e| *e.key == *key).is_some() {
                 let freed = shard.remove(hash, key);
-                self.metrics.bytes.dec_by(freed as i64);
+                self.held(-(freed as i64));
                 removed += 1;
             }
         }

@@ -333,6 +333,45 @@ pub(super) fn start(
     })
 }
 
+/// The temporary file a write of `path` by process `pid` goes through.
+fn temporary(path: &Path, pid: u32) -> std::path::PathBuf {
+    path.with_extension(format!("tmp.{pid}"))
+}
+
+/// Removes the temporaries earlier processes left beside `path` (one killed mid-write leaves
+/// its full copy of the set): those of a process that no longer runs. Returns how many.
+pub(super) fn remove_stale_temporaries(path: &Path) -> usize {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    let prefix = temporary(path, 0);
+    let Some(prefix) = prefix.file_name().and_then(|n| n.to_str()) else {
+        return 0;
+    };
+    let prefix = prefix.trim_end_matches('0');
+    let mut removed = 0;
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix(prefix))
+            .and_then(|pid| pid.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let running = pid == std::process::id() || Path::new(&format!("/proc/{pid}")).exists();
+        if !running && std::fs::remove_file(entry.path()).is_ok() {
+            tracing::info!(file = %entry.path().display(), "--overrides-file: removed a temporary an earlier process left");
+            removed += 1;
+        }
+    }
+    removed
+}
+
 /// The overrides `path` holds; none when it does not exist yet.
 pub(super) fn read_file(path: &Path) -> Result<Vec<OverrideRecord>, String> {
     match std::fs::read(path) {
@@ -354,7 +393,7 @@ fn write_file<'a>(
     let mut overrides: Vec<OverrideRecord> = records.cloned().collect();
     overrides.sort_by(|a, b| (a.created_at_ms, &a.id).cmp(&(b.created_at_ms, &b.id)));
     let text = serde_json::to_vec_pretty(&File { overrides }).map_err(|e| e.to_string())?;
-    let tmp = path.with_extension(format!("tmp.{}", std::process::id()));
+    let tmp = temporary(path, std::process::id());
     let written = (|| {
         let mut f = std::fs::File::create(&tmp)?;
         f.write_all(&text)?;
@@ -375,4 +414,29 @@ fn write_file<'a>(
         tracing::warn!(dir = %dir.display(), error = %e, "--overrides-file: its directory could not be synced; the last change may not outlive a power cut");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A process killed mid-write leaves its temporary beside the file: the next start removes
+    /// it, and leaves the file and a running process's temporary alone.
+    #[test]
+    fn temporaries_of_processes_gone_are_removed_at_start() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("overrides.json");
+        std::fs::write(&path, "{\"overrides\":[]}").unwrap();
+        // Above Linux's largest pid (2^22): no such process runs.
+        let gone = temporary(&path, 999_999_999);
+        let ours = temporary(&path, std::process::id());
+        let other = dir.path().join("overrides.tmp.x1");
+        for f in [&gone, &ours, &other] {
+            std::fs::write(f, "partial").unwrap();
+        }
+        assert_eq!(remove_stale_temporaries(&path), 1);
+        assert!(!gone.exists());
+        assert!(ours.exists() && other.exists() && path.exists());
+        assert_eq!(remove_stale_temporaries(&path), 0);
+    }
 }

@@ -257,6 +257,7 @@ impl Overrides {
             Some((redis, prefix)) => OverrideStore::Redis(redis, Keys::new(prefix)),
             None => {
                 if let Some(path) = &options.file {
+                    applier::remove_stale_temporaries(path);
                     for r in read_file(path)? {
                         records.insert(r.id.clone(), r);
                     }

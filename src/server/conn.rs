@@ -480,8 +480,9 @@ impl Delivery {
 
 pin_project_lite::pin_project! {
     /// An answer's body: once its last frame (the trailers) has been handed to HTTP/2, the
-    /// call's answer has gone out; dropped before that, what the call took is given back.
-    struct Delivered {
+    /// call's answer has gone out; dropped before that, what the call took is given back. Not
+    /// boxed: every answer is one, most with nothing to give back.
+    pub(crate) struct Delivered {
         #[pin]
         inner: tonic::body::Body,
         share: Option<Arc<BudgetShare>>,
@@ -712,7 +713,7 @@ where
     S: tower::Service<HttpRequest, Response = HttpResponse> + Send,
     S::Future: Send + 'static,
 {
-    type Response = S::Response;
+    type Response = http::Response<Delivered>;
     type Error = S::Error;
     type Future = Answer<S::Future>;
 
@@ -774,27 +775,18 @@ impl<F, E> Future for Answer<F>
 where
     F: Future<Output = Result<HttpResponse, E>>,
 {
-    type Output = F::Output;
+    type Output = Result<http::Response<Delivered>, E>;
 
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.project();
         let answer = std::task::ready!(this.inner.poll(cx));
-        let Some(held) = this.held.take() else {
-            return Poll::Ready(answer);
-        };
-        held.release();
         // Only a call that took something waits for its answer to go out.
-        if held.taken.lock().is_none() {
-            return Poll::Ready(answer);
-        }
-        Poll::Ready(answer.map(|response| {
-            response.map(|inner| {
-                tonic::body::Body::new(Delivered {
-                    inner,
-                    share: Some(held),
-                })
-            })
-        }))
+        let share = this.held.take().and_then(|held| {
+            held.release();
+            let armed = held.taken.lock().is_some();
+            armed.then_some(held)
+        });
+        Poll::Ready(answer.map(|response| response.map(|inner| Delivered { inner, share })))
     }
 }
 
