@@ -638,10 +638,8 @@ async fn requests_reset_mid_call_take_nothing() {
             .await;
             drop(clients); // the clients give up: Envoy cancels their calls
             undone += resets as f64;
-            poll(Duration::from_secs(10), || async {
-                (metric_of("ratelimit_calls_undone_total").await == undone).then_some(())
-            })
-            .await;
+            // A write waits out the pause: the cancelled calls' scripts have run by its answer.
+            redis.cli(&["SET", "probe", "1"]);
             let all: Vec<(&str, &str)> = if example.contains("concurrency") {
                 headers.clone()
             } else {
@@ -665,6 +663,10 @@ async fn requests_reset_mid_call_take_nothing() {
                 );
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
+            poll(Duration::from_secs(10), || async {
+                (metric_of("ratelimit_calls_undone_total").await == undone).then_some(())
+            })
+            .await;
             assert_never_failed(&envoy).await;
         }
     }
@@ -692,7 +694,7 @@ async fn the_reservations_example_cannot_be_overdrawn_by_leaving_the_estimate_ou
         rls.grpc.port(),
     )
     .await;
-    let estimates: [Option<&str>; 6] = [
+    let estimates: [Option<&'static str>; 6] = [
         None,
         Some("1e3"),
         Some("1000.0"),
@@ -700,13 +702,27 @@ async fn the_reservations_example_cannot_be_overdrawn_by_leaving_the_estimate_ou
         Some("0"),
         Some(""),
     ];
+    // 20 at once, each answered after a second: every reservation is held at the same time.
+    let asked: Vec<_> = (0..20)
+        .map(|i| {
+            let http = envoy.http;
+            let estimate = estimates[i % estimates.len()];
+            tokio::spawn(async move {
+                let mut headers = vec![
+                    ("x-tenant-id", "acme"),
+                    ("x-fake-tokens", "1000"),
+                    ("x-delay-ms", "1000"),
+                ];
+                if let Some(e) = estimate {
+                    headers.push(("x-max-tokens", e));
+                }
+                get(http, "/v1/chat", &headers).await.status
+            })
+        })
+        .collect();
     let mut admitted = 0;
-    for i in 0..20 {
-        let mut headers = vec![("x-tenant-id", "acme"), ("x-fake-tokens", "1000")];
-        if let Some(e) = estimates[i % estimates.len()] {
-            headers.push(("x-max-tokens", e));
-        }
-        match get(envoy.http, "/v1/chat", &headers).await.status {
+    for a in asked {
+        match a.await.unwrap() {
             200 => admitted += 1,
             429 => {}
             s => panic!("Envoy {version}: status {s}"),

@@ -266,7 +266,7 @@ impl Engine {
         let backend = self.backend.clone();
         let undone = self.decisions.calls_undone.clone();
         let (tx, rx) = tokio::sync::oneshot::channel();
-        tokio::spawn(async move {
+        let decision = async move {
             let outcome = backend.decide(&hits).await;
             let Err((hits, Ok(outcome))) = tx.send((hits, outcome)) else {
                 return;
@@ -286,7 +286,14 @@ impl Engine {
                     tracing::debug!(error = %e, "an undone call's admission could not be given back");
                 }
             }
-        });
+        };
+        if crate::trace::enabled() {
+            // The store's span stays a child of the request's.
+            use tracing::Instrument;
+            tokio::spawn(decision.in_current_span());
+        } else {
+            tokio::spawn(decision);
+        }
         let (hits, outcome) = rx.await.map_err(|_| {
             EngineError::Backend(crate::limiter::BackendError::Unavailable {
                 kind: "shutdown",
