@@ -81,6 +81,57 @@ pub(crate) struct Taken {
     places: Vec<(usize, String, u64)>,
 }
 
+/// A decision a backend is making, owned so that it outlives its caller.
+type Deciding = std::pin::Pin<
+    Box<dyn Future<Output = (Vec<Hit>, Result<Outcome, crate::limiter::BackendError>)> + Send>,
+>;
+
+/// A decision under way for a caller ([`Engine::decide_apart`]): dropped before it is done, it
+/// finishes in a task of its own, and what it admitted is given back.
+struct Pending {
+    decision: Option<Deciding>,
+    backend: Arc<dyn Backend>,
+    undone: prometheus_client::metrics::counter::Counter,
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        let Some(decision) = self.decision.take() else {
+            return;
+        };
+        let (backend, undone) = (self.backend.clone(), self.undone.clone());
+        let finish = async move {
+            let (hits, Ok(outcome)) = decision.await else {
+                return;
+            };
+            let taken = Taken {
+                domain: Arc::default(),
+                hits,
+                verdicts: outcome.verdicts,
+                admitted: outcome.admitted,
+                places: Vec::new(),
+            };
+            if let Some(refunds) = taken.refunds() {
+                undone.inc();
+                // Never recorded as taken (the caller went before it heard), so the places'
+                // gauges are left alone.
+                if let Err(e) = backend.decide(&refunds.hits).await {
+                    tracing::debug!(error = %e, "an undone call's admission could not be given back");
+                }
+            }
+        };
+        // Outside a runtime (the process ending) there is nothing left to answer.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            if crate::trace::enabled() {
+                use tracing::Instrument;
+                runtime.spawn(finish.in_current_span());
+            } else {
+                runtime.spawn(finish);
+            }
+        }
+    }
+}
+
 /// The refunds that undo a request's admissions, and which hit each undoes.
 struct Refunds {
     hits: Vec<Hit>,
@@ -259,47 +310,27 @@ impl Engine {
         });
     }
 
-    /// Decides `hits` on a backend that waits (Redis) in a task of its own, so that a caller
-    /// dropped meanwhile (a cancelled call) leaves the decision whole, and an admission it
-    /// made is given back at once: nothing it took outlives a caller that never heard of it.
+    /// Decides `hits` on a backend that waits (Redis) so that a caller dropped meanwhile (a
+    /// cancelled call) leaves the decision whole: what is left of it then goes on in a task of
+    /// its own, and an admission it made is given back at once. Nothing a request took
+    /// outlives a caller that never heard of it; a caller that stays costs no task.
     async fn decide_apart(&self, hits: Vec<Hit>) -> Result<(Vec<Hit>, Outcome), EngineError> {
         let backend = self.backend.clone();
-        let undone = self.decisions.calls_undone.clone();
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        let decision = async move {
-            let outcome = backend.decide(&hits).await;
-            let Err((hits, Ok(outcome))) = tx.send((hits, outcome)) else {
-                return;
-            };
-            let taken = Taken {
-                domain: Arc::default(),
-                hits,
-                verdicts: outcome.verdicts,
-                admitted: outcome.admitted,
-                places: Vec::new(),
-            };
-            if let Some(refunds) = taken.refunds() {
-                undone.inc();
-                // Never recorded as taken (the caller went before it heard), so the places'
-                // gauges are left alone.
-                if let Err(e) = backend.decide(&refunds.hits).await {
-                    tracing::debug!(error = %e, "an undone call's admission could not be given back");
-                }
-            }
+        let mut pending = Pending {
+            decision: Some(Box::pin(async move {
+                let outcome = backend.decide(&hits).await;
+                (hits, outcome)
+            })),
+            backend: self.backend.clone(),
+            undone: self.decisions.calls_undone.clone(),
         };
-        if crate::trace::enabled() {
-            // The store's span stays a child of the request's.
-            use tracing::Instrument;
-            tokio::spawn(decision.in_current_span());
-        } else {
-            tokio::spawn(decision);
-        }
-        let (hits, outcome) = rx.await.map_err(|_| {
-            EngineError::Backend(crate::limiter::BackendError::Unavailable {
-                kind: "shutdown",
-                detail: "the decision's task ended with the runtime".to_owned(),
-            })
-        })?;
+        let (hits, outcome) = std::future::poll_fn(|cx| {
+            let decision = pending.decision.as_mut().expect("polled until done");
+            let done = std::task::ready!(decision.as_mut().poll(cx));
+            pending.decision = None;
+            std::task::Poll::Ready(done)
+        })
+        .await;
         Ok((hits, outcome?))
     }
 
