@@ -86,7 +86,7 @@ type Deciding = std::pin::Pin<
     Box<dyn Future<Output = (Vec<Hit>, Result<Outcome, crate::limiter::BackendError>)> + Send>,
 >;
 
-/// A decision under way for a caller ([`Engine::decide_apart`]): dropped before it is done, it
+/// A decision under way for a caller ([`Engine::decide_whole`]): dropped before it is done, it
 /// finishes in a task of its own, and what it admitted is given back.
 struct Pending {
     decision: Option<Deciding>,
@@ -314,7 +314,7 @@ impl Engine {
     /// cancelled call) leaves the decision whole: what is left of it then goes on in a task of
     /// its own, and an admission it made is given back at once. Nothing a request took
     /// outlives a caller that never heard of it; a caller that stays costs no task.
-    async fn decide_apart(&self, hits: Vec<Hit>) -> Result<(Vec<Hit>, Outcome), EngineError> {
+    async fn decide_whole(&self, hits: Vec<Hit>) -> Result<(Vec<Hit>, Outcome), EngineError> {
         let backend = self.backend.clone();
         let mut pending = Pending {
             decision: Some(Box::pin(async move {
@@ -384,7 +384,7 @@ impl Engine {
         };
         let (hits, outcome) = match self.backend.decide_at_once(&hits) {
             Some(outcome) => (hits, outcome),
-            None => self.decide_apart(hits).await?,
+            None => self.decide_whole(hits).await?,
         };
         for change in &outcome.places {
             if let Some(a) = applied.iter().find(|a| a.hit == change.hit) {
