@@ -56,6 +56,7 @@ def tenant(t):
 threads = [threading.Thread(target=tenant, args=(t,)) for t in range(tenants)]
 for t in threads: t.start()
 for t in threads: t.join()
+conn = http.client.HTTPConnection(host, int(port))  # the first sat idle past the idle timeout
 again = sum(ask(conn, [{"key": "victim", "value": f"victim-{v}"}]) == 200 for v in range(victims))
 conn.request("GET", "/metrics")
 metrics = conn.getresponse().read().decode()
