@@ -144,18 +144,19 @@ async fn the_reservations_example_meets_envoys_protos_and_holds() {
     assert_eq!(
         names,
         [
-            "envoy.filters.http.set_filter_state",
             "envoy.filters.http.lua",
+            "envoy.filters.http.set_filter_state",
             "envoy.filters.http.ratelimit",
             "envoy.filters.http.router"
         ],
-        "the filter state is set before the rate limit filter reads it"
+        "the estimate is made whole before the filter state takes it, and the filter state is \
+         set before the rate limit filter reads it"
     );
     let domain = filters[2]["typed_config"]["domain"].as_str().unwrap();
 
     // The estimate into the filter state Envoy's rate limit filter reads as the request's
     // hits_addend, read into Envoy's message field by field.
-    let states: Vec<FilterStateValue> = filters[0]["typed_config"]["on_request_headers"]
+    let states: Vec<FilterStateValue> = filters[1]["typed_config"]["on_request_headers"]
         .as_array()
         .unwrap()
         .iter()
@@ -244,12 +245,18 @@ async fn the_reservations_example_meets_envoys_protos_and_holds() {
     );
     let charge = charge.hits_addend.as_ref().unwrap();
     assert!(!charge.is_negative_hits);
-    let lua = filters[1]["typed_config"]["default_source_code"]["inline_string"]
+    let lua = filters[0]["typed_config"]["default_source_code"]["inline_string"]
         .as_str()
         .unwrap();
     assert_eq!(charge.format, "%DYNAMIC_METADATA(example.tokens:used)%");
     assert!(
         lua.contains(r#"dynamicMetadata():set("example.tokens", "used""#),
+        "{lua}"
+    );
+    // An estimate Envoy cannot read as a whole number is the most a request may cost, in the
+    // header both of Envoy's reads take it from.
+    assert!(
+        lua.contains(r#"handle:headers():replace("x-max-tokens", estimate)"#),
         "{lua}"
     );
 
