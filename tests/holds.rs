@@ -271,11 +271,8 @@ descriptors:
 
 /// `ratelimit_places_in_use{domain,rule}` of `s`.
 async fn in_use(s: &TestServer) -> f64 {
-    let (_, text) = s.http_get("/metrics").await;
-    metric(
-        &text,
-        "ratelimit_places_in_use{domain=\"llm\",rule=\"tenant\"}",
-    )
+    s.metric("ratelimit_places_in_use{domain=\"llm\",rule=\"tenant\"}")
+        .await
 }
 
 async fn places_in_use_are_a_gauge_per_rule(kind: Kind) {
@@ -560,11 +557,7 @@ descriptors:
         req.descriptors[0].is_negative_hits = true;
         req
     };
-    let figure = |name: &'static str| {
-        let s = &s;
-        async move { metric(&s.http_get("/metrics").await.1, name) }
-    };
-    let held = || figure("ratelimit_memory_bytes");
+    let held = || s.metric("ratelimit_memory_bytes");
 
     // 6,000 holds on one rate limit's counter, from four clients at once, the bound watched
     // while they are taken.
@@ -589,7 +582,7 @@ descriptors:
     }
     let bytes = held().await;
     assert!(bytes <= BOUND, "{bytes} bytes held at a bound of {BOUND}");
-    assert!(figure("ratelimit_memory_holds_dropped_total").await > 0.0);
+    assert!(s.metric("ratelimit_memory_holds_dropped_total").await > 0.0);
     let mut c = s.client().await;
     let counted = 1_000_000 - HOLDS as u32;
     assert_eq!(remaining(&mut c).await, counted, "every hit stays counted");
@@ -610,8 +603,8 @@ descriptors:
         "{taken} places in a share of 16 KiB"
     );
     assert!(held().await <= BOUND);
-    assert_eq!(figure("ratelimit_memory_places_refused_total").await, 1.0);
-    let in_use = || figure("ratelimit_places_in_use{domain=\"bound\",rule=\"team\"}");
+    assert_eq!(s.metric("ratelimit_memory_places_refused_total").await, 1.0);
+    let in_use = || s.metric("ratelimit_places_in_use{domain=\"bound\",rule=\"team\"}");
     assert_eq!(in_use().await, taken as f64);
     for i in 0..taken {
         call(&mut c, give_back("team", i)).await;
@@ -647,10 +640,6 @@ descriptors:
         &["--memory-max-bytes", "4MiB"],
     )
     .await;
-    let figure = |name: &'static str| {
-        let s = &s;
-        async move { metric(&s.http_get("/metrics").await.1, name) }
-    };
     let victim = |v: usize| request("crowd", &[&[("victim", &format!("victim-{v}"))]]);
     let mut c = s.client().await;
     for v in 0..32 {
@@ -681,8 +670,8 @@ descriptors:
         t.await.unwrap();
     }
     let (bytes, dropped) = (
-        figure("ratelimit_memory_bytes").await,
-        figure("ratelimit_memory_holds_dropped_total").await,
+        s.metric("ratelimit_memory_bytes").await,
+        s.metric("ratelimit_memory_holds_dropped_total").await,
     );
     println!("16 tenants × 600 holds: {bytes} bytes held, {dropped} holds dropped");
     assert!(dropped > 0.0, "each tenant outgrew its share");
@@ -690,7 +679,7 @@ descriptors:
         bytes <= 4_194_304.0 / 2.0,
         "{bytes} bytes: well under the bound"
     );
-    assert_eq!(figure("ratelimit_memory_evictions_total").await, 0.0);
+    assert_eq!(s.metric("ratelimit_memory_evictions_total").await, 0.0);
     for v in 0..32 {
         assert!(
             is_over(&call(&mut c, victim(v)).await),
@@ -853,8 +842,7 @@ async fn an_override_of_places_keeps_the_places_in_flight(kind: Kind) {
 
 /// `ratelimit_calls_undone_total`.
 async fn undone(s: &TestServer) -> f64 {
-    let (_, text) = s.http_get("/metrics").await;
-    metric(&text, "ratelimit_calls_undone_total")
+    s.metric("ratelimit_calls_undone_total").await
 }
 
 /// A call whose answer never goes out takes nothing. Three acquisitions sent on a raw HTTP/2

@@ -544,13 +544,13 @@ async fn a_killed_redis_is_answered_fast_in_every_failure_mode_and_recovers() {
         // decided by Redis, nothing counted by the failure mode, and it is the first counted
         // there.
         let series = format!("ratelimit_failure_mode_decisions_total{{mode=\"{mode}\"}}");
-        let before = metric(&s.http_get("/metrics").await.1, &series);
+        let before = s.metric(&series).await;
         let r = c
             .should_rate_limit(request("f", &[&[("k", "v")]]))
             .await
             .expect("decided by Redis")
             .into_inner();
-        assert_eq!(metric(&s.http_get("/metrics").await.1, &series), before);
+        assert_eq!(s.metric(&series).await, before);
         assert!(is_ok(&r), "{mode}: Redis is empty again");
         assert_eq!(r.statuses[0].limit_remaining, 1, "{mode}: counted in Redis");
     }
@@ -578,7 +578,7 @@ async fn a_stalled_redis_is_answered_within_the_timeout_and_recovers() {
     let circuit_open = r#"ratelimit_backend_errors_total{kind="circuit_open"}"#;
     let (mut slowest, mut asked) = (Duration::ZERO, 0);
     let until = Instant::now() + Duration::from_secs(3);
-    while metric(&s.http_get("/metrics").await.1, circuit_open) < 1.0 {
+    while s.metric(circuit_open).await < 1.0 {
         assert!(
             Instant::now() < until,
             "still closed after {asked} timed-out requests"

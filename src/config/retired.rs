@@ -139,7 +139,7 @@ impl Node {
             value: self.value.clone(),
             escaped_key: self.escaped_key.clone(),
             counted: self.counted.clone(),
-            limits: self.limits.clone().filter(|_| kept),
+            limits: if kept { self.limits.clone() } else { None },
             shadow_mode: self.shadow_mode,
             detailed_metric: self.detailed_metric,
             share_threshold: self.share_threshold,

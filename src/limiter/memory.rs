@@ -15,11 +15,12 @@
 //! (`ratelimit_memory_places_refused_total`; a place in use is never dropped). So a tenant's
 //! holds cost its own counter its holds, never another tenant's counter. Only when the
 //! process's counters together exceed the bound are counters given up: those closest to
-//! expiry of the shard being written, then of the others (`ratelimit_memory_evictions_total`; a given-up counter
-//! starts again from zero, so its key can be admitted up to its whole limit again within the
-//! window it was in), then that counter's own holds. The counter being written is never given
-//! up for its own room. Nothing else is ever lost, and the process never grows past the bound
-//! with counters however many distinct values or holds clients send.
+//! expiry of the shard being written, then of the others (`ratelimit_memory_evictions_total`;
+//! a given-up counter starts again from zero, so its key can be admitted up to its whole limit
+//! again within the window it was in), then that counter's own holds. The counter being
+//! written is never given up for its own room. Nothing else is ever lost, and the process
+//! never grows past the bound with counters however many distinct values or holds clients
+//! send.
 
 use std::collections::BTreeSet;
 use std::hash::{BuildHasher, Hasher, RandomState};

@@ -411,6 +411,18 @@ struct RequestBudget {
     used: AtomicUsize,
 }
 
+impl RequestBudget {
+    /// Takes `n` bytes if they fit.
+    fn reserve(&self, n: usize) -> bool {
+        let used = self.used.fetch_add(n, Ordering::AcqRel) + n;
+        if used > self.max {
+            self.used.fetch_sub(n, Ordering::AcqRel);
+            return false;
+        }
+        true
+    }
+}
+
 /// One request's share of its connection's budget, given back when its handler has answered
 /// (and what its body takes after that, when the body is done); and what the call took, to
 /// give back if its answer never goes out.
@@ -427,9 +439,7 @@ struct BudgetShare {
 impl BudgetShare {
     /// A share holding `headers` bytes of header block, or `None` when they do not fit.
     fn new(budget: Arc<RequestBudget>, headers: usize) -> Option<BudgetShare> {
-        let used = budget.used.fetch_add(headers, Ordering::AcqRel) + headers;
-        if used > budget.max {
-            budget.used.fetch_sub(headers, Ordering::AcqRel);
+        if !budget.reserve(headers) {
             return None;
         }
         Some(BudgetShare {
@@ -447,9 +457,7 @@ impl BudgetShare {
     }
 
     fn take(&self, n: usize) -> bool {
-        let used = self.budget.used.fetch_add(n, Ordering::AcqRel) + n;
-        if used > self.budget.max {
-            self.budget.used.fetch_sub(n, Ordering::AcqRel);
+        if !self.budget.reserve(n) {
             return false;
         }
         self.bytes.fetch_add(n, Ordering::AcqRel);

@@ -86,6 +86,11 @@ impl<IO> H2Guard<IO> {
     }
 }
 
+/// The payload length a frame header (its first 3 bytes) gives.
+fn payload_len(head: &[u8]) -> usize {
+    usize::from(head[0]) << 16 | usize::from(head[1]) << 8 | usize::from(head[2])
+}
+
 /// Where errors the server ends streams and connections with are counted
 /// (`ratelimit_grpc_resets_total`), and logged at most once per interval.
 #[derive(Clone)]
@@ -170,8 +175,7 @@ impl Sent {
                 bytes = &bytes[n..];
                 if self.head_len == HEADER {
                     let h = self.head;
-                    self.left =
-                        usize::from(h[0]) << 16 | usize::from(h[1]) << 8 | usize::from(h[2]);
+                    self.left = payload_len(&h);
                     self.kind = h[3];
                     self.have = 0;
                     self.head_len = 0;
@@ -294,7 +298,7 @@ impl Walk {
     }
 
     fn frame_header(&mut self, head: &mut [u8]) {
-        let len = usize::from(head[0]) << 16 | usize::from(head[1]) << 8 | usize::from(head[2]);
+        let len = payload_len(head);
         let (kind, flags) = (head[3], head[4]);
         let stream = u32::from_be_bytes([head[5] & 0x7f, head[6], head[7], head[8]]);
         self.left = len;

@@ -286,6 +286,11 @@ impl TestServer {
         http_get(self.http, path).await
     }
 
+    /// One series' value on `/metrics` now (0 when absent).
+    pub(crate) async fn metric(&self, series: &str) -> f64 {
+        metric(&self.http_get("/metrics").await.1, series)
+    }
+
     /// Signals shutdown and waits for `run` to return.
     pub(crate) async fn shutdown(&mut self) -> Result<(), RunError> {
         if let Some(stop) = self.stop.take() {
