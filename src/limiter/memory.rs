@@ -15,12 +15,12 @@
 //! (`ratelimit_memory_places_refused_total`; a place in use is never dropped). So a tenant's
 //! holds cost its own counter its holds, never another tenant's counter. Only when the
 //! process's counters together exceed the bound are counters given up: those closest to
-//! expiry of the shard being written, then of the others (`ratelimit_memory_evictions_total`;
-//! a given-up counter starts again from zero, so its key can be admitted up to its whole limit
-//! again within the window it was in), then that counter's own holds. The counter being
-//! written is never given up for its own room. Nothing else is ever lost, and the process
-//! never grows past the bound with counters however many distinct values or holds clients
-//! send.
+//! expiry of the shards past their share of the bound (1/64 of it), the shard being written
+//! first (`ratelimit_memory_evictions_total`; a given-up counter starts again from zero, so
+//! its key can be admitted up to its whole limit again within the window it was in), then
+//! that counter's own holds. The counter being written is never given up for its own room.
+//! Nothing else is ever lost, and the process never grows past the bound with counters
+//! however many distinct values or holds clients send.
 
 use std::collections::BTreeSet;
 use std::hash::{BuildHasher, Hasher, RandomState};
@@ -198,7 +198,8 @@ pub struct MemoryBackend {
     max_bytes: u64,
     /// What they hold now (each shard's bytes, summed as they change).
     total: AtomicU64,
-    /// The most one counter may keep, its holds included.
+    /// The most one counter may keep, its holds included, and one shard's share of the bound
+    /// (a shard within it keeps its counters when the process is past the bound).
     counter_share: u64,
     metrics: MemoryMetrics,
     /// How far past its limit a cost report may take a counter (`--max-debt`).
@@ -263,20 +264,30 @@ impl MemoryBackend {
         }
     }
 
-    /// While the process is past its bound, gives up counters of the other shards, closest to
-    /// expiry first, in shard order from `this` on. A shard whose lock is held (by this
-    /// request, or another thread) is passed over: it is never waited for, so no two
-    /// requests wait on each other.
+    /// While the process is past its bound, gives up counters of `shard` past its share of
+    /// the bound (never `keep`), closest to expiry first. A shard within its share keeps its
+    /// counters: the shards past theirs hold what is over the bound.
+    fn evict_from(&self, shard: &mut Shard, keep: &[u8]) {
+        let over = self
+            .over_bound()
+            .min(shard.bytes.saturating_sub(self.counter_share));
+        if over > 0 {
+            let (freed, evicted) = shard.evict(over, keep);
+            self.held(-(freed as i64));
+            self.metrics.evictions.inc_by(evicted);
+        }
+    }
+
+    /// [`MemoryBackend::evict_from`] each other shard, in shard order from `this` on, while
+    /// the process is past its bound. A shard whose lock is held (by this request, or another
+    /// thread) is passed over: it is never waited for, so no two requests wait on each other.
     fn evict_elsewhere(&self, this: usize) {
         for step in 1..SHARDS {
-            let over = self.over_bound();
-            if over == 0 {
+            if self.over_bound() == 0 {
                 return;
             }
             if let Some(mut shard) = self.shards[(this + step) % SHARDS].try_lock() {
-                let (freed, evicted) = shard.evict(over, &[]);
-                self.held(-(freed as i64));
-                self.metrics.evictions.inc_by(evicted);
+                self.evict_from(&mut shard, &[]);
             }
         }
     }
@@ -564,13 +575,10 @@ impl MemoryBackend {
         // Most commits change no counter's size: no write to what every thread shares.
         if delta != 0 {
             self.held(delta);
-            // The process past its bound: this shard's counters closest to expiry go, then
-            // this counter's own holds.
-            let over = self.over_bound();
-            if over > 0 {
-                let (freed, evicted) = shard.evict(over, key_bytes);
-                self.held(-(freed as i64));
-                self.metrics.evictions.inc_by(evicted);
+            // The process past its bound: the counters closest to expiry of the shards past
+            // their share go, this one's first, then this counter's own holds.
+            if self.over_bound() > 0 {
+                self.evict_from(shard, key_bytes);
                 self.evict_elsewhere(hash.shard());
                 let over = self.over_bound();
                 if over > 0 {
