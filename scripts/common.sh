@@ -1,6 +1,10 @@
 # Shared by scripts/*.sh (sourced): free loopback ports and the bench tools' paths, in bash
 # alone (no python3 or other tool `make deps` does not install).
 
+# The servers a script starts are stopped with SIGTERM between its rounds, with nothing routing
+# to them: no drain delay (scripts/day-two.sh, which measures the drain, sets its own).
+export RATELIMITD_DRAIN_DELAY=${RATELIMITD_DRAIN_DELAY:-0s}
+
 # A loopback port nothing listens on and that no earlier call in this script returned (they are
 # remembered in a file, as `$(free_port)` runs in a subshell). A port is tried by connecting to
 # it: refused means free. Racy as every "free port" is: bind promptly.

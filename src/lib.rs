@@ -35,7 +35,7 @@ pub use crate::server::serve::{
     GrpcSocket, ListenError, Listeners, MAX_HTTP_CONNECTIONS, MAX_MESSAGE_BYTES,
     MAX_STREAMS_PER_CONNECTION, bind,
 };
-pub use crate::shutdown::HEALTH_SERVICES;
+pub use crate::shutdown::{HEALTH_SERVICES, Shutdown};
 pub use crate::source::CheckError;
 
 /// What the integration tests (`tests/`) and the fuzz targets (`fuzz/`) drive directly, below

@@ -5,26 +5,30 @@ use std::process::ExitCode;
 use anyhow::Context;
 use ratelimitd::runtime::WorkerGate;
 use ratelimitd::settings::{Options, Startup};
-use ratelimitd::{GrpcSocket, Listeners, bind, check_config, run};
+use ratelimitd::{GrpcSocket, Listeners, Shutdown, bind, check_config, run};
 
 /// mimalloc: the hot path allocates small, short-lived buffers per request (decoded protos, keys,
 /// responses); a thread-caching allocator measurably beats the system one there (`make bench`).
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-async fn shutdown_signal() {
+/// SIGTERM (Kubernetes, systemd) drains; SIGINT (a terminal's Ctrl-C) stops at once.
+async fn shutdown_signal() -> Shutdown {
     let ctrl_c = tokio::signal::ctrl_c();
     #[cfg(unix)]
     {
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
             .expect("installing a SIGTERM handler");
         tokio::select! {
-            _ = ctrl_c => {}
-            _ = term.recv() => {}
+            _ = ctrl_c => Shutdown::Now,
+            _ = term.recv() => Shutdown::Drain,
         }
     }
     #[cfg(not(unix))]
-    let _ = ctrl_c.await;
+    {
+        let _ = ctrl_c.await;
+        Shutdown::Now
+    }
 }
 
 async fn serve(startup: Startup, options: Options) -> anyhow::Result<()> {

@@ -14,7 +14,7 @@ use crate::server::rlqs::RlqsService;
 use crate::server::serve::Services;
 use crate::server::serve::{ListenError, Listeners};
 use crate::settings::Options;
-use crate::shutdown::{ServerFailed, Stop, Tasks, until_stopped};
+use crate::shutdown::{ServerFailed, Shutdown, Stop, Tasks, until_stopped};
 use crate::source::{self, CheckError, SourceError};
 use crate::{limiter, overrides, server, statsd};
 
@@ -71,12 +71,13 @@ pub fn check_config(options: &Options) -> Result<String, CheckError> {
     source::check(&options.source)
 }
 
-/// Runs the service until `shutdown` resolves, then stops accepting, lets in-flight calls
-/// finish (up to `--shutdown-grace`) and returns.
-pub async fn run(
+/// Runs the service until `shutdown` resolves, then turns health not-serving, drains (for
+/// [`Shutdown::Drain`], `--drain-delay`), stops accepting, lets in-flight calls finish (up to
+/// `--shutdown-grace`) and returns. A future that yields `()` drains.
+pub async fn run<S: Into<Shutdown>>(
     options: Options,
     listeners: Listeners,
-    shutdown: impl Future<Output = ()> + Send + 'static,
+    shutdown: impl Future<Output = S> + Send + 'static,
 ) -> Result<(), RunError> {
     run_with_clock(options, listeners, shutdown, Arc::new(SystemClock)).await
 }
@@ -85,10 +86,10 @@ pub async fn run(
 /// The service comes up in named steps: the config source, the shutdown fan-out, the backend,
 /// the protocols, then the servers; every background task it starts ends with it.
 #[doc(hidden)]
-pub async fn run_with_clock(
+pub async fn run_with_clock<S: Into<Shutdown>>(
     options: Options,
     listeners: Listeners,
-    shutdown: impl Future<Output = ()> + Send + 'static,
+    shutdown: impl Future<Output = S> + Send + 'static,
     clock: Arc<dyn Clock>,
 ) -> Result<(), RunError> {
     // rediss:// uses rustls, which needs one crypto provider chosen per process; ring builds
@@ -109,7 +110,14 @@ pub async fn run_with_clock(
         .loaded
         .clone()
         .filter(|_| options.source.unhealthy_until_config);
-    let stop = Stop::start(shutdown, health, ready, &mut tasks).await;
+    let stop = Stop::start(
+        shutdown,
+        options.server.drain_delay,
+        health,
+        ready,
+        &mut tasks,
+    )
+    .await;
     if let Some(statsd) = options.statsd.clone() {
         let sink = statsd::Sink::new(statsd, metrics.clone());
         tasks.push(tokio::spawn(statsd::run(sink, stop.stopped())));

@@ -1,6 +1,7 @@
-//! Shutdown: the fan-out that turns health NOT_SERVING and then stops every server when the
-//! caller's shutdown future resolves, the background tasks aborted with the service, and the
-//! wait for the servers to finish within the grace period.
+//! Shutdown: the fan-out that turns health NOT_SERVING when the caller's shutdown future
+//! resolves, keeps answering for the drain delay (so that every client learns of it before a
+//! connection is refused) and then stops every server; the background tasks aborted with the
+//! service, and the wait for the servers to finish within the grace period.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -16,6 +17,24 @@ pub const HEALTH_SERVICES: [&str; 3] = [
     "ratelimit",
     "envoy.service.ratelimit.v3.RateLimitService",
 ];
+
+/// How a shutdown begins.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Shutdown {
+    /// As SIGTERM asks: health turns not-serving at once, calls are still accepted and
+    /// answered for `--drain-delay` (while the endpoint's removal reaches every Envoy), then
+    /// every connection is sent GOAWAY and calls in flight have `--shutdown-grace` to finish.
+    Drain,
+    /// As SIGINT asks (a terminal's Ctrl-C): the same without the drain delay.
+    Now,
+}
+
+/// A shutdown future that yields nothing drains.
+impl From<()> for Shutdown {
+    fn from((): ()) -> Shutdown {
+        Shutdown::Drain
+    }
+}
 
 /// Background tasks of a running service, aborted when it ends (returns or fails).
 #[derive(Default)]
@@ -36,8 +55,8 @@ impl Drop for Tasks {
 }
 
 /// The shutdown fan-out: when the caller's `shutdown` resolves, health turns NOT_SERVING
-/// first, then every server stops accepting. Health starts SERVING, or, given `ready`, turns
-/// SERVING when it does.
+/// first; after the drain delay (for [`Shutdown::Drain`], once health had been SERVING) every
+/// server stops accepting. Health starts SERVING, or, given `ready`, turns SERVING when it does.
 pub(crate) struct Stop {
     /// False once shutdown has begun (`/healthcheck` answers 500).
     pub(crate) serving: Arc<AtomicBool>,
@@ -45,8 +64,9 @@ pub(crate) struct Stop {
 }
 
 impl Stop {
-    pub(crate) async fn start(
-        shutdown: impl Future<Output = ()> + Send + 'static,
+    pub(crate) async fn start<S: Into<Shutdown>>(
+        shutdown: impl Future<Output = S> + Send + 'static,
+        drain_delay: Duration,
         health: tonic_health::server::HealthReporter,
         ready: Option<tokio::sync::watch::Receiver<bool>>,
         tasks: &mut Tasks,
@@ -63,14 +83,15 @@ impl Stop {
         tasks.push({
             let serving = serving.clone();
             tokio::spawn(async move {
+                let shutdown = async move { shutdown.await.into() };
                 tokio::pin!(shutdown);
                 // One task for both, so that a late `ready` can never undo a shutdown.
-                let mut down = false;
+                let mut how = None;
                 if let Some(mut ready) = ready {
                     let became_ready = tokio::select! {
                         r = ready.wait_for(|r| *r) => r.is_ok(),
-                        () = &mut shutdown => {
-                            down = true;
+                        h = &mut shutdown => {
+                            how = Some(h);
                             false
                         }
                     };
@@ -83,16 +104,27 @@ impl Stop {
                         }
                     }
                 }
-                if !down {
-                    shutdown.await;
-                }
-                tracing::info!("shutting down: finishing in-flight calls");
+                let how = match how {
+                    Some(h) => h,
+                    None => shutdown.await,
+                };
+                // Nobody was told to send calls here (health never said SERVING): nothing to
+                // drain.
+                let drain = how == Shutdown::Drain && serving.load(Ordering::SeqCst);
                 serving.store(false, Ordering::SeqCst);
                 for name in HEALTH_SERVICES {
                     health
                         .set_service_status(name, ServingStatus::NotServing)
                         .await;
                 }
+                if drain && !drain_delay.is_zero() {
+                    tracing::info!(
+                        ?drain_delay,
+                        "draining: health is not-serving, calls are still answered"
+                    );
+                    tokio::time::sleep(drain_delay).await;
+                }
+                tracing::info!("shutting down: GOAWAY sent, finishing in-flight calls");
                 let _ = stop_tx.send(true);
             })
         });

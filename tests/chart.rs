@@ -147,6 +147,36 @@ fn defaults_render_a_safe_deployment_reading_a_valid_config() {
     }
 }
 
+/// A pod being deleted drains before it stops, and the kubelet waits for both: the drain delay
+/// and the shutdown grace reach the binary, and the termination grace period covers their sum.
+#[test]
+fn the_termination_grace_covers_the_drain_and_the_calls_in_flight() {
+    let Some(helm) = helm() else { return };
+    for (extra, drain, grace) in [
+        (&[][..], 5, 10),
+        (
+            &[
+                "--set",
+                "shutdown.drainDelaySeconds=30",
+                "--set",
+                "shutdown.shutdownGraceSeconds=2",
+            ][..],
+            30,
+            2,
+        ),
+    ] {
+        let objects = template(&helm, extra);
+        let d = of(&objects, "Deployment").unwrap();
+        let a = args(d);
+        assert!(a.contains(&format!("--drain-delay={drain}s")), "{a:?}");
+        assert!(a.contains(&format!("--shutdown-grace={grace}s")), "{a:?}");
+        let period = d["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+            .as_u64()
+            .unwrap();
+        assert!(period > drain + grace, "{period} for {drain} + {grace}");
+    }
+}
+
 /// The dashboard's table of who is being limited reads `ratelimit_top_*`, which the service
 /// exports only with `--top-metrics`: on a default install with the dashboard on, it is filled.
 #[test]
@@ -293,6 +323,7 @@ fn the_schema_refuses_bad_values() {
         ("backend.redis.keyPrefix=a{b}", "keyPrefix"),
         ("backend.redis.url=http://x", "url"),
         ("nonsense=1", "nonsense"),
+        ("shutdown.drainDelaySeconds=-1", "drainDelaySeconds"),
     ] {
         let err = run(
             &helm,

@@ -49,7 +49,9 @@ pub(crate) struct ServerOptions {
     pub(crate) http_connections: ConnLimits,
     /// Longest time to receive and answer one request.
     pub(crate) request_timeout: Duration,
-    /// How long in-flight calls may finish after shutdown begins.
+    /// After SIGTERM, how long calls are still answered while health says not-serving.
+    pub(crate) drain_delay: Duration,
+    /// How long in-flight calls may finish after the drain.
     pub(crate) shutdown_grace: Duration,
 }
 

@@ -171,6 +171,7 @@ impl Flags {
                     ..grpc_connections
                 },
                 request_timeout: self.request_timeout,
+                drain_delay: self.drain_delay,
                 shutdown_grace: self.shutdown_grace,
             },
             overrides: crate::overrides::OverrideOptions {

@@ -735,7 +735,15 @@ pub(crate) struct Flags {
         value_parser = clap::builder::TypedValueParser::map(clap::value_parser!(u16).range(0..=100), usize::from))]
     pub(crate) top_metrics: usize,
 
-    /// How long in-flight calls may take to finish after SIGTERM before the process exits anyway.
+    /// After SIGTERM, how long health says not-serving while calls are still accepted and
+    /// answered, before connections are sent GOAWAY: long enough for the endpoint's removal to
+    /// reach every Envoy (kube-proxy, EDS), so that none is refused a connection meanwhile.
+    /// SIGINT skips it. At most 10m.
+    #[arg(long, default_value = "5s", value_parser = parse_drain)]
+    pub(crate) drain_delay: Duration,
+
+    /// How long in-flight calls may take to finish after the drain (GOAWAY sent) before the
+    /// process exits anyway.
     #[arg(long, default_value = "10s", value_parser = parse_grace)]
     pub(crate) shutdown_grace: Duration,
 
@@ -963,6 +971,11 @@ fn parse_tags(s: &str) -> Result<Tags, String> {
         tags.insert(k.to_owned(), v.to_owned());
     }
     Ok(Tags(tags.into_iter().collect()))
+}
+
+/// `--drain-delay`: at most ten minutes.
+fn parse_drain(s: &str) -> Result<Duration, String> {
+    parse_duration_within(s, Duration::from_secs(600))
 }
 
 /// `--shutdown-grace`: at most an hour.

@@ -57,7 +57,17 @@ impl Daemon {
     /// logs more than a test reads). A port found free can be taken by another process before the
     /// daemon binds it (two test runs on one machine): a daemon that exits before it serves is
     /// started again on other ports, twice at most.
+    ///
+    /// SIGTERM drains for `--drain-delay` (5 s) before the process stops: a test that does not
+    /// name the delay (flag or `RATELIMITD_DRAIN_DELAY`) runs without one.
     pub(crate) async fn start_with(mut cmd: Command, mut stderr: impl FnMut() -> Stdio) -> Daemon {
+        let named = cmd.get_args().any(|a| {
+            a.to_str()
+                .is_some_and(|a| a == "--drain-delay" || a.starts_with("--drain-delay="))
+        }) || cmd.get_envs().any(|(k, _)| k == "RATELIMITD_DRAIN_DELAY");
+        if !named {
+            cmd.env("RATELIMITD_DRAIN_DELAY", "0s");
+        }
         for attempt in 0..3 {
             let (grpc, http) = (free_port(), free_port());
             let child = cmd
@@ -108,25 +118,37 @@ impl Daemon {
     }
 
     pub(crate) async fn signal_and_wait(&mut self) -> (ExitStatus, String) {
-        let kill = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status()
-            .unwrap();
-        assert!(kill.success());
-        let started = Instant::now();
-        let exit = loop {
-            if let Some(exit) = self.child.try_wait().unwrap() {
-                break exit;
-            }
-            assert!(
-                started.elapsed() < Duration::from_secs(15),
-                "still running after SIGTERM"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        };
+        self.signal("TERM");
+        let exit = self.exited(Duration::from_secs(15)).await;
         let mut stderr = String::new();
         std::io::Read::read_to_string(self.child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
         (exit, stderr)
+    }
+}
+
+impl Daemon {
+    /// Sends signal `name` (`TERM`, `INT`, `KILL`) without waiting.
+    pub(crate) fn signal(&self, name: &str) {
+        let kill = Command::new("kill")
+            .args([&format!("-{name}"), &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(kill.success());
+    }
+
+    /// Waits for the exit, `within` at most.
+    pub(crate) async fn exited(&mut self, within: Duration) -> ExitStatus {
+        let started = Instant::now();
+        loop {
+            if let Some(exit) = self.child.try_wait().unwrap() {
+                return exit;
+            }
+            assert!(
+                started.elapsed() < within,
+                "still running {within:?} after the signal"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
     }
 }
 

@@ -181,13 +181,11 @@ impl Envoy {
             let child = Command::new(&bin)
                 .arg("-c")
                 .arg(&file)
-                .args([
-                    "--disable-hot-restart",
-                    "--concurrency",
-                    "2",
-                    "-l",
-                    "warning",
-                ])
+                .args(["--disable-hot-restart", "--concurrency", "2", "-l"])
+                // `RATELIMITD_TEST_ENVOY_LOG=debug` (or `trace`) when a test's failure needs more.
+                .arg(
+                    std::env::var("RATELIMITD_TEST_ENVOY_LOG").unwrap_or_else(|_| "warning".into()),
+                )
                 .arg("--log-path")
                 .arg(&log)
                 .stdin(Stdio::null())

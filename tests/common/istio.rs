@@ -17,8 +17,8 @@ pub(crate) const UPSTREAM: &str = "outbound|9080||productpage.default.svc.cluste
 /// and the HTTP filters of upstream Envoy that istiod puts before the router (its own
 /// `istio.*` filters are not in Envoy's release binary, and no patch here names them). The
 /// ratelimit service's cluster is what istiod makes of the `ratelimit` Service's port 8081
-/// (`grpc-port`: HTTP/2). Ports are the examples' (10000, 9000, 8081), rewritten by
-/// [`super::envoy::Envoy::start`].
+/// (`grpc-port`: HTTP/2), with istiod's default circuit breakers. Ports are the examples'
+/// (10000, 9000, 8081), rewritten by [`super::envoy::Envoy::start`].
 const GATEWAY: &str = r#"
 static_resources:
   listeners:
@@ -63,6 +63,14 @@ static_resources:
                     socket_address: { address: 127.0.0.1, port_value: 9000 }
     - name: "outbound|8081||ratelimit.default.svc.cluster.local"
       type: STATIC
+      # istiod's default thresholds on every outbound cluster (no DestinationRule).
+      circuit_breakers:
+        thresholds:
+          - max_connections: 4294967295
+            max_pending_requests: 4294967295
+            max_requests: 4294967295
+            max_retries: 4294967295
+            track_remaining: true
       typed_extension_protocol_options:
         envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
           "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions

@@ -17,7 +17,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimit
 use envoy_types::pb::google::protobuf::UInt64Value;
 use ratelimitd::testing::run_with_clock;
 use ratelimitd::testing::{Clock, SystemClock};
-use ratelimitd::{Listeners, RunError};
+use ratelimitd::{Listeners, RunError, Shutdown};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::oneshot;
@@ -25,6 +25,7 @@ use tokio::task::JoinHandle;
 use tonic::transport::Channel;
 
 pub(crate) mod ads;
+pub(crate) mod balancer;
 pub(crate) mod daemon;
 pub(crate) mod envoy;
 pub(crate) mod frames;
@@ -151,7 +152,7 @@ pub(crate) struct TestServer {
     pub dir: tempfile::TempDir,
     /// The flags it was started with.
     pub flags: Vec<String>,
-    stop: Option<oneshot::Sender<()>>,
+    stop: Option<oneshot::Sender<Shutdown>>,
     pub task: Option<JoinHandle<Result<(), RunError>>>,
 }
 
@@ -232,7 +233,7 @@ impl TestServer {
             .any(|a| a.starts_with("--admin-addr"))
             .then(|| ratelimitd::bind(loopback).unwrap());
         let admin = admin_listener.as_ref().map(|l| l.local_addr().unwrap());
-        let (stop, stopped) = oneshot::channel::<()>();
+        let (stop, stopped) = oneshot::channel::<Shutdown>();
         let task = tokio::spawn(run_with_clock(
             options,
             Listeners {
@@ -242,9 +243,7 @@ impl TestServer {
                 debug_http: None,
                 admin: admin_listener,
             },
-            async {
-                let _ = stopped.await;
-            },
+            async { stopped.await.unwrap_or(Shutdown::Now) },
             clock,
         ));
         // The ports listen once the service serves: wait for that (a config that fails ends
@@ -291,11 +290,21 @@ impl TestServer {
         metric(&self.http_get("/metrics").await.1, series)
     }
 
-    /// Signals shutdown and waits for `run` to return.
+    /// Signals shutdown as SIGINT does (no drain delay) and waits for `run` to return.
     pub(crate) async fn shutdown(&mut self) -> Result<(), RunError> {
+        self.begin_shutdown(Shutdown::Now);
+        self.finished().await
+    }
+
+    /// Begins a shutdown as `how` asks (SIGTERM's drain, or SIGINT's), without waiting.
+    pub(crate) fn begin_shutdown(&mut self, how: Shutdown) {
         if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
+            let _ = stop.send(how);
         }
+    }
+
+    /// Waits (15 s at most) for `run` to return.
+    pub(crate) async fn finished(&mut self) -> Result<(), RunError> {
         let task = self.task.take().expect("running");
         tokio::time::timeout(Duration::from_secs(15), task)
             .await
