@@ -135,7 +135,7 @@ pub async fn run_with_clock<S: Into<Shutdown>>(
         }
     }
     let started =
-        limiter::start::start(&options.backend, &options.keys, clock, &metrics, &mut tasks)?;
+        limiter::start::start(&options.backend, &options.keys, clock, &metrics, &mut tasks).await?;
     let redis = started.redis.as_ref().map(|(r, _)| r.clone());
     let pools = Pools::beside(started.redis, &options.rlqs.buckets, metrics.rlqs.clone());
     let rlqs = RlqsService::new(

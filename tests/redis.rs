@@ -684,9 +684,14 @@ async fn starting_before_redis_is_not_a_crash() {
     })
     .await;
     let _redis = RedisProc::start_on(port, &[]);
+    // Down at start, the circuit is open: calls get the failure mode until a probe (every
+    // 100 ms while Redis is down) finds it back.
     poll(Duration::from_secs(10), || {
         let mut c = c.clone();
-        async move { is_ok(&call(&mut c, request("f", &[&[("k", "v")]])).await).then_some(()) }
+        async move {
+            let r = c.should_rate_limit(request("f", &[&[("k", "v")]])).await;
+            r.is_ok_and(|r| is_ok(r.get_ref())).then_some(())
+        }
     })
     .await;
     poll(Duration::from_secs(5), || async {

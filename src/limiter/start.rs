@@ -47,8 +47,10 @@ pub(crate) struct Started {
     pub(crate) redis: Option<(Arc<RedisBackend>, FailureMode)>,
 }
 
-/// Starts the backend `options` name, its background tasks in `tasks`. `keys` is logged.
-pub(crate) fn start(
+/// Starts the backend `options` name, its background tasks in `tasks`, and readies it for the
+/// first burst (Redis: connected and the script loaded, or marked unreachable so that the
+/// failure mode answers). `keys` is logged.
+pub(crate) async fn start(
     options: &BackendOptions,
     keys: &KeyFormat,
     clock: Arc<dyn Clock>,
@@ -97,10 +99,24 @@ pub(crate) fn start(
             failure_mode,
         } => {
             tracing::info!(target = ?redis.target, per_second = ?redis.per_second, hash_tag = ?keys.hash_tag(), failure_mode = failure_mode.as_str(), pipeline = redis.pipeline, max_batch = redis.max_batch, "redis backend");
+            let within = super::redis::connection::response_timeout(redis.timeout);
             let redis = Arc::new(
                 RedisBackend::new(RedisOptions::clone(redis), metrics.backend.clone())?
                     .with_clock(clock),
             );
+            let began = tokio::time::Instant::now();
+            let unready = redis.warm(within).await;
+            if !unready.is_empty() {
+                tracing::warn!(
+                    failure_mode = failure_mode.as_str(),
+                    "redis not ready at start: the failure mode answers until it is back"
+                );
+            } else {
+                tracing::info!(
+                    took = ?began.elapsed(),
+                    "redis ready: connected and the script loaded"
+                );
+            }
             for probe in redis.spawn_probes(PROBE_EVERY) {
                 tasks.push(probe);
             }

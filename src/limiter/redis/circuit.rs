@@ -206,6 +206,14 @@ impl StoreHealth {
         self.set_reachable(false);
     }
 
+    /// Redis could not be readied at start (`why`): the circuit opens at once, so the first
+    /// calls get the failure mode without each waiting out its budget; the probes close it.
+    pub(super) fn down_at_start(&self, why: &dyn std::fmt::Display) {
+        self.circuit.trip();
+        tracing::warn!("{} circuit open: not ready at start ({why})", self.name);
+        self.set_reachable(false);
+    }
+
     /// PINGs Redis, giving it the call budget or [`CONFIRM_AT_LEAST`], whichever is longer;
     /// why it failed, if it did.
     pub(super) async fn ping(&self, call_budget: Duration) -> Result<(), String> {

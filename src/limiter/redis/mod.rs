@@ -212,6 +212,40 @@ impl RedisBackend {
         }
     }
 
+    /// Readies every store for the first burst (see `Batcher::warm`) and probes it, within
+    /// `within` for all: called before the service listens, so that a replica that says
+    /// SERVING decides its first calls as fast as its later ones. A store that cannot be
+    /// readied is marked unreachable, so the failure mode answers at once instead of each first
+    /// call waiting out its budget; the probes bring it back. Returns the stores that could not
+    /// be readied (each logged with why).
+    pub(crate) async fn warm(&self, within: Duration) -> Vec<&'static str> {
+        let stores = self.stores.iter().map(|store| async move {
+            let ready = async {
+                store.batcher.warm().await.map_err(|e| e.to_string())?;
+                store.health.probe(&store.conn, self.opts.timeout).await
+            };
+            let outcome = match tokio::time::timeout(within, ready).await {
+                Ok(r) => r,
+                Err(_) => Err(format!("not ready within {within:?}")),
+            };
+            match outcome {
+                Ok(()) => {
+                    store.health.on_answer();
+                    None
+                }
+                Err(why) => {
+                    store.health.down_at_start(&why);
+                    Some(store.health.name())
+                }
+            }
+        });
+        futures_util::future::join_all(stores)
+            .await
+            .into_iter()
+            .flatten()
+            .collect()
+    }
+
     /// Whether the last call or probe reached every store.
     pub(crate) fn is_reachable(&self) -> bool {
         self.stores.iter().all(|s| s.health.is_reachable())
