@@ -2,7 +2,7 @@
 CARGO ?= cargo
 EXAMPLE_LIMITS ?= examples/envoy/limits
 
-.PHONY: run test lint deps build bench envoy-bench rlqs-restart pools worst fuzz soak
+.PHONY: run test lint deps build bench envoy-bench day-two rlqs-restart pools worst fuzz soak
 
 ## Build and start ratelimitd on the embedded memory backend with the example limits.
 run:
@@ -43,6 +43,12 @@ bench:
 ## Envoy observes and the calls it let through, memory and Redis; not in CI.
 envoy-bench:
 	./scripts/envoy-bench.sh
+
+## Day two through Envoy (examples/envoy/envoy.yaml, its 20 ms timeout) behind a Service
+## stand-in: a rolling update, a SIGKILLed replica and a fresh replica's first burst, at
+## 1,000 requests a second: calls failed open and requests admitted against the budget; not in CI.
+day-two:
+	./scripts/day-two.sh
 
 ## A rolling restart on the quota path (examples/envoy/rlqs.yaml): what the Envoy that replaces
 ## a killed one admits from its first request, memory and Redis; not in CI.

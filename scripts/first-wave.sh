@@ -24,7 +24,7 @@ start_redis
 
 # The slowest request of an h2load run, in ms (its "time for request" max).
 slowest() {
-  awk '/time for request:/ {v = $3; u = $3; sub(/[0-9.]+/, "", u); sub(/[a-z]+$/, "", v);
+  awk '/time for request:/ {v = $5; u = $5; sub(/[0-9.]+/, "", u); sub(/[a-z]+$/, "", v);
     print (u == "us") ? v / 1000 : (u == "s") ? v * 1000 : v}'
 }
 
