@@ -126,8 +126,11 @@ impl Load {
         .await;
     }
 
-    /// Stops the clients: (admitted, refused); every answer was one of the two.
-    async fn finish(self) -> (u64, u64) {
+    /// Waits until the answers have passed `budget` (whatever the run took until now), then
+    /// stops the clients: (admitted, refused); every answer was one of the two.
+    async fn finish_past(self, budget: u64) -> (u64, u64) {
+        let spent = budget + 20;
+        self.answers(spent.saturating_sub(self.answered())).await;
         self.stop.store(true, Ordering::SeqCst);
         for t in self.tasks {
             let other = t.await.unwrap();
@@ -141,6 +144,18 @@ impl Load {
             self.over.load(Ordering::SeqCst),
         )
     }
+}
+
+/// Replicas sharing Redis admitted `budget` of the `ok + over` requests, no more, no fewer.
+fn admitted_exactly(ok: u64, over: u64, budget: u64) {
+    assert!(
+        ok + over > budget,
+        "the run spends the budget: {ok} + {over}"
+    );
+    assert_eq!(
+        ok, budget,
+        "admitted against a budget of {budget} ({over} refused)"
+    );
 }
 
 /// examples/envoy/envoy.yaml with its `ratelimitd` cluster pointed at the balancer.
@@ -181,10 +196,7 @@ async fn a_rolling_update_fails_no_call(kind: Kind, version: &'static str) {
         assert!(exit.success(), "{exit:?}");
         load.answers(20).await;
     }
-    // Past the budget, whatever the roll took.
-    let spent = budget + 20;
-    load.answers(spent.saturating_sub(load.answered())).await;
-    let (ok, over) = load.finish().await;
+    let (ok, over) = load.finish_past(budget).await;
     let s = envoy.ratelimit_stats(&envoy.upstream).await;
     assert_eq!(
         (s.error, s.failure_mode_allowed, balancer.refused()),
@@ -194,28 +206,7 @@ async fn a_rolling_update_fails_no_call(kind: Kind, version: &'static str) {
     );
     assert_eq!(s.ok + s.over_limit, ok + over, "{s:?}");
     if kind == Kind::Redis {
-        assert!(
-            ok + over > budget,
-            "the run spends the budget: {ok} + {over}"
-        );
-        assert_eq!(
-            ok, budget,
-            "admitted against a budget of {budget} ({over} refused)"
-        );
-    }
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_rolling_update_fails_no_call_on_memory() {
-    for v in envoy::versions() {
-        a_rolling_update_fails_no_call(Kind::Memory, v).await;
-    }
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_rolling_update_fails_no_call_on_redis() {
-    for v in envoy::versions() {
-        a_rolling_update_fails_no_call(Kind::Redis, v).await;
+        admitted_exactly(ok, over, budget);
     }
 }
 
@@ -310,10 +301,7 @@ async fn a_killed_replica_costs_at_most_its_calls_in_flight(kind: Kind, version:
     while Instant::now() < until {
         load.answers(1).await;
     }
-    // Past the budget, whatever the rest took.
-    let spent = budget + 20;
-    load.answers(spent.saturating_sub(load.answered())).await;
-    let (ok, over) = load.finish().await;
+    let (ok, over) = load.finish_past(budget).await;
     let s = envoy.ratelimit_stats(&envoy.upstream).await;
     assert!(
         balancer.refused() > 0,
@@ -337,20 +325,6 @@ async fn a_killed_replica_costs_at_most_its_calls_in_flight(kind: Kind, version:
             ok + 4 >= budget && ok <= budget + s.failure_mode_allowed,
             "admitted {ok} against a budget of {budget} ({s:?})"
         );
-    }
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_killed_replica_costs_at_most_its_calls_in_flight_on_memory() {
-    for v in envoy::versions() {
-        a_killed_replica_costs_at_most_its_calls_in_flight(Kind::Memory, v).await;
-    }
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_killed_replica_costs_at_most_its_calls_in_flight_on_redis() {
-    for v in envoy::versions() {
-        a_killed_replica_costs_at_most_its_calls_in_flight(Kind::Redis, v).await;
     }
 }
 
@@ -383,10 +357,7 @@ async fn a_replica_stopped_in_envoys_own_list_fails_no_call(kind: Kind, version:
     while Instant::now() < until {
         load.answers(1).await;
     }
-    // Past the budget, whatever the rest took.
-    let spent = budget + 20;
-    load.answers(spent.saturating_sub(load.answered())).await;
-    let (ok, over) = load.finish().await;
+    let (ok, over) = load.finish_past(budget).await;
     let s = envoy.ratelimit_stats(&envoy.upstream).await;
     assert_eq!(
         (s.error, s.failure_mode_allowed),
@@ -396,28 +367,7 @@ async fn a_replica_stopped_in_envoys_own_list_fails_no_call(kind: Kind, version:
     );
     assert_eq!(s.ok + s.over_limit, ok + over, "{s:?}");
     if kind == Kind::Redis {
-        assert!(
-            ok + over > budget,
-            "the run spends the budget: {ok} + {over}"
-        );
-        assert_eq!(
-            ok, budget,
-            "admitted against a budget of {budget} ({over} refused)"
-        );
-    }
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_replica_stopped_in_envoys_own_list_fails_no_call_on_memory() {
-    for v in envoy::versions() {
-        a_replica_stopped_in_envoys_own_list_fails_no_call(Kind::Memory, v).await;
-    }
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_replica_stopped_in_envoys_own_list_fails_no_call_on_redis() {
-    for v in envoy::versions() {
-        a_replica_stopped_in_envoys_own_list_fails_no_call(Kind::Redis, v).await;
+        admitted_exactly(ok, over, budget);
     }
 }
 
@@ -427,29 +377,24 @@ async fn a_replica_stopped_in_envoys_own_list_fails_no_call_on_redis() {
 /// first burst of 64 calls missed Envoy's 20 ms in 2 of 5 runs.
 #[tokio::test]
 async fn a_replica_says_serving_once_redis_is_ready() {
-    let redis = RedisProc::start(&[]);
-    let clients = |redis: &RedisProc| {
+    let replicas = Replicas::new(Kind::Redis, 10);
+    let redis = &replicas.redis.as_ref().unwrap().0;
+    let clients = || {
         redis
             .cli(&["CLIENT", "LIST"])
             .lines()
             .filter(|l| !l.contains("cmd=client"))
             .count()
     };
-    assert_eq!(clients(&redis), 0);
-    let replicas = Replicas {
-        dir: tempfile::tempdir().unwrap(),
-        redis: Some((redis, common::redis::unique_prefix())),
-    };
-    std::fs::write(replicas.dir.path().join("limits.yaml"), limits(10)).unwrap();
+    assert_eq!(clients(), 0);
     let _replica = replicas.start(&[]).await;
-    let redis = &replicas.redis.as_ref().unwrap().0;
     let loaded = redis.cli(&["FUNCTION", "LIST"]);
     assert!(
         loaded.contains("ratelimitd_"),
         "the library is loaded before SERVING: {loaded}"
     );
     assert!(
-        clients(redis) >= 2,
+        clients() >= 2,
         "the calls' and the probes' connections are made: {}",
         redis.cli(&["CLIENT", "LIST"])
     );
@@ -488,16 +433,9 @@ async fn a_fresh_replicas_first_burst_is_decided(kind: Kind, version: &'static s
     assert_eq!(ok, budget, "Envoy {version} on {kind:?}");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_fresh_replicas_first_burst_is_decided_on_memory() {
-    for v in envoy::versions() {
-        a_fresh_replicas_first_burst_is_decided(Kind::Memory, v).await;
-    }
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_fresh_replicas_first_burst_is_decided_on_redis() {
-    for v in envoy::versions() {
-        a_fresh_replicas_first_burst_is_decided(Kind::Redis, v).await;
-    }
-}
+in_envoy!(
+    a_rolling_update_fails_no_call,
+    a_killed_replica_costs_at_most_its_calls_in_flight,
+    a_replica_stopped_in_envoys_own_list_fails_no_call,
+    a_fresh_replicas_first_burst_is_decided,
+);

@@ -40,24 +40,6 @@ async fn ratelimitd(kind: Kind, extra: &[(&str, &str)]) -> TestServer {
     start(kind, &files, &[]).await
 }
 
-/// Generates, per backend, one test per example that runs in every installed Envoy version.
-macro_rules! in_envoy {
-    ($($name:ident),* $(,)?) => {
-        mod memory {
-            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn $name() {
-                for v in super::envoy::versions() { super::$name(super::Kind::Memory, v).await }
-            })*
-        }
-        mod redis {
-            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn $name() {
-                for v in super::envoy::versions() { super::$name(super::Kind::Redis, v).await }
-            })*
-        }
-    };
-}
-
 /// The ratelimit filter asked, answered, and never failed: the counts Envoy itself keeps.
 async fn assert_decided(envoy: &Envoy, ok: u64, over: u64) {
     let s = envoy.ratelimit_stats(&envoy.upstream).await;

@@ -142,6 +142,26 @@ macro_rules! every_backend {
     };
 }
 
+/// Generates, per backend (memory and Redis), one test per `async fn name(kind: Kind, version:
+/// &str)` that runs in every installed Envoy version (the caller imports `common::envoy`).
+#[macro_export]
+macro_rules! in_envoy {
+    ($($name:ident),* $(,)?) => {
+        mod memory {
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                for v in super::envoy::versions() { super::$name(super::Kind::Memory, v).await }
+            })*
+        }
+        mod redis {
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                for v in super::envoy::versions() { super::$name(super::Kind::Redis, v).await }
+            })*
+        }
+    };
+}
+
 /// A running server with its config directory.
 pub(crate) struct TestServer {
     pub grpc: SocketAddr,
