@@ -17,6 +17,11 @@
 #             streams at full speed saturate a 2-core machine shared by h2load, Envoy,
 #             ratelimitd and Redis: a second wave of 2,000 on a warm replica failed 185-241
 #             calls past 20 ms too, so that is a capacity figure, not a start-up one.)
+#   sentinel  two replicas on a master, its replica and a sentinel (down-after 400 ms); the
+#   cluster   master SIGKILLed 3 s into a 10 s run at RATE (Redis only; MODE: the replicas'
+#             --redis-failure-mode, share by default): also prints when the replica was
+#             promoted, how long after it the failure mode still answered, and the outage as
+#             Envoy saw it (first to last call failed open)
 #
 # RUNS (5) runs of each, on BACKENDS ("redis memory"); ENVOY (target/tools/envoy/1.40.0/envoy)
 # with ENVOY_CONFIG (examples/envoy/envoy.yaml); BIN (this checkout's release build). An older
@@ -34,7 +39,7 @@ BACKENDS=${BACKENDS:-redis memory}
 ENVOY=${ENVOY:-target/tools/envoy/1.40.0/envoy}
 [ -x "$ENVOY" ] || { echo "no Envoy at $ENVOY (make deps installs it)" >&2; exit 2; }
 SCENARIOS=("$@")
-[ ${#SCENARIOS[@]} -gt 0 ] || SCENARIOS=(rolling kill burst)
+[ ${#SCENARIOS[@]} -gt 0 ] || SCENARIOS=(rolling kill burst sentinel cluster)
 if [ -z "${BIN:-}" ]; then
   cargo build --release --quiet
   BIN=target/release/ratelimitd
@@ -201,6 +206,128 @@ burst() { # BACKEND RUN
   unlist
 }
 
+# Starts the Redis a failover run needs on shape $1, in $WORK/$1 (its processes in run_pids):
+# sentinel: a master, its replica and a sentinel (down-after 400 ms) watching them as `main`;
+# cluster: three masters with a replica each (node timeout 500 ms). Sets TARGET (the flags
+# that point a replica at it) and MASTER_PID/MASTER_PORT (the master holding `{edge}`).
+failover_redis() { # SHAPE
+  local dir=$WORK/$1 p ports=()
+  rm -rf "$dir"; mkdir -p "$dir"
+  case $1 in
+    sentinel)
+      local master replica sentinel
+      master=$(free_port); replica=$(free_port); sentinel=$(free_port)
+      (cd "$dir" && redis_server "$master" --repl-diskless-sync-delay 0) &
+      MASTER_PID=$!; MASTER_PORT=$master; run_pids+=("$MASTER_PID")
+      wait_port "$master" 100
+      (cd "$dir" && redis_server "$replica" --replicaof 127.0.0.1 "$master") &
+      run_pids+=($!)
+      wait_port "$replica" 100
+      printf 'port %s\nbind 127.0.0.1\nsentinel monitor main 127.0.0.1 %s 1\nsentinel down-after-milliseconds main 400\nsentinel failover-timeout main 2000\n' \
+        "$sentinel" "$master" >"$dir/sentinel.conf"
+      redis-server "$dir/sentinel.conf" --sentinel >/dev/null 2>&1 &
+      run_pids+=($!)
+      wait_port "$sentinel" 100
+      until redis-cli -p "$replica" INFO replication | grep -q 'master_link_status:up'; do sleep 0.05; done
+      TARGET=(--redis-sentinel-nodes "redis://127.0.0.1:$sentinel" --redis-sentinel-master main)
+      PROMOTED_PORT=$replica
+      ;;
+    cluster)
+      for _ in 1 2 3 4 5 6; do
+        p=$(free_port)
+        mkdir -p "$dir/$p"
+        (cd "$dir/$p" && redis_server "$p" --cluster-enabled yes --cluster-config-file nodes.conf \
+          --cluster-node-timeout 500 --repl-diskless-sync-delay 0) &
+        run_pids+=($!)
+        ports+=("$p")
+      done
+      for p in "${ports[@]}"; do wait_port "$p" 100; done
+      redis-cli --cluster create $(printf '127.0.0.1:%s ' "${ports[@]}") --cluster-replicas 1 \
+        --cluster-yes >/dev/null
+      for p in "${ports[@]}"; do
+        until redis-cli -p "$p" CLUSTER INFO | grep -q 'cluster_state:ok'; do sleep 0.05; done
+      done
+      for p in "${ports[@]}"; do
+        until redis-cli -p "$p" INFO replication | grep -Eq 'role:master|master_link_status:up'; do sleep 0.05; done
+      done
+      TARGET=(--redis-cluster-nodes "$(printf 'redis://127.0.0.1:%s,' "${ports[@]}" | sed 's/,$//')")
+      # The master of {edge}'s slot (redis-cli -c follows the redirection to it).
+      MASTER_PORT=$(redis-cli -c -p "${ports[0]}" --no-raw SET '{edge}probe' 1 >/dev/null;
+        for p in "${ports[@]}"; do
+          redis-cli -p "$p" EXISTS '{edge}probe' 2>/dev/null | grep -q '^1$' &&
+            redis-cli -p "$p" ROLE | head -1 | grep -q master && echo "$p"
+        done | head -1)
+      MASTER_PID=$(pgrep -f "redis-server 127.0.0.1:$MASTER_PORT" | head -1)
+      PROMOTED_PORT=
+      for p in "${ports[@]}"; do
+        redis-cli -p "$p" ROLE | sed -n 3p | grep -qx "$MASTER_PORT" && PROMOTED_PORT=$p
+      done
+      ;;
+  esac
+}
+
+# A replica on the failover's Redis in failure mode $1; sets REPLICA_PID, REPLICA_GRPC and
+# REPLICA_HTTP once /healthcheck says 200.
+failover_replica() { # MODE
+  REPLICA_GRPC=$(free_port)
+  REPLICA_HTTP=$(free_port)
+  "$BIN" --config "$WORK/limits" --grpc-addr "127.0.0.1:$REPLICA_GRPC" \
+    --http-addr "127.0.0.1:$REPLICA_HTTP" --log-level warn --backend redis "${TARGET[@]}" \
+    --redis-failure-mode "$1" &
+  REPLICA_PID=$!
+  run_pids+=("$REPLICA_PID")
+  for _ in $(seq 400); do
+    [ "$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$REPLICA_HTTP/healthcheck")" = 200 ] && return
+    sleep 0.02
+  done
+  echo "replica not ready" >&2
+  return 1
+}
+
+now_ms() { date +%s%3N; }
+
+# The master of `{edge}` SIGKILLed 3 s into a 10 s run of two replicas (failure mode MODE, by
+# default share) on a Sentinel setup or a Cluster. Beside the figures of the other scenarios:
+# the outage as Envoy saw it (first to last second with a call failed open, sampled every
+# 50 ms), when the replica was promoted (its ROLE says master) after the kill, and when the
+# replicas last answered by their failure mode (deciding alone, or failing) after promotion.
+failover() { # SHAPE RUN
+  run_pids=()
+  local mode=${MODE:-share}
+  failover_redis "$1"
+  failover_replica "$mode"; local a_http=$REPLICA_HTTP; add "$REPLICA_GRPC"
+  failover_replica "$mode"; local b_http=$REPLICA_HTTP; add "$REPLICA_GRPC"
+  envoy_start
+  load day-two 10 "$WORK/h2load.txt"
+  sleep 3
+  local killed promoted='' first='' last='' failed prev=0 decided_a decided_b alone_a=0 alone_b=0 t
+  killed=$(now_ms)
+  kill -9 "$MASTER_PID"
+  while kill -0 "$LOAD_PID" 2>/dev/null; do
+    t=$(now_ms)
+    failed=$(stat failure_mode_allowed); failed=${failed:-0}
+    if [ "$failed" != "$prev" ]; then
+      [ -n "$first" ] || first=$t
+      last=$t; prev=$failed
+    fi
+    if [ -z "$promoted" ] && redis-cli -p "$PROMOTED_PORT" ROLE 2>/dev/null | head -1 | grep -q master; then
+      promoted=$t
+    fi
+    decided_a=$(curl -s "http://127.0.0.1:$a_http/metrics" | awk '/^ratelimit_failure_mode_decisions_total/ {s += $2} END {print s + 0}')
+    decided_b=$(curl -s "http://127.0.0.1:$b_http/metrics" | awk '/^ratelimit_failure_mode_decisions_total/ {s += $2} END {print s + 0}')
+    [ "$decided_a" != "${seen_a:-0}" ] && { seen_a=$decided_a; alone_a=$t; }
+    [ "$decided_b" != "${seen_b:-0}" ] && { seen_b=$decided_b; alone_b=$t; }
+    sleep 0.05
+  done
+  seen_a=0 seen_b=0
+  local back=$((alone_a > alone_b ? alone_a : alone_b))
+  printf '%-8s %-7s run %s: promoted %s ms after the kill; failure mode answered until %s ms after promotion; outage in Envoy %s\n' \
+    "$1" "$mode" "$2" "$((promoted - killed))" "$((back - promoted))" \
+    "$([ -n "$first" ] && echo "$((first - killed))..$((last - killed)) ms after the kill" || echo none)"
+  report "$1" "$mode" "$2" 6000 "$WORK/h2load.txt"
+  unlist
+}
+
 # Lists the replica on gRPC port $1 (it said 200), remembered for `unlist`.
 listed_ports=()
 add() { # PORT
@@ -224,6 +351,7 @@ for scenario in "${SCENARIOS[@]}"; do
         rolling) rolling "$backend" "$run" ;;
         kill) kill_one "$backend" "$run" ;;
         burst) burst "$backend" "$run" ;;
+        sentinel | cluster) [ "$backend" = redis ] && failover "$scenario" "$run" ;;
         *) echo "unknown scenario $scenario" >&2; exit 2 ;;
       esac
     done

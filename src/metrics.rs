@@ -874,6 +874,14 @@ pub struct BackendMetrics {
     pub failure_mode_decisions: Family<ModeLabels, Counter>,
     /// `ratelimit_redis_batch_requests`: requests decided by one script call.
     pub batch_requests: Histogram,
+    /// `ratelimit_redis_replicas`: replicas alive on Redis as last counted there (the `share`
+    /// failure mode cuts each limit by it; 0 in the other modes, which do not count).
+    pub replicas: Gauge,
+    /// `ratelimit_share_written_back_hits_total`: hits admitted alone (`share`) and written
+    /// back to Redis after it.
+    pub written_back: Counter,
+    /// `ratelimit_share_lost_hits_total`: hits admitted alone that Redis did not take back.
+    pub written_back_lost: Counter,
 }
 
 impl Default for BackendMetrics {
@@ -890,6 +898,9 @@ impl Default for BackendMetrics {
             local_cache_hits: Counter::default(),
             failure_mode_decisions: Family::default(),
             batch_requests: Histogram::new([1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0]),
+            replicas: Gauge::default(),
+            written_back: Counter::default(),
+            written_back_lost: Counter::default(),
         }
     }
 }
@@ -1156,6 +1167,21 @@ impl BackendMetrics {
             "ratelimit_failure_mode_decisions",
             "Requests decided by the failure mode while the backend was unavailable",
             self.failure_mode_decisions.clone(),
+        );
+        registry.register(
+            "ratelimit_redis_replicas",
+            "Replicas alive on Redis as last counted there (share failure mode only)",
+            self.replicas.clone(),
+        );
+        registry.register(
+            "ratelimit_share_written_back_hits",
+            "Hits admitted while Redis was away (share failure mode) and written back",
+            self.written_back.clone(),
+        );
+        registry.register(
+            "ratelimit_share_lost_hits",
+            "Hits admitted while Redis was away (share failure mode) that Redis did not take back",
+            self.written_back_lost.clone(),
         );
         registry.register(
             "ratelimit_redis_batch_requests",

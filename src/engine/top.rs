@@ -222,7 +222,7 @@ impl Engine {
                 top.clone(),
                 redis,
                 self.keys.clone(),
-                replica_name(),
+                crate::limiter::redis::presence::replica_name(),
             )));
         }
     }
@@ -409,16 +409,6 @@ impl ExchangeKeys {
 
 /// Most replicas whose views are merged.
 pub(crate) const MAX_REPLICAS: usize = 256;
-
-/// A name for this replica in the exchange, unlike any other's.
-pub(crate) fn replica_name() -> String {
-    // A RandomState's keys are drawn at random for each process.
-    let state = std::hash::RandomState::new();
-    format!(
-        "{:016x}",
-        std::hash::BuildHasher::hash_one(&state, std::process::id())
-    )
-}
 
 /// Where the wall clock is in intervals of `every`: the interval's number and how long until
 /// the next begins. Every replica's intervals begin at the same instants (as far as their

@@ -2,6 +2,9 @@
 
 use std::sync::Arc;
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use super::share::{Shares, WRITE_BACK_BATCH};
 use super::{Backend, BackendError, BoxFuture, Hit, MemoryBackend, Outcome, Verdict, admits};
 use crate::metrics::BackendMetrics;
 
@@ -16,6 +19,9 @@ pub(crate) enum FailureMode {
     Deny,
     /// Decide with the in-process memory backend until Redis is back (per-replica counts).
     Local,
+    /// Decide in this process on this replica's share of what Redis last said was left, and
+    /// write what was admitted back when Redis is back (`share.rs`).
+    Share,
 }
 
 impl FailureMode {
@@ -26,6 +32,7 @@ impl FailureMode {
             FailureMode::Allow => "allow",
             FailureMode::Deny => "deny",
             FailureMode::Local => "local",
+            FailureMode::Share => "share",
         }
     }
 }
@@ -35,21 +42,27 @@ pub(crate) struct WithFailureMode {
     primary: Arc<dyn Backend>,
     mode: FailureMode,
     local: Arc<MemoryBackend>,
+    /// The `share` mode's state (that mode only).
+    shares: Option<Arc<Shares>>,
     metrics: BackendMetrics,
 }
 
 impl WithFailureMode {
-    /// Wraps `primary`; `local` is used only in `FailureMode::Local`.
+    /// Wraps `primary`; `local` is used only in `FailureMode::Local`, `shares` only in
+    /// `FailureMode::Share` (and must then be given).
     pub(crate) fn new(
         primary: Arc<dyn Backend>,
         mode: FailureMode,
         local: Arc<MemoryBackend>,
+        shares: Option<Arc<Shares>>,
         metrics: BackendMetrics,
     ) -> Self {
+        debug_assert_eq!(shares.is_some(), mode == FailureMode::Share);
         WithFailureMode {
             primary,
             mode,
             local,
+            shares,
             metrics,
         }
     }
@@ -80,6 +93,66 @@ impl WithFailureMode {
                 places: Vec::new(),
             }),
             FailureMode::Local => Ok(self.local.decide_now(hits)),
+            FailureMode::Share => match &self.shares {
+                Some(shares) => {
+                    let (outcome, start) = shares.degrade(hits);
+                    if start {
+                        tokio::spawn(rejoin(
+                            self.primary.clone(),
+                            shares.clone(),
+                            self.metrics.clone(),
+                        ));
+                    }
+                    Ok(outcome)
+                }
+                None => Err(err),
+            },
+        }
+    }
+}
+
+/// How often the `share` mode's write-back looks whether Redis is back.
+const REJOIN_EVERY: std::time::Duration = std::time::Duration::from_millis(10);
+
+/// The `share` mode's way back: once Redis is reachable, writes what was admitted alone into
+/// its counters (cost reports, a batch per call) and sends requests to Redis again once nothing
+/// is owed. A batch Redis refuses for good (not a transient failure) is given up and counted
+/// lost; a transient failure waits for Redis again.
+async fn rejoin(primary: Arc<dyn Backend>, shares: Arc<Shares>, metrics: BackendMetrics) {
+    let (mut written, mut lost) = (0u64, 0u64);
+    loop {
+        tokio::time::sleep(REJOIN_EVERY).await;
+        if !primary.is_reachable() {
+            continue;
+        }
+        let owed = shares.owed();
+        let mut failed = false;
+        for batch in owed.chunks(WRITE_BACK_BATCH) {
+            let hits: u64 = batch.iter().map(|h| h.hits).sum();
+            match primary.decide(batch).await {
+                Ok(_) => {
+                    written += hits;
+                    metrics.written_back.inc_by(hits);
+                }
+                Err(e) if e.is_transient() => {
+                    failed = true;
+                    break;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, hits, "share failure mode: hits admitted alone could not be written back");
+                    lost += hits;
+                    metrics.written_back_lost.inc_by(hits);
+                }
+            }
+            shares.written(batch);
+        }
+        if !failed && shares.rejoin() {
+            tracing::info!(
+                written,
+                lost,
+                "share failure mode: redis is back and has the hits admitted alone"
+            );
+            return;
         }
     }
 }
@@ -87,17 +160,37 @@ impl WithFailureMode {
 impl Backend for WithFailureMode {
     fn decide<'a>(&'a self, hits: &'a [Hit]) -> BoxFuture<'a, Result<Outcome, BackendError>> {
         Box::pin(async move {
+            // `share`: once a call has failed, decided alone until what was admitted alone is
+            // written back.
+            if let Some(shares) = &self.shares
+                && shares.is_alone()
+                && let Some(outcome) = shares.decide_alone(hits)
+            {
+                self.metrics.failure_mode(self.mode.as_str());
+                return Ok(outcome);
+            }
             // A store that failed beside others that answered falls back alone: its limits
             // are decided by the mode, the others where they live.
+            let degraded = AtomicBool::new(false);
             let decided = match self.mode {
                 FailureMode::Error => self.primary.decide(hits).await,
                 _ => {
-                    let degrade = |hits: &[Hit], err| self.degrade(hits, err);
+                    let degrade = |hits: &[Hit], err| {
+                        degraded.store(true, Ordering::Relaxed);
+                        self.degrade(hits, err)
+                    };
                     self.primary.decide_degrading(hits, &degrade).await
                 }
             };
             match decided {
-                Ok(outcome) => Ok(outcome),
+                Ok(outcome) => {
+                    if let Some(shares) = &self.shares
+                        && !degraded.load(Ordering::Relaxed)
+                    {
+                        shares.saw(hits, &outcome);
+                    }
+                    Ok(outcome)
+                }
                 // Only an unreachable store is a failure mode's business; a permanent error
                 // (a bug) is reported as such rather than hidden behind `allow` or `local`.
                 Err(err) if err.is_transient() => self.degrade(hits, err),

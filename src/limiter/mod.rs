@@ -9,6 +9,7 @@ pub(crate) mod hold;
 pub(crate) mod key;
 pub(crate) mod memory;
 pub(crate) mod redis;
+pub(crate) mod share;
 pub(crate) mod start;
 
 use std::future::Future;

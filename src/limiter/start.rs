@@ -2,11 +2,13 @@
 //! Redis (probed) with the memory backend as its `local` failure mode.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use super::failure_mode::{FailureMode, WithFailureMode};
 use super::key::KeyFormat;
-use super::redis::{RedisBackend, RedisOptions, SetupError};
+use super::redis::{RedisBackend, RedisOptions, SetupError, presence};
+use super::share::Shares;
 use super::{Backend, Clock, MemoryBackend};
 use crate::metrics::{Metrics, ModeLabels};
 use crate::shutdown::Tasks;
@@ -102,7 +104,7 @@ pub(crate) async fn start(
             let within = super::redis::connection::response_timeout(redis.timeout);
             let redis = Arc::new(
                 RedisBackend::new(RedisOptions::clone(redis), metrics.backend.clone())?
-                    .with_clock(clock),
+                    .with_clock(clock.clone()),
             );
             let began = tokio::time::Instant::now();
             let unready = redis.warm(within).await;
@@ -127,10 +129,27 @@ pub(crate) async fn start(
                     mode: failure_mode.as_str(),
                 }],
             );
+            let shares = if *failure_mode == FailureMode::Share {
+                // Counted on Redis: marked once now (a replica ready counts itself at once),
+                // then every second.
+                let count = Arc::new(AtomicU32::new(1));
+                let (key, name) = (presence::key(keys.prefix()), presence::replica_name());
+                if unready.is_empty()
+                    && let Ok(Ok(n)) =
+                        tokio::time::timeout(within, redis.mark_alive(&key, &name)).await
+                {
+                    count.store(n, Ordering::Relaxed);
+                }
+                tasks.push(redis.spawn_presence(key, name, count.clone()));
+                Some(Arc::new(Shares::new(memory.clone(), clock.clone(), count)))
+            } else {
+                None
+            };
             let backend = Arc::new(WithFailureMode::new(
                 redis.clone(),
                 *failure_mode,
                 memory,
+                shares,
                 metrics.backend.clone(),
             ));
             Started {

@@ -267,7 +267,7 @@ impl Pools {
                             FailureMode::Error => return None,
                             FailureMode::Allow => return Some(Assignment::Allow),
                             FailureMode::Deny => return Some(Assignment::Deny),
-                            FailureMode::Local => {
+                            FailureMode::Local | FailureMode::Share => {
                                 for p in pools {
                                     local.join(p, pid, signal, now);
                                 }

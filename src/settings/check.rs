@@ -465,6 +465,7 @@ impl Flags {
             FailureModeArg::Allow => FailureMode::Allow,
             FailureModeArg::Deny => FailureMode::Deny,
             FailureModeArg::Local => FailureMode::Local,
+            FailureModeArg::Share => FailureMode::Share,
         }
     }
 }

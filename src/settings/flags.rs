@@ -32,6 +32,9 @@ pub(crate) enum FailureModeArg {
     Deny,
     /// Decide in this process until Redis is back.
     Local,
+    /// Decide in this process on this replica's share of what was left, and write the hits
+    /// admitted back when Redis is back.
+    Share,
 }
 
 /// `--statsd-protocol`.

@@ -388,6 +388,13 @@ impl RedisCluster {
 
     /// The node serving `key`'s slot (from each node's own `CLUSTER NODES` "myself" line).
     pub(crate) fn node_for_key(&self, key: &str) -> &RedisProc {
+        self.try_node_for_key(key)
+            .unwrap_or_else(|| panic!("no node serves {key}'s slot"))
+    }
+
+    /// The node serving `key`'s slot, if one says it does (none while a master is dead and
+    /// its replica not yet promoted).
+    pub(crate) fn try_node_for_key(&self, key: &str) -> Option<&RedisProc> {
         let slot: u16 = self
             .nodes
             .iter()
@@ -413,10 +420,10 @@ impl RedisCluster {
                 }
             });
             if owns {
-                return node;
+                return Some(node);
             }
         }
-        panic!("no node for slot {slot}");
+        None
     }
 }
 

@@ -22,6 +22,7 @@ mod circuit;
 pub(crate) mod connection;
 mod error;
 mod eviction;
+pub(crate) mod presence;
 pub(crate) mod rlqs;
 mod url;
 mod wire;
