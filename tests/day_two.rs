@@ -555,15 +555,18 @@ async fn a_failover_keeps_the_budget(mut replicas: Replicas, version: &'static s
             } = &mut **s;
             // The replica has every count (a few hits may still be on their way).
             poll(Duration::from_secs(10), || async {
-                (replica
-                    .cli(&["INFO", "replication"])
-                    .contains("master_link_status:up"))
-                .then_some(())
+                replica
+                    .try_cli(&["INFO", "replication"])?
+                    .contains("master_link_status:up")
+                    .then_some(())
             })
             .await;
             master.kill();
             poll(Duration::from_secs(30), || async {
-                replica.cli(&["ROLE"]).starts_with("master").then_some(())
+                replica
+                    .try_cli(&["ROLE"])?
+                    .starts_with("master")
+                    .then_some(())
             })
             .await;
             killed.elapsed()

@@ -113,13 +113,19 @@ impl WithFailureMode {
 
 /// How often the `share` mode's write-back looks whether Redis is back.
 const REJOIN_EVERY: std::time::Duration = std::time::Duration::from_millis(10);
+/// How long after its first write-back a replica still decides alone: long enough for the
+/// other replicas (probing every 0.1 s while Redis is down) to find Redis back and write theirs,
+/// so that none asks Redis while another's hits are still missing there.
+const REJOIN_GRACE: std::time::Duration = std::time::Duration::from_millis(250);
 
 /// The `share` mode's way back: once Redis is reachable, writes what was admitted alone into
-/// its counters (cost reports, a batch per call) and sends requests to Redis again once nothing
-/// is owed. A batch Redis refuses for good (not a transient failure) is given up and counted
+/// its counters (cost reports, a batch per call), goes on writing back what is admitted alone
+/// for [`REJOIN_GRACE`], and sends requests to Redis again once nothing is owed. A batch Redis refuses for good (not a transient failure) is given up and counted
 /// lost; a transient failure waits for Redis again.
 async fn rejoin(primary: Arc<dyn Backend>, shares: Arc<Shares>, metrics: BackendMetrics) {
     let (mut written, mut lost) = (0u64, 0u64);
+    // When Redis first took this replica's hits back.
+    let mut back: Option<tokio::time::Instant> = None;
     loop {
         tokio::time::sleep(REJOIN_EVERY).await;
         if !primary.is_reachable() {
@@ -146,7 +152,11 @@ async fn rejoin(primary: Arc<dyn Backend>, shares: Arc<Shares>, metrics: Backend
             }
             shares.written(batch);
         }
-        if !failed && shares.rejoin() {
+        if failed {
+            continue;
+        }
+        let since = *back.get_or_insert_with(tokio::time::Instant::now);
+        if since.elapsed() >= REJOIN_GRACE && shares.rejoin() {
             tracing::info!(
                 written,
                 lost,

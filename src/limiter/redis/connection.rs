@@ -646,3 +646,22 @@ impl redis::aio::ConnectionLike for Live {
         }
     }
 }
+
+/// A client per sentinel of `target` (none for another shape), each with its URL's credentials
+/// and TLS: for listening to what the sentinels announce.
+pub(crate) fn sentinel_clients(
+    target: &Topology,
+    tls: &RedisTlsFiles,
+) -> Result<Vec<Client>, SetupError> {
+    let Topology::Sentinel { nodes, .. } = target else {
+        return Ok(Vec::new());
+    };
+    let certs = tls.certificates()?;
+    nodes
+        .iter()
+        .map(|url| {
+            let certs = if url.is_tls() { &certs } else { &None };
+            open(url, certs, tls.skip_hostname_verification).map_err(failed(url))
+        })
+        .collect()
+}

@@ -24,6 +24,7 @@ mod error;
 mod eviction;
 pub(crate) mod presence;
 pub(crate) mod rlqs;
+mod switch;
 mod url;
 mod wire;
 
@@ -82,6 +83,12 @@ struct Store {
     conn: Conn,
     batcher: Batcher,
     health: Arc<StoreHealth>,
+    /// Probes at once when notified (a sentinel announced a new master).
+    wake: Arc<tokio::sync::Notify>,
+    /// The store's sentinels (none for another shape), listened to by the probe.
+    sentinels: Vec<redis::Client>,
+    /// The master's name the sentinels watch.
+    master: Option<String>,
 }
 
 /// Index of the main store in [`RedisBackend::stores`].
@@ -173,6 +180,12 @@ impl RedisBackend {
                     conn,
                     batcher,
                     health,
+                    wake: Arc::new(tokio::sync::Notify::new()),
+                    sentinels: connection::sentinel_clients(target, &opts.tls)?,
+                    master: match target {
+                        Topology::Sentinel { master, .. } => Some(master.clone()),
+                        _ => None,
+                    },
                 })
             })
             .collect::<Result<_, SetupError>>()?;
@@ -262,37 +275,50 @@ impl RedisBackend {
         self: &Arc<Self>,
         every: Duration,
     ) -> Vec<tokio::task::JoinHandle<()>> {
-        (0..self.stores.len())
-            .map(|store| {
-                let backend = Arc::downgrade(self);
-                tokio::spawn(async move {
-                    loop {
-                        let up = backend
-                            .upgrade()
-                            .is_some_and(|b| b.stores[store].health.is_reachable());
-                        tokio::time::sleep(if up { every } else { every / 10 }).await;
-                        let Some(b) = backend.upgrade() else { return };
-                        let health = &b.stores[store].health;
-                        // As long as a timed-out call's confirming PING: a Redis slow under one
-                        // client's load is not down.
-                        match health.probe(&b.stores[store].conn, b.opts.timeout).await {
-                            Ok(()) => {
-                                if !health.is_reachable() {
-                                    tracing::info!("{} reachable again", health.name());
-                                }
-                                health.on_answer();
+        let mut tasks = Vec::new();
+        for (store, s) in self.stores.iter().enumerate() {
+            if let Some(master) = &s.master {
+                for sentinel in &s.sentinels {
+                    tasks.push(switch::listen(
+                        sentinel.clone(),
+                        master.clone(),
+                        s.wake.clone(),
+                    ));
+                }
+            }
+            let backend = Arc::downgrade(self);
+            let wake = s.wake.clone();
+            tasks.push(tokio::spawn(async move {
+                loop {
+                    let up = backend
+                        .upgrade()
+                        .is_some_and(|b| b.stores[store].health.is_reachable());
+                    tokio::select! {
+                        () = tokio::time::sleep(if up { every } else { every / 10 }) => {}
+                        () = wake.notified() => {}
+                    }
+                    let Some(b) = backend.upgrade() else { return };
+                    let health = &b.stores[store].health;
+                    // As long as a timed-out call's confirming PING: a Redis slow under one
+                    // client's load is not down.
+                    match health.probe(&b.stores[store].conn, b.opts.timeout).await {
+                        Ok(()) => {
+                            if !health.is_reachable() {
+                                tracing::info!("{} reachable again", health.name());
                             }
-                            Err(why) => {
-                                if health.is_reachable() {
-                                    tracing::warn!("{} unreachable ({why})", health.name());
-                                }
-                                health.on_unreachable(&why);
+                            health.on_answer();
+                        }
+                        Err(why) => {
+                            if health.is_reachable() {
+                                tracing::warn!("{} unreachable ({why})", health.name());
                             }
+                            health.on_unreachable(&why);
                         }
                     }
-                })
-            })
-            .collect()
+                }
+            }));
+        }
+        tasks
     }
 
     /// Which store keeps `hit`'s counter.
