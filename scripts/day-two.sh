@@ -212,6 +212,7 @@ burst() { # BACKEND RUN
 # that point a replica at it) and MASTER_PID/MASTER_PORT (the master holding `{edge}`).
 failover_redis() { # SHAPE
   local dir=$WORK/$1 p ports=()
+  local -A node_pid=()
   rm -rf "$dir"; mkdir -p "$dir"
   case $1 in
     sentinel)
@@ -239,6 +240,7 @@ failover_redis() { # SHAPE
         (cd "$dir/$p" && redis_server "$p" --cluster-enabled yes --cluster-config-file nodes.conf \
           --cluster-node-timeout 500 --repl-diskless-sync-delay 0) &
         run_pids+=($!)
+        node_pid[$p]=$!
         ports+=("$p")
       done
       for p in "${ports[@]}"; do wait_port "$p" 100; done
@@ -255,12 +257,12 @@ failover_redis() { # SHAPE
       MASTER_PORT=$(redis-cli -c -p "${ports[0]}" --no-raw SET '{edge}probe' 1 >/dev/null;
         for p in "${ports[@]}"; do
           redis-cli -p "$p" EXISTS '{edge}probe' 2>/dev/null | grep -q '^1$' &&
-            redis-cli -p "$p" ROLE | head -1 | grep -q master && echo "$p"
-        done | head -1)
-      MASTER_PID=$(pgrep -f "redis-server 127.0.0.1:$MASTER_PORT" | head -1)
+            if redis-cli -p "$p" ROLE | head -1 | grep -q master; then echo "$p"; fi
+        done | head -1 || true)
+      MASTER_PID=${node_pid[$MASTER_PORT]}
       PROMOTED_PORT=
       for p in "${ports[@]}"; do
-        redis-cli -p "$p" ROLE | sed -n 3p | grep -qx "$MASTER_PORT" && PROMOTED_PORT=$p
+        if redis-cli -p "$p" ROLE | sed -n 3p | grep -qx "$MASTER_PORT"; then PROMOTED_PORT=$p; fi
       done
       ;;
   esac

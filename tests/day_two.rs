@@ -530,7 +530,11 @@ async fn a_failover_keeps_the_budget(mut replicas: Replicas, version: &'static s
     let up = Upstream::start().await;
     let mut serving = Vec::new();
     for _ in 0..2 {
-        let r = replicas.start(&["--redis-failure-mode", "share"]).await;
+        // The debug build's calls may take longer than the release build's 15 ms on a loaded
+        // machine; Envoy's timeout is raised to 2 s here too (see `Envoy::start`).
+        let r = replicas
+            .start(&["--redis-failure-mode", "share", "--redis-share-after", "2s"])
+            .await;
         balancer.add(r.grpc);
         serving.push(r);
     }

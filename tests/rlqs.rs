@@ -873,16 +873,17 @@ async fn a_large_pool_beside_rls_on_redis() {
 }
 
 /// While Redis cannot answer, the failure mode decides what a bucket is told: `deny` denies,
-/// `local` shares the limit among this replica's own clients, `error` sends nothing (the client
-/// keeps its assignment until its TTL, then its own fallback) and keeps the stream. Once Redis
-/// is back, the shared pool answers again.
+/// `local` shares the limit among this replica's own clients, `share` shares this replica's
+/// part of it (1/n, n the replicas in `share` counted on Redis: two here), `error` sends
+/// nothing (the client keeps its assignment until its TTL, then its own fallback) and keeps
+/// the stream. Once Redis is back, the shared pool answers again.
 #[tokio::test]
 async fn while_redis_is_down_the_failure_mode_decides() {
     let mut redis = redis::RedisProc::start(&[]);
     let url = redis.url();
     let board = Arc::new(Mutex::new(Board::default()));
     let mut servers = Vec::new();
-    for mode in ["deny", "local", "error"] {
+    for mode in ["deny", "local", "error", "share", "share"] {
         let mut flags = FAST.to_vec();
         flags.extend(["--backend", "redis", "--redis-url", &url]);
         flags.extend(["--redis-timeout", "300ms", "--redis-failure-mode", mode]);
@@ -901,7 +902,14 @@ async fn while_redis_is_down_the_failure_mode_decides() {
     }
     tokio::time::sleep(TICK).await;
     let shared: u64 = board.lock().unwrap().sum(&key(API));
-    assert!(shared <= 600, "three clients of one pool: {shared}");
+    assert!(shared <= 600, "five clients of one pool: {shared}");
+    for s in &servers[3..] {
+        poll(Duration::from_secs(10), || async {
+            let (_, m) = s.http_get("/metrics").await;
+            (metric(&m, "ratelimit_redis_replicas") == 2.0).then_some(())
+        })
+        .await;
+    }
 
     redis.kill();
     async fn reported(e: &Envoy) {
@@ -926,6 +934,16 @@ async fn while_redis_is_down_the_failure_mode_decides() {
         (metric(&m, "ratelimit_rlqs_failure_mode_total{mode=\"error\"}") >= 1.0).then_some(())
     })
     .await;
+    // Alone on its replica too, the client of a `share` replica gets half the limit.
+    poll(Duration::from_secs(10), || async {
+        reported(&envoys[3]).await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        envoys[3]
+            .told(API)
+            .and_then(Told::tokens)
+            .filter(|(t, _)| (250..=300).contains(t))
+    })
+    .await;
     let kept = envoys[2].told(API);
     assert!(kept.and_then(Told::tokens).is_some(), "{kept:?}");
     assert!(!board.lock().unwrap().ended.contains_key(&2));
@@ -941,7 +959,7 @@ async fn while_redis_is_down_the_failure_mode_decides() {
             .iter()
             .map(|e| e.told(API).and_then(Told::tokens).map(|(t, _)| t))
             .collect();
-        shares.filter(|s| s.iter().all(|t| *t < 550) && s.iter().sum::<u32>() <= 600)
+        shares.filter(|s| s.iter().all(|t| *t < 300) && s.iter().sum::<u32>() <= 600)
     })
     .await;
 }

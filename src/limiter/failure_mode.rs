@@ -182,15 +182,28 @@ impl Backend for WithFailureMode {
             // A store that failed beside others that answered falls back alone: its limits
             // are decided by the mode, the others where they live.
             let degraded = AtomicBool::new(false);
-            let decided = match self.mode {
-                FailureMode::Error => self.primary.decide(hits).await,
-                _ => {
-                    let degrade = |hits: &[Hit], err| {
-                        degraded.store(true, Ordering::Relaxed);
-                        self.degrade(hits, err)
-                    };
-                    self.primary.decide_degrading(hits, &degrade).await
+            let degrade = |hits: &[Hit], err| {
+                degraded.store(true, Ordering::Relaxed);
+                self.degrade(hits, err)
+            };
+            let decided = match (self.mode, &self.shares) {
+                (FailureMode::Error, _) => self.primary.decide(hits).await,
+                // A call still unanswered when Envoy would give up is as good as failed: decided
+                // alone before then. (Redis may still count it: that errs toward refusing.)
+                (FailureMode::Share, Some(shares)) => {
+                    let call = self.primary.decide_degrading(hits, &degrade);
+                    match tokio::time::timeout(shares.after(), call).await {
+                        Ok(decided) => decided,
+                        Err(_) => Err(BackendError::Unavailable {
+                            kind: "timeout",
+                            detail: format!(
+                                "no answer within --redis-share-after ({:?})",
+                                shares.after()
+                            ),
+                        }),
+                    }
                 }
+                _ => self.primary.decide_degrading(hits, &degrade).await,
             };
             match decided {
                 Ok(outcome) => {

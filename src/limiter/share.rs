@@ -55,7 +55,7 @@ pub(crate) const WRITE_BACK_BATCH: usize = 64;
 
 /// What the last reply said of a counter.
 #[derive(Clone, Copy, Debug)]
-struct Seen {
+struct LastReply {
     /// Hits (or places) left.
     remaining: u64,
     /// When (µs, this process's clock).
@@ -63,8 +63,8 @@ struct Seen {
 }
 
 #[derive(Default)]
-struct SeenShard {
-    map: HashMap<CounterKey, Seen>,
+struct LastReplies {
+    map: HashMap<CounterKey, LastReply>,
     bytes: usize,
 }
 
@@ -79,7 +79,7 @@ struct Owed {
 }
 
 #[derive(Default)]
-struct Ledger {
+struct ShareLedger {
     /// Every counter decided alone since Redis last answered for it: its local counter is
     /// seeded (a later outage goes on from it), and what it owes.
     owed: HashMap<CounterKey, Owed>,
@@ -92,15 +92,17 @@ struct Ledger {
 
 /// The share mode's state: the last replies, the replicas counted, and the ledger.
 pub(crate) struct Shares {
-    seen: Vec<Mutex<SeenShard>>,
+    seen: Vec<Mutex<LastReplies>>,
     hasher: RandomState,
-    ledger: Mutex<Ledger>,
+    ledger: Mutex<ShareLedger>,
     /// The ledger holds a counter (read without its lock on every answer).
     ledger_used: AtomicBool,
     /// `ledger.alone`, read without the lock on every request.
     alone: AtomicBool,
     /// Replicas alive on the store, as last counted there (0 counts as 1).
     replicas: Arc<AtomicU32>,
+    /// How long a request waits for Redis before it is decided alone.
+    after: std::time::Duration,
     local: Arc<MemoryBackend>,
     clock: Arc<dyn Clock>,
 }
@@ -150,11 +152,13 @@ fn refused(hits: &[Hit]) -> Outcome {
 
 impl Shares {
     /// Empty; decides alone on `local` (the counters it keeps for this mode), cutting each
-    /// limit by `replicas` (kept up to date by the caller).
+    /// limit by `replicas` (kept up to date by the caller), a request that Redis has not
+    /// answered `after` its start included.
     pub(crate) fn new(
         local: Arc<MemoryBackend>,
         clock: Arc<dyn Clock>,
         replicas: Arc<AtomicU32>,
+        after: std::time::Duration,
     ) -> Shares {
         Shares {
             seen: (0..SHARDS).map(|_| Mutex::default()).collect(),
@@ -163,9 +167,15 @@ impl Shares {
             ledger_used: AtomicBool::new(false),
             alone: AtomicBool::new(false),
             replicas,
+            after,
             local,
             clock,
         }
+    }
+
+    /// How long a request waits for Redis before it is decided alone.
+    pub(crate) fn after(&self) -> std::time::Duration {
+        self.after
     }
 
     /// The replicas the shares are cut for.
@@ -178,7 +188,7 @@ impl Shares {
         self.alone.load(Ordering::Acquire)
     }
 
-    fn shard(&self, key: &CounterKey) -> &Mutex<SeenShard> {
+    fn shard(&self, key: &CounterKey) -> &Mutex<LastReplies> {
         let h = self.hasher.hash_one(key.as_bytes()) as usize;
         &self.seen[h % SHARDS]
     }
@@ -192,7 +202,7 @@ impl Shares {
             if hit.kind == HitKind::Refund {
                 continue;
             }
-            let seen = Seen {
+            let seen = LastReply {
                 remaining: verdict.remaining,
                 at: now,
             };
@@ -243,7 +253,7 @@ impl Shares {
         ledger.alone.then(|| self.decide(&mut ledger, hits))
     }
 
-    fn decide(&self, ledger: &mut Ledger, hits: &[Hit]) -> Outcome {
+    fn decide(&self, ledger: &mut ShareLedger, hits: &[Hit]) -> Outcome {
         let n = u64::from(self.replicas());
         let now = self.clock.now_us();
         let mut full = false;
@@ -393,7 +403,12 @@ mod tests {
         let clock = Arc::new(ManualClock::new(1_000_000));
         let local = Arc::new(MemoryBackend::new(clock.clone()));
         (
-            Shares::new(local, clock.clone(), Arc::new(AtomicU32::new(1))),
+            Shares::new(
+                local,
+                clock.clone(),
+                Arc::new(AtomicU32::new(1)),
+                std::time::Duration::from_millis(15),
+            ),
             clock,
         )
     }

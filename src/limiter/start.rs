@@ -2,7 +2,6 @@
 //! Redis (probed) with the memory backend as its `local` failure mode.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use super::failure_mode::{FailureMode, WithFailureMode};
@@ -38,6 +37,8 @@ pub(crate) enum BackendKind {
         redis: Box<RedisOptions>,
         /// What to answer while it is unavailable.
         failure_mode: FailureMode,
+        /// `share`: how long a request waits for Redis before it is decided alone.
+        share_after: Duration,
     },
 }
 
@@ -99,6 +100,7 @@ pub(crate) async fn start(
         BackendKind::Redis {
             redis,
             failure_mode,
+            share_after,
         } => {
             tracing::info!(target = ?redis.target, per_second = ?redis.per_second, hash_tag = ?keys.hash_tag(), failure_mode = failure_mode.as_str(), pipeline = redis.pipeline, max_batch = redis.max_batch, "redis backend");
             let within = super::redis::connection::response_timeout(redis.timeout);
@@ -132,16 +134,17 @@ pub(crate) async fn start(
             let shares = if *failure_mode == FailureMode::Share {
                 // Counted on Redis: marked once now (a replica ready counts itself at once),
                 // then every second.
-                let count = Arc::new(AtomicU32::new(1));
                 let (key, name) = (presence::key(keys.prefix()), presence::replica_name());
-                if unready.is_empty()
-                    && let Ok(Ok(n)) =
-                        tokio::time::timeout(within, redis.mark_alive(&key, &name)).await
-                {
-                    count.store(n, Ordering::Relaxed);
+                if unready.is_empty() {
+                    let _ = tokio::time::timeout(within, redis.mark_alive(&key, &name)).await;
                 }
-                tasks.push(redis.spawn_presence(key, name, count.clone()));
-                Some(Arc::new(Shares::new(memory.clone(), clock.clone(), count)))
+                tasks.push(redis.spawn_presence(key, name));
+                Some(Arc::new(Shares::new(
+                    memory.clone(),
+                    clock.clone(),
+                    redis.replica_count(),
+                    *share_after,
+                )))
             } else {
                 None
             };

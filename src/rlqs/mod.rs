@@ -267,11 +267,27 @@ impl Pools {
                             FailureMode::Error => return None,
                             FailureMode::Allow => return Some(Assignment::Allow),
                             FailureMode::Deny => return Some(Assignment::Deny),
-                            FailureMode::Local | FailureMode::Share => {
+                            FailureMode::Local => {
                                 for p in pools {
                                     local.join(p, pid, signal, now);
                                 }
                                 Self::local_grants(local, pid, pools, ask, now)
+                            }
+                            FailureMode::Share => {
+                                // This replica's own pools, each at its share of the limit.
+                                let n = u64::from(shared.replicas());
+                                let pools: Vec<PoolSpec> = pools
+                                    .iter()
+                                    .map(|p| PoolSpec {
+                                        limit: (p.limit / n).max(1),
+                                        burst: (p.burst / n).max(1),
+                                        ..p.clone()
+                                    })
+                                    .collect();
+                                for p in &pools {
+                                    local.join(p, pid, signal, now);
+                                }
+                                Self::local_grants(local, pid, &pools, ask, now)
                             }
                         }
                     }

@@ -85,6 +85,12 @@ pub(crate) struct RedisPools {
 }
 
 impl RedisPools {
+    /// The replicas alive on the pools' Redis, as last counted there (the `share` failure mode
+    /// cuts each pool by it while Redis cannot answer).
+    pub(crate) fn replicas(&self) -> u32 {
+        self.redis.replicas()
+    }
+
     /// Pools in `redis` whose grants last `ttl`, for clients reporting every `report_interval`.
     pub(crate) fn new(
         redis: Arc<RedisBackend>,

@@ -69,6 +69,7 @@ impl Flags {
                 BackendKind::Redis {
                     redis: Box::new(self.redis_options()?),
                     failure_mode: self.failure_mode(),
+                    share_after: self.redis_share_after,
                 },
                 KeyFormat::new(&self.redis_key_prefix, self.hash_tag())?,
             ),

@@ -672,6 +672,12 @@ pub(crate) struct Flags {
     #[arg(long, value_enum, default_value = "error")]
     pub(crate) redis_failure_mode: FailureModeArg,
 
+    /// With `--redis-failure-mode share`: a request Redis has not answered after this is
+    /// decided alone, so that it is answered before Envoy's timeout (20 ms by default) lets it
+    /// through.
+    #[arg(long, default_value = "15ms", value_parser = parse_timeout)]
+    pub(crate) redis_share_after: Duration,
+
     /// Prefix of every Redis key.
     #[arg(long, default_value = "ratelimit:")]
     pub(crate) redis_key_prefix: String,

@@ -112,6 +112,8 @@ pub(crate) struct RedisBackend {
     /// which window holds a call; this only keeps the guess close (see script.lua).
     clock: Arc<dyn Clock>,
     redis_ahead_us: AtomicI64,
+    /// Replicas alive on this Redis as last counted there (`presence.rs`; 1 until counted).
+    replicas: Arc<std::sync::atomic::AtomicU32>,
 }
 
 /// How far the estimate of Redis' clock may drift before a reply's TIME replaces it (µs): a
@@ -200,6 +202,7 @@ impl RedisBackend {
             nonce: AtomicU64::new(0),
             clock: Arc::new(SystemClock),
             redis_ahead_us: AtomicI64::new(0),
+            replicas: Arc::new(std::sync::atomic::AtomicU32::new(1)),
             opts,
         })
     }

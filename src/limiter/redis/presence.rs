@@ -55,28 +55,35 @@ impl RedisBackend {
             )
             .await?;
         let n = n.clamp(1, u64::from(u32::MAX)) as u32;
+        self.replicas.store(n, Ordering::Relaxed);
         self.metrics.replicas.set(i64::from(n));
         Ok(n)
     }
 
-    /// Marks `replica` alive every [`EVERY`] until the backend is dropped, keeping `count`
-    /// at the replicas counted (unchanged while Redis cannot be reached: the last count).
+    /// Marks `replica` alive every [`EVERY`] until the backend is dropped (the count read by
+    /// [`RedisBackend::replica_count`]: unchanged while Redis cannot be reached, the last one).
     pub(crate) fn spawn_presence(
         self: &Arc<Self>,
         key: Vec<u8>,
         replica: String,
-        count: Arc<AtomicU32>,
     ) -> tokio::task::JoinHandle<()> {
         let backend = Arc::downgrade(self);
         tokio::spawn(async move {
             loop {
                 tokio::time::sleep(EVERY).await;
                 let Some(b) = backend.upgrade() else { return };
-                if let Ok(n) = b.mark_alive(&key, &replica).await {
-                    count.store(n, Ordering::Relaxed);
-                    b.metrics.replicas.set(i64::from(n));
-                }
+                let _ = b.mark_alive(&key, &replica).await;
             }
         })
+    }
+
+    /// The replicas alive on this Redis as last counted (1 until they are).
+    pub(crate) fn replica_count(&self) -> Arc<AtomicU32> {
+        self.replicas.clone()
+    }
+
+    /// [`RedisBackend::replica_count`]'s value.
+    pub(crate) fn replicas(&self) -> u32 {
+        self.replicas.load(Ordering::Relaxed).max(1)
     }
 }
