@@ -10,17 +10,33 @@ export RATELIMITD_DRAIN_DELAY=${RATELIMITD_DRAIN_DELAY:-0s}
 # it: refused means free. Racy as every "free port" is: bind promptly.
 _ports_given=$(mktemp)
 free_port() {
+  _free_port 12000 0
+}
+
+# A free port for a Redis Cluster node: its bus port (port + 10000) free and not given too, both
+# below the ephemeral range.
+free_cluster_port() {
+  _free_port 2700 10000
+}
+
+_free_port() { # SPAN BUS_OFFSET (0: none)
   local port
   while :; do
     # Below the kernel's ephemeral range (32768 up), which client sockets take ports from.
-    port=$((20000 + RANDOM % 12000))
-    grep -qx "$port" "$_ports_given" && continue
-    if ! (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
-      echo "$port" >>"$_ports_given"
-      echo "$port"
-      return
+    port=$((20000 + RANDOM % $1))
+    _port_free "$port" || continue
+    if [ "$2" != 0 ]; then
+      _port_free $((port + $2)) || continue
+      echo $((port + $2)) >>"$_ports_given"
     fi
+    echo "$port" >>"$_ports_given"
+    echo "$port"
+    return
   done
+}
+
+_port_free() { # PORT: not given before and nothing listens on it
+  ! grep -qx "$1" "$_ports_given" && ! (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null
 }
 
 # Waits until something accepts on loopback port $1, trying every 0.1 s up to $2 times (200:

@@ -19,7 +19,8 @@
 #             calls past 20 ms too, so that is a capacity figure, not a start-up one.)
 #   sentinel  two replicas on a master, its replica and a sentinel (down-after 400 ms); the
 #   cluster   master SIGKILLed 3 s into a 10 s run at RATE (Redis only; MODE: the replicas'
-#             --redis-failure-mode, share by default): also prints when the replica was
+#             --redis-failure-mode, share by default; SHARE_AFTER: --redis-share-after, the
+#             binary's default if unset): also prints when the replica was
 #             promoted, how long after it the failure mode still answered, and the outage as
 #             Envoy saw it (first to last call failed open)
 #
@@ -78,22 +79,25 @@ ctl() { # COMMAND...: one command to the balancer, its answer on stdout
   echo "$line"
 }
 
-# Starts a replica on backend $1; sets REPLICA_PID and REPLICA_GRPC once /healthcheck says 200.
-replica() { # BACKEND
-  local http
+# The flags that put a replica on backend $1 (memory: none; redis: the standalone Redis).
+store() { # BACKEND
+  if [ "$1" = redis ]; then echo "--backend redis --redis-url redis://127.0.0.1:$REDIS_PORT"; fi
+}
+
+# Starts a replica with the backend flags given; sets REPLICA_PID, REPLICA_GRPC and
+# REPLICA_HTTP once /healthcheck says 200.
+replica() { # FLAG...
   REPLICA_GRPC=$(free_port)
-  http=$(free_port)
-  local backend=()
-  [ "$1" = redis ] && backend=(--backend redis --redis-url "redis://127.0.0.1:$REDIS_PORT")
+  REPLICA_HTTP=$(free_port)
   "$BIN" --config "$WORK/limits" --grpc-addr "127.0.0.1:$REPLICA_GRPC" \
-    --http-addr "127.0.0.1:$http" --log-level warn "${backend[@]}" &
+    --http-addr "127.0.0.1:$REPLICA_HTTP" --log-level warn "$@" &
   REPLICA_PID=$!
   pids+=("$REPLICA_PID")
   for _ in $(seq 400); do
-    [ "$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$http/healthcheck")" = 200 ] && return
+    [ "$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$REPLICA_HTTP/healthcheck")" = 200 ] && return
     sleep 0.02
   done
-  echo "replica on $1 not ready" >&2
+  echo "replica ($*) not ready" >&2
   return 1
 }
 
@@ -148,15 +152,15 @@ load() { # KEY SECONDS OUTPUT: RATE requests a second through Envoy, in the back
 rolling() { # BACKEND RUN
   run_pids=()
   redis-cli -p "$REDIS_PORT" FLUSHALL >/dev/null
-  replica "$1"; local a=$REPLICA_PID a_port=$REPLICA_GRPC
-  replica "$1"; local b=$REPLICA_PID b_port=$REPLICA_GRPC
+  replica $(store "$1"); local a=$REPLICA_PID a_port=$REPLICA_GRPC
+  replica $(store "$1"); local b=$REPLICA_PID b_port=$REPLICA_GRPC
   add "$a_port"
   add "$b_port"
   envoy_start
   load day-two 12 "$WORK/h2load.txt"
   sleep 2
   for old in "$a:$a_port" "$b:$b_port"; do
-    replica "$1"
+    replica $(store "$1")
     run_pids+=("$REPLICA_PID")
     add "$REPLICA_GRPC"
     kill -TERM "${old%%:*}"
@@ -173,12 +177,12 @@ rolling() { # BACKEND RUN
 kill_one() { # BACKEND RUN
   run_pids=()
   redis-cli -p "$REDIS_PORT" FLUSHALL >/dev/null
-  replica "$1"; local a=$REPLICA_PID a_port=$REPLICA_GRPC
+  replica $(store "$1"); local a=$REPLICA_PID a_port=$REPLICA_GRPC
   add "$a_port"
   envoy_start
   load day-two 12 "$WORK/h2load.txt"
   sleep 1
-  replica "$1"
+  replica $(store "$1")
   run_pids+=("$REPLICA_PID")
   add "$REPLICA_GRPC"
   sleep 1
@@ -196,7 +200,7 @@ burst() { # BACKEND RUN
   redis-cli -p "$REDIS_PORT" FLUSHALL >/dev/null
   redis-cli -p "$REDIS_PORT" FUNCTION FLUSH >/dev/null
   redis-cli -p "$REDIS_PORT" SCRIPT FLUSH >/dev/null
-  replica "$1"
+  replica $(store "$1")
   run_pids+=("$REPLICA_PID")
   # Straight to the replica: no balancer between them (its Python would be the bottleneck of
   # a burst at full speed).
@@ -226,7 +230,7 @@ failover_redis() { # SHAPE
       wait_port "$replica" 100
       printf 'port %s\nbind 127.0.0.1\nsentinel monitor main 127.0.0.1 %s 1\nsentinel down-after-milliseconds main 400\nsentinel failover-timeout main 2000\n' \
         "$sentinel" "$master" >"$dir/sentinel.conf"
-      redis-server "$dir/sentinel.conf" --sentinel >/dev/null 2>&1 &
+      redis-server "$dir/sentinel.conf" --sentinel --logfile "$dir/sentinel.log" >/dev/null 2>&1 &
       run_pids+=($!)
       wait_port "$sentinel" 100
       until redis-cli -p "$replica" INFO replication | grep -q 'master_link_status:up'; do sleep 0.05; done
@@ -235,7 +239,7 @@ failover_redis() { # SHAPE
       ;;
     cluster)
       for _ in 1 2 3 4 5 6; do
-        p=$(free_port)
+        p=$(free_cluster_port)
         mkdir -p "$dir/$p"
         (cd "$dir/$p" && redis_server "$p" --cluster-enabled yes --cluster-config-file nodes.conf \
           --cluster-node-timeout 500 --repl-diskless-sync-delay 0) &
@@ -268,24 +272,6 @@ failover_redis() { # SHAPE
   esac
 }
 
-# A replica on the failover's Redis in failure mode $1; sets REPLICA_PID, REPLICA_GRPC and
-# REPLICA_HTTP once /healthcheck says 200.
-failover_replica() { # MODE
-  REPLICA_GRPC=$(free_port)
-  REPLICA_HTTP=$(free_port)
-  "$BIN" --config "$WORK/limits" --grpc-addr "127.0.0.1:$REPLICA_GRPC" \
-    --http-addr "127.0.0.1:$REPLICA_HTTP" --log-level warn --backend redis "${TARGET[@]}" \
-    --redis-failure-mode "$1" &
-  REPLICA_PID=$!
-  run_pids+=("$REPLICA_PID")
-  for _ in $(seq 400); do
-    [ "$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$REPLICA_HTTP/healthcheck")" = 200 ] && return
-    sleep 0.02
-  done
-  echo "replica not ready" >&2
-  return 1
-}
-
 now_ms() { date +%s%3N; }
 
 # The master of `{edge}` SIGKILLed 3 s into a 10 s run of two replicas (failure mode MODE, by
@@ -297,8 +283,12 @@ failover() { # SHAPE RUN
   run_pids=()
   local mode=${MODE:-share}
   failover_redis "$1"
-  failover_replica "$mode"; local a_http=$REPLICA_HTTP; add "$REPLICA_GRPC"
-  failover_replica "$mode"; local b_http=$REPLICA_HTTP; add "$REPLICA_GRPC"
+  local share_after=()
+  [ -z "${SHARE_AFTER:-}" ] || share_after=(--redis-share-after "$SHARE_AFTER")
+  replica --backend redis "${TARGET[@]}" --redis-failure-mode "$mode" "${share_after[@]}"
+  run_pids+=("$REPLICA_PID"); local a_http=$REPLICA_HTTP; add "$REPLICA_GRPC"
+  replica --backend redis "${TARGET[@]}" --redis-failure-mode "$mode" "${share_after[@]}"
+  run_pids+=("$REPLICA_PID"); local b_http=$REPLICA_HTTP; add "$REPLICA_GRPC"
   envoy_start
   load day-two 10 "$WORK/h2load.txt"
   sleep 3
@@ -322,9 +312,15 @@ failover() { # SHAPE RUN
     sleep 0.05
   done
   seen_a=0 seen_b=0
-  local back=$((alone_a > alone_b ? alone_a : alone_b))
-  printf '%-8s %-7s run %s: promoted %s ms after the kill; failure mode answered until %s ms after promotion; outage in Envoy %s\n' \
-    "$1" "$mode" "$2" "$((promoted - killed))" "$((back - promoted))" \
+  local back=$((alone_a > alone_b ? alone_a : alone_b)) announced=''
+  # Sentinel tells clients the new master only at +switch-master, after it has seen the
+  # promoted replica report itself master (its next INFO, up to a second later).
+  if [ -f "$WORK/$1/sentinel.log" ]; then
+    announced=$(grep -m1 -- '+switch-master' "$WORK/$1/sentinel.log" | awk '{print $2, $3, $4, $5}' || true)
+    [ -n "$announced" ] && announced="; Sentinel announced it $(($(date -d "$announced" +%s%3N) - promoted)) ms after promotion"
+  fi
+  printf '%-8s %-7s run %s: promoted %s ms after the kill%s; failure mode answered until %s ms after promotion; outage in Envoy %s\n' \
+    "$1" "$mode" "$2" "$((promoted - killed))" "$announced" "$((back - promoted))" \
     "$([ -n "$first" ] && echo "$((first - killed))..$((last - killed)) ms after the kill" || echo none)"
   report "$1" "$mode" "$2" 6000 "$WORK/h2load.txt"
   unlist
@@ -353,7 +349,7 @@ for scenario in "${SCENARIOS[@]}"; do
         rolling) rolling "$backend" "$run" ;;
         kill) kill_one "$backend" "$run" ;;
         burst) burst "$backend" "$run" ;;
-        sentinel | cluster) [ "$backend" = redis ] && failover "$scenario" "$run" ;;
+        sentinel | cluster) if [ "$backend" = redis ]; then failover "$scenario" "$run"; fi ;;
         *) echo "unknown scenario $scenario" >&2; exit 2 ;;
       esac
     done

@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # The first burst a fresh replica meets, as a just-started Envoy sends it: ratelimitd started
 # on a fresh Redis (flushed: no counter, no function or script loaded), its /healthcheck
-# answering 200, then at once 64 streams on one new connection (h2load -c1 -m64 -n64), then 64
-# more on another. Prints per run the slowest call of each wave, in ms: Envoy's timeout is
-# 20 ms, and a call past it lets its request through undecided. RUNS (5) runs per binary,
-# interleaved. Loopback only; bounded. Usage: scripts/first-wave.sh [BINARY...] (default: this
-# checkout's release build).
+# answering 200, then IDLE seconds (1: a replica waits for its first Envoy, and memory the
+# allocator gives back after an idle second is faulted in again), then 64 streams at once on
+# one new connection (h2load -c1 -m64 -n64), then 64 more on another. Prints per run the
+# slowest call of each wave, in ms: Envoy's timeout is 20 ms, and a call past it lets its
+# request through undecided. RUNS (5) runs per binary, interleaved. Loopback only; bounded.
+# Usage: scripts/first-wave.sh [BINARY...] (default: this checkout's release build).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/common.sh
 source scripts/common.sh
 RUNS=${RUNS:-5}
+IDLE=${IDLE:-1}
 if [ $# -eq 0 ]; then
   cargo build --release --quiet
   set -- target/release/ratelimitd
@@ -44,6 +46,7 @@ for run in $(seq "$RUNS"); do
       [ "$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$http/healthcheck")" = 200 ] && break
       sleep 0.05
     done
+    sleep "$IDLE"
     first=$(h2_bench "$grpc" "$WORK/request.bin" -c1 -m64 -n64 | slowest)
     second=$(h2_bench "$grpc" "$WORK/request.bin" -c1 -m64 -n64 | slowest)
     kill "$pid"

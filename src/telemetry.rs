@@ -86,10 +86,22 @@ impl Drop for Telemetry {
     }
 }
 
+/// The filter for `--log-level`: at a bare `info` or `warn`, the Redis client's own lines only
+/// from `error` up. redis-rs logs every failed connection attempt at WARN, dozens a second
+/// while a Cluster node is down (80 lines in the second after a master died), where the
+/// circuit logs the outage once; directives (`warn,redis=warn`) are taken as written.
+fn directives(level: &str) -> String {
+    if ["info", "warn"].contains(&level.trim().to_ascii_lowercase().as_str()) {
+        format!("{},redis=error", level.trim())
+    } else {
+        level.to_owned()
+    }
+}
+
 /// Starts logging to stderr and, when `options` ask for tracing, span export. Must run inside
 /// a tokio runtime when tracing (the exporter runs on it).
 pub fn init(options: &TelemetryOptions) -> Result<Telemetry, TelemetryError> {
-    let filter = EnvFilter::try_new(&options.log_level)
+    let filter = EnvFilter::try_new(directives(&options.log_level))
         .map_err(|_| TelemetryError::Filter(options.log_level.clone()))?;
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let fmt = tracing_subscriber::fmt::layer()
@@ -226,6 +238,19 @@ fn is_quoted(raw: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_bare_level_quiets_the_redis_clients_warnings() {
+        assert_eq!(directives("warn"), "warn,redis=error");
+        assert_eq!(directives("INFO"), "INFO,redis=error");
+        assert_eq!(directives("debug"), "debug", "debugging shows everything");
+        assert_eq!(
+            directives("warn,redis=warn"),
+            "warn,redis=warn",
+            "as written"
+        );
+        assert!(EnvFilter::try_new(directives("info")).is_ok());
+    }
 
     #[test]
     fn values_that_could_forge_a_field_or_a_line_are_quoted() {

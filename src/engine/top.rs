@@ -222,7 +222,6 @@ impl Engine {
                 top.clone(),
                 redis,
                 self.keys.clone(),
-                crate::limiter::redis::presence::replica_name(),
             )));
         }
     }
@@ -433,12 +432,8 @@ fn interval_of(every: Duration) -> (u64, Duration) {
 /// others' views: each replica's share counted once, never its own) and writes them; at half
 /// the interval every other replica reads the one written for it. The merging replica reads
 /// every view once (on average one per replica), each other replica one merged view.
-pub(crate) async fn exchange(
-    top: Arc<Top>,
-    redis: Arc<RedisBackend>,
-    keys: KeyFormat,
-    replica: String,
-) {
+pub(crate) async fn exchange(top: Arc<Top>, redis: Arc<RedisBackend>, keys: KeyFormat) {
+    let replica = redis.replica_name().to_owned();
     let every = top.options().publish_every;
     let keys = ExchangeKeys::new(&keys);
     let mut failing = false;

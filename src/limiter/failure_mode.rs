@@ -118,12 +118,17 @@ const REJOIN_EVERY: std::time::Duration = std::time::Duration::from_millis(10);
 /// so that none asks Redis while another's hits are still missing there.
 const REJOIN_GRACE: std::time::Duration = std::time::Duration::from_millis(250);
 
+/// How many times the last write-back is tried, [`REJOIN_EVERY`] apart, before its hits are
+/// given up (Redis failed again right after it came back).
+const FINAL_TRIES: usize = 20;
+
 /// The `share` mode's way back: once Redis is reachable, writes what was admitted alone into
-/// its counters (cost reports, a batch per call), goes on writing back what is admitted alone
-/// for [`REJOIN_GRACE`], and sends requests to Redis again once nothing is owed. A batch Redis refuses for good (not a transient failure) is given up and counted
-/// lost; a transient failure waits for Redis again.
+/// its counters (cost reports, a batch per call) and goes on writing back what is admitted
+/// alone for [`REJOIN_GRACE`]; then sends requests to Redis again and writes what was admitted
+/// alone since the last batch. A batch Redis refuses for good (not a transient failure) is
+/// given up and counted lost; a transient failure waits for Redis again.
 async fn rejoin(primary: Arc<dyn Backend>, shares: Arc<Shares>, metrics: BackendMetrics) {
-    let (mut written, mut lost) = (0u64, 0u64);
+    let mut tally = WriteBack::default();
     // When Redis first took this replica's hits back.
     let mut back: Option<tokio::time::Instant> = None;
     loop {
@@ -131,39 +136,83 @@ async fn rejoin(primary: Arc<dyn Backend>, shares: Arc<Shares>, metrics: Backend
         if !primary.is_reachable() {
             continue;
         }
-        let owed = shares.owed();
-        let mut failed = false;
-        for batch in owed.chunks(WRITE_BACK_BATCH) {
+        if tally
+            .write(&*primary, Some(&shares), shares.owed(), &metrics)
+            .await
+            .is_err()
+        {
+            continue;
+        }
+        if back.get_or_insert_with(tokio::time::Instant::now).elapsed() >= REJOIN_GRACE {
+            break;
+        }
+    }
+    // Handed over, no longer in the ledger: a new outage's hits there are not these.
+    let mut rest = shares.rejoin();
+    for _ in 0..FINAL_TRIES {
+        match tally.write(&*primary, None, rest, &metrics).await {
+            Ok(()) => {
+                rest = Vec::new();
+                break;
+            }
+            Err(left) => rest = left,
+        }
+        tokio::time::sleep(REJOIN_EVERY).await;
+    }
+    let given_up: u64 = rest.iter().map(|h| h.hits).sum();
+    if given_up > 0 {
+        tracing::warn!(
+            hits = given_up,
+            "share failure mode: hits admitted alone could not be written back"
+        );
+        tally.lost += given_up;
+        metrics.written_back_lost.inc_by(given_up);
+    }
+    tracing::info!(
+        written = tally.written,
+        lost = tally.lost,
+        "share failure mode: redis is back and has the hits admitted alone"
+    );
+}
+
+/// Hits written back, and given up, by one [`rejoin`].
+#[derive(Default)]
+struct WriteBack {
+    written: u64,
+    lost: u64,
+}
+
+impl WriteBack {
+    /// Writes `owed` back a batch per call, each batch then marked written in `ledger` (if
+    /// they are still there); on a transient failure, what is left unwritten.
+    async fn write(
+        &mut self,
+        primary: &dyn Backend,
+        ledger: Option<&Shares>,
+        owed: Vec<Hit>,
+        metrics: &BackendMetrics,
+    ) -> Result<(), Vec<Hit>> {
+        for (i, batch) in owed.chunks(WRITE_BACK_BATCH).enumerate() {
             let hits: u64 = batch.iter().map(|h| h.hits).sum();
             match primary.decide(batch).await {
                 Ok(_) => {
-                    written += hits;
+                    self.written += hits;
                     metrics.written_back.inc_by(hits);
                 }
                 Err(e) if e.is_transient() => {
-                    failed = true;
-                    break;
+                    return Err(owed[i * WRITE_BACK_BATCH..].to_vec());
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, hits, "share failure mode: hits admitted alone could not be written back");
-                    lost += hits;
+                    self.lost += hits;
                     metrics.written_back_lost.inc_by(hits);
                 }
             }
-            shares.written(batch);
+            if let Some(shares) = ledger {
+                shares.written(batch);
+            }
         }
-        if failed {
-            continue;
-        }
-        let since = *back.get_or_insert_with(tokio::time::Instant::now);
-        if since.elapsed() >= REJOIN_GRACE && shares.rejoin() {
-            tracing::info!(
-                written,
-                lost,
-                "share failure mode: redis is back and has the hits admitted alone"
-            );
-            return;
-        }
+        Ok(())
     }
 }
 

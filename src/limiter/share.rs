@@ -90,6 +90,29 @@ struct ShareLedger {
     rejoining: bool,
 }
 
+/// The replicas alive on one Redis as last counted there (1 until they are): set by the
+/// backend's presence marks (`redis/presence.rs`), read by the shares cut from it.
+#[derive(Clone, Debug)]
+pub(crate) struct ReplicaCount(Arc<AtomicU32>);
+
+impl Default for ReplicaCount {
+    fn default() -> Self {
+        ReplicaCount(Arc::new(AtomicU32::new(1)))
+    }
+}
+
+impl ReplicaCount {
+    /// The count (at least 1: this replica).
+    pub(crate) fn get(&self) -> u32 {
+        self.0.load(Ordering::Relaxed).max(1)
+    }
+
+    /// Records a new count.
+    pub(crate) fn set(&self, n: u32) {
+        self.0.store(n, Ordering::Relaxed);
+    }
+}
+
 /// The share mode's state: the last replies, the replicas counted, and the ledger.
 pub(crate) struct Shares {
     seen: Vec<Mutex<LastReplies>>,
@@ -99,8 +122,8 @@ pub(crate) struct Shares {
     ledger_used: AtomicBool,
     /// `ledger.alone`, read without the lock on every request.
     alone: AtomicBool,
-    /// Replicas alive on the store, as last counted there (0 counts as 1).
-    replicas: Arc<AtomicU32>,
+    /// Replicas alive on the store, as last counted there.
+    replicas: ReplicaCount,
     /// How long a request waits for Redis before it is decided alone.
     after: std::time::Duration,
     local: Arc<MemoryBackend>,
@@ -157,7 +180,7 @@ impl Shares {
     pub(crate) fn new(
         local: Arc<MemoryBackend>,
         clock: Arc<dyn Clock>,
-        replicas: Arc<AtomicU32>,
+        replicas: ReplicaCount,
         after: std::time::Duration,
     ) -> Shares {
         Shares {
@@ -176,11 +199,6 @@ impl Shares {
     /// How long a request waits for Redis before it is decided alone.
     pub(crate) fn after(&self) -> std::time::Duration {
         self.after
-    }
-
-    /// The replicas the shares are cut for.
-    pub(crate) fn replicas(&self) -> u32 {
-        self.replicas.load(Ordering::Relaxed).max(1)
     }
 
     /// Whether requests are decided alone (until what is owed is written back).
@@ -254,7 +272,7 @@ impl Shares {
     }
 
     fn decide(&self, ledger: &mut ShareLedger, hits: &[Hit]) -> Outcome {
-        let n = u64::from(self.replicas());
+        let n = u64::from(self.replicas.get());
         let now = self.clock.now_us();
         let mut full = false;
         let local: Vec<Hit> = hits
@@ -333,8 +351,11 @@ impl Shares {
     /// What is owed now, as cost reports of each counter's whole limit (hits owed in a window
     /// that has since ended are forgiven: that window is gone in Redis too).
     pub(crate) fn owed(&self) -> Vec<Hit> {
+        self.owed_in(&mut self.ledger.lock())
+    }
+
+    fn owed_in(&self, ledger: &mut ShareLedger) -> Vec<Hit> {
         let now = self.clock.now_us();
-        let mut ledger = self.ledger.lock();
         ledger
             .owed
             .values_mut()
@@ -363,17 +384,22 @@ impl Shares {
         }
     }
 
-    /// Requests go to Redis again if nothing is owed any more (hits admitted alone since the
-    /// last [`Shares::owed`] are still owed); whether they do.
-    pub(crate) fn rejoin(&self) -> bool {
+    /// Requests go to Redis again from now on; what is still owed (admitted alone since the
+    /// last [`Shares::owed`]: a write-back's round trip of traffic) is handed over, as
+    /// [`Shares::owed`] would give it, for the caller to write back. Waiting instead for a moment
+    /// with nothing owed kept a busy replica alone for seconds after Redis was back.
+    pub(crate) fn rejoin(&self) -> Vec<Hit> {
         let mut ledger = self.ledger.lock();
-        if ledger.owed.values().any(|o| o.hits > 0) {
-            return false;
+        let rest = self.owed_in(&mut ledger);
+        for r in &rest {
+            if let Some(o) = ledger.owed.get_mut(&r.key) {
+                o.hits = 0;
+            }
         }
         ledger.alone = false;
         ledger.rejoining = false;
         self.alone.store(false, Ordering::Release);
-        true
+        rest
     }
 }
 
@@ -406,7 +432,7 @@ mod tests {
             Shares::new(
                 local,
                 clock.clone(),
-                Arc::new(AtomicU32::new(1)),
+                ReplicaCount::default(),
                 std::time::Duration::from_millis(15),
             ),
             clock,
@@ -436,14 +462,14 @@ mod tests {
     fn written_back(s: &Shares) -> Vec<Hit> {
         let owed = s.owed();
         s.written(&owed);
-        assert!(s.rejoin());
+        assert!(s.rejoin().is_empty(), "everything written");
         owed
     }
 
     #[test]
     fn alone_a_replica_admits_its_share_of_what_was_left() {
         let (s, _) = shares();
-        s.replicas.store(3, Ordering::Relaxed);
+        s.replicas.set(3);
         let h = hit(100);
         s.saw(std::slice::from_ref(&h), &answered(31));
         assert_eq!(admitted_alone(&s, &h), 10, "31 left, 3 replicas");
@@ -460,14 +486,14 @@ mod tests {
     #[test]
     fn a_counter_never_seen_gets_a_share_of_the_whole_limit() {
         let (s, _) = shares();
-        s.replicas.store(4, Ordering::Relaxed);
+        s.replicas.set(4);
         assert_eq!(admitted_alone(&s, &hit(100)), 25);
     }
 
     #[test]
     fn what_was_seen_in_an_ended_window_is_not_used() {
         let (s, clock) = shares();
-        s.replicas.store(2, Ordering::Relaxed);
+        s.replicas.set(2);
         let h = hit(100);
         s.saw(std::slice::from_ref(&h), &answered(0));
         clock.advance(std::time::Duration::from_secs(3600));
@@ -481,7 +507,7 @@ mod tests {
         assert!(s.degrade(std::slice::from_ref(&h)).0.admitted);
         clock.advance(std::time::Duration::from_secs(3600));
         assert!(s.owed().is_empty());
-        assert!(s.rejoin());
+        assert!(s.rejoin().is_empty());
     }
 
     #[test]
@@ -499,19 +525,28 @@ mod tests {
     }
 
     #[test]
-    fn rejoining_waits_for_hits_admitted_while_writing_back() {
+    fn rejoining_hands_over_hits_admitted_while_writing_back() {
         let (s, _) = shares();
         let h = hit(100);
         assert!(s.degrade(std::slice::from_ref(&h)).1, "a task to start");
         assert!(!s.degrade(std::slice::from_ref(&h)).1, "one task");
         let owed = s.owed();
+        assert_eq!(owed[0].hits, 2);
         assert!(s.decide_alone(std::slice::from_ref(&h)).unwrap().admitted);
         s.written(&owed);
-        assert!(!s.rejoin(), "one hit more is owed");
-        let more = s.owed();
-        assert_eq!(more[0].hits, 1);
-        s.written(&more);
-        assert!(s.rejoin());
+        let rest = s.rejoin();
+        assert_eq!(rest.len(), 1);
+        assert_eq!(rest[0].hits, 1, "the hit admitted while writing back");
+        assert!(!s.is_alone());
+        assert!(
+            s.decide_alone(std::slice::from_ref(&h)).is_none(),
+            "to Redis again"
+        );
+        assert!(s.owed().is_empty(), "nothing owed twice");
+        assert!(
+            s.degrade(std::slice::from_ref(&h)).1,
+            "a new outage, a new task"
+        );
     }
 
     #[test]

@@ -134,11 +134,11 @@ pub(crate) async fn start(
             let shares = if *failure_mode == FailureMode::Share {
                 // Counted on Redis: marked once now (a replica ready counts itself at once),
                 // then every second.
-                let (key, name) = (presence::key(keys.prefix()), presence::replica_name());
+                let key = presence::key(keys.prefix());
                 if unready.is_empty() {
-                    let _ = tokio::time::timeout(within, redis.mark_alive(&key, &name)).await;
+                    let _ = tokio::time::timeout(within, redis.mark_alive(&key)).await;
                 }
-                tasks.push(redis.spawn_presence(key, name));
+                tasks.push(redis.spawn_presence(key));
                 Some(Arc::new(Shares::new(
                     memory.clone(),
                     clock.clone(),

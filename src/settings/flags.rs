@@ -675,7 +675,7 @@ pub(crate) struct Flags {
     /// With `--redis-failure-mode share`: a request Redis has not answered after this is
     /// decided alone, so that it is answered before Envoy's timeout (20 ms by default) lets it
     /// through.
-    #[arg(long, default_value = "15ms", value_parser = parse_timeout)]
+    #[arg(long, default_value = "10ms", value_parser = parse_timeout)]
     pub(crate) redis_share_after: Duration,
 
     /// Prefix of every Redis key.

@@ -192,13 +192,21 @@ impl Daemon {
         self.status_bytes("VmRSS:")
     }
 
-    /// A `kB` field of `/proc/<pid>/status`, in bytes.
-    fn status_bytes(&self, field: &str) -> u64 {
+    /// A field of `/proc/<pid>/status` (`field` with its colon), trimmed; `None` if the
+    /// kernel does not show it.
+    pub(crate) fn status(&self, field: &str) -> Option<String> {
         let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap();
-        let kb: u64 = status
+        status
             .lines()
             .find_map(|l| l.strip_prefix(field))
-            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .map(|v| v.trim().to_owned())
+    }
+
+    /// A `kB` field of `/proc/<pid>/status`, in bytes.
+    fn status_bytes(&self, field: &str) -> u64 {
+        let kb: u64 = self
+            .status(field)
+            .and_then(|v| v.trim_end_matches("kB").trim().parse().ok())
             .unwrap();
         kb * 1024
     }

@@ -113,7 +113,9 @@ pub(crate) struct RedisBackend {
     clock: Arc<dyn Clock>,
     redis_ahead_us: AtomicI64,
     /// Replicas alive on this Redis as last counted there (`presence.rs`; 1 until counted).
-    replicas: Arc<std::sync::atomic::AtomicU32>,
+    replicas: crate::limiter::share::ReplicaCount,
+    /// This replica's name on Redis (`presence.rs`).
+    name: String,
 }
 
 /// How far the estimate of Redis' clock may drift before a reply's TIME replaces it (µs): a
@@ -202,7 +204,8 @@ impl RedisBackend {
             nonce: AtomicU64::new(0),
             clock: Arc::new(SystemClock),
             redis_ahead_us: AtomicI64::new(0),
-            replicas: Arc::new(std::sync::atomic::AtomicU32::new(1)),
+            replicas: Default::default(),
+            name: presence::new_name(),
             opts,
         })
     }

@@ -3,11 +3,11 @@
 //! The `share` failure mode cuts each limit by this count while Redis is away.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use super::RedisBackend;
 use crate::limiter::BackendError;
+use crate::limiter::share::ReplicaCount;
 
 /// How often a replica marks itself.
 pub(crate) const EVERY: Duration = Duration::from_secs(1);
@@ -15,9 +15,10 @@ pub(crate) const EVERY: Duration = Duration::from_secs(1);
 /// the count this long after its last mark.
 const LIVES: Duration = Duration::from_secs(3);
 
-/// A name for this replica (here and in `/top`'s exchange), unlike any other's.
-pub(crate) fn replica_name() -> String {
-    // A RandomState's keys are drawn at random for each process.
+/// A name for a replica, unlike any other's (each backend draws its own: one process may run
+/// several services, as the tests do).
+pub(super) fn new_name() -> String {
+    // A RandomState's keys are drawn at random for each one.
     let state = std::hash::RandomState::new();
     format!(
         "{:016x}",
@@ -42,48 +43,49 @@ return redis.call('ZCARD', KEYS[1])
 ";
 
 impl RedisBackend {
-    /// Marks `replica` alive in `key` and counts the replicas alive there.
-    pub(crate) async fn mark_alive(&self, key: &[u8], replica: &str) -> Result<u32, BackendError> {
+    /// This replica's name (here and in `/top`'s exchange).
+    pub(crate) fn replica_name(&self) -> &str {
+        &self.name
+    }
+
+    /// Marks this replica alive in `key` and counts the replicas alive there.
+    pub(crate) async fn mark_alive(&self, key: &[u8]) -> Result<u32, BackendError> {
         let n: u64 = self
             .command(
                 redis::cmd("EVAL")
                     .arg(MARK)
                     .arg(1)
                     .arg(key)
-                    .arg(replica)
+                    .arg(&self.name)
                     .arg(LIVES.as_millis() as u64),
             )
             .await?;
         let n = n.clamp(1, u64::from(u32::MAX)) as u32;
-        self.replicas.store(n, Ordering::Relaxed);
+        self.replicas.set(n);
         self.metrics.replicas.set(i64::from(n));
         Ok(n)
     }
 
-    /// Marks `replica` alive every [`EVERY`] until the backend is dropped (the count read by
+    /// Marks this replica alive every [`EVERY`] until the backend is dropped (the count read by
     /// [`RedisBackend::replica_count`]: unchanged while Redis cannot be reached, the last one).
-    pub(crate) fn spawn_presence(
-        self: &Arc<Self>,
-        key: Vec<u8>,
-        replica: String,
-    ) -> tokio::task::JoinHandle<()> {
+    pub(crate) fn spawn_presence(self: &Arc<Self>, key: Vec<u8>) -> tokio::task::JoinHandle<()> {
         let backend = Arc::downgrade(self);
         tokio::spawn(async move {
             loop {
                 tokio::time::sleep(EVERY).await;
                 let Some(b) = backend.upgrade() else { return };
-                let _ = b.mark_alive(&key, &replica).await;
+                let _ = b.mark_alive(&key).await;
             }
         })
     }
 
     /// The replicas alive on this Redis as last counted (1 until they are).
-    pub(crate) fn replica_count(&self) -> Arc<AtomicU32> {
+    pub(crate) fn replica_count(&self) -> ReplicaCount {
         self.replicas.clone()
     }
 
     /// [`RedisBackend::replica_count`]'s value.
     pub(crate) fn replicas(&self) -> u32 {
-        self.replicas.load(Ordering::Relaxed).max(1)
+        self.replicas.get()
     }
 }
