@@ -915,35 +915,28 @@ async fn while_redis_is_down_the_failure_mode_decides() {
     async fn reported(e: &Envoy) {
         e.report(&[(API, 10, 0)], TICK).await;
     }
+    /// Reports until `e` is told a rate (tokens per fill) that `ok` accepts.
+    async fn told_a_rate(e: &Envoy, ok: impl Fn(u32) -> bool) {
+        poll(Duration::from_secs(10), || async {
+            reported(e).await;
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            e.told(API).and_then(Told::tokens).filter(|(t, _)| ok(*t))
+        })
+        .await;
+    }
     for e in &envoys {
         reported(e).await;
     }
     envoys[0].until(API, |t| t == Told::Deny).await;
     // Alone on its replica, the local client gets the whole limit.
-    poll(Duration::from_secs(10), || async {
-        reported(&envoys[1]).await;
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        envoys[1]
-            .told(API)
-            .and_then(Told::tokens)
-            .filter(|(t, _)| *t >= 550)
-    })
-    .await;
+    told_a_rate(&envoys[1], |t| t >= 550).await;
     poll(Duration::from_secs(10), || async {
         let (_, m) = servers[2].http_get("/metrics").await;
         (metric(&m, "ratelimit_rlqs_failure_mode_total{mode=\"error\"}") >= 1.0).then_some(())
     })
     .await;
     // Alone on its replica too, the client of a `share` replica gets half the limit.
-    poll(Duration::from_secs(10), || async {
-        reported(&envoys[3]).await;
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        envoys[3]
-            .told(API)
-            .and_then(Told::tokens)
-            .filter(|(t, _)| (250..=300).contains(t))
-    })
-    .await;
+    told_a_rate(&envoys[3], |t| (250..=300).contains(&t)).await;
     let kept = envoys[2].told(API);
     assert!(kept.and_then(Told::tokens).is_some(), "{kept:?}");
     assert!(!board.lock().unwrap().ended.contains_key(&2));
