@@ -156,13 +156,17 @@ return 1
 /// What changed since the replica last read (ARGV: the `:version`, the log's last member and
 /// its score, as it last read them): `{'0'}` nothing; `{'1', version, member, score, id, json,
 /// ...}` the overrides changed since (json `''`: gone), when the member last read is still in
-/// the log as read; else `{'2', version, member, score, id, json, ...}`, every override.
+/// the log as read and the log's last change is the one that set `:version` now; else `{'2',
+/// version, member, score, id, json, ...}`, every override. (An older build changes the hash
+/// and `:version` without logging: its change is in no log, so only a whole read finds it,
+/// even by a replica whose own changes since its last read are in the log.)
 const READ: &str = r"
 local v = redis.call('GET', KEYS[3]) or ''
 if v == ARGV[1] then return {'0'} end
 local top = redis.call('ZRANGE', KEYS[2], -1, -1, 'WITHSCORES')
 local m, s = top[1] or '', top[2] or '0'
-if ARGV[2] ~= '' and m ~= '' and m ~= ARGV[2] then
+local logged = string.match(m, '^[^:]*:([^:]*):') == v
+if logged and ARGV[2] ~= '' and m ~= ARGV[2] then
   local since = redis.call('ZRANGEBYSCORE', KEYS[2], ARGV[3], '+inf')
   if since[1] == ARGV[2] then
     local out, seen = {'1', v, m, s}, {}
