@@ -838,3 +838,89 @@ descriptors:
         assert!(err.message.contains(says), "{err}");
     }
 }
+
+/// An `answer` that does not compile is refused with its line and field, and why.
+#[test]
+fn answers_that_do_not_compile_are_refused_with_line_and_field() {
+    let head = "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: second, requests_per_unit: 1}\n    answer:\n";
+    let many_values = format!("'\"{}\"'", "{{value}}".repeat(20));
+    let cases: Vec<(String, u64, &str, &str)> = vec![
+        (
+            "      headers:\n        x-a: \"{{remainder}}\"\n".into(),
+            7,
+            "descriptors[0].answer.headers.x-a",
+            "unknown variable '{{remainder}}'",
+        ),
+        (
+            "      headers:\n        x-a: \"{{value\"\n".into(),
+            7,
+            "descriptors[0].answer.headers.x-a",
+            "never closed",
+        ),
+        (
+            "      headers:\n        \"x a\": \"1\"\n".into(),
+            7,
+            "descriptors[0].answer.headers.x a",
+            "not a header name",
+        ),
+        (
+            "      headers:\n        Content-Type: text/html\n".into(),
+            7,
+            "descriptors[0].answer.headers.Content-Type",
+            "over_limit.content_type",
+        ),
+        (
+            "      headers:\n        x-a: \"a\\r\\nx-b: 1\"\n".into(),
+            7,
+            "descriptors[0].answer.headers.x-a",
+            "printable ASCII",
+        ),
+        (
+            "      over_limit:\n        body: '{\"key\": {{value}}}'\n".into(),
+            7,
+            "descriptors[0].answer.over_limit.body",
+            "inside a JSON string",
+        ),
+        (
+            "      over_limit:\n        content_type: application/json\n".into(),
+            7,
+            "descriptors[0].answer.over_limit.content_type",
+            "without a body",
+        ),
+        (
+            format!(
+                "      over_limit:\n        content_type: text/plain\n        body: \"{}\"\n",
+                "{{value}}".repeat(50)
+            ),
+            8,
+            "descriptors[0].answer.over_limit.body",
+            "more than 16384",
+        ),
+        (
+            format!("      headers:\n        x-a: {many_values}\n        x-b: {many_values}\n"),
+            0,
+            "descriptors[0].answer.headers",
+            "more than 8192",
+        ),
+        (
+            "      over_limt: {}\n".into(),
+            6,
+            "over_limt",
+            "unknown field",
+        ),
+    ];
+    for (answer, line, field, says) in cases {
+        let text = format!("{head}{answer}");
+        let err = yaml(&text).expect_err(&text);
+        assert_eq!(err.field, field, "{err}\n{text}");
+        if line > 0 {
+            assert_eq!(err.line, Some(line), "{err}\n{text}");
+        }
+        assert!(err.message.contains(says), "{err}\n{text}");
+    }
+    // Not on an unlimited limit, where it would mean nothing.
+    let err = yaml("domain: d\ndescriptors:\n  - key: k\n    rate_limit:\n      unlimited: true\n      answer: {headers: {x-a: b}}\n").unwrap_err();
+    assert_eq!(err.field, "descriptors[0].rate_limit.answer", "{err}");
+    // A good one loads.
+    yaml(&format!("{head}      headers:\n        X-Left: \"{{{{remaining}}}} of {{{{requests_per_unit}}}}\"\n      over_limit:\n        body: '{{\"k\": \"{{{{value}}}}\", \"n\": {{{{reset_ms}}}}}}'\n")).unwrap();
+}

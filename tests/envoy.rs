@@ -1216,6 +1216,294 @@ async fn the_network_filter_example_limits_connections(kind: Kind, version: &'st
     assert_eq!((get("error"), get("failure_mode_allowed")), (0, 0), "{s:?}");
 }
 
+/// Seconds from `now_s` (Unix time) to the start of the next calendar month in UTC.
+fn to_next_utc_month(now_s: u64) -> u64 {
+    // Days to civil and back (proleptic Gregorian), for the month's end.
+    let days = (now_s / 86_400) as i64;
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    let (year, month) = if month == 12 {
+        (year + 1, 1)
+    } else {
+        (year, month + 1)
+    };
+    let y = if month <= 2 { year - 1 } else { year };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let mp = if month > 2 { month - 3 } else { month + 9 };
+    let doy = (153 * mp + 2) / 5;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let first = era * 146_097 + doe - 719_468;
+    (first * 86_400) as u64 - now_s
+}
+
+/// examples/envoy/llm-api.yaml with limits/openai.yaml: what OpenAI's SDKs read. A 200 shows
+/// the requests and the tokens budget; past 3 requests a second the 429 is a JSON
+/// `rate_limit_exceeded` error of type `requests` with a retry of at most a second; once the
+/// month's tokens are spent the 429 is `insufficient_quota`, with `x-should-retry: false`
+/// and a `retry-after` that reaches the month's end (its reset, not the minute's).
+async fn the_llm_example_tells_what_openai_sdks_read(kind: Kind, version: &'static str) {
+    let rls = ratelimitd(kind, &[]).await;
+    let up = Upstream::start().await;
+    let envoy = Envoy::start(
+        version,
+        "examples/envoy/llm-api.yaml",
+        up.port,
+        rls.grpc.port(),
+    )
+    .await;
+    let path = "/v1/chat/completions";
+    let error = |a: &envoy::Answer| -> serde_json::Value {
+        assert_eq!(a.status, 429, "Envoy {version}: {a:?}");
+        assert_eq!(a.header("content-type"), Some("application/json"), "{a:?}");
+        let body: serde_json::Value = serde_json::from_str(&a.body)
+            .unwrap_or_else(|e| panic!("Envoy {version}: not JSON ({e}): {a:?}"));
+        body["error"].clone()
+    };
+    let number = |a: &envoy::Answer, name: &str| -> u64 {
+        a.header(name)
+            .unwrap_or_else(|| panic!("Envoy {version}: no {name}: {a:?}"))
+            .trim_end_matches("ms")
+            .trim_end_matches('s')
+            .parse()
+            .unwrap_or_else(|e| panic!("Envoy {version}: {name}: {e}: {a:?}"))
+    };
+
+    // A 200 shows both budgets.
+    let a = get(
+        envoy.http,
+        path,
+        &[
+            ("authorization", "Bearer sk-fresh"),
+            ("x-fake-tokens", "1000"),
+        ],
+    )
+    .await;
+    assert_eq!(a.status, 200, "Envoy {version}: {a:?}");
+    assert_eq!(number(&a, "x-ratelimit-limit-requests"), 3, "{a:?}");
+    assert_eq!(number(&a, "x-ratelimit-remaining-requests"), 2, "{a:?}");
+    assert!(
+        a.header("x-ratelimit-reset-requests")
+            .unwrap()
+            .ends_with("ms")
+    );
+    assert_eq!(number(&a, "x-ratelimit-limit-tokens"), 8000, "{a:?}");
+    assert_eq!(number(&a, "x-ratelimit-remaining-tokens"), 8000, "{a:?}");
+    assert!(number(&a, "x-ratelimit-reset-tokens") <= 60, "{a:?}");
+
+    // Past 3 a second: wait a second at most, and retry.
+    let burst = [("authorization", "Bearer sk-burst"), ("x-fake-tokens", "1")];
+    let mut admitted = 0;
+    let refused = loop {
+        let a = get(envoy.http, path, &burst).await;
+        if a.status == 429 {
+            break a;
+        }
+        assert_eq!(a.status, 200, "{a:?}");
+        admitted += 1;
+        assert!(
+            admitted <= 20,
+            "Envoy {version}: {admitted} admitted, none refused"
+        );
+    };
+    let e = error(&refused);
+    assert_eq!(e["code"], "rate_limit_exceeded", "{refused:?}");
+    assert_eq!(e["type"], "requests", "{refused:?}");
+    assert!(
+        (1..=2).contains(&number(&refused, "retry-after")),
+        "{refused:?}"
+    );
+    assert!(
+        (1..=1000).contains(&number(&refused, "retry-after-ms")),
+        "{refused:?}"
+    );
+    assert_eq!(refused.header("x-should-retry"), None, "{refused:?}");
+    assert_eq!(
+        number(&refused, "x-ratelimit-remaining-requests"),
+        0,
+        "{refused:?}"
+    );
+
+    // The month's tokens spent (one response of 60,000 against 50,000): do not retry until
+    // the month ends.
+    let spent = [
+        ("authorization", "Bearer sk-spent"),
+        ("x-fake-tokens", "60000"),
+    ];
+    let a = get(envoy.http, path, &spent).await;
+    assert_eq!(a.status, 200, "{a:?}");
+    let refused = poll(Duration::from_secs(10), || async {
+        let a = get(envoy.http, path, &spent).await;
+        (a.status == 429).then_some(a)
+    })
+    .await;
+    use ratelimitd::testing::{Clock, SystemClock};
+    let month_left = to_next_utc_month(SystemClock.now_us() / 1_000_000);
+    let e = error(&refused);
+    assert_eq!(e["code"], "insufficient_quota", "{refused:?}");
+    assert_eq!(e["type"], "insufficient_quota", "{refused:?}");
+    assert_eq!(
+        refused.header("x-should-retry"),
+        Some("false"),
+        "{refused:?}"
+    );
+    let retry = number(&refused, "retry-after");
+    assert!(
+        retry + 2 >= month_left && retry <= month_left + 2,
+        "Envoy {version}: retry-after {retry}, the month ends in {month_left} s: {refused:?}"
+    );
+    assert_eq!(
+        number(&refused, "x-ratelimit-limit-tokens"),
+        50_000,
+        "{refused:?}"
+    );
+    assert_never_failed(&envoy).await;
+}
+
+/// examples/envoy/rest-api.yaml with limits/rest.yaml: RFC 9457 problem details. Five requests
+/// a minute per API key, each 200 with `RateLimit-Policy` and `RateLimit`; the sixth a 429 whose
+/// `application/problem+json` body names the limit and the key and says when to retry, as
+/// `Retry-After` does.
+async fn the_rest_example_answers_problem_details(kind: Kind, version: &'static str) {
+    let rls = ratelimitd(kind, &[]).await;
+    let up = Upstream::start().await;
+    let envoy = Envoy::start(
+        version,
+        "examples/envoy/rest-api.yaml",
+        up.port,
+        rls.grpc.port(),
+    )
+    .await;
+    let refused = refused_after(&envoy, "/api/items", &[("x-api-key", "k1")], 5).await;
+    assert_eq!(
+        refused.header("content-type"),
+        Some("application/problem+json"),
+        "Envoy {version}: {refused:?}"
+    );
+    let problem: serde_json::Value = serde_json::from_str(&refused.body)
+        .unwrap_or_else(|e| panic!("Envoy {version}: {e}: {refused:?}"));
+    assert_eq!(problem["status"], 429, "{problem}");
+    assert_eq!(problem["limit"], "per-minute", "{problem}");
+    let detail = problem["detail"].as_str().unwrap();
+    assert!(
+        detail.starts_with("API key k1 made more than 5 requests per minute"),
+        "{detail}"
+    );
+    let retry = problem["retry_after"].as_u64().unwrap();
+    assert!((1..=60).contains(&retry), "{problem}");
+    assert_eq!(refused.header("retry-after"), Some(&*retry.to_string()));
+    assert!(
+        refused
+            .header("ratelimit")
+            .unwrap()
+            .starts_with("\"per-minute\";r=0;t="),
+        "{refused:?}"
+    );
+    assert_never_failed(&envoy).await;
+}
+
+/// Requests to `path` with `headers` until one is refused: `allowed` are admitted first (one
+/// more if a window ends meanwhile), each carrying the REST example's `RateLimit-Policy`.
+async fn refused_after(
+    envoy: &Envoy,
+    path: &str,
+    headers: &[(&str, &str)],
+    allowed: usize,
+) -> envoy::Answer {
+    let mut admitted = 0;
+    loop {
+        let a = get(envoy.http, path, headers).await;
+        if a.status == 429 {
+            assert!(
+                admitted >= allowed,
+                "Envoy {}: {admitted} admitted",
+                envoy.version
+            );
+            return a;
+        }
+        assert_eq!(a.status, 200, "Envoy {}: {a:?}", envoy.version);
+        assert!(
+            a.header("ratelimit-policy").is_some(),
+            "Envoy {}: {a:?}",
+            envoy.version
+        );
+        admitted += 1;
+        assert!(
+            admitted <= 2 * allowed,
+            "Envoy {}: {admitted} admitted",
+            envoy.version
+        );
+    }
+}
+
+/// What a client sends is what the answer says, escaped, whatever it sends: with
+/// limits/rest.yaml, a header carrying the key too (`x-limited-key`), keys with quotes,
+/// backslashes, CR/LF, NUL and bytes that are not UTF-8 (percent-encoded in the query string,
+/// which Envoy decodes), and one of 59,000 bytes (Envoy's header limit is 60 KiB): every 429's
+/// body is JSON whose `detail` holds the key as sent (cut at 256 bytes), no header is split or
+/// added, and no call fails.
+async fn hostile_keys_are_told_safely(kind: Kind, version: &'static str) {
+    let rest = std::fs::read_to_string(envoy::root().join("examples/envoy/limits/rest.yaml"))
+        .unwrap()
+        .replace(
+            "          retry-after: \"{{reset_seconds}}\"\n",
+            "          retry-after: \"{{reset_seconds}}\"\n          x-limited-key: \"{{value}}\"\n",
+        )
+        .replace("domain: rest", "domain: hostile");
+    assert!(rest.contains("x-limited-key"));
+    let rls = ratelimitd(kind, &[("hostile.yaml", &rest)]).await;
+    let up = Upstream::start().await;
+    let bootstrap = std::fs::read_to_string(envoy::root().join("examples/envoy/rest-api.yaml"))
+        .unwrap()
+        .replace("domain: rest", "domain: hostile");
+    let envoy = Envoy::start(version, &bootstrap, up.port, rls.grpc.port()).await;
+    let long = "y".repeat(59_000);
+    let cases: [(&str, Vec<u8>); 5] = [
+        ("?api_key=a%22b%5Cc", b"a\"b\\c".to_vec()),
+        (
+            "?api_key=crlf%0D%0Ax-injected:%201",
+            b"crlf\r\nx-injected: 1".to_vec(),
+        ),
+        ("?api_key=nul%00end", b"nul\0end".to_vec()),
+        ("?api_key=bytes%FF%FE", b"bytes\xff\xfe".to_vec()),
+        ("", long.as_bytes().to_vec()),
+    ];
+    for (query, sent) in cases {
+        let path = format!("/api/items{query}");
+        let headers: Vec<(&str, &str)> = if query.is_empty() {
+            vec![("x-api-key", &long)]
+        } else {
+            vec![]
+        };
+        let a = refused_after(&envoy, &path, &headers, 5).await;
+        let shown = String::from_utf8_lossy(&sent[..sent.len().min(256)]).into_owned();
+        let problem: serde_json::Value = serde_json::from_str(&a.body)
+            .unwrap_or_else(|e| panic!("Envoy {version}, {query}: not JSON ({e}): {a:?}"));
+        let detail = problem["detail"].as_str().unwrap();
+        assert_eq!(
+            detail
+                .strip_prefix("API key ")
+                .and_then(|d| d.split(" made more").next()),
+            Some(&*shown),
+            "Envoy {version}, {query}: {detail:?}"
+        );
+        assert_eq!(a.header("x-injected"), None, "Envoy {version}: {a:?}");
+        let in_header: String = shown.chars().filter(|c| (' '..='~').contains(c)).collect();
+        assert_eq!(
+            a.header("x-limited-key"),
+            Some(in_header.trim()),
+            "Envoy {version}, {query}: {a:?}"
+        );
+    }
+    assert_never_failed(&envoy).await;
+}
+
 in_envoy!(
     the_edge_example_limits_a_client_by_its_address,
     the_compose_example_is_the_edge_example,
@@ -1233,6 +1521,9 @@ in_envoy!(
     what_a_429_tells_a_client_is_true,
     a_client_told_when_to_retry_is_admitted_then,
     the_network_filter_example_limits_connections,
+    the_llm_example_tells_what_openai_sdks_read,
+    the_rest_example_answers_problem_details,
+    hostile_keys_are_told_safely,
 );
 
 /// examples/envoy/envoy.yaml with tracing on its HTTP connection manager (OpenTelemetry, as

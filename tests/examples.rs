@@ -108,8 +108,10 @@ fn every_envoy_example_is_a_bootstrap_envoy_reads() {
         [
             "concurrency.yaml",
             "envoy.yaml",
+            "llm-api.yaml",
             "network-filter.yaml",
             "reservations.yaml",
+            "rest-api.yaml",
             "rlqs.yaml",
             "token-budget.yaml"
         ]

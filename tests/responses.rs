@@ -234,3 +234,200 @@ async fn json_refunds_with_is_negative_hits() {
     assert_eq!(post_json(s.http, body).await.0, 200, "one given back");
     assert_eq!(post_json(s.http, body).await.0, 429);
 }
+
+/// Limits with answers: `tenant`'s is inherited by `tenant.user`, whose second limit has its
+/// own; `plain` has none (the default answer applies when the server has one).
+const ANSWERED: &str = r#"domain: told
+descriptors:
+  - key: tenant
+    answer:
+      headers:
+        x-left-requests: "{{remaining}}"
+        x-ratelimit-limit: "answer's"
+      over_limit:
+        headers:
+          retry-after-ms: "{{reset_ms}}"
+        body: '{"error": {"limit": "{{name}}", "per": "{{unit}}", "tenant": "{{value}}", "in": {{reset_seconds}}}}'
+    rate_limit: {unit: hour, requests_per_unit: 2, name: hourly}
+    descriptors:
+      - key: user
+        rate_limits:
+          - {unit: minute, requests_per_unit: 5, name: per-minute}
+          - unit: day
+            requests_per_unit: 1
+            name: daily
+            answer:
+              headers:
+                x-left-daily: "{{remaining}}"
+              over_limit:
+                headers:
+                  x-should-retry: "false"
+                content_type: text/plain
+                body: "daily budget of {{key}} {{value}} spent; {{reset_seconds}} s left"
+  - key: plain
+    rate_limit: {unit: hour, requests_per_unit: 1}
+"#;
+
+async fn answered(flags: &[&str]) -> TestServer {
+    TestServer::start_with(&[("told.yaml", ANSWERED)], flags, Arc::new(SystemClock)).await
+}
+
+/// A limit's answer reaches the client: its headers on every answer, and on a refusal its
+/// own headers and body (raw_body), with the content type; a descriptor's answer is its
+/// nested descriptors' unless a limit has its own; an answer's header replaces the
+/// `--response-headers` one of that name.
+#[tokio::test]
+async fn a_limits_answer_is_its_headers_and_on_a_refusal_its_body() {
+    let s = answered(&["--response-headers", "draft03"]).await;
+    let mut c = s.client().await;
+    let req = || request("told", &[&[("tenant", "acme \"inc\"")]]);
+    let r = call(&mut c, req()).await;
+    assert!(!is_over(&r));
+    assert_eq!(header(&r, "x-left-requests").as_deref(), Some("1"));
+    assert_eq!(header(&r, "x-ratelimit-limit").as_deref(), Some("answer's"));
+    let named = |r: &RateLimitResponse, name: &str| {
+        r.response_headers_to_add
+            .iter()
+            .filter(|h| h.key.eq_ignore_ascii_case(name))
+            .count()
+    };
+    assert_eq!(named(&r, "x-ratelimit-limit"), 1, "{r:?}");
+    assert_eq!(header(&r, "X-RateLimit-Remaining").as_deref(), Some("1"));
+    assert!(r.raw_body.is_empty());
+    call(&mut c, req()).await;
+    let r = call(&mut c, req()).await;
+    assert!(is_over(&r));
+    assert_eq!(
+        header(&r, "content-type").as_deref(),
+        Some("application/json")
+    );
+    let ms: u64 = header(&r, "retry-after-ms").unwrap().parse().unwrap();
+    assert!((1..=3_600_000).contains(&ms), "{ms}");
+    let body: serde_json::Value = serde_json::from_slice(&r.raw_body).unwrap();
+    assert_eq!(body["error"]["limit"], "hourly");
+    assert_eq!(body["error"]["per"], "hour");
+    assert_eq!(body["error"]["tenant"], "acme \"inc\"");
+    assert_eq!(body["error"]["in"], ms.div_ceil(1000));
+
+    // Nested: the day's own answer (text), the minute's inherited one.
+    let req = || request("told", &[&[("tenant", "t"), ("user", "u1")]]);
+    let r = call(&mut c, req()).await;
+    assert_eq!(header(&r, "x-left-daily").as_deref(), Some("0"), "{r:?}");
+    let r = call(&mut c, req()).await;
+    assert!(is_over(&r));
+    assert_eq!(header(&r, "content-type").as_deref(), Some("text/plain"));
+    assert_eq!(header(&r, "x-should-retry").as_deref(), Some("false"));
+    let text = String::from_utf8(r.raw_body.clone()).unwrap();
+    assert!(
+        text.starts_with("daily budget of user u1 spent; "),
+        "{text}"
+    );
+
+    // No answer: nothing of it.
+    let r = call(&mut c, request("told", &[&[("plain", "p")]])).await;
+    assert_eq!(header(&r, "x-left-requests"), None);
+    assert_eq!(r.response_headers_to_add.len(), 3, "draft03's: {r:?}");
+}
+
+/// On a refusal by two descriptors the one the client must wait longest for speaks; the
+/// other's headers still show.
+#[tokio::test]
+async fn the_limit_that_resets_last_speaks() {
+    let s = answered(&[]).await;
+    let mut c = s.client().await;
+    // One request spends user u2's day and half of tenant t2's hour; one more the hour.
+    let both = || {
+        request(
+            "told",
+            &[&[("tenant", "t2")], &[("tenant", "t2"), ("user", "u2")]],
+        )
+    };
+    let r = call(&mut c, both()).await;
+    assert!(!is_over(&r));
+    let r = call(&mut c, request("told", &[&[("tenant", "t2")]])).await;
+    assert!(!is_over(&r));
+    let r = call(&mut c, both()).await;
+    assert!(is_over(&r));
+    assert_eq!(r.statuses[0].code, r.statuses[1].code, "both over: {r:?}");
+    assert_eq!(
+        header(&r, "x-should-retry").as_deref(),
+        Some("false"),
+        "the day speaks"
+    );
+    assert_eq!(
+        header(&r, "x-left-requests").as_deref(),
+        Some("0"),
+        "the hour's header"
+    );
+    assert!(String::from_utf8_lossy(&r.raw_body).starts_with("daily budget"));
+}
+
+/// `--default-answer` answers for limits without one; `POST /json` shows the same headers and
+/// the body (`rawBody`, base64 as proto3 JSON writes bytes).
+#[tokio::test]
+async fn the_default_answer_and_the_json_endpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("answer.yaml");
+    std::fs::write(
+        &file,
+        "over_limit:\n  headers:\n    x-default: \"{{domain}}\"\n  body: 'over {{requests_per_unit}}/{{unit}}'\n",
+    )
+    .unwrap();
+    let s = answered(&["--default-answer", file.to_str().unwrap()]).await;
+    let body = r#"{"domain":"told","descriptors":[{"entries":[{"key":"plain","value":"j"}]}]}"#;
+    let (status, _) = post_json(s.http, body).await;
+    assert_eq!(status, 200);
+    let (status, json) = post_json(s.http, body).await;
+    assert_eq!(status, 429);
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    let headers = v["responseHeadersToAdd"].as_array().unwrap();
+    assert!(
+        headers
+            .iter()
+            .any(|h| h["key"] == "x-default" && h["value"] == "told"),
+        "{v}"
+    );
+    assert!(
+        headers
+            .iter()
+            .any(|h| h["key"] == "content-type" && h["value"] == "text/plain; charset=utf-8"),
+        "{v}"
+    );
+    // "over 1/hour"
+    assert_eq!(v["rawBody"], "b3ZlciAxL2hvdXI=", "{v}");
+
+    // A default that does not compile stops the start, naming file, line and field.
+    std::fs::write(&file, "headers:\n  x-a: \"{{nope}}\"\n").unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_ratelimitd"))
+        .args(["--config", s.dir.path().to_str().unwrap()])
+        .args(["--default-answer", file.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(&format!(
+            "{}:2:8: headers.x-a: unknown variable '{{{{nope}}}}'",
+            file.display()
+        )),
+        "{err}"
+    );
+}
+
+/// A reload whose answer does not compile is refused; the answers in force stay.
+#[tokio::test]
+async fn a_bad_answer_on_reload_keeps_the_last_good_config() {
+    let s = answered(&[]).await;
+    s.write(
+        "told.yaml",
+        &ANSWERED.replace("{{remaining}}", "{{remainder}}"),
+    );
+    poll(std::time::Duration::from_secs(10), || async {
+        let (_, m) = s.http_get("/metrics").await;
+        (metric(&m, r#"ratelimit_config_loads_total{result="error"}"#) >= 1.0).then_some(())
+    })
+    .await;
+    let mut c = s.client().await;
+    let r = call(&mut c, request("told", &[&[("tenant", "r")]])).await;
+    assert_eq!(header(&r, "x-left-requests").as_deref(), Some("1"));
+}

@@ -11,6 +11,7 @@ use serde::Deserialize;
 use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde_saphyr::{Location, Spanned};
 
+use super::answer::{self, Answer, RawAnswer};
 use super::schema::{RawDescriptor, RawLimit, RawReplace};
 use super::{
     ConfigError, Counted, Domain, Extra, Index, KeyNodes, Level, LimitRule, Node, NodeLimits, Unit,
@@ -160,7 +161,7 @@ pub(crate) fn compile_parsed(
         return Err(c.err(None, "domain", "a config cannot have an empty domain"));
     }
     let descriptors = descriptors.into_iter().map(unlocated).collect();
-    let root = c.level(descriptors, "descriptors", "")?;
+    let root = c.level(descriptors, "descriptors", "", None)?;
     Ok(Domain::new(domain, root, 0))
 }
 
@@ -301,7 +302,7 @@ impl<'de> Visitor<'de> for TopLevel<'_, '_> {
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Level, A::Error> {
         let mut level = LevelBuilder::default();
         while let Some(raw) = seq.next_element::<Spanned<RawDescriptor>>()? {
-            if let Err(e) = self.c.add(&mut level, raw, "descriptors", "") {
+            if let Err(e) = self.c.add(&mut level, raw, "descriptors", "", None) {
                 *self.invalid = Some(e);
                 return Err(de::Error::custom("invalid descriptor"));
             }
@@ -363,6 +364,24 @@ fn loc(l: &Location) -> Option<(u64, u64)> {
 impl Compiler<'_> {
     fn err(&self, at: Option<&Location>, field: &str, message: impl Into<String>) -> ConfigError {
         ConfigError::at(self.file, at.and_then(loc), field, message)
+    }
+
+    /// Compiles the `answer` of `field` (a descriptor or a limit).
+    fn answer(&self, raw: Spanned<RawAnswer>, field: &str) -> Result<Answer, ConfigError> {
+        let at = raw.referenced;
+        answer::compile(raw.value).map_err(|e| {
+            let here = if e.line > 0 {
+                Some((e.line, e.column))
+            } else {
+                loc(&at)
+            };
+            ConfigError::at(
+                self.file,
+                here,
+                format!("{field}.answer.{}", e.field),
+                e.message,
+            )
+        })
     }
 
     /// The extensions a descriptor's `metadata.ratelimitd` sets for its limits (for control
@@ -461,26 +480,29 @@ impl Compiler<'_> {
         descriptors: Vec<Spanned<RawDescriptor>>,
         field: &str,
         parent_path: &str,
+        answer: Option<&Arc<Answer>>,
     ) -> Result<Level, ConfigError> {
         let mut level = LevelBuilder::default();
         for raw in descriptors {
-            self.add(&mut level, raw, field, parent_path)?;
+            self.add(&mut level, raw, field, parent_path, answer)?;
         }
         Ok(level.build())
     }
 
-    /// Compiles `raw`, the next descriptor of the list `field`, into `level`.
+    /// Compiles `raw`, the next descriptor of the list `field`, into `level`; `answer` is the
+    /// one it inherits.
     fn add(
         &self,
         level: &mut LevelBuilder,
         raw: Spanned<RawDescriptor>,
         field: &str,
         parent_path: &str,
+        answer: Option<&Arc<Answer>>,
     ) -> Result<(), ConfigError> {
         let field = format!("{field}[{}]", level.count);
         level.count += 1;
         let at = raw.referenced;
-        let (key, node) = self.node(raw.value, &field, at, parent_path)?;
+        let (key, node) = self.node(raw.value, &field, at, parent_path, answer)?;
         match level.seen.entry((key.clone(), node.value.clone())) {
             Entry::Occupied(first) => {
                 let shown = match &node.value {
@@ -523,6 +545,7 @@ impl Compiler<'_> {
         field: &str,
         at: Location,
         parent_path: &str,
+        inherited: Option<&Arc<Answer>>,
     ) -> Result<(Box<str>, Node), ConfigError> {
         for (name, at) in raw.misplaced() {
             self.ignored(&at, &format!("{field}.{name}"));
@@ -581,12 +604,23 @@ impl Compiler<'_> {
             }
         }
         let hold_key = self.hold_key(hold_key, field, at, &rate_limit, &rate_limits)?;
-        let limits = self.limits(rate_limit, rate_limits, field, hold_key.is_some())?;
+        let answer = match raw.answer {
+            Some(a) => Some(Arc::new(self.answer(a, field)?)),
+            None => inherited.cloned(),
+        };
+        let limits = self.limits(
+            rate_limit,
+            rate_limits,
+            field,
+            hold_key.is_some(),
+            answer.as_ref(),
+        )?;
 
         let children = self.level(
             raw.descriptors.unwrap_or_default(),
             &format!("{field}.descriptors"),
             &path,
+            answer.as_ref(),
         )?;
         if let Some((k, k_at)) = &hold_key
             && children.key(k.as_bytes()).is_some()
@@ -668,6 +702,7 @@ impl Compiler<'_> {
         rate_limits: Option<RawLimitList>,
         field: &str,
         held: bool,
+        answer: Option<&Arc<Answer>>,
     ) -> Result<Option<NodeLimits>, ConfigError> {
         Ok(match (rate_limit, rate_limits) {
             (Some(_), Some(list)) => {
@@ -683,6 +718,7 @@ impl Compiler<'_> {
                 &format!("{field}.rate_limit"),
                 false,
                 held,
+                answer,
             )?),
             (None, Some(list)) => {
                 let list_field = format!("{field}.rate_limits");
@@ -701,6 +737,7 @@ impl Compiler<'_> {
                         &format!("{list_field}[{j}]"),
                         true,
                         held,
+                        answer,
                     )? {
                         NodeLimits::Limits(mut l) => limits.append(&mut l),
                         NodeLimits::Unlimited => unreachable!("refused inside rate_limits"),
@@ -758,6 +795,7 @@ impl Compiler<'_> {
             ("accounting", raw.accounting.as_ref().map(|s| s.referenced)),
             ("calendar", raw.calendar.as_ref().map(|s| s.referenced)),
             ("top_values", raw.top_values.as_ref().map(|s| s.referenced)),
+            ("answer", raw.answer.as_ref().map(|s| s.referenced)),
         ];
         if let Some((name, Some(at))) = extension.into_iter().find(|(_, at)| at.is_some()) {
             return Err(self.err(Some(&at), &sub(name), "has no meaning when unlimited"));
@@ -922,6 +960,7 @@ impl Compiler<'_> {
         field: &str,
         in_list: bool,
         held: bool,
+        answer: Option<&Arc<Answer>>,
     ) -> Result<NodeLimits, ConfigError> {
         let sub = |name: &str| format!("{field}.{name}");
         for (name, at) in raw.misplaced() {
@@ -1043,6 +1082,10 @@ impl Compiler<'_> {
                 )
             })?,
         };
+        let answer = match raw.answer {
+            Some(a) => Some(Arc::new(self.answer(a, field)?)),
+            None => answer.cloned(),
+        };
         let name = raw.name.map(|n| Arc::<str>::from(n.value));
         let replaces = self.replaces(raw.replaces.unwrap_or_default(), name.as_deref(), field)?;
         let mut rule = LimitRule {
@@ -1058,6 +1101,7 @@ impl Compiler<'_> {
             top_values,
             ordinal: 0,
             identity: LimitIdentity::default(),
+            answer,
         };
         rule.set_ordinal(0);
         Ok(NodeLimits::Limits(vec![rule]))

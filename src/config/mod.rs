@@ -4,6 +4,7 @@
 //! A snapshot is built all-or-nothing: one bad file fails the whole load, and the previous
 //! snapshot (if any) stays in force. Nothing here knows about gRPC.
 
+pub(crate) mod answer;
 mod compile;
 mod error;
 mod load;
@@ -149,6 +150,9 @@ pub struct LimitRule {
     /// The end of this limit's counter keys (algorithm, window, ordinal), built once here
     /// rather than for every request.
     pub identity: LimitIdentity,
+    /// What a client is told about it (`answer`: its own, else its descriptor's or the
+    /// nearest above); `None`: the server's default.
+    pub answer: Option<Arc<answer::Answer>>,
 }
 
 impl LimitRule {

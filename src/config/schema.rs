@@ -69,6 +69,8 @@ raw! {
         pub metadata: Option<serde_json::Value>,
         /// Extension: the entry after this one that names a request's hold.
         pub hold_key: Option<Spanned<String>>,
+        /// Extension: what a client is told, for this node's limits and those below.
+        pub answer: Option<Spanned<super::answer::RawAnswer>>,
     }
     misplaced here: [domain, unit, requests_per_unit, unlimited, name, replaces]
 }
@@ -94,6 +96,8 @@ raw! {
         pub calendar: Option<Spanned<String>>,
         /// Extension: how `/top` shows this limit's descriptor values: show, hash or hide.
         pub top_values: Option<Spanned<String>>,
+        /// Extension: what a client is told about this limit (in place of the descriptor's).
+        pub answer: Option<Spanned<super::answer::RawAnswer>>,
     }
     misplaced here: [
         domain,

@@ -24,6 +24,8 @@ pub struct ReportedLimit {
     pub window: Duration,
     /// Windows follow a calendar: the reset is the verdict's, never the epoch's arithmetic.
     pub calendar: bool,
+    /// What the client is told about it (`answer`); `None`: the server's default.
+    pub answer: Option<Arc<crate::config::answer::Answer>>,
 }
 
 /// One limit that applies to one descriptor.

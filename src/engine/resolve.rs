@@ -299,6 +299,7 @@ impl<'s, 'r> Found<'s, 'r> {
                 unit: o.unit,
                 window: Duration::from_secs(o.unit.seconds()),
                 calendar: false,
+                answer: None,
             },
             enforcement: self.enforce,
             rule,
@@ -546,6 +547,7 @@ fn reported(rule: &LimitRule) -> ReportedLimit {
         unit: rule.unit,
         window: Duration::from_secs(rule.window_seconds()),
         calendar: rule.calendar.is_some(),
+        answer: rule.answer.clone(),
     }
 }
 
@@ -759,6 +761,7 @@ descriptors:
                 unit: crate::config::Unit::Second,
                 window: Duration::from_secs(1),
                 calendar: false,
+                answer: None,
             },
             enforcement: Enforcement::Enforce,
             rule: Cow::Owned(Arc::new(String::new())),

@@ -18,12 +18,14 @@ use envoy_types::pb::google::protobuf::value::Kind;
 use envoy_types::pb::google::protobuf::{ListValue, Struct, Value};
 use tonic::{Request, Response, Status};
 
+use super::answer;
 use super::conn::Delivery;
 use super::headers::{self, HeaderMode};
 use super::wire::rate_limit_service_server::RateLimitService;
 use super::wire::{RateLimitDescriptor, RateLimitRequest};
 
 use crate::config::Unit;
+use crate::config::answer::Answer;
 use crate::engine::{self, Code, Descriptor, Engine, EngineError, LimitOverride};
 use crate::logs::{self, Throttle};
 use crate::metrics::{ErrorLabels, Metrics};
@@ -33,12 +35,12 @@ use crate::value::shown;
 pub(crate) struct GrpcService {
     engine: Arc<Engine>,
     metrics: Arc<Metrics>,
-    headers: HeaderMode,
+    telling: Telling,
 }
 
 impl GrpcService {
-    /// Serves `engine`, recording timings in `metrics`, adding `headers` to responses.
-    pub(crate) fn new(engine: Arc<Engine>, metrics: Arc<Metrics>, headers: HeaderMode) -> Self {
+    /// Serves `engine`, recording timings in `metrics`, telling clients as `telling` says.
+    pub(crate) fn new(engine: Arc<Engine>, metrics: Arc<Metrics>, telling: Telling) -> Self {
         crate::metrics::at_zero(
             &metrics.grpc_errors,
             ERROR_CODES.map(|code| ErrorLabels {
@@ -48,7 +50,7 @@ impl GrpcService {
         Self {
             engine,
             metrics,
-            headers,
+            telling,
         }
     }
 }
@@ -236,23 +238,52 @@ fn pb_code(code: Code) -> i32 {
     }
 }
 
-/// Converts a decision to Envoy's response, with the headers `headers` asks for and, when
-/// the decision carries it, dynamic metadata.
+/// How a response tells the client: the `--response-headers` mode and the server's default
+/// `answer` (for limits without their own).
+#[derive(Clone, Debug)]
+pub(crate) struct Telling {
+    /// The headers mode.
+    pub(crate) headers: HeaderMode,
+    /// The default answer.
+    pub(crate) answer: Option<Arc<Answer>>,
+}
+
+/// Converts a decision to Envoy's response, with the limits' answers (headers, a 429's body),
+/// the headers `telling` asks for (those an answer names are the answer's) and, when the
+/// decision carries it, dynamic metadata.
 pub(crate) fn to_response(
     req: &RateLimitRequest,
     resp: engine::Response,
-    headers: HeaderMode,
+    telling: &Telling,
     now_s: u64,
     longest_value: usize,
 ) -> RateLimitResponse {
-    let response_headers_to_add = headers::headers(headers, &resp, now_s)
-        .into_iter()
-        .map(|(key, value)| HeaderValue {
-            key: key.to_owned(),
-            value,
-            raw_value: Vec::new(),
-        })
-        .collect();
+    let header = |key: String, value: String| HeaderValue {
+        key,
+        value,
+        raw_value: Vec::new(),
+    };
+    let mode = headers::headers(telling.headers, &resp, now_s);
+    let (mut response_headers_to_add, mut raw_body) = (Vec::new(), Vec::new());
+    if let Some(rendered) = answer::render(req, &resp, telling.answer.as_deref()) {
+        response_headers_to_add.reserve(rendered.headers.len() + mode.len() + 1);
+        if let Some((body, content_type)) = rendered.body {
+            raw_body = body;
+            response_headers_to_add.push(header("content-type".to_owned(), content_type));
+        }
+        for (key, value) in rendered.headers {
+            response_headers_to_add.push(header(key, value));
+        }
+    }
+    let answered = response_headers_to_add.len();
+    for (key, value) in mode {
+        if !response_headers_to_add[..answered]
+            .iter()
+            .any(|h| h.key.eq_ignore_ascii_case(key))
+        {
+            response_headers_to_add.push(header(key.to_owned(), value));
+        }
+    }
     let dynamic_metadata = resp.metadata.is_some().then(|| {
         match dynamic_metadata(req, resp.metadata.as_ref(), longest_value) {
             serde_json::Value::Object(o) => json_to_struct(&o),
@@ -261,6 +292,7 @@ pub(crate) fn to_response(
     });
     RateLimitResponse {
         response_headers_to_add,
+        raw_body,
         dynamic_metadata,
         overall_code: pb_code(resp.overall),
         statuses: resp
@@ -354,8 +386,8 @@ impl RateLimitService for GrpcService {
                         Ok(Response::new(to_response(
                             request.get_ref(),
                             resp,
-                            self.headers,
-                            headers::now_s(self.headers),
+                            &self.telling,
+                            headers::now_s(self.telling.headers),
                             self.engine.longest_value(),
                         )))
                     }

@@ -219,6 +219,7 @@ mod tests {
                 unit,
                 window: Duration::from_secs(unit.seconds()),
                 calendar: false,
+                answer: None,
             }),
             remaining,
             reset: Some(Duration::from_millis(reset_ms)),

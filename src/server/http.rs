@@ -15,7 +15,6 @@ use axum::routing::{get, post};
 
 use super::conn::{Tracker, accept};
 use super::grpc::{to_request, to_response, to_status};
-use super::headers::HeaderMode;
 use super::json::{parse_request, response_json};
 use super::wire::RateLimitRequest;
 use crate::engine::Code;
@@ -34,8 +33,8 @@ pub(crate) struct HttpState {
     pub serving: Arc<AtomicBool>,
     /// The backend, for its reachability.
     pub backend: Arc<dyn Backend>,
-    /// Headers added to `/json` answers, as to gRPC ones.
-    pub headers: HeaderMode,
+    /// Headers and bodies added to `/json` answers, as to gRPC ones.
+    pub telling: super::grpc::Telling,
 }
 
 /// Largest request body (`POST /json`): the gRPC port's message bound.
@@ -180,8 +179,8 @@ async fn json_decide(State(state): State<Arc<HttpState>>, body: Bytes) -> axum::
             let out = to_response(
                 &req,
                 resp,
-                state.headers,
-                super::headers::now_s(state.headers),
+                &state.telling,
+                super::headers::now_s(state.telling.headers),
                 state.engine.longest_value(),
             );
             (

@@ -262,10 +262,33 @@ pub(crate) fn response_json(r: &RateLimitResponse, refused_by: &[Option<Arc<Stri
             .collect();
         o.insert("responseHeadersToAdd".into(), Value::Array(headers));
     }
+    if !r.raw_body.is_empty() {
+        o.insert("rawBody".into(), json!(base64(&r.raw_body)));
+    }
     if let Some(m) = &r.dynamic_metadata {
         o.insert("dynamicMetadata".into(), struct_json(m));
     }
     Value::Object(o)
+}
+
+/// Standard base64 with padding, as proto3 JSON writes `bytes`.
+fn base64(bytes: &[u8]) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
+    for chunk in bytes.chunks(3) {
+        let n = chunk
+            .iter()
+            .enumerate()
+            .fold(0u32, |n, (i, b)| n | (u32::from(*b) << (16 - 8 * i)));
+        for i in 0..4 {
+            if i <= chunk.len() {
+                out.push(ALPHABET[(n >> (18 - 6 * i) & 63) as usize] as char);
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
 }
 
 #[cfg(test)]
@@ -302,6 +325,16 @@ mod tests {
             let e = parse_request(body).unwrap_err().to_string();
             assert!(e.contains(says), "{e}");
         }
+    }
+
+    #[test]
+    fn bytes_in_base64() {
+        assert_eq!(base64(b""), "");
+        assert_eq!(base64(b"f"), "Zg==");
+        assert_eq!(base64(b"fo"), "Zm8=");
+        assert_eq!(base64(b"foo"), "Zm9v");
+        assert_eq!(base64(b"foob\xff"), "Zm9vYv8=");
+        assert_eq!(base64(&[0xff, 0xfe]), "//4=");
     }
 
     #[test]

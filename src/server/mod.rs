@@ -4,6 +4,7 @@
 
 pub(crate) mod admin;
 pub(crate) mod admin_listener;
+pub(crate) mod answer;
 pub(crate) mod auth;
 pub(crate) mod conn;
 pub(crate) mod debug;

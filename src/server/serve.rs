@@ -13,7 +13,6 @@ use super::admin::{Admin, AdminServer};
 use super::conn::{AGE_JITTER, AGE_LANES, BudgetLayer, ConnLimits, InLane, Tracked, Tracker};
 use super::grpc::GrpcService;
 use super::h2guard::{H2Guard, Resets};
-use super::headers::HeaderMode;
 use super::http::HttpState;
 use super::rlqs::RlqsService;
 use super::tls::{GrpcTls, Served};
@@ -36,8 +35,8 @@ const BACKLOG: u32 = 1024;
 pub(crate) struct ServerOptions {
     /// TLS on the gRPC listener.
     pub(crate) grpc_tls: Option<GrpcTls>,
-    /// Rate-limit headers added to responses.
-    pub(crate) response_headers: HeaderMode,
+    /// Rate-limit headers and the default answer for responses.
+    pub(crate) telling: super::grpc::Telling,
     /// Serve the admin API on the gRPC port (`--admin`, until it is gone; not with
     /// `admin_listener`).
     pub(crate) admin: bool,
@@ -277,7 +276,7 @@ pub(crate) fn serve<H: tonic_health::pb::health_server::Health>(
         metrics: metrics.clone(),
         serving: stop.serving.clone(),
         backend: services.backend.clone(),
-        headers: options.response_headers,
+        telling: options.telling.clone(),
     });
     if let Some(listener) = listening.admin {
         serve_admin(options, listener, &services, &metrics, stop, tasks);
@@ -325,7 +324,7 @@ fn serve_grpc<H: tonic_health::pb::health_server::Health>(
             RateLimitServiceServer::new(GrpcService::new(
                 engine,
                 metrics.clone(),
-                options.response_headers,
+                options.telling.clone(),
             ))
             .max_decoding_message_size(MAX_MESSAGE_BYTES),
         )

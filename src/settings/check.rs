@@ -160,7 +160,16 @@ impl Flags {
             engine,
             server: ServerOptions {
                 grpc_tls,
-                response_headers: self.header_mode(),
+                telling: crate::server::grpc::Telling {
+                    headers: self.header_mode(),
+                    answer: match &self.default_answer {
+                        None => None,
+                        Some(path) => Some(std::sync::Arc::new(
+                            crate::config::answer::read_file(path)
+                                .map_err(SettingsError::DefaultAnswer)?,
+                        )),
+                    },
+                },
                 admin: self.admin,
                 admin_listener,
                 grpc_connections,
@@ -605,6 +614,9 @@ pub enum SettingsError {
     /// Half a client certificate.
     #[error("--redis-tls-cert and --redis-tls-key go together")]
     RedisTlsPair,
+    /// The default answer's file cannot be used.
+    #[error("--default-answer: {0}")]
+    DefaultAnswer(crate::config::ConfigError),
     /// A file a flag names cannot be read.
     #[error("{flag}: {}: {source}", path.display())]
     File {

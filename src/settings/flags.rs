@@ -535,6 +535,12 @@ pub(crate) struct Flags {
     #[arg(long, value_enum, default_value = "off")]
     pub(crate) response_headers: HeaderModeArg,
 
+    /// What a client is told about a limit that sets no `answer` of its own: a YAML file
+    /// holding what an `answer` holds (headers, over_limit: headers, body, content_type).
+    /// Read at start (docs/configuration.md, "What a limited client is told").
+    #[arg(long)]
+    pub(crate) default_answer: Option<std::path::PathBuf>,
+
     /// With `--response-headers reference`: the header carrying the limit
     /// (envoyproxy/ratelimit's LIMIT_LIMIT_HEADER).
     #[arg(long, default_value = "RateLimit-Limit", value_parser = parse_header_name)]
