@@ -54,6 +54,8 @@ pub enum Decision {
     over_limit,
     /// Over the limit of a shadow-mode rule (reported, not enforced).
     shadow_mode,
+    /// Over a soft limit (admitted, the upstream told).
+    soft_limit,
 }
 
 /// Labels of `ratelimit_decisions_total`.
@@ -115,6 +117,8 @@ pub struct LimitSpec {
     pub requests_per_unit: u64,
     /// The window in seconds.
     pub window_seconds: u64,
+    /// A soft limit (its rule's `soft_limit` decisions are counted).
+    pub soft: bool,
 }
 
 /// Labels of `ratelimit_accounted_hits_total`.
@@ -409,6 +413,7 @@ impl DecisionMetrics {
     ) -> Option<&'a RuleHandles> {
         let handles = slot.0.get_or_init(|| {
             let specs = limits();
+            let soft = specs.iter().any(|s| s.soft);
             for spec in &specs {
                 self.series
                     .note(domain, rule, Some(rule), Some(&spec.label));
@@ -441,8 +446,14 @@ impl DecisionMetrics {
                         Decision::near_limit,
                         Decision::over_limit,
                         Decision::shadow_mode,
+                        Decision::soft_limit,
                     ]
                     .map(|decision| {
+                        // `soft_limit` only for a rule with a soft limit: a series per rule
+                        // less; the others count into a counter no family holds, never.
+                        if decision == Decision::soft_limit && !soft {
+                            return Counter::default();
+                        }
                         self.decisions
                             .get_or_create(&DecisionLabels {
                                 domain: domain.clone(),
@@ -540,6 +551,7 @@ impl DecisionMetrics {
                     Decision::near_limit,
                     Decision::over_limit,
                     Decision::shadow_mode,
+                    Decision::soft_limit,
                 ] {
                     self.decisions.remove(&DecisionLabels {
                         domain: g.domain.clone(),
@@ -746,7 +758,7 @@ pub struct RuleHandles {
     owner: Arc<()>,
     /// By [`Decision`], in declaration order; `None` for a rule whose label carries request
     /// values.
-    decisions: Option<[Counter; 4]>,
+    decisions: Option<[Counter; 5]>,
     /// As [`ReferenceMetrics::families`], when those are on.
     reference: Option<[BareCounter; 5]>,
     /// The rule's statsd counts, when the sink is on.

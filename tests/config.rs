@@ -924,3 +924,31 @@ fn answers_that_do_not_compile_are_refused_with_line_and_field() {
     // A good one loads.
     yaml(&format!("{head}      headers:\n        X-Left: \"{{{{remaining}}}} of {{{{requests_per_unit}}}}\"\n      over_limit:\n        body: '{{\"k\": \"{{{{value}}}}\", \"n\": {{{{reset_ms}}}}}}'\n")).unwrap();
 }
+
+/// `soft` goes on limits: not with `quota_mode`, not on a descriptor without limits, not on
+/// an unlimited one.
+#[test]
+fn soft_limits_are_refused_where_they_mean_nothing() {
+    for (text, field) in [
+        (
+            "domain: d\ndescriptors:\n  - key: k\n    quota_mode: true\n    soft: true\n    rate_limit: {unit: second, requests_per_unit: 1}\n",
+            "descriptors[0].quota_mode",
+        ),
+        (
+            "domain: d\ndescriptors:\n  - key: k\n    quota_mode: true\n    rate_limits:\n      - {unit: second, requests_per_unit: 1, soft: true}\n",
+            "descriptors[0].quota_mode",
+        ),
+        (
+            "domain: d\ndescriptors:\n  - key: k\n    soft: true\n",
+            "descriptors[0].soft",
+        ),
+        (
+            "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unlimited: true, soft: true}\n",
+            "descriptors[0].rate_limit.soft",
+        ),
+    ] {
+        let err = yaml(text).expect_err(text);
+        assert_eq!(err.field, field, "{err}");
+    }
+    yaml("domain: d\ndescriptors:\n  - key: k\n    soft: true\n    shadow_mode: true\n    rate_limit: {unit: second, requests_per_unit: 1}\n").unwrap();
+}

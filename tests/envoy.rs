@@ -1245,8 +1245,9 @@ fn to_next_utc_month(now_s: u64) -> u64 {
 
 /// examples/envoy/llm-api.yaml with limits/openai.yaml: what OpenAI's SDKs read. A 200 shows
 /// the requests and the tokens budget; past 3 requests a second the 429 is a JSON
-/// `rate_limit_exceeded` error of type `requests` with a retry of at most a second; once the
-/// month's tokens are spent the 429 is `insufficient_quota`, with `x-should-retry: false`
+/// `rate_limit_exceeded` error of type `requests` with a retry of at most a second; past the
+/// soft 4,000 tokens a minute requests go on, the upstream told `x-llm-tier: economy`; once
+/// the month's tokens are spent the 429 is `insufficient_quota`, with `x-should-retry: false`
 /// and a `retry-after` that reaches the month's end (its reset, not the minute's).
 async fn the_llm_example_tells_what_openai_sdks_read(kind: Kind, version: &'static str) {
     let rls = ratelimitd(kind, &[]).await;
@@ -1328,6 +1329,45 @@ async fn the_llm_example_tells_what_openai_sdks_read(kind: Kind, version: &'stat
         number(&refused, "x-ratelimit-remaining-requests"),
         0,
         "{refused:?}"
+    );
+
+    // Past 4,000 tokens a minute (one response of 5,000), the soft limit lets requests on and
+    // tells the upstream: x-llm-tier: economy.
+    let heavy = [
+        ("authorization", "Bearer sk-heavy"),
+        ("x-fake-tokens", "5000"),
+    ];
+    let charged = || async {
+        let (_, m) = rls.http_get("/metrics").await;
+        metric(
+            &m,
+            r#"ratelimit_rule_hits_total{domain="openai",rule="api_key.budget_tokens",limit="tokens-per-minute"}"#,
+        ) as u64
+    };
+    let before = charged().await;
+    let a = get(envoy.http, path, &heavy).await;
+    assert_eq!(a.status, 200, "{a:?}");
+    assert_eq!(a.header("x-upstream-saw-x-llm-tier"), None, "{a:?}");
+    // Once the response's 5,000 are reported (when its stream is done).
+    poll(Duration::from_secs(10), || async {
+        (charged().await >= before + 5000).then_some(())
+    })
+    .await;
+    let tagged = get(envoy.http, path, &heavy).await;
+    assert_eq!(
+        tagged.status, 200,
+        "Envoy {version}: a soft limit never refuses: {tagged:?}"
+    );
+    assert_eq!(
+        tagged.header("x-upstream-saw-x-llm-tier"),
+        Some("economy"),
+        "Envoy {version}: {tagged:?}"
+    );
+    // The hard budgets report, not the soft one: 5,000 of 8,000 a minute used.
+    assert_eq!(
+        number(&tagged, "x-ratelimit-limit-tokens"),
+        8000,
+        "{tagged:?}"
     );
 
     // The month's tokens spent (one response of 60,000 against 50,000): do not retry until

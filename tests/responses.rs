@@ -266,6 +266,24 @@ descriptors:
                 body: "daily budget of {{key}} {{value}} spent; {{reset_seconds}} s left"
   - key: plain
     rate_limit: {unit: hour, requests_per_unit: 1}
+  - key: model
+    value: premium
+    rate_limits:
+      - name: premium-soft
+        unit: hour
+        requests_per_unit: 2
+        soft: true
+        answer:
+          over_limit:
+            upstream_headers:
+              x-model-tier: economy
+              x-soft-left: "{{remaining}}"
+            headers:
+              x-served-by: economy
+      - {unit: hour, requests_per_unit: 4, name: premium-hard}
+  - key: tag
+    soft: true
+    rate_limit: {unit: hour, requests_per_unit: 1}
 "#;
 
 async fn answered(flags: &[&str]) -> TestServer {
@@ -430,4 +448,63 @@ async fn a_bad_answer_on_reload_keeps_the_last_good_config() {
     let mut c = s.client().await;
     let r = call(&mut c, request("told", &[&[("tenant", "r")]])).await;
     assert_eq!(header(&r, "x-left-requests").as_deref(), Some("1"));
+}
+
+/// A soft limit over lets the request through and tells the upstream (its
+/// `upstream_headers`, else `x-ratelimit-soft: <name>`), and the client if asked; it counts as
+/// `soft_limit`; a hard limit beside it still refuses, and the refused request tells nobody.
+#[tokio::test]
+async fn a_soft_limit_over_tells_the_upstream_and_refuses_nothing() {
+    let s = answered(&[]).await;
+    let mut c = s.client().await;
+    let premium = || request("told", &[&[("model", "premium")]]);
+    for _ in 0..2 {
+        let r = call(&mut c, premium()).await;
+        assert!(!is_over(&r) && r.request_headers_to_add.is_empty(), "{r:?}");
+    }
+    for _ in 0..2 {
+        let r = call(&mut c, premium()).await;
+        assert!(!is_over(&r), "a soft limit never refuses: {r:?}");
+        let upstream: Vec<(&str, &str)> = r
+            .request_headers_to_add
+            .iter()
+            .map(|h| (h.key.as_str(), h.value.as_str()))
+            .collect();
+        assert_eq!(
+            upstream,
+            [("x-model-tier", "economy"), ("x-soft-left", "0")]
+        );
+        assert_eq!(header(&r, "x-served-by").as_deref(), Some("economy"));
+        // The hard limit reports, not the soft one.
+        assert_eq!(
+            r.statuses[0].current_limit.as_ref().unwrap().name,
+            "premium-hard"
+        );
+    }
+    let r = call(&mut c, premium()).await;
+    assert!(is_over(&r), "the hard limit's 4 are spent: {r:?}");
+    assert!(r.request_headers_to_add.is_empty(), "{r:?}");
+    let (_, m) = s.http_get("/metrics").await;
+    assert_eq!(
+        metric(
+            &m,
+            r#"ratelimit_decisions_total{domain="told",rule="model_premium",decision="soft_limit"}"#
+        ),
+        3.0,
+        "each limit's decision is its own: the refused request was over the soft limit too"
+    );
+
+    // Without upstream_headers: x-ratelimit-soft, the limit's name or `over`. On /json too.
+    let body = r#"{"domain":"told","descriptors":[{"entries":[{"key":"tag","value":"t"}]}]}"#;
+    let (status, json) = post_json(s.http, body).await;
+    assert_eq!(status, 200);
+    assert!(!json.contains("requestHeadersToAdd"), "{json}");
+    let (status, json) = post_json(s.http, body).await;
+    assert_eq!(status, 200, "{json}");
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(
+        v["requestHeadersToAdd"],
+        serde_json::json!([{"key": "x-ratelimit-soft", "value": "over"}]),
+        "{v}"
+    );
 }

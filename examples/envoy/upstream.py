@@ -6,7 +6,8 @@ request's `x-fake-tokens` header if it has one, else 4000 (the figure token-budg
 comments walk through). token-budget.yaml and reservations.yaml charge that figure to the
 tenant's budget when the stream is done; the other examples ignore the header. A request's
 `x-delay-ms` header (at most 60,000) holds its answer that long, as a long LLM stream would hold
-its place (concurrency.yaml).
+its place (concurrency.yaml). Request headers named x-llm-* or x-ratelimit-* come back as
+x-upstream-saw-<name> (what a soft limit told the upstream, llm-api.yaml).
 
 One thread per connection, a listen backlog of 1,024 (Python's default is 5, which stalls
 connections for seconds under a load generator's burst), and TCP_NODELAY (40 ms an answer
@@ -21,6 +22,9 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 DEFAULT_TOKENS = 4000
+# Request headers a rate-limit answer may add for the upstream (llm-api.yaml's soft limit), sent
+# back as x-upstream-saw-<name> so that a client can see what the upstream was told.
+ECHOED = ("x-llm-", "x-ratelimit-")
 LONGEST_DELAY_MS = 60_000
 
 
@@ -55,6 +59,9 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("content-type", "text/plain")
         self.send_header("content-length", str(len(body)))
         self.send_header("x-tokens-used", tokens)
+        for name, value in self.headers.items():
+            if name.lower().startswith(ECHOED):
+                self.send_header("x-upstream-saw-" + name.lower(), value)
         self.end_headers()
         if with_body:
             self.wfile.write(body)

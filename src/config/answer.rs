@@ -160,11 +160,14 @@ pub enum BodyKind {
     Text,
 }
 
-/// What a refusal by a limit adds.
+/// What a limit over adds: to a refusal by it, or, for a soft limit, to the request that
+/// goes on.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct OverLimit {
     /// Headers for the client.
     pub headers: Vec<(Box<str>, Template)>,
+    /// Headers for the upstream, on the request a soft limit let through.
+    pub upstream_headers: Vec<(Box<str>, Template)>,
     /// The body, if any.
     pub body: Option<Template>,
     /// The body's `content-type`.
@@ -198,6 +201,7 @@ pub(crate) struct RawAnswer {
 #[serde(deny_unknown_fields)]
 pub(crate) struct RawOverLimit {
     pub headers: Option<RawHeaders>,
+    pub upstream_headers: Option<RawHeaders>,
     pub body: Option<Spanned<String>>,
     pub content_type: Option<Spanned<String>>,
 }
@@ -315,6 +319,10 @@ pub(crate) fn compile(raw: RawAnswer) -> Result<Answer, AnswerError> {
         Some(o) => {
             let o = o.value;
             let headers = headers(o.headers.unwrap_or_default(), "over_limit.headers")?;
+            let upstream_headers = self::headers(
+                o.upstream_headers.unwrap_or_default(),
+                "over_limit.upstream_headers",
+            )?;
             let body = match &o.body {
                 None => None,
                 Some(b) => Some(
@@ -385,6 +393,7 @@ pub(crate) fn compile(raw: RawAnswer) -> Result<Answer, AnswerError> {
             }
             Some(OverLimit {
                 headers,
+                upstream_headers,
                 body,
                 content_type,
                 kind,

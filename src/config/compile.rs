@@ -608,13 +608,37 @@ impl Compiler<'_> {
             Some(a) => Some(Arc::new(self.answer(a, field)?)),
             None => inherited.cloned(),
         };
-        let limits = self.limits(
+        let mut limits = self.limits(
             rate_limit,
             rate_limits,
             field,
             hold_key.is_some(),
             answer.as_ref(),
         )?;
+        if let Some(soft) = &raw.soft
+            && soft.value
+        {
+            match &mut limits {
+                Some(NodeLimits::Limits(rules)) => rules.iter_mut().for_each(|r| r.soft = true),
+                _ => {
+                    return Err(self.err(
+                        Some(&soft.referenced),
+                        &format!("{field}.soft"),
+                        "soft applies to a descriptor's limits, and this descriptor has none",
+                    ));
+                }
+            }
+        }
+        let quota_mode = raw.quota_mode.unwrap_or(false);
+        if let (true, Some(NodeLimits::Limits(rules))) = (quota_mode, &limits)
+            && rules.iter().any(|r| r.soft)
+        {
+            return Err(self.err(
+                Some(&at),
+                &format!("{field}.quota_mode"),
+                "a soft limit never refuses, and quota_mode refuses when all of a request's quota descriptors are over: choose one",
+            ));
+        }
 
         let children = self.level(
             raw.descriptors.unwrap_or_default(),
@@ -647,7 +671,7 @@ impl Compiler<'_> {
             detailed_metric: raw.detailed_metric.unwrap_or(false),
             share_threshold,
             value_to_metric: raw.value_to_metric.unwrap_or(false),
-            soft: raw.quota_mode.unwrap_or(false),
+            soft: quota_mode,
             extra: (raw.metadata.is_some() || hold_key.is_some()).then(|| {
                 Box::new(Extra {
                     metadata: raw.metadata,
@@ -796,6 +820,7 @@ impl Compiler<'_> {
             ("calendar", raw.calendar.as_ref().map(|s| s.referenced)),
             ("top_values", raw.top_values.as_ref().map(|s| s.referenced)),
             ("answer", raw.answer.as_ref().map(|s| s.referenced)),
+            ("soft", raw.soft.as_ref().map(|s| s.referenced)),
         ];
         if let Some((name, Some(at))) = extension.into_iter().find(|(_, at)| at.is_some()) {
             return Err(self.err(Some(&at), &sub(name), "has no meaning when unlimited"));
@@ -1102,6 +1127,7 @@ impl Compiler<'_> {
             ordinal: 0,
             identity: LimitIdentity::default(),
             answer,
+            soft: raw.soft.is_some_and(|s| s.value),
         };
         rule.set_ordinal(0);
         Ok(NodeLimits::Limits(vec![rule]))

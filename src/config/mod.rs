@@ -153,6 +153,9 @@ pub struct LimitRule {
     /// What a client is told about it (`answer`: its own, else its descriptor's or the
     /// nearest above); `None`: the server's default.
     pub answer: Option<Arc<answer::Answer>>,
+    /// `soft` (its own, or its descriptor's): over it, the request goes on and the upstream
+    /// is told; it never refuses.
+    pub soft: bool,
 }
 
 impl LimitRule {

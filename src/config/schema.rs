@@ -71,6 +71,9 @@ raw! {
         pub hold_key: Option<Spanned<String>>,
         /// Extension: what a client is told, for this node's limits and those below.
         pub answer: Option<Spanned<super::answer::RawAnswer>>,
+        /// Extension: this node's limits are soft (over, the request goes on, the upstream
+        /// told).
+        pub soft: Option<Spanned<bool>>,
     }
     misplaced here: [domain, unit, requests_per_unit, unlimited, name, replaces]
 }
@@ -98,6 +101,8 @@ raw! {
         pub top_values: Option<Spanned<String>>,
         /// Extension: what a client is told about this limit (in place of the descriptor's).
         pub answer: Option<Spanned<super::answer::RawAnswer>>,
+        /// Extension: a soft limit (over, the request goes on, the upstream told).
+        pub soft: Option<Spanned<bool>>,
     }
     misplaced here: [
         domain,

@@ -26,6 +26,8 @@ pub struct ReportedLimit {
     pub calendar: bool,
     /// What the client is told about it (`answer`); `None`: the server's default.
     pub answer: Option<Arc<crate::config::answer::Answer>>,
+    /// A soft limit: over it, the request goes on and the upstream is told.
+    pub soft: bool,
 }
 
 /// One limit that applies to one descriptor.

@@ -379,6 +379,7 @@ impl Engine {
                 overall: Code::Ok,
                 statuses: vec![Status::unlimited(); req.descriptors.len()],
                 metadata: self.options.dynamic_metadata.then(serde_json::Map::new),
+                soft: Vec::new(),
             };
             return Ok((response, None));
         };
@@ -427,6 +428,7 @@ impl Engine {
             .options
             .dynamic_metadata
             .then(|| report::passed_metadata(&applied, &statuses));
+        let soft = report::soft_over(&applied, &hits, &outcome);
         // What the request took, should its answer never go out: its hits and verdicts
         // moved, not copied; the rules of its places only when it has some.
         let taken = outcome.admitted.then(|| Taken {
@@ -447,6 +449,7 @@ impl Engine {
             overall,
             statuses,
             metadata,
+            soft,
         };
         Ok((response, taken))
     }
@@ -711,6 +714,7 @@ fn limit_specs(node: &crate::config::Node) -> Vec<crate::metrics::LimitSpec> {
             label: rule_limit_label(i, r),
             requests_per_unit: r.requests_per_unit,
             window_seconds: r.window_seconds(),
+            soft: r.soft,
         })
         .collect()
 }

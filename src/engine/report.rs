@@ -57,6 +57,47 @@ pub struct Response {
     /// descriptors that passed, merged (as envoyproxy/ratelimit merges them: nested mappings
     /// merge, otherwise the first descriptor's value stays), possibly empty. `None` when off.
     pub metadata: Option<serde_json::Map<String, serde_json::Value>>,
+    /// The soft limits the request is over (it went on; the upstream is told), in request
+    /// order.
+    pub soft: Vec<SoftOver>,
+}
+
+/// A soft limit a request is over.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SoftOver {
+    /// The descriptor's index in the request.
+    pub descriptor: usize,
+    /// The limit, and what it reports: as a [`Status`] of code OK.
+    pub status: Status,
+}
+
+/// The soft limits over in a decided request: those of its admissions (a refused request
+/// never reaches the upstream, and a report or refund asks nothing).
+pub(crate) fn soft_over(applied: &[Applied<'_>], hits: &[Hit], outcome: &Outcome) -> Vec<SoftOver> {
+    if !outcome.admitted {
+        return Vec::new();
+    }
+    applied
+        .iter()
+        .filter(|a| {
+            a.limit.reported.soft
+                && outcome.verdicts[a.hit].over
+                && hits[a.hit].kind == HitKind::Admission
+        })
+        .map(|a| {
+            let v = &outcome.verdicts[a.hit];
+            SoftOver {
+                descriptor: a.limit.descriptor,
+                status: Status {
+                    code: Code::Ok,
+                    limit: Some(a.limit.reported.clone()),
+                    remaining: v.remaining,
+                    reset: Some(v.reset),
+                    refused_by: None,
+                },
+            }
+        })
+        .collect()
 }
 
 /// Merges `src` into `dest`: mappings present in both merge recursively; any other key
@@ -112,6 +153,7 @@ pub(crate) fn statuses(
 ) -> Vec<Status> {
     let soft_rejects = soft_rejects(hits, |i| outcome.verdicts[i].over);
     let mut best: Vec<Option<(bool, u64, Duration, usize)>> = vec![None; descriptors];
+    let soft = |k: usize| applied[k].limit.reported.soft;
     for (k, a) in applied.iter().enumerate() {
         let (hit, v) = (&hits[a.hit], &outcome.verdicts[a.hit]);
         let rejects = v.over
@@ -138,23 +180,25 @@ pub(crate) fn statuses(
                 limit.saturating_sub(v.remaining.saturating_add(hit.hits))
             },
         };
-        decided(
-            a,
-            hit.kind,
-            decision(hit, a.limit.enforcement, v, remaining, near_limit_ratio),
-            tally,
-        );
+        let decision = match decision(hit, a.limit.enforcement, v, remaining, near_limit_ratio) {
+            Decision::shadow_mode if a.limit.reported.soft => Decision::soft_limit,
+            d => d,
+        };
+        decided(a, hit.kind, decision, tally);
         let reset = v.reset;
         let slot = &mut best[a.limit.descriptor];
         let better = match slot {
             None => true,
-            Some((r, rem, until, _)) => {
+            Some((r, rem, until, j)) => {
                 if rejects != *r {
                     rejects
                 } else if rejects {
                     // Of the limits that refuse, the one the client must wait longest for:
                     // a client that waits what it is told is admitted.
                     reset > *until || (reset == *until && remaining < *rem)
+                } else if soft(k) != soft(*j) {
+                    // A soft limit reports only where no other limit does: it never refuses.
+                    !soft(k)
                 } else {
                     remaining < *rem
                 }

@@ -300,6 +300,7 @@ impl<'s, 'r> Found<'s, 'r> {
                 window: Duration::from_secs(o.unit.seconds()),
                 calendar: false,
                 answer: None,
+                soft: false,
             },
             enforcement: self.enforce,
             rule,
@@ -382,6 +383,11 @@ impl<'s, 'r> Found<'s, 'r> {
                 self.named
                     .push((self.applied.len(), rule.name.as_ref(), &rule.replaces));
             }
+            // A soft limit never refuses: to the backend it is a shadow one.
+            let enforcement = match rule.soft {
+                true => Enforcement::Shadow,
+                false => enforcement,
+            };
             self.applied.push(Applied::unmerged(Applicable {
                 descriptor: i,
                 reported: reported(rule),
@@ -548,6 +554,7 @@ fn reported(rule: &LimitRule) -> ReportedLimit {
         window: Duration::from_secs(rule.window_seconds()),
         calendar: rule.calendar.is_some(),
         answer: rule.answer.clone(),
+        soft: rule.soft,
     }
 }
 
@@ -762,6 +769,7 @@ descriptors:
                 window: Duration::from_secs(1),
                 calendar: false,
                 answer: None,
+                soft: false,
             },
             enforcement: Enforcement::Enforce,
             rule: Cow::Owned(Arc::new(String::new())),

@@ -4,8 +4,10 @@
 //!
 //! On a 429 the limit the client must wait longest for speaks (as Envoy 1.40 picks
 //! `Retry-After`): its `over_limit` headers and body. On every answer, each descriptor's
-//! reported limit adds its `headers`. A name is set once, the speaker's first, then in request
-//! order; the whole set stops at [`RESPONSE_HEADERS_BYTES`].
+//! reported limit adds its `headers`. A request a soft limit let through gets, for each soft
+//! limit over, its `over_limit.upstream_headers` on the way to the upstream ([`SOFT_HEADER`]
+//! when it names none) and its `over_limit.headers` on the answer. A name is set once, the
+//! speaker's first, then in request order; each set stops at [`RESPONSE_HEADERS_BYTES`].
 
 use std::time::Duration;
 
@@ -13,14 +15,21 @@ use super::wire::RateLimitRequest;
 use crate::config::answer::{Answer, BodyKind, Piece, Template, VALUE_BYTES, Var};
 use crate::engine::{Code, Response, Status};
 
-/// The most bytes (names and values) of answer headers one response carries.
+/// The most bytes (names and values) of answer headers one response carries (and, apart, of
+/// headers for the upstream).
 pub(crate) const RESPONSE_HEADERS_BYTES: usize = 16 * 1024;
+
+/// The header a soft limit over adds to the upstream request when its answer names none: the
+/// limit's name (`over` when it has none).
+pub(crate) const SOFT_HEADER: &str = "x-ratelimit-soft";
 
 /// What the answers add to a response.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub(crate) struct Rendered {
     /// Headers for the client, names lowercase, each name once.
     pub(crate) headers: Vec<(String, String)>,
+    /// Headers for the upstream (soft limits over), names lowercase, each name once.
+    pub(crate) upstream: Vec<(String, String)>,
     /// The 429's body, and its content type.
     pub(crate) body: Option<(Vec<u8>, String)>,
 }
@@ -35,7 +44,7 @@ struct Vars<'a> {
 
 /// Where a rendered variable goes, which says how it is escaped.
 #[derive(Clone, Copy)]
-enum Sink {
+enum Escape {
     /// A header value: printable ASCII only, anything else dropped.
     Header,
     /// The inside of a JSON string.
@@ -57,16 +66,16 @@ fn cut(bytes: &[u8]) -> &[u8] {
     &bytes[..bytes.len().min(VALUE_BYTES)]
 }
 
-fn push_escaped(out: &mut String, bytes: &[u8], sink: Sink) {
+fn push_escaped(out: &mut String, bytes: &[u8], sink: Escape) {
     let bytes = cut(bytes);
     match sink {
-        Sink::Header => out.extend(
+        Escape::Header => out.extend(
             bytes
                 .iter()
                 .filter(|b| (b' '..=b'~').contains(*b))
                 .map(|b| *b as char),
         ),
-        Sink::Json => {
+        Escape::Json => {
             for c in String::from_utf8_lossy(bytes).chars() {
                 match c {
                     '"' => out.push_str("\\\""),
@@ -76,7 +85,7 @@ fn push_escaped(out: &mut String, bytes: &[u8], sink: Sink) {
                 }
             }
         }
-        Sink::Text => out.extend(
+        Escape::Text => out.extend(
             String::from_utf8_lossy(bytes)
                 .chars()
                 .filter(|c| !c.is_control()),
@@ -84,7 +93,7 @@ fn push_escaped(out: &mut String, bytes: &[u8], sink: Sink) {
     }
 }
 
-fn render_template(t: &Template, v: &Vars<'_>, sink: Sink, out: &mut String) {
+fn render_template(t: &Template, v: &Vars<'_>, sink: Escape, out: &mut String) {
     let limit = v.status.limit.as_ref();
     let reset = v.status.reset.unwrap_or_default();
     for piece in &t.pieces {
@@ -130,7 +139,7 @@ pub(crate) fn render(
         s.limit.as_ref()?.answer.as_deref().or(default)
     }
     let answer_of = |s| answer_of(s, default);
-    if !resp.statuses.iter().any(|s| answer_of(s).is_some()) {
+    if resp.soft.is_empty() && !resp.statuses.iter().any(|s| answer_of(s).is_some()) {
         return None;
     }
     let vars = |i: usize| {
@@ -160,16 +169,9 @@ pub(crate) fn render(
     let mut out = Rendered::default();
     let mut bytes = 0;
     let mut add = |out: &mut Rendered, name: &str, t: &Template, v: &Vars<'_>| {
-        if out.headers.iter().any(|(n, _)| n == name) {
-            return;
-        }
         let mut value = String::new();
-        render_template(t, v, Sink::Header, &mut value);
-        if bytes + name.len() + value.len() > RESPONSE_HEADERS_BYTES {
-            return;
-        }
-        bytes += name.len() + value.len();
-        out.headers.push((name.to_owned(), value));
+        render_template(t, v, Escape::Header, &mut value);
+        push(&mut out.headers, &mut bytes, name, value);
     };
     if let Some(i) = speaker
         && let Some(answer) = answer_of(&resp.statuses[i])
@@ -181,8 +183,8 @@ pub(crate) fn render(
             }
             if let Some(body) = &over.body {
                 let sink = match over.kind {
-                    BodyKind::Json => Sink::Json,
-                    BodyKind::Text => Sink::Text,
+                    BodyKind::Json => Escape::Json,
+                    BodyKind::Text => Escape::Text,
                 };
                 let mut text = String::new();
                 render_template(body, &v, sink, &mut text);
@@ -204,7 +206,50 @@ pub(crate) fn render(
             }
         }
     }
+    let mut upstream_bytes = 0;
+    for soft in &resp.soft {
+        let v = Vars {
+            status: &soft.status,
+            ..vars(soft.descriptor)
+        };
+        let over = answer_of(&soft.status).and_then(|a| a.over_limit.as_ref());
+        match over {
+            Some(over) if !over.upstream_headers.is_empty() => {
+                for (name, t) in &over.upstream_headers {
+                    let mut value = String::new();
+                    render_template(t, &v, Escape::Header, &mut value);
+                    push(&mut out.upstream, &mut upstream_bytes, name, value);
+                }
+            }
+            _ => {
+                let name = soft.status.limit.as_ref().and_then(|l| l.name.as_deref());
+                let mut value = String::new();
+                push_escaped(
+                    &mut value,
+                    name.unwrap_or("over").as_bytes(),
+                    Escape::Header,
+                );
+                push(&mut out.upstream, &mut upstream_bytes, SOFT_HEADER, value);
+            }
+        }
+        for (name, t) in over.map_or(&[][..], |o| &o.headers[..]) {
+            add(&mut out, name, t, &v);
+        }
+    }
     Some(out)
+}
+
+/// Adds header `name: value` to `set` unless the name is there, or `bytes` (the set's size so
+/// far) would pass [`RESPONSE_HEADERS_BYTES`].
+fn push(set: &mut Vec<(String, String)>, bytes: &mut usize, name: &str, value: String) {
+    if set.iter().any(|(n, _)| n == name) {
+        return;
+    }
+    if *bytes + name.len() + value.len() > RESPONSE_HEADERS_BYTES {
+        return;
+    }
+    *bytes += name.len() + value.len();
+    set.push((name.to_owned(), value));
 }
 
 #[cfg(test)]
@@ -215,20 +260,20 @@ mod tests {
     fn values_are_escaped_for_where_they_go() {
         let hostile = b"a\"b\\c\r\nd\0e\xff\xfe f\x7f";
         let mut h = String::new();
-        push_escaped(&mut h, hostile, Sink::Header);
+        push_escaped(&mut h, hostile, Escape::Header);
         assert_eq!(h, "a\"b\\cde f");
         let mut j = String::from("\"");
-        push_escaped(&mut j, hostile, Sink::Json);
+        push_escaped(&mut j, hostile, Escape::Json);
         j.push('"');
         let parsed: String = serde_json::from_str(&j).unwrap();
         assert_eq!(parsed, "a\"b\\c\r\nd\0e\u{fffd}\u{fffd} f\u{7f}");
         let mut t = String::new();
-        push_escaped(&mut t, hostile, Sink::Text);
+        push_escaped(&mut t, hostile, Escape::Text);
         assert_eq!(t, "a\"b\\cde\u{fffd}\u{fffd} f");
         // Cut at VALUE_BYTES, before escaping: a JSON string stays closed.
         let long = vec![b'"'; 60 * 1024];
         let mut j = String::new();
-        push_escaped(&mut j, &long, Sink::Json);
+        push_escaped(&mut j, &long, Escape::Json);
         assert_eq!(j.len(), 2 * VALUE_BYTES);
     }
 

@@ -265,7 +265,13 @@ pub(crate) fn to_response(
     };
     let mode = headers::headers(telling.headers, &resp, now_s);
     let (mut response_headers_to_add, mut raw_body) = (Vec::new(), Vec::new());
+    let mut request_headers_to_add = Vec::new();
     if let Some(rendered) = answer::render(req, &resp, telling.answer.as_deref()) {
+        request_headers_to_add = rendered
+            .upstream
+            .into_iter()
+            .map(|(key, value)| header(key, value))
+            .collect();
         response_headers_to_add.reserve(rendered.headers.len() + mode.len() + 1);
         if let Some((body, content_type)) = rendered.body {
             raw_body = body;
@@ -292,6 +298,7 @@ pub(crate) fn to_response(
     });
     RateLimitResponse {
         response_headers_to_add,
+        request_headers_to_add,
         raw_body,
         dynamic_metadata,
         overall_code: pb_code(resp.overall),

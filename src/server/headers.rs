@@ -220,6 +220,7 @@ mod tests {
                 window: Duration::from_secs(unit.seconds()),
                 calendar: false,
                 answer: None,
+                soft: false,
             }),
             remaining,
             reset: Some(Duration::from_millis(reset_ms)),
@@ -237,6 +238,7 @@ mod tests {
             overall,
             statuses,
             metadata: None,
+            soft: Vec::new(),
         }
     }
 

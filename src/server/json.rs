@@ -262,6 +262,14 @@ pub(crate) fn response_json(r: &RateLimitResponse, refused_by: &[Option<Arc<Stri
             .collect();
         o.insert("responseHeadersToAdd".into(), Value::Array(headers));
     }
+    if !r.request_headers_to_add.is_empty() {
+        let headers: Vec<Value> = r
+            .request_headers_to_add
+            .iter()
+            .map(|h| json!({"key": h.key, "value": h.value}))
+            .collect();
+        o.insert("requestHeadersToAdd".into(), Value::Array(headers));
+    }
     if !r.raw_body.is_empty() {
         o.insert("rawBody".into(), json!(base64(&r.raw_body)));
     }
