@@ -59,6 +59,11 @@ rlqs-restart:
 pools:
 	./scripts/pools.sh
 
+## What answers cost: the request path with none configured against OLD (a release binary of
+## the main before them), and a rendered 429 with --default-answer; not in CI.
+answer-cost:
+	./scripts/answer-cost.sh $(OLD)
+
 ## What the costliest accepted request costs, and what a victim sees beside it; not in CI.
 worst:
 	./scripts/worst.sh

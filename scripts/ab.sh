@@ -6,7 +6,7 @@
 # Tunables: ROUNDS (3), DURATION (8 s), CLIENTS (16), STREAMS (32), BACKENDS ("memory redis"),
 # FLAGS (more server flags for both, e.g. "--reference-metrics"), FLAGS_A and FLAGS_B (for one
 # side only: the same binary twice with FLAGS_B="--statsd-addr 127.0.0.1:8125" measures what a
-# flag costs).
+# flag costs), REQUEST (a gRPC-framed request file in place of the bench domain's).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/common.sh
@@ -26,7 +26,7 @@ BASELINE=$(bench_bin baseline)
 WORK=$(mktemp -d)
 pids=()
 trap cleanup_all EXIT
-"$BASELINE" --write-request "$WORK/request.bin"
+if [ -n "${REQUEST:-}" ]; then cp "$REQUEST" "$WORK/request.bin"; else "$BASELINE" --write-request "$WORK/request.bin"; fi
 start_redis
 
 # One run of binary $1 on backend $2: prints "requests/s server-µs-per-request redis-µs-per-request".

@@ -12,6 +12,7 @@
 use std::time::Duration;
 
 use super::wire::RateLimitRequest;
+use crate::config::Unit;
 use crate::config::answer::{Answer, BodyKind, Piece, Template, VALUE_BYTES, Var};
 use crate::engine::{Code, Response, Status};
 
@@ -51,6 +52,19 @@ enum Escape {
     Json,
     /// Text: control characters dropped.
     Text,
+}
+
+/// A unit as `rate_limit.unit` writes it.
+fn unit_name(unit: Unit) -> &'static str {
+    match unit {
+        Unit::Second => "second",
+        Unit::Minute => "minute",
+        Unit::Hour => "hour",
+        Unit::Day => "day",
+        Unit::Week => "week",
+        Unit::Month => "month",
+        Unit::Year => "year",
+    }
 }
 
 fn ceil_secs(d: Duration) -> u64 {
@@ -111,9 +125,7 @@ fn render_template(t: &Template, v: &Vars<'_>, sink: Escape, out: &mut String) {
                 Var::RequestsPerUnit => {
                     out.push_str(&limit.map_or(0, |l| l.requests_per_unit).to_string())
                 }
-                Var::Unit => out.push_str(
-                    &limit.map_or(String::new(), |l| l.unit.as_str().to_ascii_lowercase()),
-                ),
+                Var::Unit => out.push_str(limit.map_or("", |l| unit_name(l.unit))),
                 Var::WindowSeconds => {
                     out.push_str(&limit.map_or(0, |l| l.window.as_secs()).to_string())
                 }
