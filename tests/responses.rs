@@ -416,11 +416,10 @@ async fn the_default_answer_and_the_json_endpoint() {
 
     // A default that does not compile stops the start, naming file, line and field.
     std::fs::write(&file, "headers:\n  x-a: \"{{nope}}\"\n").unwrap();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_ratelimitd"))
-        .args(["--config", s.dir.path().to_str().unwrap()])
-        .args(["--default-answer", file.to_str().unwrap()])
-        .output()
-        .unwrap();
+    let out =
+        common::daemon::ratelimitd(s.dir.path(), &["--default-answer", file.to_str().unwrap()])
+            .output()
+            .unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(

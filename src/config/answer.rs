@@ -193,7 +193,7 @@ type RawHeaders = BTreeMap<String, Spanned<String>>;
 #[serde(deny_unknown_fields)]
 pub(crate) struct RawAnswer {
     pub headers: Option<RawHeaders>,
-    pub over_limit: Option<Spanned<RawOverLimit>>,
+    pub over_limit: Option<RawOverLimit>,
 }
 
 /// `answer.over_limit` as written.
@@ -312,12 +312,10 @@ fn is_json(content_type: &str) -> bool {
 
 /// Compiles an `answer`; the error's field is below `answer`.
 pub(crate) fn compile(raw: RawAnswer) -> Result<Answer, AnswerError> {
-    let headers_field = "headers";
-    let every = headers(raw.headers.unwrap_or_default(), headers_field)?;
+    let every = headers(raw.headers.unwrap_or_default(), "headers")?;
     let over_limit = match raw.over_limit {
         None => None,
         Some(o) => {
-            let o = o.value;
             let headers = headers(o.headers.unwrap_or_default(), "over_limit.headers")?;
             let upstream_headers = self::headers(
                 o.upstream_headers.unwrap_or_default(),

@@ -11,6 +11,7 @@
 
 use std::time::Duration;
 
+use super::headers::secs_ceil;
 use super::wire::RateLimitRequest;
 use crate::config::Unit;
 use crate::config::answer::{Answer, BodyKind, Piece, Template, VALUE_BYTES, Var};
@@ -65,10 +66,6 @@ fn unit_name(unit: Unit) -> &'static str {
         Unit::Month => "month",
         Unit::Year => "year",
     }
-}
-
-fn ceil_secs(d: Duration) -> u64 {
-    d.as_secs() + u64::from(d.subsec_nanos() > 0)
 }
 
 fn ceil_ms(d: Duration) -> u128 {
@@ -130,7 +127,7 @@ fn render_template(t: &Template, v: &Vars<'_>, sink: Escape, out: &mut String) {
                     out.push_str(&limit.map_or(0, |l| l.window.as_secs()).to_string())
                 }
                 Var::Remaining => out.push_str(&v.status.remaining.to_string()),
-                Var::ResetSeconds => out.push_str(&ceil_secs(reset).to_string()),
+                Var::ResetSeconds => out.push_str(&secs_ceil(reset).to_string()),
                 Var::ResetMs => out.push_str(&ceil_ms(reset).to_string()),
                 Var::Key => push_escaped(out, v.key, sink),
                 Var::Value => push_escaped(out, v.value, sink),
@@ -291,8 +288,8 @@ mod tests {
 
     #[test]
     fn resets_round_up() {
-        assert_eq!(ceil_secs(Duration::from_millis(930)), 1);
-        assert_eq!(ceil_secs(Duration::from_secs(2)), 2);
+        assert_eq!(secs_ceil(Duration::from_millis(930)), 1);
+        assert_eq!(secs_ceil(Duration::from_secs(2)), 2);
         assert_eq!(ceil_ms(Duration::from_micros(1_001)), 2);
     }
 }

@@ -71,7 +71,8 @@ fn most_restrictive(statuses: &[Status]) -> Option<usize> {
     best
 }
 
-fn secs_ceil(d: Duration) -> u64 {
+/// `d` in whole seconds, rounded up.
+pub(crate) fn secs_ceil(d: Duration) -> u64 {
     d.as_secs() + u64::from(d.subsec_nanos() > 0)
 }
 

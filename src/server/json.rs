@@ -254,21 +254,17 @@ pub(crate) fn response_json(r: &RateLimitResponse, refused_by: &[Option<Arc<Stri
     if !statuses.is_empty() {
         o.insert("statuses".into(), Value::Array(statuses));
     }
-    if !r.response_headers_to_add.is_empty() {
-        let headers: Vec<Value> = r
-            .response_headers_to_add
-            .iter()
-            .map(|h| json!({"key": h.key, "value": h.value}))
-            .collect();
-        o.insert("responseHeadersToAdd".into(), Value::Array(headers));
-    }
-    if !r.request_headers_to_add.is_empty() {
-        let headers: Vec<Value> = r
-            .request_headers_to_add
-            .iter()
-            .map(|h| json!({"key": h.key, "value": h.value}))
-            .collect();
-        o.insert("requestHeadersToAdd".into(), Value::Array(headers));
+    for (name, headers) in [
+        ("responseHeadersToAdd", &r.response_headers_to_add),
+        ("requestHeadersToAdd", &r.request_headers_to_add),
+    ] {
+        if !headers.is_empty() {
+            let headers = headers
+                .iter()
+                .map(|h| json!({"key": h.key, "value": h.value}))
+                .collect();
+            o.insert(name.into(), Value::Array(headers));
+        }
     }
     if !r.raw_body.is_empty() {
         o.insert("rawBody".into(), json!(base64(&r.raw_body)));
