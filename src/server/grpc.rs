@@ -329,8 +329,7 @@ pub(crate) fn to_response(
 /// would retry at once, refused. Rounded up, a client that waits what it is told is admitted
 /// (envoyproxy/ratelimit's resets are whole seconds too).
 fn whole_seconds(d: Duration) -> i64 {
-    let s = d.as_secs() + u64::from(d.subsec_nanos() > 0);
-    i64::try_from(s).unwrap_or(i64::MAX)
+    i64::try_from(headers::secs_ceil(d)).unwrap_or(i64::MAX)
 }
 
 /// The `code` labels of `ratelimit_grpc_errors_total`.
